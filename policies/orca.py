@@ -1,0 +1,42 @@
+"""Orca: iteration-level scheduling with selective batching.
+
+Every iteration, each running request computes its next token; a finished
+request leaves and waiting requests join in FCFS order while fewer than
+``max_batch_size`` run and their *reservation* fits: a joining request's whole
+prompt runs in the same iteration as the others' decodes (hybrid batches).
+Memory is reserved at admission (prompt + max_tokens by default; ``reserve``
+selects the vLLM paper's Orca variants max / pow2 / oracle), so Orca never
+preempts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from policies.base import admit_reserved, batch_or_idle, decode_items
+from sim.batch import Batch, BatchItem, Idle
+
+if TYPE_CHECKING:
+    from sim.state import SchedulerState
+
+
+@dataclass(frozen=True, slots=True)
+class OrcaConfig:
+    kind: Literal["orca"] = "orca"
+    max_batch_size: int = 256
+    reserve: str = "max_tokens"
+
+
+class OrcaPolicy:
+    max_prompt_tokens: int | None = None
+
+    def __init__(self, config: OrcaConfig) -> None:
+        self.config = config
+
+    def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
+        items = decode_items(state.running)
+        room = self.config.max_batch_size - len(state.running)
+        for r in admit_reserved(state, now_s, self.config.reserve, room):
+            items.append(BatchItem(r.req_id, r.num_uncomputed_tokens, 0))
+        return batch_or_idle(items)

@@ -1,0 +1,62 @@
+"""Sarathi-Serve: iteration-level, decode-first, stall-free chunked prefill.
+
+Each iteration has a token budget (``max_num_batched_tokens``). Every running
+decode gets its token first (no decode ever stalls behind a prefill); the
+remaining budget goes to prefill chunks, partially prefilled requests first,
+then new requests FCFS while fewer than ``max_num_seqs`` run. Paged memory
+and recompute preemption as in vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from policies.base import batch_or_idle, decode_items, make_room_for_decodes
+from policies.vllm import admit_prefills
+from sim.batch import Batch, BatchItem, Idle
+
+if TYPE_CHECKING:
+    from sim.state import SchedulerState
+
+
+@dataclass(frozen=True, slots=True)
+class SarathiConfig:
+    kind: Literal["sarathi"] = "sarathi"
+    max_num_seqs: int = 256
+    # vLLM v0's default token budget with chunked prefill enabled.
+    max_num_batched_tokens: int = 512
+
+
+class SarathiPolicy:
+    max_prompt_tokens: int | None = None
+
+    def __init__(self, config: SarathiConfig) -> None:
+        self.config = config
+
+    def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
+        kv = state.kv
+        running = make_room_for_decodes(state)
+        items = decode_items(running)
+        budget = self.config.max_num_batched_tokens - len(items)
+        # Partially prefilled (or recomputing) running requests continue first.
+        for r in running:
+            if budget <= 0:
+                break
+            n = r.num_uncomputed_tokens
+            if n <= 1:
+                continue
+            n = min(n, budget)
+            if not items:
+                # Nothing else would progress: evict the newest others so the
+                # oldest unfinished prefill can, rather than stall forever.
+                while not kv.can_allocate(r, r.num_computed_tokens + n) and running[-1] is not r:
+                    state.preempt(running[-1])
+            if not kv.can_allocate(r, r.num_computed_tokens + n):
+                break
+            kv.allocate(r, r.num_computed_tokens + n)
+            items.append(BatchItem(r.req_id, n, r.num_computed_tokens))
+            budget -= n
+        if budget > 0 and state.waiting:
+            items += admit_prefills(state, now_s, self.config.max_num_seqs, budget, chunked=True)
+        return batch_or_idle(items)

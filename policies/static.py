@@ -1,0 +1,67 @@
+"""Static batching: a batch of ``batch_size`` requests runs to completion.
+
+Nothing joins until the whole batch is done; prompts are padded to the
+longest one; a finished request keeps its slot (a wasted decode per step) and
+its result returns only when the longest request finishes. Memory is reserved
+per request at admission. A batch launches when ``batch_size`` requests wait,
+or with whatever waits once no more requests will arrive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from policies.base import admit_reserved, batch_or_idle
+from sim.batch import Batch, BatchItem, Idle
+from sim.request import Status
+
+if TYPE_CHECKING:
+    from sim.request import Request
+    from sim.state import SchedulerState
+
+
+@dataclass(frozen=True, slots=True)
+class StaticConfig:
+    kind: Literal["static"] = "static"
+    batch_size: int = 32
+    reserve: str = "max_tokens"
+
+
+def group_step(state: SchedulerState) -> Batch:
+    """One decode iteration of a running static group: live slots decode a
+    token, finished slots burn one padded token each."""
+    items = []
+    for r in state.running:
+        if r.status >= Status.FINISHED:
+            items.append(BatchItem(r.req_id, 0, r.num_computed_tokens, 1))
+        else:
+            items.append(BatchItem(r.req_id, 1, r.num_computed_tokens))
+    return Batch(tuple(items))
+
+
+def launch_group(state: SchedulerState, now_s: float, reserve: str, max_size: int) -> Batch | Idle:
+    """Admit up to ``max_size`` requests whose reservations fit and prefill them
+    together, every prompt padded to the longest."""
+    group: list[Request] = admit_reserved(state, now_s, reserve, max_size)
+    if not group:
+        return Idle()
+    state.form_group(group)
+    longest = max(r.num_uncomputed_tokens for r in group)
+    return batch_or_idle([BatchItem(r.req_id, r.num_uncomputed_tokens, 0,
+                                    longest - r.num_uncomputed_tokens) for r in group])
+
+
+class StaticPolicy:
+    max_prompt_tokens: int | None = None
+
+    def __init__(self, config: StaticConfig) -> None:
+        self.config = config
+
+    def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
+        if state.running:
+            return group_step(state)
+        full = len(state.waiting) >= self.config.batch_size
+        if full or (state.all_arrived and state.waiting):
+            return launch_group(state, now_s, self.config.reserve, self.config.batch_size)
+        return Idle()

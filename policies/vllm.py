@@ -1,0 +1,67 @@
+"""vLLM (v0, chunked prefill off): iteration-level, prefill-first.
+
+If waiting requests fit, the iteration is prefill-only: admit FCFS while the
+running count stays within ``max_num_seqs``, the prompts' tokens within
+``max_num_batched_tokens`` and their blocks within the pool minus the
+watermark. Otherwise the iteration is decode-only: every running request gets
+a slot for its next token, and when the pool runs dry the newest running
+request is preempted (recompute). Prefills and decodes never mix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from policies.base import batch_or_idle, decode_items, make_room_for_decodes
+from sim.batch import Batch, BatchItem, Idle
+
+if TYPE_CHECKING:
+    from sim.state import SchedulerState
+
+
+@dataclass(frozen=True, slots=True)
+class VllmConfig:
+    kind: Literal["vllm"] = "vllm"
+    max_num_seqs: int = 256
+    # vLLM v0 without chunked prefill: max(max_model_len, 2048); None = that.
+    max_num_batched_tokens: int | None = None
+
+
+def admit_prefills(state: SchedulerState, now_s: float, max_num_seqs: int,
+                   token_budget: int, *, chunked: bool) -> list[BatchItem]:
+    """Admit waiting requests FCFS into a prefill, within the token budget,
+    the sequence limit and the pool minus the watermark. With ``chunked`` the
+    last one admitted may get only part of its prompt (a chunk)."""
+    kv = state.kv
+    items: list[BatchItem] = []
+    while state.waiting and len(state.running) < max_num_seqs and token_budget > 0:
+        r = state.waiting[0]
+        n = r.num_uncomputed_tokens
+        if n > token_budget:
+            if not chunked and items:
+                break
+            n = token_budget if chunked else n     # unchunked: a lone long prompt still runs
+        if not kv.can_allocate(r, r.num_computed_tokens + n, use_watermark=True):
+            break
+        kv.allocate(r, r.num_computed_tokens + n)
+        state.admit(r, now_s)
+        items.append(BatchItem(r.req_id, n, r.num_computed_tokens))
+        token_budget -= n
+    return items
+
+
+class VllmPolicy:
+    def __init__(self, config: VllmConfig, max_model_len: int) -> None:
+        self.config = config
+        self.token_budget = config.max_num_batched_tokens or max(max_model_len, 2048)
+        # vLLM v0 ignores prompts longer than min(max_model_len, max_num_batched_tokens).
+        self.max_prompt_tokens: int | None = self.token_budget
+
+    def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
+        if state.waiting:
+            items = admit_prefills(state, now_s, self.config.max_num_seqs,
+                                   self.token_budget, chunked=False)
+            if items:
+                return Batch(tuple(items))
+        return batch_or_idle(decode_items(make_room_for_decodes(state)))

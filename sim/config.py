@@ -1,0 +1,362 @@
+"""Validated configuration: frozen dataclasses built once, at the edge, from YAML.
+
+Every error is a ``ConfigError`` whose message names the file, the field, what
+was expected and how to fix it; unknown keys are rejected with the list of
+allowed ones. Sweeps and ``--set`` overrides edit the *raw* mapping
+(``set_dotted``) and validate again, so a variant is checked like a file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from policies import POLICIES
+
+
+class ConfigError(ValueError):
+    """Bad user input. The message is one line: file, field, expected, fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalsConfig:
+    kind: str = "poisson"          # poisson | gamma | constant | all_at_once | trace
+    rate: float | None = None      # req/s; for a trace: rescale its mean rate to this
+    cv: float = 1.0                # gamma: coefficient of variation of the gaps (burstiness)
+    path: str | None = None        # trace file (CSV/JSONL); relative to the workload file
+    time_scale: float = 1.0        # trace: multiply timestamps (0.5 = replay twice as fast)
+    rate_scale: float = 1.0        # trace: multiply the arrival rate (2 = twice the traffic)
+    start_s: float = 0.0           # trace: skip arrivals before this time
+    columns: dict[str, str] | None = None  # trace: {arrival, prompt, output} column names
+    time_unit: str | None = None   # trace: s | ms | us | datetime (guessed when omitted)
+    repeat: int = 1                # trace: replay the trace this many times back to back
+
+
+@dataclass(frozen=True, slots=True)
+class LengthsConfig:
+    kind: str = "trace"            # trace | fixed | uniform | lognormal | zipf | empirical
+    prompt_tokens: int | None = None     # fixed
+    output_tokens: int | None = None     # fixed
+    prompt_min: int = 1                  # uniform, zipf
+    prompt_max: int | None = None        # uniform, zipf; cap for lognormal
+    output_min: int = 1
+    output_max: int | None = None
+    prompt_mean: float | None = None     # lognormal
+    output_mean: float | None = None     # lognormal
+    sigma: float = 1.0                   # lognormal: std of log(length)
+    alpha: float = 1.2                   # zipf exponent
+    path: str | None = None              # empirical: a length file (prompt_tokens, output_tokens)
+    sample: str = "random"               # empirical: random (with replacement) | sequential
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    block_size: int = 16                 # vLLM default
+    gpu_memory_utilization: float = 0.9  # vLLM default
+    watermark: float = 0.01              # vLLM default
+    max_model_len: int | None = None     # default: the model's context length
+    num_blocks: int | None = None        # default: from the profile's memory facts
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileConfig:
+    model: str | dict[str, Any] = "llama-3.1-8b"
+    gpu: str = "h100-sxm"
+    tensor_parallel: int = 1
+    dtype: str = "bf16"
+    path: str | None = None              # a profile file; overrides model/gpu
+
+
+@dataclass(frozen=True, slots=True)
+class SloConfig:
+    """Per-request thresholds for goodput (vLLM's --goodput semantics)."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadConfig:
+    name: str
+    seed: int = 0
+    num_requests: int | None = None
+    duration_s: float | None = None
+    arrivals: ArrivalsConfig = field(default_factory=ArrivalsConfig)
+    lengths: LengthsConfig = field(default_factory=LengthsConfig)
+    max_tokens: int | str = "output"     # output | context | an integer cap
+    policy: Any = None                   # one of the policies' config dataclasses
+    server: ServerConfig = field(default_factory=ServerConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    slo: SloConfig | None = None
+    source: str = "<workload>"
+    base_dir: str = "."
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("raw")
+        return d
+
+    def resolve_path(self, path: str) -> Path:
+        """A path from the file, relative to the file's folder, else a bundled trace."""
+        p = Path(path).expanduser()
+        if not p.is_absolute():
+            local = Path(self.base_dir) / p
+            if local.exists():
+                return local
+            bundled = Path(__file__).resolve().parent.parent / "workloads" / "traces" / p.name
+            if bundled.exists():
+                return bundled
+            return local
+        return p
+
+
+SECTIONS: dict[str, type] = {
+    "arrivals": ArrivalsConfig, "lengths": LengthsConfig, "server": ServerConfig,
+    "profile": ProfileConfig, "slo": SloConfig,
+}
+
+
+# ---- generic strict builder -------------------------------------------------
+def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
+    """Check (and gently coerce int -> float) a YAML value against a type hint."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            ok, v = _type_ok(value, arg)
+            if ok:
+                return True, v
+        return False, value
+    if hint is type(None):
+        return value is None, value
+    if hint is Any:
+        return True, value
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        return False, value
+    if hint is str:
+        return isinstance(value, str), value
+    if origin is dict or hint is dict:
+        return isinstance(value, dict), value
+    return isinstance(value, hint), value
+
+
+def _describe(hint: Any) -> str:
+    return str(hint).replace("typing.", "").replace("NoneType", "null")
+
+
+def build(cls: type, data: Any, where: str, source: str, **extra: Any) -> Any:
+    """Build frozen dataclass ``cls`` from a mapping, rejecting unknown keys."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: field '{where}' must be a mapping, got {type(data).__name__} "
+                          f"({data!r})")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in ("source", "base_dir", "raw")]
+    kwargs: dict[str, Any] = dict(extra)
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(f"{source}: unknown field '{where}.{key}'".replace("'.", "'")
+                              + f"; allowed: {', '.join(n for n in names if n not in extra)}")
+        ok, value = _type_ok(value, hints[key])
+        if not ok:
+            raise ConfigError(f"{source}: field '{where}.{key}'".replace("'.", "'")
+                              + f" expected {_describe(hints[key])}, got {value!r}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _positive(source: str, name: str, value: float | None, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{source}: field '{name}' must be {'>= 0' if allow_zero else '> 0'}, "
+                          f"got {value}")
+
+
+def _require(source: str, name: str, value: Any, why: str) -> None:
+    if value is None:
+        raise ConfigError(f"{source}: field '{name}' is required {why}")
+
+
+# ---- the workload ------------------------------------------------------------
+ARRIVAL_KINDS = ("poisson", "gamma", "constant", "all_at_once", "trace")
+LENGTH_KINDS = ("trace", "fixed", "uniform", "lognormal", "zipf", "empirical")
+
+
+def _check_arrivals(a: ArrivalsConfig, src: str) -> None:
+    if a.kind not in ARRIVAL_KINDS:
+        raise ConfigError(f"{src}: field 'arrivals.kind' must be one of {', '.join(ARRIVAL_KINDS)}, "
+                          f"got {a.kind!r}")
+    if a.kind in ("poisson", "gamma", "constant"):
+        _require(src, "arrivals.rate", a.rate, f"for arrivals.kind {a.kind} (requests per second)")
+    if a.kind == "trace":
+        _require(src, "arrivals.path", a.path, "for arrivals.kind trace (a CSV or JSONL file)")
+    for name in ("rate", "cv", "time_scale", "rate_scale"):
+        _positive(src, f"arrivals.{name}", getattr(a, name))
+    _positive(src, "arrivals.start_s", a.start_s, allow_zero=True)
+    _positive(src, "arrivals.repeat", a.repeat)
+    if a.time_unit not in (None, "s", "ms", "us", "datetime"):
+        raise ConfigError(f"{src}: field 'arrivals.time_unit' must be s, ms, us or datetime, "
+                          f"got {a.time_unit!r}")
+
+
+def _check_lengths(ln: LengthsConfig, src: str) -> None:
+    if ln.kind not in LENGTH_KINDS:
+        raise ConfigError(f"{src}: field 'lengths.kind' must be one of {', '.join(LENGTH_KINDS)}, "
+                          f"got {ln.kind!r}")
+    need = {"fixed": ("prompt_tokens", "output_tokens"),
+            "uniform": ("prompt_max", "output_max"),
+            "lognormal": ("prompt_mean", "output_mean"),
+            "zipf": ("prompt_max", "output_max"),
+            "empirical": ("path",)}.get(ln.kind, ())
+    for name in need:
+        _require(src, f"lengths.{name}", getattr(ln, name), f"for lengths.kind {ln.kind}")
+    for name in ("prompt_tokens", "output_tokens", "prompt_min", "prompt_max", "output_min",
+                 "output_max", "prompt_mean", "output_mean", "sigma", "alpha"):
+        _positive(src, f"lengths.{name}", getattr(ln, name))
+    for lo, hi in (("prompt_min", "prompt_max"), ("output_min", "output_max")):
+        if getattr(ln, hi) is not None and getattr(ln, hi) < getattr(ln, lo):
+            raise ConfigError(f"{src}: field 'lengths.{hi}' ({getattr(ln, hi)}) must be >= "
+                              f"lengths.{lo} ({getattr(ln, lo)})")
+    if ln.sample not in ("random", "sequential"):
+        raise ConfigError(f"{src}: field 'lengths.sample' must be random or sequential, got {ln.sample!r}")
+
+
+def _build_policy(data: Any, src: str) -> Any:
+    if data is None:
+        data = {"kind": "vllm"}
+    if isinstance(data, str):
+        data = {"kind": data}
+    if not isinstance(data, dict) or "kind" not in data:
+        raise ConfigError(f"{src}: field 'policy' needs a 'kind' ({', '.join(POLICIES)})")
+    kind = data["kind"]
+    if kind not in POLICIES:
+        raise ConfigError(f"{src}: field 'policy.kind' must be one of {', '.join(POLICIES)}, got {kind!r}")
+    cls = POLICIES[kind][0]
+    cfg = build(cls, {k: v for k, v in data.items() if k != "kind"}, "policy", src)
+    for f in dataclasses.fields(cls):
+        v = getattr(cfg, f.name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            _positive(src, f"policy.{f.name}", v)
+    reserve = getattr(cfg, "reserve", None)
+    if reserve is not None and reserve not in ("max_tokens", "max", "pow2", "oracle"):
+        raise ConfigError(f"{src}: field 'policy.reserve' must be max_tokens, max, pow2 or oracle, "
+                          f"got {reserve!r}")
+    return cfg
+
+
+def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Path = ".") -> WorkloadConfig:
+    """Validate a raw workload mapping into a WorkloadConfig."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of workload fields at the top level, "
+                          f"got {type(data).__name__}")
+    allowed = [f.name for f in dataclasses.fields(WorkloadConfig) if f.name not in ("source", "base_dir", "raw")]
+    for key in data:
+        if key not in allowed:
+            raise ConfigError(f"{source}: unknown field '{key}'; allowed: {', '.join(allowed)}")
+    top = {k: v for k, v in data.items() if k not in SECTIONS and k != "policy"}
+    top.setdefault("name", Path(source).stem)
+    sections = {k: build(cls, data.get(k), k, source) for k, cls in SECTIONS.items() if k != "slo"}
+    slo = build(SloConfig, data["slo"], "slo", source) if data.get("slo") is not None else None
+    cfg = build(WorkloadConfig, top, "", source, **sections, slo=slo,
+                policy=_build_policy(data.get("policy"), source))
+    cfg = dataclasses.replace(cfg, source=str(source), base_dir=str(base_dir), raw=data)
+    _check_arrivals(cfg.arrivals, source)
+    _check_lengths(cfg.lengths, source)
+    if cfg.lengths.kind == "trace" and cfg.arrivals.kind != "trace":
+        raise ConfigError(f"{source}: field 'lengths.kind' is trace but arrivals.kind is "
+                          f"{cfg.arrivals.kind}; use lengths.kind empirical with a length file")
+    if cfg.arrivals.kind != "trace" and cfg.num_requests is None and cfg.duration_s is None:
+        raise ConfigError(f"{source}: set 'num_requests' or 'duration_s' for synthetic arrivals")
+    _positive(source, "num_requests", cfg.num_requests)
+    _positive(source, "duration_s", cfg.duration_s)
+    if isinstance(cfg.max_tokens, str) and cfg.max_tokens not in ("output", "context"):
+        raise ConfigError(f"{source}: field 'max_tokens' must be output, context or an integer, "
+                          f"got {cfg.max_tokens!r}")
+    if isinstance(cfg.max_tokens, int):
+        _positive(source, "max_tokens", cfg.max_tokens)
+    s = cfg.server
+    for name in ("block_size", "max_model_len", "num_blocks"):
+        _positive(source, f"server.{name}", getattr(s, name))
+    if not 0 < s.gpu_memory_utilization <= 1:
+        raise ConfigError(f"{source}: field 'server.gpu_memory_utilization' must be in (0, 1], "
+                          f"got {s.gpu_memory_utilization}")
+    if not 0 <= s.watermark < 1:
+        raise ConfigError(f"{source}: field 'server.watermark' must be in [0, 1), got {s.watermark}")
+    _positive(source, "profile.tensor_parallel", cfg.profile.tensor_parallel)
+    if cfg.slo is not None:
+        for name in ("ttft_ms", "tpot_ms", "e2el_ms"):
+            _positive(source, f"slo.{name}", getattr(cfg.slo, name))
+    return cfg
+
+
+# ---- files and overrides ------------------------------------------------------
+def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """Read a YAML file that must hold a mapping, with one-line errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: invalid YAML{at}: {problem}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (expected UTF-8 YAML)") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of fields, got {type(data).__name__}")
+    return data
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``key.sub=value`` -> ("key.sub", YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key=value, e.g. policy.max_num_seqs=128")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def set_dotted(data: Mapping[str, Any], key: str, value: Any) -> dict[str, Any]:
+    """A copy of ``data`` with the dotted ``key`` set to ``value``."""
+    out = dict(data)
+    parts = key.split(".")
+    node = out
+    for part in parts[:-1]:
+        child = node.get(part)
+        if isinstance(child, str) and part == "policy":
+            child = {"kind": child}
+        child = dict(child) if isinstance(child, dict) else {}
+        node[part] = child
+        node = child
+    node[parts[-1]] = value
+    return out
+
+
+def load_workload(path: str | Path, overrides: Mapping[str, Any] | None = None) -> WorkloadConfig:
+    """Load and validate a workload file, applying dotted-key overrides first."""
+    data = load_yaml_mapping(path)
+    for key, value in (overrides or {}).items():
+        if isinstance(value, str):
+            _, value = parse_override(f"{key}={value}")
+        data = set_dotted(data, key, value)
+    return workload_from_dict(data, str(path), Path(path).resolve().parent)

@@ -1,0 +1,164 @@
+"""The SimPy driver: ``schedule -> execute -> timeout -> commit``, event-driven.
+
+A ``Server`` is one replica: a policy, its ``SchedulerState``, an ``Executor``
+and a ``StepLog``. It never polls: when the policy has nothing to run, the
+server waits on an arrival event (and the policy's own deadline, if any).
+The executor is the only thing that differs between simulation (predicted
+duration) and a live run (measured duration). A ``Router`` spreads arrivals
+over several servers for fleet simulation.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+
+import simpy
+
+from sim.batch import Batch, Idle, StepResult
+from sim.request import Request
+
+if TYPE_CHECKING:
+    from policies.base import Policy
+    from sim.profile import Profile
+    from sim.state import SchedulerState
+
+
+class Executor(Protocol):
+    """Runs (or predicts) one step.
+
+    execute(batch, state): the step's StepResult; ``duration_s`` is the time
+    the step takes on the driving clock (seconds). Called before commit, so
+    ``state`` shows the requests as they were when the batch was chosen.
+    """
+
+    def execute(self, batch: Batch, state: SchedulerState) -> StepResult: ...
+
+
+class SimExecutor:
+    """Simulation: the step takes what the profile predicts."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+
+    def execute(self, batch: Batch, state: SchedulerState) -> StepResult:
+        t = self.profile.step_time_s(batch)
+        return StepResult(duration_s=t, predicted_s=t)
+
+
+class StepLog:
+    """Per-step records in compact arrays (one row per iteration)."""
+
+    COLUMNS = ("t_s", "duration_s", "predicted_s", "batch_size", "num_prefill_tokens",
+               "num_decode_tokens", "num_pad_tokens", "num_prefill_seqs", "num_waiting",
+               "num_running", "kv_used_blocks")
+
+    def __init__(self) -> None:
+        self.t_s = array("d")
+        self.duration_s = array("d")
+        self.predicted_s = array("d")
+        self.ints = array("q")          # 8 integer columns per step, row-major
+
+    def record(self, t_s: float, batch: Batch, result: StepResult, state: SchedulerState) -> None:
+        num_prefill = num_decode = num_pad = num_prefill_seqs = 0
+        for it in batch.items:
+            n = it.num_new_tokens
+            if n == 1:
+                num_decode += 1
+            elif n > 1:
+                num_prefill += n
+                num_prefill_seqs += 1
+            num_pad += it.num_pad_tokens
+        self.t_s.append(t_s)
+        self.duration_s.append(result.duration_s)
+        self.predicted_s.append(result.predicted_s if result.predicted_s is not None else float("nan"))
+        self.ints.extend((len(batch.items), num_prefill, num_decode, num_pad, num_prefill_seqs,
+                          len(state.waiting), len(state.running), state.kv.num_used_blocks))
+
+    def __len__(self) -> int:
+        return len(self.t_s)
+
+
+class Server:
+    """One replica driven by SimPy. ``submit`` hands it an arrived request."""
+
+    def __init__(self, env: simpy.Environment, policy: Policy, state: SchedulerState,
+                 executor: Executor, replica: int = 0,
+                 on_step: Callable[[float, Batch, StepResult], None] | None = None) -> None:
+        self.env = env
+        self.policy = policy
+        self.state = state
+        self.executor = executor
+        self.replica = replica
+        self.log = StepLog()
+        self.on_step = on_step
+        self._wake: simpy.Event | None = None
+        self.process = env.process(self._serve())
+
+    def submit(self, req: Request, true_output_tokens: int) -> bool:
+        accepted = self.state.add_arrival(req, true_output_tokens, self.env.now)
+        self.wake()
+        return accepted
+
+    def wake(self) -> None:
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    @property
+    def num_outstanding_requests(self) -> int:
+        return len(self.state.waiting) + len(self.state.running)
+
+    @property
+    def num_outstanding_tokens(self) -> int:
+        """Tokens still to compute for queued and running requests (prompt + max_tokens)."""
+        return sum(r.num_prompt_tokens + r.max_output_tokens - r.num_computed_tokens
+                   for q in (self.state.waiting, self.state.running) for r in q)
+
+    def _serve(self):  # SimPy process
+        env, state, policy, executor, log = self.env, self.state, self.policy, self.executor, self.log
+        while True:
+            decision = policy.schedule(state, env.now)
+            if type(decision) is Idle:
+                if state.done:
+                    return
+                self._wake = env.event()
+                if decision.wake_at_s is not None:
+                    yield env.any_of([self._wake, env.timeout(max(0.0, decision.wake_at_s - env.now))])
+                else:
+                    yield self._wake
+                self._wake = None
+                continue
+            start_s = env.now
+            result = executor.execute(decision, state)
+            yield env.timeout(result.duration_s)
+            state.commit(decision, env.now)
+            log.record(start_s, decision, result, state)
+            if self.on_step is not None:
+                self.on_step(start_s, decision, result)
+
+
+ROUTERS = ("round_robin", "least_requests", "least_tokens")
+
+
+def pick_replica(router: str, servers: Sequence[Server], counter: int) -> Server:
+    """The server that gets the next request."""
+    if router == "round_robin" or len(servers) == 1:
+        return servers[counter % len(servers)]
+    if router == "least_requests":
+        return min(servers, key=lambda s: s.num_outstanding_requests)
+    if router == "least_tokens":
+        return min(servers, key=lambda s: s.num_outstanding_tokens)
+    raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+
+
+def feed(env: simpy.Environment, servers: Sequence[Server], requests: Sequence[Request],
+         true_output_tokens: Sequence[int], router: str = "round_robin"):  # SimPy process
+    """Release ``requests`` (sorted by arrival) at their arrival times."""
+    for i, req in enumerate(requests):
+        delay = req.arrival_s - env.now
+        if delay > 0:
+            yield env.timeout(delay)
+        pick_replica(router, servers, i).submit(req, true_output_tokens[i])
+    for s in servers:
+        s.state.all_arrived = True
+        s.wake()

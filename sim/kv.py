@@ -1,0 +1,111 @@
+"""KV-cache memory.
+
+One paged block pool serves every policy. vLLM and Sarathi grow a request's
+block table one block at a time as its tokens are computed; static, dynamic
+and Orca *reserve* all the blocks a request may ever need when it is admitted
+(``reservation_tokens``). Either way a request owns a list of block ids, which
+the live engine uses as its paged-KV block table, so live and simulated runs
+have the very same memory limits.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from sim.request import Request
+
+ReserveMode = Literal["max_tokens", "max", "pow2", "oracle"]
+RESERVE_MODES: tuple[str, ...] = ("max_tokens", "max", "pow2", "oracle")
+
+
+class BlockManager:
+    """A pool of ``num_blocks`` KV blocks of ``block_size`` tokens each.
+
+    ``watermark`` (a fraction of the pool, vLLM's default 0.01) is kept free
+    when admitting *new* requests, so running ones can still grow a little
+    before anything must be preempted.
+    """
+
+    __slots__ = ("num_blocks", "block_size", "watermark_blocks", "_free_ids")
+
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.watermark_blocks = int(watermark * num_blocks)
+        # Popped from the end: blocks are handed out as 0, 1, 2, ... on a fresh pool.
+        self._free_ids = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free_ids)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
+        return -(-num_tokens // self.block_size)
+
+    def num_missing_blocks(self, req: Request, num_tokens: int) -> int:
+        """Blocks ``req`` must still get to hold ``num_tokens`` tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
+
+    def can_allocate(self, req: Request, num_tokens: int, *, use_watermark: bool = False) -> bool:
+        """Whether ``req`` can grow to hold ``num_tokens`` tokens now."""
+        missing = max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
+        reserve = self.watermark_blocks if use_watermark else 0
+        return missing <= len(self._free_ids) - reserve
+
+    def allocate(self, req: Request, num_tokens: int) -> None:
+        """Grow ``req``'s block table to hold ``num_tokens`` tokens.
+
+        Raises RuntimeError if the pool is short: callers check can_allocate first.
+        """
+        missing = -(-num_tokens // self.block_size) - len(req.block_ids)
+        if missing <= 0:
+            return
+        if missing > len(self._free_ids):
+            raise RuntimeError(
+                f"KV pool exhausted: request {req.req_id} needs {missing} blocks, "
+                f"{len(self._free_ids)} free (policy must call can_allocate first)"
+            )
+        free = self._free_ids
+        req.block_ids.extend(free.pop() for _ in range(missing))
+
+    def free(self, req: Request) -> None:
+        """Return all of ``req``'s blocks to the pool."""
+        self._free_ids.extend(reversed(req.block_ids))
+        req.block_ids = []
+
+
+def reservation_tokens(
+    mode: str, num_prompt_tokens: int, max_output_tokens: int, true_output_tokens: int,
+    max_model_len: int,
+) -> int:
+    """Tokens a max-length allocator reserves for one request.
+
+    The vLLM paper's Orca variants (section 6.1): ``oracle`` knows the true
+    output length; ``pow2`` over-reserves the true total length to the next
+    power of two (at most 2x); ``max`` always reserves the maximum sequence
+    length. ``max_tokens`` (the default) reserves prompt + the client's
+    ``max_tokens``, which is what a server that honours ``max_tokens`` must do.
+    """
+    if mode == "max_tokens":
+        tokens = num_prompt_tokens + max_output_tokens
+    elif mode == "oracle":
+        tokens = num_prompt_tokens + true_output_tokens
+    elif mode == "pow2":
+        tokens = 1 << (num_prompt_tokens + true_output_tokens - 1).bit_length()
+    elif mode == "max":
+        tokens = max_model_len
+    else:
+        raise ValueError(f"reserve must be one of {RESERVE_MODES}, got {mode!r}")
+    return min(tokens, max_model_len)

@@ -1,0 +1,265 @@
+"""Profile: the step-cost curves and memory facts of one (model, device) pair.
+
+    step_time = overhead
+              + linear(total tokens in the batch)            # QKV/O, MLP, norms, LM head
+              + sum over prefill chunks attn_prefill(chunk, context_before)
+              + attn_decode(num decode seqs, total decode context tokens)
+
+A token is a *decode* token when its item computes exactly one token (padding
+included); any item computing more is a prefill chunk. "context" is always the
+KV tokens present before the step. Curves come from measurements (``sim
+calibrate``) or from the analytic roofline (``sim.roofline``); the profile file
+says which in ``provenance``.
+
+File format history (``FORMAT_VERSION``):
+  1 - first version: overhead, linear, attn_prefill, attn_decode curves;
+      memory facts; model shape; provenance; fit error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sim.batch import Batch
+from sim.curves import Curve1D, Curve2D
+
+FORMAT_VERSION = 1
+GIB = 1024**3
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names file, field and fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The shape facts of a transformer that costs and memory follow from."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    mlp: str = "swiglu"                  # swiglu (3 matrices) | gelu (2 matrices, OPT)
+    tie_word_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_params(self) -> int:
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        attn = 2 * h * h + 2 * h * kv                       # q, o; k, v
+        mlp = (3 if self.mlp == "swiglu" else 2) * h * self.intermediate_size
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp) + embed
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V, every layer: 2 * layers * kv_heads * head_dim * dtype bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass
+class Profile:
+    """Step costs plus memory facts. ``step_time_s`` is the simulator's hot path."""
+
+    name: str
+    model: ModelShape
+    device: str
+    dtype: str
+    tensor_parallel: int
+    memory_bytes_per_gpu: int
+    weight_bytes: int                    # all ranks together
+    activation_bytes_per_gpu: int        # peak activations + workspace, per GPU
+    kv_bytes_per_token: int              # all ranks together
+    overhead_s: float
+    linear: Curve1D
+    attn_prefill: Curve2D
+    attn_decode: Curve2D
+    provenance: dict[str, Any] = field(default_factory=dict)
+    fit_error: dict[str, Any] = field(default_factory=dict)
+    efficiency: dict[str, Any] = field(default_factory=dict)
+
+    # ---- costs --------------------------------------------------------------
+    def step_time_s(self, batch: Batch) -> float:
+        """Predicted duration of one iteration running ``batch`` (seconds)."""
+        num_tokens = 0
+        num_decodes = 0
+        decode_context = 0
+        t = self.overhead_s
+        attn_prefill = self.attn_prefill
+        for item in batch.items:
+            n = item.num_new_tokens + item.num_pad_tokens
+            num_tokens += n
+            if n == 1:
+                num_decodes += 1
+                decode_context += item.context_len
+            elif n > 1:
+                t += attn_prefill(n, item.context_len)
+        if num_tokens:
+            t += self.linear(num_tokens)
+        if num_decodes:
+            t += self.attn_decode(num_decodes, decode_context)
+        return t
+
+    @property
+    def num_out_of_range(self) -> int:
+        """Curve lookups outside the measured grid so far (extrapolated)."""
+        return (self.linear.num_out_of_range + self.attn_prefill.num_out_of_range
+                + self.attn_decode.num_out_of_range)
+
+    def reset_counters(self) -> None:
+        for c in (self.linear, self.attn_prefill, self.attn_decode):
+            c.num_out_of_range = 0
+
+    # ---- memory -------------------------------------------------------------
+    def kv_capacity_tokens(self, gpu_memory_utilization: float) -> int:
+        """KV tokens that fit: device memory x utilization - weights - activations."""
+        tp = self.tensor_parallel
+        budget = tp * (self.memory_bytes_per_gpu * gpu_memory_utilization
+                       - self.activation_bytes_per_gpu)
+        free = budget - self.weight_bytes
+        return max(0, int(free // self.kv_bytes_per_token))
+
+    def memory_report(self, gpu_memory_utilization: float) -> str:
+        tp = self.tensor_parallel
+        return (f"{tp} x {self.memory_bytes_per_gpu / GIB:.1f} GiB x {gpu_memory_utilization:g}"
+                f" - weights {self.weight_bytes / GIB:.1f} GiB"
+                f" - activations {tp} x {self.activation_bytes_per_gpu / GIB:.2f} GiB")
+
+    # ---- files --------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        m = self.model
+        return {
+            "format_version": FORMAT_VERSION,
+            "name": self.name,
+            "device": self.device,
+            "dtype": self.dtype,
+            "tensor_parallel": self.tensor_parallel,
+            "model": {
+                "name": m.name, "hidden_size": m.hidden_size, "num_layers": m.num_layers,
+                "num_heads": m.num_heads, "num_kv_heads": m.num_kv_heads,
+                "intermediate_size": m.intermediate_size, "vocab_size": m.vocab_size,
+                "max_position_embeddings": m.max_position_embeddings, "mlp": m.mlp,
+                "tie_word_embeddings": m.tie_word_embeddings,
+            },
+            "memory": {
+                "memory_bytes_per_gpu": self.memory_bytes_per_gpu,
+                "weight_bytes": self.weight_bytes,
+                "activation_bytes_per_gpu": self.activation_bytes_per_gpu,
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+            },
+            "curves": {
+                "overhead_s": self.overhead_s,
+                "linear": self.linear.to_dict("tokens"),
+                "attn_prefill": self.attn_prefill.to_dict("chunk", "context"),
+                "attn_decode": self.attn_decode.to_dict("seqs", "context"),
+            },
+            "efficiency": self.efficiency,
+            "provenance": self.provenance,
+            "fit_error": self.fit_error,
+        }
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = self.to_dict()
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        with open(tmp, "w") as f:
+            if path.suffix == ".json":
+                json.dump(data, f, indent=1)
+            else:
+                yaml.safe_dump(data, f, sort_keys=False, width=200)
+        tmp.replace(path)
+
+
+def _get(d: dict, key: str, where: str, source: str) -> Any:
+    if not isinstance(d, dict) or key not in d:
+        raise ProfileError(f"{source}: field '{where}{key}' is missing (see sim/profile.py for the format)")
+    return d[key]
+
+
+def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
+    """Build a Profile from its file form, with errors that name the field."""
+    if not isinstance(data, dict):
+        raise ProfileError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    version = data.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ProfileError(f"{source}: field 'format_version' is {version!r}; this batchsim reads "
+                           f"version {FORMAT_VERSION} (re-run `sim calibrate` or regenerate the profile)")
+    try:
+        m = _get(data, "model", "", source)
+        model = ModelShape(
+            name=str(_get(m, "name", "model.", source)),
+            hidden_size=int(_get(m, "hidden_size", "model.", source)),
+            num_layers=int(_get(m, "num_layers", "model.", source)),
+            num_heads=int(_get(m, "num_heads", "model.", source)),
+            num_kv_heads=int(_get(m, "num_kv_heads", "model.", source)),
+            intermediate_size=int(_get(m, "intermediate_size", "model.", source)),
+            vocab_size=int(_get(m, "vocab_size", "model.", source)),
+            max_position_embeddings=int(_get(m, "max_position_embeddings", "model.", source)),
+            mlp=str(m.get("mlp", "swiglu")),
+            tie_word_embeddings=bool(m.get("tie_word_embeddings", False)),
+        )
+        mem = _get(data, "memory", "", source)
+        c = _get(data, "curves", "", source)
+        lin = _get(c, "linear", "curves.", source)
+        pre = _get(c, "attn_prefill", "curves.", source)
+        dec = _get(c, "attn_decode", "curves.", source)
+        prof = Profile(
+            name=str(data.get("name", Path(source).stem)),
+            model=model,
+            device=str(_get(data, "device", "", source)),
+            dtype=str(_get(data, "dtype", "", source)),
+            tensor_parallel=int(data.get("tensor_parallel", 1)),
+            memory_bytes_per_gpu=int(_get(mem, "memory_bytes_per_gpu", "memory.", source)),
+            weight_bytes=int(_get(mem, "weight_bytes", "memory.", source)),
+            activation_bytes_per_gpu=int(_get(mem, "activation_bytes_per_gpu", "memory.", source)),
+            kv_bytes_per_token=int(_get(mem, "kv_bytes_per_token", "memory.", source)),
+            overhead_s=float(_get(c, "overhead_s", "curves.", source)),
+            linear=Curve1D(_get(lin, "tokens", "curves.linear.", source),
+                           _get(lin, "seconds", "curves.linear.", source), name="curves.linear"),
+            attn_prefill=Curve2D(_get(pre, "chunk", "curves.attn_prefill.", source),
+                                 _get(pre, "context", "curves.attn_prefill.", source),
+                                 _get(pre, "seconds", "curves.attn_prefill.", source),
+                                 name="curves.attn_prefill"),
+            attn_decode=Curve2D(_get(dec, "seqs", "curves.attn_decode.", source),
+                                _get(dec, "context", "curves.attn_decode.", source),
+                                _get(dec, "seconds", "curves.attn_decode.", source),
+                                name="curves.attn_decode"),
+            provenance=dict(data.get("provenance") or {}),
+            fit_error=dict(data.get("fit_error") or {}),
+            efficiency=dict(data.get("efficiency") or {}),
+        )
+    except ProfileError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ProfileError(f"{source}: {exc}") from None
+    if prof.kv_bytes_per_token <= 0 or prof.memory_bytes_per_gpu <= 0:
+        raise ProfileError(f"{source}: memory.kv_bytes_per_token and memory.memory_bytes_per_gpu must be > 0")
+    if prof.overhead_s < 0:
+        raise ProfileError(f"{source}: curves.overhead_s must be >= 0, got {prof.overhead_s}")
+    return prof
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile file (YAML or JSON)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"{path}: profile file not found")
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise ProfileError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
+                           f"{str(exc).splitlines()[0]}") from None
+    return profile_from_dict(data, str(path))

@@ -1,0 +1,74 @@
+"""A request and its lifecycle.
+
+Token accounting follows vLLM v1: ``num_tokens = num_prompt_tokens +
+num_output_tokens`` are the tokens the request knows; ``num_computed_tokens``
+are those whose KV is in the cache. A step computes ``num_new_tokens`` of the
+uncomputed ones; when the request has caught up (``num_computed_tokens ==
+num_tokens``) a new output token is sampled. A decode step therefore computes
+exactly one token (the last sampled one) and samples the next. A request with
+N output tokens computes P + N - 1 tokens in all: prefill(P) + (N - 1) decodes.
+
+Preemption by recompute sets ``num_computed_tokens`` back to 0 and frees the
+blocks; the request then re-prefills prompt + outputs so far, and samples its
+next token when it has caught up, so no token is produced twice.
+
+Only ``SchedulerState.commit`` (and ``preempt``) mutate the counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class Status(IntEnum):
+    """Ordered: ``status >= Status.FINISHED`` means the request is done."""
+
+    WAITING = 1      # arrived, never scheduled
+    RUNNING = 2      # holds KV, is prefilling (num_computed < num_tokens) or decoding
+    PREEMPTED = 3    # evicted by recompute, back in the waiting queue
+    FINISHED = 4     # produced all its output tokens
+    REJECTED = 5     # refused at arrival (longer than the model's context)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One request. Policies read it; only ``SchedulerState`` writes it.
+
+    The true output length is deliberately *not* a field: it lives in the
+    ``SchedulerState`` and policies see only ``max_output_tokens`` (the
+    client's ``max_tokens``), unless they use the explicit oracle accessor.
+    """
+
+    req_id: int
+    arrival_s: float
+    num_prompt_tokens: int
+    max_output_tokens: int
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    status: Status = Status.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    finished_s: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the request knows: prompt plus outputs sampled so far."""
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to compute before the next token can be sampled."""
+        return self.num_prompt_tokens + self.num_output_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than one token is uncomputed (prompt or recompute)."""
+        return self.num_prompt_tokens + self.num_output_tokens - self.num_computed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= Status.FINISHED

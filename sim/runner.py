@@ -1,0 +1,213 @@
+"""Run a workload: config -> requests -> SimPy servers -> RunResult (data only).
+
+Nothing here writes files; ``sim.io`` does, for the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import simpy
+
+from policies import make_policy
+from sim.config import ConfigError, WorkloadConfig
+from sim.engine import ROUTERS, Server, SimExecutor, StepLog, feed
+from sim.kv import BlockManager
+from sim.metrics import summarize
+from sim.profile import Profile, ProfileError, load_profile
+from sim.request import Request, Status
+from sim.state import SchedulerState
+from workloads.generate import RequestSpecs, generate
+
+
+@dataclass
+class RunResult:
+    requests: pd.DataFrame
+    steps: pd.DataFrame
+    tokens: pd.DataFrame
+    summary: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def build_profile(cfg: WorkloadConfig) -> Profile:
+    """The workload's profile: a file, or the analytic roofline of a preset pair."""
+    p = cfg.profile
+    if p.path is not None:
+        try:
+            return load_profile(cfg.resolve_path(p.path))
+        except ProfileError as exc:
+            raise ConfigError(f"{cfg.source}: field 'profile.path': {exc}") from None
+    from sim.roofline import preset_profile
+    try:
+        return preset_profile(p.model, p.gpu, tensor_parallel=p.tensor_parallel, dtype=p.dtype)
+    except ValueError as exc:
+        raise ConfigError(f"{cfg.source}: field 'profile': {exc}") from None
+
+
+def kv_blocks(cfg: WorkloadConfig, profile: Profile) -> tuple[int, int]:
+    """(num_blocks, max_model_len), with vLLM's start-up checks as clear errors."""
+    s = cfg.server
+    max_model_len = s.max_model_len or profile.model.max_position_embeddings
+    if s.num_blocks is not None:
+        num_blocks = s.num_blocks
+        where = "server.num_blocks"
+    else:
+        capacity = profile.kv_capacity_tokens(s.gpu_memory_utilization)
+        if capacity <= 0:
+            raise ConfigError(
+                f"{cfg.source}: field 'profile': the model's weights do not fit "
+                f"({profile.memory_report(s.gpu_memory_utilization)} leaves no room for KV); "
+                f"raise profile.tensor_parallel, pick a larger GPU or raise server.gpu_memory_utilization")
+        num_blocks = capacity // s.block_size
+        where = "profile"
+    if num_blocks * s.block_size < max_model_len:
+        raise ConfigError(
+            f"{cfg.source}: field '{where}': KV cache holds {num_blocks * s.block_size} tokens, fewer "
+            f"than one request of max_model_len {max_model_len}; set server.max_model_len <= "
+            f"{num_blocks * s.block_size}, or give the KV cache more memory")
+    return num_blocks, max_model_len
+
+
+def make_requests(cfg: WorkloadConfig, specs: RequestSpecs, max_model_len: int) -> list[Request]:
+    out = []
+    for i in range(len(specs)):
+        prompt = int(specs.prompt_tokens[i])
+        true_out = int(specs.output_tokens[i])
+        if cfg.max_tokens == "output":
+            max_tokens = true_out
+        elif cfg.max_tokens == "context":
+            max_tokens = max(1, max_model_len - prompt)
+        else:
+            max_tokens = int(cfg.max_tokens)
+        out.append(Request(req_id=i, arrival_s=float(specs.arrival_s[i]), num_prompt_tokens=prompt,
+                           max_output_tokens=max_tokens))
+    return out
+
+
+def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "round_robin",
+                 progress: bool = False, strict: bool = False) -> RunResult:
+    """Simulate ``cfg`` on ``num_replicas`` identical servers behind ``router``."""
+    if router not in ROUTERS:
+        raise ConfigError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
+    if num_replicas < 1:
+        raise ConfigError(f"num_replicas must be >= 1, got {num_replicas}")
+    wall0 = time.perf_counter()
+    profile = build_profile(cfg)
+    profile.reset_counters()
+    num_blocks, max_model_len = kv_blocks(cfg, profile)
+    specs = generate(cfg)
+    if len(specs) == 0:
+        raise ConfigError(f"{cfg.source}: the workload has no requests (check num_requests, duration_s, "
+                          f"arrivals.start_s)")
+    requests = make_requests(cfg, specs, max_model_len)
+    true_out = [int(x) for x in specs.output_tokens]
+
+    env = simpy.Environment()
+    executor = SimExecutor(profile)
+    servers = []
+    for k in range(num_replicas):
+        policy = make_policy(cfg.policy, max_model_len)
+        state = SchedulerState(BlockManager(num_blocks, cfg.server.block_size, cfg.server.watermark),
+                               max_model_len, policy.max_prompt_tokens)
+        servers.append(Server(env, policy, state, executor, replica=k))
+    env.process(feed(env, servers, requests, true_out, router))
+    _run_env(env, servers, len(requests), progress)
+
+    unfinished = [r.req_id for s in servers for r in (*s.state.waiting, *s.state.running)]
+    if unfinished:
+        raise RuntimeError(f"simulation stalled with {len(unfinished)} requests unfinished "
+                           f"(policy {cfg.policy.kind}); first: {unfinished[:5]}")
+    rejected = sum(s.state.num_rejected for s in servers)
+    if rejected:
+        msg = (f"{cfg.source}: {rejected} of {len(requests)} requests were rejected (prompt + max_tokens "
+               f"> max_model_len {max_model_len}, or prompt over the policy's limit); counted as failed")
+        if strict:
+            raise ConfigError(msg + " (--strict)")
+        warnings.warn(msg, stacklevel=2)
+    result = collect(cfg, servers, requests, num_blocks, profile)
+    result.meta.update(wall_s=time.perf_counter() - wall0, num_blocks=num_blocks,
+                       max_model_len=max_model_len, num_replicas=num_replicas, router=router,
+                       num_trace_rows_dropped=specs.num_dropped)
+    return result
+
+
+def _run_env(env: simpy.Environment, servers: list[Server], num_requests: int, progress: bool) -> None:
+    if not progress:
+        env.run()
+        return
+    from tqdm import tqdm
+    bar = tqdm(total=num_requests, unit="req", desc="simulating", file=sys.stderr, leave=False)
+    while env.peek() != float("inf"):
+        env.run(until=env.now + 5.0)
+        bar.n = sum(s.state.num_finished + s.state.num_rejected for s in servers)
+        bar.refresh()
+    bar.close()
+
+
+def collect(cfg: WorkloadConfig, servers: list[Server], requests: list[Request], num_blocks: int,
+            profile: Profile) -> RunResult:
+    replica_of = {r.req_id: s.replica for s in servers for r in s.state.requests.values()}
+    true_out = {rid: n for s in servers for rid, n in s.state._true_output.items()}
+    rows = {
+        "req_id": [r.req_id for r in requests],
+        "replica": [replica_of.get(r.req_id, 0) for r in requests],
+        "arrival_s": [r.arrival_s for r in requests],
+        "prompt_tokens": [r.num_prompt_tokens for r in requests],
+        "output_tokens": [true_out[r.req_id] for r in requests],
+        "max_tokens": [r.max_output_tokens for r in requests],
+        "status": ["finished" if r.status == Status.FINISHED else "rejected" for r in requests],
+        "first_scheduled_s": [r.first_scheduled_s for r in requests],
+        "first_token_s": [r.first_token_s for r in requests],
+        "finished_s": [r.finished_s for r in requests],
+        "num_preemptions": [r.num_preemptions for r in requests],
+    }
+    req_df = pd.DataFrame(rows).astype({"first_scheduled_s": float, "first_token_s": float,
+                                        "finished_s": float})
+    req_df["queue_s"] = req_df["first_scheduled_s"] - req_df["arrival_s"]
+    req_df["ttft_s"] = req_df["first_token_s"] - req_df["arrival_s"]
+    req_df["e2e_s"] = req_df["finished_s"] - req_df["arrival_s"]
+    n_out = req_df["output_tokens"].where(req_df["output_tokens"] > 1)
+    req_df["tpot_s"] = (req_df["e2e_s"] - req_df["ttft_s"]) / (n_out - 1)
+    rejected = req_df["status"] == "rejected"
+    req_df.loc[rejected, ["queue_s", "ttft_s", "e2e_s", "tpot_s"]] = np.nan
+
+    step_frames, tok_ids, tok_times = [], [], []
+    for s in servers:
+        step_frames.append(steps_frame(s.log, s.replica))
+        tok_ids.append(np.frombuffer(s.state.token_req_ids, dtype=np.int64))
+        tok_times.append(np.frombuffer(s.state.token_times_s, dtype=np.float64))
+    steps = pd.concat(step_frames, ignore_index=True)
+    steps["kv_total_blocks"] = num_blocks
+    tokens = pd.DataFrame({"req_id": np.concatenate(tok_ids), "t_s": np.concatenate(tok_times)})
+    slo = dataclasses.asdict(cfg.slo) if cfg.slo else None
+    summary = summarize(req_df, tokens, steps, slo, num_blocks)   # each step row is one replica's
+    summary["num_out_of_range_lookups"] = profile.num_out_of_range
+    summary["profile_source"] = profile.provenance.get("source", "unknown")
+    summary["policy"] = cfg.policy.kind
+    if len(servers) > 1:
+        summary["replicas"] = [
+            summarize(req_df[req_df["replica"] == s.replica],
+                      tokens[np.isin(tokens["req_id"].to_numpy(), req_df.loc[req_df["replica"] == s.replica, "req_id"])],
+                      steps[steps["replica"] == s.replica], slo, num_blocks)
+            for s in servers]
+    meta = {"config": cfg.to_dict(), "seed": cfg.seed, "profile_name": profile.name,
+            "profile_provenance": profile.provenance, "profile_efficiency": profile.efficiency,
+            "kv_block_size": cfg.server.block_size}
+    return RunResult(req_df, steps, tokens, summary, meta)
+
+
+def steps_frame(log: StepLog, replica: int) -> pd.DataFrame:
+    ints = np.frombuffer(log.ints, dtype=np.int64).reshape(-1, 8)
+    df = pd.DataFrame(ints, columns=list(StepLog.COLUMNS[3:]))
+    df.insert(0, "predicted_s", np.frombuffer(log.predicted_s, dtype=np.float64))
+    df.insert(0, "duration_s", np.frombuffer(log.duration_s, dtype=np.float64))
+    df.insert(0, "t_s", np.frombuffer(log.t_s, dtype=np.float64))
+    df.insert(0, "replica", replica)
+    return df

@@ -1,0 +1,169 @@
+"""SchedulerState: the queues, the KV pool and the one shared ``commit()``.
+
+Policies read the state and call its small set of mutators (``admit``,
+``preempt``, ``form_group`` and the block manager's ``allocate``) from inside
+``schedule()``; the driver calls ``add_arrival`` and ``commit``. No policy
+re-implements token accounting.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from typing import Iterable
+
+from sim.batch import Batch
+from sim.kv import BlockManager
+from sim.request import Request, Status
+
+
+class SchedulerState:
+    """Everything a policy may look at, plus the bookkeeping of a run.
+
+    ``waiting``: arrived requests not holding KV, FCFS; preempted ones go back
+    to the front. ``running``: admitted requests, oldest admission first.
+    """
+
+    def __init__(self, kv: BlockManager, max_model_len: int,
+                 max_prompt_tokens: int | None = None) -> None:
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.max_prompt_tokens = max_prompt_tokens
+        self.requests: dict[int, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.all_arrived = False
+        self.num_finished = 0
+        self.num_rejected = 0
+        self.num_preemptions = 0
+        self._true_output: dict[int, int] = {}
+        self._group_of: dict[int, list[Request]] = {}
+        # Token log: one entry per sampled output token, in time order.
+        self.token_req_ids = array("q")
+        self.token_times_s = array("d")
+
+    # ---- arrivals -----------------------------------------------------------
+    def add_arrival(self, req: Request, true_output_tokens: int, now_s: float) -> bool:
+        """Queue an arrived request, or reject it as a real server would.
+
+        A request is rejected (status REJECTED, counted as failed) when
+        prompt + max_tokens exceeds the model's context (vLLM's validation),
+        when it could never fit in the KV pool, or when its prompt exceeds the
+        policy's prompt limit (vLLM v0 ignores such prompts). Returns False if
+        rejected.
+        """
+        self.requests[req.req_id] = req
+        self._true_output[req.req_id] = min(true_output_tokens, req.max_output_tokens)
+        total = req.num_prompt_tokens + req.max_output_tokens
+        usable_blocks = self.kv.num_blocks - self.kv.watermark_blocks
+        if (total > self.max_model_len or self.kv.num_blocks_for(total) > usable_blocks
+                or (self.max_prompt_tokens is not None and req.num_prompt_tokens > self.max_prompt_tokens)):
+            req.status = Status.REJECTED
+            req.finished_s = now_s
+            self.num_rejected += 1
+            return False
+        self.waiting.append(req)
+        return True
+
+    def oracle_output_tokens(self, req: Request) -> int:
+        """The true output length. Only oracle options may call this."""
+        return self._true_output[req.req_id]
+
+    @property
+    def done(self) -> bool:
+        return self.all_arrived and not self.waiting and not self.running
+
+    # ---- mutators for policies ---------------------------------------------
+    def admit(self, req: Request, now_s: float) -> None:
+        """Move ``req`` from the waiting queue to the running list."""
+        if self.waiting and self.waiting[0] is req:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
+        req.status = Status.RUNNING
+        if req.first_scheduled_s is None:
+            req.first_scheduled_s = now_s
+        self.running.append(req)
+
+    def preempt(self, req: Request) -> None:
+        """Evict ``req`` by recompute: free its KV, put it at the queue's front."""
+        self.kv.free(req)
+        self.running.remove(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = Status.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def form_group(self, reqs: Iterable[Request]) -> None:
+        """Static batching: members finish and free KV together, when the last
+        of them has produced its last token (nothing returns before)."""
+        group = list(reqs)
+        for r in group:
+            self._group_of[r.req_id] = group
+
+    # ---- the shared commit --------------------------------------------------
+    def commit(self, batch: Batch, now_s: float) -> None:
+        """Advance every request in ``batch`` after a step that ended at ``now_s``.
+
+        Adds each item's new tokens to ``num_computed_tokens``; a request that
+        has caught up samples one output token (stamped ``now_s``); a request
+        with all its output tokens finishes and frees its blocks (for a static
+        group: when the whole group is done).
+        """
+        requests = self.requests
+        true_output = self._true_output
+        tok_ids = self.token_req_ids
+        tok_times = self.token_times_s
+        finished: list[Request] | None = None
+        for item in batch.items:
+            n = item.num_new_tokens
+            if n == 0:
+                continue
+            r = requests[item.req_id]
+            if item.context_len != r.num_computed_tokens:
+                raise RuntimeError(
+                    f"batch item for request {r.req_id} has context_len {item.context_len}, "
+                    f"but {r.num_computed_tokens} tokens are computed"
+                )
+            r.num_computed_tokens += n
+            known = r.num_prompt_tokens + r.num_output_tokens
+            if r.num_computed_tokens < known:
+                continue
+            if r.num_computed_tokens > known:
+                raise RuntimeError(f"request {r.req_id} computed past its known tokens")
+            r.num_output_tokens += 1
+            tok_ids.append(r.req_id)
+            tok_times.append(now_s)
+            if r.first_token_s is None:
+                r.first_token_s = now_s
+            r.last_token_s = now_s
+            if r.num_output_tokens >= true_output[r.req_id]:
+                if finished is None:
+                    finished = []
+                finished.append(r)
+        if finished:
+            for r in finished:
+                self._finish(r, now_s)
+
+    def _finish(self, req: Request, now_s: float) -> None:
+        req.status = Status.FINISHED
+        group = self._group_of.get(req.req_id)
+        if group is not None:
+            if any(m.status < Status.FINISHED for m in group):
+                return                     # hold KV and the result until the last one
+            members = group
+            for m in members:
+                del self._group_of[m.req_id]
+        else:
+            members = [req]
+        for m in members:
+            m.finished_s = now_s
+            self.kv.free(m)
+            self.running.remove(m)
+            self.num_finished += 1
+
+    def is_output_complete(self, req: Request) -> bool:
+        """True once ``req`` has sampled every output token (it may still be
+        held by its static group)."""
+        return req.status >= Status.FINISHED

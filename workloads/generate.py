@@ -1,0 +1,134 @@
+"""Turn a WorkloadConfig into request specs: arrival time, prompt and output lengths.
+
+Randomness: one ``np.random.SeedSequence(seed)`` spawns independent streams for
+arrivals, prompt lengths and output lengths, so changing the length model does
+not move the arrival times (and vice versa).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.config import ConfigError, WorkloadConfig
+from workloads.traces import load_trace
+
+
+@dataclass(frozen=True)
+class RequestSpecs:
+    arrival_s: np.ndarray          # float64, non-decreasing
+    prompt_tokens: np.ndarray      # int64 > 0
+    output_tokens: np.ndarray      # int64 > 0 (the true output length)
+    num_dropped: int = 0           # trace rows that could not be replayed
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+
+def _synthetic_arrivals(cfg: WorkloadConfig, rng: np.random.Generator, n_max: int) -> np.ndarray:
+    a = cfg.arrivals
+    n = n_max
+    if a.kind == "all_at_once":
+        return np.zeros(n)
+    assert a.rate is not None, "validated: synthetic arrivals have a rate"
+    mean_gap = 1.0 / a.rate
+    if a.kind == "poisson":
+        gaps = rng.exponential(mean_gap, n)
+    elif a.kind == "gamma":
+        # Gamma gaps with shape k = 1/cv^2 and scale = mean/k: mean 1/rate, CV = cv.
+        shape = 1.0 / (a.cv * a.cv)
+        gaps = rng.gamma(shape, mean_gap / shape, n)
+    else:
+        gaps = np.full(n, mean_gap)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def _bounded_zipf(rng: np.random.Generator, lo: int, hi: int, alpha: float, n: int) -> np.ndarray:
+    """Lengths in [lo, hi] with P(k) proportional to k^-alpha."""
+    ks = np.arange(lo, hi + 1, dtype=np.float64)
+    p = ks ** -alpha
+    return rng.choice(np.arange(lo, hi + 1), size=n, p=p / p.sum())
+
+
+def _lengths(cfg: WorkloadConfig, streams: list[np.random.Generator], n: int) -> tuple[np.ndarray, np.ndarray]:
+    ln = cfg.lengths
+    rp, ro = streams
+    if ln.kind == "fixed":
+        return np.full(n, ln.prompt_tokens, np.int64), np.full(n, ln.output_tokens, np.int64)
+    if ln.kind == "uniform":
+        return (rp.integers(ln.prompt_min, ln.prompt_max + 1, n),
+                ro.integers(ln.output_min, ln.output_max + 1, n))
+    if ln.kind == "lognormal":
+        def draw(rng: np.random.Generator, mean: float, lo: int, hi: int | None) -> np.ndarray:
+            # Lognormal with the requested mean: mu = log(mean) - sigma^2 / 2.
+            mu = np.log(mean) - ln.sigma ** 2 / 2
+            x = np.rint(rng.lognormal(mu, ln.sigma, n)).astype(np.int64)
+            return np.clip(x, lo, hi if hi is not None else np.iinfo(np.int64).max)
+        return (draw(rp, ln.prompt_mean, ln.prompt_min, ln.prompt_max),
+                draw(ro, ln.output_mean, ln.output_min, ln.output_max))
+    if ln.kind == "zipf":
+        return (_bounded_zipf(rp, ln.prompt_min, ln.prompt_max, ln.alpha, n),
+                _bounded_zipf(ro, ln.output_min, ln.output_max, ln.alpha, n))
+    # empirical: pairs from a length file, keeping prompt/output correlated
+    data = load_trace(cfg.resolve_path(ln.path), need_arrivals=False)
+    if ln.sample == "sequential":
+        idx = np.arange(n) % len(data.prompt_tokens)
+    else:
+        idx = rp.integers(0, len(data.prompt_tokens), n)
+    return data.prompt_tokens[idx], data.output_tokens[idx]
+
+
+def _trace(cfg: WorkloadConfig) -> RequestSpecs:
+    a = cfg.arrivals
+    data = load_trace(cfg.resolve_path(a.path), need_arrivals=True, columns=a.columns,
+                      time_unit=a.time_unit)
+    t = data.arrival_s
+    span = float(t[-1]) if len(t) > 1 else 0.0
+    parts = [t + k * (span + (span / max(len(t) - 1, 1))) for k in range(a.repeat)]
+    t = np.concatenate(parts)
+    prompt = np.tile(data.prompt_tokens, a.repeat)
+    output = np.tile(data.output_tokens, a.repeat)
+    keep = t >= a.start_s
+    t, prompt, output = t[keep] - a.start_s, prompt[keep], output[keep]
+    if len(t) == 0:
+        raise ConfigError(f"{cfg.source}: field 'arrivals.start_s' ({a.start_s}) is past the "
+                          f"trace's last arrival")
+    t = t * a.time_scale / a.rate_scale
+    if a.rate is not None and len(t) > 1 and t[-1] > 0:
+        t = t * ((len(t) - 1) / t[-1]) / a.rate       # rescale to the requested mean rate
+    return RequestSpecs(t, prompt, output, data.num_dropped)
+
+
+def generate(cfg: WorkloadConfig) -> RequestSpecs:
+    """The workload's requests, in arrival order, truncated by num_requests /
+    duration_s. Deterministic for a given config and seed."""
+    ss = np.random.SeedSequence(cfg.seed)
+    arr_rng, prompt_rng, output_rng = (np.random.default_rng(s) for s in ss.spawn(3))
+    if cfg.arrivals.kind == "trace":
+        specs = _trace(cfg)
+        if cfg.lengths.kind != "trace":
+            p, o = _lengths(cfg, [prompt_rng, output_rng], len(specs))
+            specs = RequestSpecs(specs.arrival_s, p, o, specs.num_dropped)
+    else:
+        if cfg.num_requests is not None:
+            n = cfg.num_requests
+        else:
+            # Enough arrivals to cover duration_s with a wide margin; cut below.
+            rate = cfg.arrivals.rate or 1.0
+            n = int(rate * cfg.duration_s * 1.5 + 10 * np.sqrt(rate * cfg.duration_s) + 10)
+        t = _synthetic_arrivals(cfg, arr_rng, n)
+        p, o = _lengths(cfg, [prompt_rng, output_rng], n)
+        specs = RequestSpecs(t, np.asarray(p, np.int64), np.asarray(o, np.int64))
+    keep = np.ones(len(specs), bool)
+    if cfg.duration_s is not None:
+        keep &= specs.arrival_s <= cfg.duration_s
+    if cfg.num_requests is not None:
+        keep &= np.arange(len(specs)) < cfg.num_requests
+    if specs.num_dropped:
+        warnings.warn(f"{cfg.source}: {specs.num_dropped} trace rows with a zero token count were "
+                      f"dropped (they cannot be replayed)", stacklevel=2)
+    return RequestSpecs(specs.arrival_s[keep], specs.prompt_tokens[keep],
+                        specs.output_tokens[keep], specs.num_dropped)
