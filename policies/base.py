@@ -9,13 +9,13 @@ does all token accounting after the step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from sim.batch import Batch, BatchItem, Idle
 from sim.kv import reservation_tokens
+from sim.request import Request, Status
 
 if TYPE_CHECKING:
-    from sim.request import Request
     from sim.state import SchedulerState
 
 
@@ -34,37 +34,73 @@ class Policy(Protocol):
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle: ...
 
 
-def make_room_for_decodes(state: SchedulerState) -> list[Request]:
+class DecodePlan(NamedTuple):
+    items: list[BatchItem]        # one-token items, oldest request first
+    context: int                  # sum of their context_len (the batch shape needs it)
+    prefilling: list[Request]     # running requests still prefilling, oldest first
+
+
+def schedule_decodes(state: SchedulerState) -> DecodePlan:
     """Give every running request that is decoding a KV slot for its next
-    token, preempting the newest running requests (recompute) when the pool
-    runs dry, as vLLM does. Returns the running requests that survive, oldest
-    first.
+    token and a one-token item, preempting the newest running requests
+    (recompute) when the pool runs dry, as vLLM does.
+
+    A victim is always taken from the tail of ``running``, which the pass has
+    not reached yet (or is the request itself), so one pass suffices. The
+    common case (no preemption) runs as a plain for loop: this is the
+    simulator's hottest path.
     """
     kv = state.kv
+    free_ids = kv._free_ids
+    block_size = kv.block_size
     running = state.running
-    i = 0
-    while i < len(running):
+    items: list[BatchItem] = []
+    prefilling: list[Request] = []
+    append = items.append
+    new_item = tuple.__new__          # BatchItem(...) without the NamedTuple call overhead
+    context = 0
+    start = len(running)
+    for i, r in enumerate(running):
+        computed = r.num_computed_tokens
+        if r.num_prompt_tokens + r.num_output_tokens - computed != 1:
+            prefilling.append(r)
+            continue
+        if computed >= len(r.block_ids) * block_size:     # next token opens a new block
+            if not free_ids:
+                start = i                                  # slow path from here on
+                break
+            r.block_ids.append(free_ids.pop())
+        append(new_item(BatchItem, (r.req_id, 1, computed, 0)))
+        context += computed
+    i = start
+    while i < len(running):                                # only after the pool ran dry
         r = running[i]
-        need = r.num_computed_tokens + 1
-        # Skip prefilling requests, and decodes whose slot is already in their last block.
-        if (r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens != 1
-                or need <= len(r.block_ids) * kv.block_size):
+        computed = r.num_computed_tokens
+        if r.num_prompt_tokens + r.num_output_tokens - computed != 1:
+            prefilling.append(r)
             i += 1
             continue
-        while not kv.can_allocate(r, need):
-            victim = running[-1]
-            state.preempt(victim)          # newest first; may be r itself
-            if victim is r:
+        if computed >= len(r.block_ids) * block_size:
+            while not kv.can_allocate(r, computed + 1):
+                victim = running[-1]
+                state.preempt(victim)                      # newest first; may be r itself
+                if victim is r:
+                    break
+            else:
+                kv.allocate(r, computed + 1)
+            if r.status != Status.RUNNING:
                 break
-        else:
-            kv.allocate(r, need)
-            i += 1
-    return running
+        append(new_item(BatchItem, (r.req_id, 1, computed, 0)))
+        context += computed
+        i += 1
+    return DecodePlan(items, context, prefilling)
 
 
 def decode_items(running: list[Request]) -> list[BatchItem]:
-    """One-token items for every running request that has caught up."""
-    return [BatchItem(r.req_id, 1, r.num_computed_tokens)
+    """One-token items for running requests that have caught up (reserved
+    memory: no slot to find)."""
+    new_item = tuple.__new__
+    return [new_item(BatchItem, (r.req_id, 1, r.num_computed_tokens, 0))
             for r in running if r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens == 1]
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from policies.base import batch_or_idle, decode_items, make_room_for_decodes
+from policies.base import schedule_decodes
 from policies.vllm import admit_prefills
 from sim.batch import Batch, BatchItem, Idle
+from sim.request import Status
 
 if TYPE_CHECKING:
     from sim.state import SchedulerState
@@ -36,18 +37,18 @@ class SarathiPolicy:
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         kv = state.kv
-        running = make_room_for_decodes(state)
-        items = decode_items(running)
-        budget = self.config.max_num_batched_tokens - len(items)
+        plan = schedule_decodes(state)
+        items: list[BatchItem] = []            # prefill chunks, after the decodes
+        running = state.running
+        budget = self.config.max_num_batched_tokens - len(plan.items)
         # Partially prefilled (or recomputing) running requests continue first.
-        for r in running:
+        for r in plan.prefilling:
             if budget <= 0:
                 break
-            n = r.num_uncomputed_tokens
-            if n <= 1:
+            if r.status != Status.RUNNING:      # preempted above to make room
                 continue
-            n = min(n, budget)
-            if not items:
+            n = min(r.num_uncomputed_tokens, budget)
+            if not items and not plan.items:
                 # Nothing else would progress: evict the newest others so the
                 # oldest unfinished prefill can, rather than stall forever.
                 while not kv.can_allocate(r, r.num_computed_tokens + n) and running[-1] is not r:
@@ -59,4 +60,6 @@ class SarathiPolicy:
             budget -= n
         if budget > 0 and state.waiting:
             items += admit_prefills(state, now_s, self.config.max_num_seqs, budget, chunked=True)
-        return batch_or_idle(items)
+        if not items and not plan.items:
+            return Idle()
+        return Batch.of_decodes(plan.items, plan.context, items)

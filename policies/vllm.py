@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from policies.base import batch_or_idle, decode_items, make_room_for_decodes
+from policies.base import schedule_decodes
 from sim.batch import Batch, BatchItem, Idle
 
 if TYPE_CHECKING:
@@ -64,4 +64,5 @@ class VllmPolicy:
                                    self.token_budget, chunked=False)
             if items:
                 return Batch(tuple(items))
-        return batch_or_idle(decode_items(make_room_for_decodes(state)))
+        plan = schedule_decodes(state)
+        return Batch.of_decodes(plan.items, plan.context) if plan.items else Idle()

@@ -7,8 +7,8 @@ live engine read only this shape; neither ever sees the policy's name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
 
 
 class BatchItem(NamedTuple):
@@ -31,22 +31,63 @@ class BatchItem(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """The items of one iteration, in the order the policy chose."""
+    """The items of one iteration, in the order the policy chose.
+
+    The shape the cost model and the step log read is computed once, here:
+    an item computing exactly one token (padding included) is a decode, one
+    computing more is a prefill chunk.
+    """
 
     items: tuple[BatchItem, ...]
+    num_tokens: int = field(init=False)           # through the token-parallel layers, padding included
+    num_prefill_tokens: int = field(init=False)   # real prompt/recompute tokens in chunks
+    num_prefill_seqs: int = field(init=False)
+    num_decode_tokens: int = field(init=False)    # real decodes
+    num_pad_tokens: int = field(init=False)
+    decode_seqs: int = field(init=False)          # one-token items, padded ones included
+    decode_context: int = field(init=False)       # sum of their context_len
+    prefill_chunks: tuple[tuple[int, int], ...] = field(init=False)  # (tokens incl. pad, context_len)
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens through the token-parallel layers, padding included."""
-        return sum(it.num_new_tokens + it.num_pad_tokens for it in self.items)
+    def __post_init__(self) -> None:
+        num_tokens = num_prefill = num_decode = num_pad = decode_seqs = decode_context = 0
+        chunks = []
+        for it in self.items:
+            n = it.num_new_tokens
+            pad = it.num_pad_tokens
+            total = n + pad
+            num_tokens += total
+            num_pad += pad
+            if total == 1:
+                decode_seqs += 1
+                decode_context += it.context_len
+                num_decode += n
+            elif total > 1:
+                chunks.append((total, it.context_len))
+                num_prefill += n
+        setattr_ = object.__setattr__
+        setattr_(self, "num_tokens", num_tokens)
+        setattr_(self, "num_prefill_tokens", num_prefill)
+        setattr_(self, "num_prefill_seqs", len(chunks))
+        setattr_(self, "num_decode_tokens", num_decode)
+        setattr_(self, "num_pad_tokens", num_pad)
+        setattr_(self, "decode_seqs", decode_seqs)
+        setattr_(self, "decode_context", decode_context)
+        setattr_(self, "prefill_chunks", tuple(chunks))
 
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(it.num_new_tokens for it in self.items if it.num_new_tokens > 1)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(1 for it in self.items if it.num_new_tokens == 1)
+    @classmethod
+    def of_decodes(cls, decodes: list[BatchItem], decode_context: int,
+                   others: Sequence[BatchItem] = ()) -> Batch:
+        """``Batch(decodes + others)`` for plain one-token ``decodes`` (no
+        padding) whose summed context is known: only ``others`` are re-read."""
+        batch = cls(tuple(others))
+        n = len(decodes)
+        setattr_ = object.__setattr__
+        setattr_(batch, "items", tuple(decodes) + batch.items if others else tuple(decodes))
+        setattr_(batch, "num_tokens", batch.num_tokens + n)
+        setattr_(batch, "num_decode_tokens", batch.num_decode_tokens + n)
+        setattr_(batch, "decode_seqs", batch.decode_seqs + n)
+        setattr_(batch, "decode_context", batch.decode_context + decode_context)
+        return batch
 
     def __len__(self) -> int:
         return len(self.items)

@@ -60,20 +60,12 @@ class StepLog:
         self.ints = array("q")          # 8 integer columns per step, row-major
 
     def record(self, t_s: float, batch: Batch, result: StepResult, state: SchedulerState) -> None:
-        num_prefill = num_decode = num_pad = num_prefill_seqs = 0
-        for it in batch.items:
-            n = it.num_new_tokens
-            if n == 1:
-                num_decode += 1
-            elif n > 1:
-                num_prefill += n
-                num_prefill_seqs += 1
-            num_pad += it.num_pad_tokens
         self.t_s.append(t_s)
         self.duration_s.append(result.duration_s)
         self.predicted_s.append(result.predicted_s if result.predicted_s is not None else float("nan"))
-        self.ints.extend((len(batch.items), num_prefill, num_decode, num_pad, num_prefill_seqs,
-                          len(state.waiting), len(state.running), state.kv.num_used_blocks))
+        self.ints.extend((len(batch.items), batch.num_prefill_tokens, batch.num_decode_tokens,
+                          batch.num_pad_tokens, batch.num_prefill_seqs, len(state.waiting),
+                          len(state.running), state.kv.num_blocks - len(state.kv._free_ids)))
 
     def __len__(self) -> int:
         return len(self.t_s)

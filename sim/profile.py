@@ -92,23 +92,15 @@ class Profile:
     # ---- costs --------------------------------------------------------------
     def step_time_s(self, batch: Batch) -> float:
         """Predicted duration of one iteration running ``batch`` (seconds)."""
-        num_tokens = 0
-        num_decodes = 0
-        decode_context = 0
         t = self.overhead_s
-        attn_prefill = self.attn_prefill
-        for item in batch.items:
-            n = item.num_new_tokens + item.num_pad_tokens
-            num_tokens += n
-            if n == 1:
-                num_decodes += 1
-                decode_context += item.context_len
-            elif n > 1:
-                t += attn_prefill(n, item.context_len)
-        if num_tokens:
-            t += self.linear(num_tokens)
-        if num_decodes:
-            t += self.attn_decode(num_decodes, decode_context)
+        if batch.num_tokens:
+            t += self.linear(batch.num_tokens)
+        if batch.prefill_chunks:
+            attn_prefill = self.attn_prefill
+            for chunk, context in batch.prefill_chunks:
+                t += attn_prefill(chunk, context)
+        if batch.decode_seqs:
+            t += self.attn_decode(batch.decode_seqs, batch.decode_context)
         return t
 
     @property

@@ -113,32 +113,30 @@ class SchedulerState:
         """
         requests = self.requests
         true_output = self._true_output
-        tok_ids = self.token_req_ids
-        tok_times = self.token_times_s
+        tok_ids_append = self.token_req_ids.append
+        tok_times_append = self.token_times_s.append
         finished: list[Request] | None = None
-        for item in batch.items:
-            n = item.num_new_tokens
+        for req_id, n, context_len, _pad in batch.items:
             if n == 0:
                 continue
-            r = requests[item.req_id]
-            if item.context_len != r.num_computed_tokens:
-                raise RuntimeError(
-                    f"batch item for request {r.req_id} has context_len {item.context_len}, "
-                    f"but {r.num_computed_tokens} tokens are computed"
-                )
-            r.num_computed_tokens += n
+            r = requests[req_id]
+            if context_len != r.num_computed_tokens:
+                raise RuntimeError(f"batch item for request {req_id} has context_len {context_len}, "
+                                   f"but {r.num_computed_tokens} tokens are computed")
+            computed = context_len + n
+            r.num_computed_tokens = computed
             known = r.num_prompt_tokens + r.num_output_tokens
-            if r.num_computed_tokens < known:
+            if computed < known:
                 continue
-            if r.num_computed_tokens > known:
-                raise RuntimeError(f"request {r.req_id} computed past its known tokens")
+            if computed > known:
+                raise RuntimeError(f"request {req_id} computed past its known tokens")
             r.num_output_tokens += 1
-            tok_ids.append(r.req_id)
-            tok_times.append(now_s)
+            tok_ids_append(req_id)
+            tok_times_append(now_s)
             if r.first_token_s is None:
                 r.first_token_s = now_s
             r.last_token_s = now_s
-            if r.num_output_tokens >= true_output[r.req_id]:
+            if r.num_output_tokens >= true_output[req_id]:
                 if finished is None:
                     finished = []
                 finished.append(r)

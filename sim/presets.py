@@ -1,0 +1,160 @@
+"""Datasheet facts of common GPUs and the shapes of common open models.
+
+``GPU_PRESETS`` and ``MODEL_PRESETS`` are plain dicts keyed by lowercase names;
+``sim.roofline`` turns a (model, GPU) pair into an analytic ``Profile``.
+
+Memory sizes are what the CUDA driver reports as total memory (``nvidia-smi``
+"MiB" column, MiB = 2**20 bytes), not the marketing "GB" figure: that is the
+number an engine's KV-cache sizing starts from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sim.profile import ModelShape
+
+MIB = 1024**2
+TERA = 1e12
+GIGA = 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSpec:
+    """One GPU's peak rates (dense, no sparsity) and memory.
+
+    interconnect_bytes_s: per-direction GPU-to-GPU bandwidth (NVLink, or PCIe
+        where there is no NVLink).
+    interconnect_latency_s: fixed cost of one small all-reduce call (order of
+        magnitude from nccl-tests small-message all_reduce_perf; not a datasheet number).
+    """
+
+    name: str
+    memory_bytes: int
+    peak_flops_bf16: float
+    mem_bandwidth_bytes_s: float
+    interconnect_bytes_s: float
+    interconnect_latency_s: float
+
+
+GPU_PRESETS: dict[str, GpuSpec] = {
+    "a100-40gb": GpuSpec(
+        name="a100-40gb",
+        memory_bytes=40960 * MIB,               # nvidia-smi: 40960 MiB (A100 SXM4 40GB)
+        peak_flops_bf16=312 * TERA,             # A100 datasheet: BF16 tensor core 312 TFLOPS dense
+        mem_bandwidth_bytes_s=1555 * GIGA,      # A100 datasheet: 40GB HBM2 1,555 GB/s
+        interconnect_bytes_s=300 * GIGA,        # NVLink 3: 600 GB/s total = 300 GB/s per direction
+        interconnect_latency_s=10e-6,           # small-message NVLink all-reduce, ~10 us
+    ),
+    "a100-80gb": GpuSpec(
+        name="a100-80gb",
+        memory_bytes=81920 * MIB,               # nvidia-smi: 81920 MiB (A100 SXM4 80GB)
+        peak_flops_bf16=312 * TERA,             # A100 datasheet: BF16 tensor core 312 TFLOPS dense
+        mem_bandwidth_bytes_s=2039 * GIGA,      # A100 datasheet: 80GB HBM2e SXM 2,039 GB/s
+        interconnect_bytes_s=300 * GIGA,        # NVLink 3: 600 GB/s total = 300 GB/s per direction
+        interconnect_latency_s=10e-6,           # small-message NVLink all-reduce, ~10 us
+    ),
+    "h100-sxm": GpuSpec(
+        name="h100-sxm",
+        memory_bytes=81559 * MIB,               # nvidia-smi: 81559 MiB ("80GB HBM3")
+        peak_flops_bf16=989 * TERA,             # H100 SXM datasheet: BF16 1,979 TFLOPS with sparsity / 2
+        mem_bandwidth_bytes_s=3350 * GIGA,      # H100 SXM datasheet: 3.35 TB/s
+        interconnect_bytes_s=450 * GIGA,        # NVLink 4: 900 GB/s total = 450 GB/s per direction
+        interconnect_latency_s=10e-6,           # small-message NVLink all-reduce, ~10 us
+    ),
+    "h200": GpuSpec(
+        name="h200",
+        memory_bytes=143771 * MIB,              # nvidia-smi: 143771 MiB (datasheet says "141 GB")
+        peak_flops_bf16=989 * TERA,             # H200 SXM datasheet: BF16 1,979 TFLOPS with sparsity / 2
+        mem_bandwidth_bytes_s=4800 * GIGA,      # H200 datasheet: 4.8 TB/s
+        interconnect_bytes_s=450 * GIGA,        # NVLink 4: 900 GB/s total = 450 GB/s per direction
+        interconnect_latency_s=10e-6,           # small-message NVLink all-reduce, ~10 us
+    ),
+    "l40s": GpuSpec(
+        name="l40s",
+        memory_bytes=46068 * MIB,               # nvidia-smi: 46068 MiB (48 GB GDDR6, ECC on)
+        peak_flops_bf16=362 * TERA,             # L40S datasheet: BF16 733 TFLOPS with sparsity / 2 (362.05)
+        mem_bandwidth_bytes_s=864 * GIGA,       # L40S datasheet: 864 GB/s
+        interconnect_bytes_s=32 * GIGA,         # no NVLink: PCIe Gen4 x16, ~32 GB/s per direction
+        interconnect_latency_s=25e-6,           # small-message all-reduce over PCIe, ~25 us
+    ),
+}
+
+
+MODEL_PRESETS: dict[str, ModelShape] = {
+    # meta-llama/Llama-2-7b-hf config.json
+    "llama-2-7b": ModelShape("llama-2-7b", 4096, 32, 32, 32, 11008, 32000, 4096),
+    # meta-llama/Llama-2-13b-hf config.json
+    "llama-2-13b": ModelShape("llama-2-13b", 5120, 40, 40, 40, 13824, 32000, 4096),
+    # meta-llama/Llama-3.1-8B config.json
+    "llama-3.1-8b": ModelShape("llama-3.1-8b", 4096, 32, 32, 8, 14336, 128256, 131072),
+    # mistralai/Mistral-7B-v0.1 config.json
+    "mistral-7b": ModelShape("mistral-7b", 4096, 32, 32, 8, 14336, 32000, 32768),
+    # facebook/opt-13b config.json: ffn_dim 20480, 2-matrix MLP, LM head tied to the embedding
+    "opt-13b": ModelShape("opt-13b", 5120, 40, 40, 40, 20480, 50272, 2048,
+                          mlp="gelu", tie_word_embeddings=True),
+    # meta-llama/Llama-3.1-70B config.json
+    "llama-3.1-70b": ModelShape("llama-3.1-70b", 8192, 80, 64, 8, 28672, 128256, 131072),
+}
+
+# HF config.json name -> ModelShape field; the second spelling is accepted too
+# (OPT's ffn_dim, or batchsim's own names as written in a profile file).
+_HF_FIELDS: dict[str, tuple[str, ...]] = {
+    "hidden_size": ("hidden_size",),
+    "num_layers": ("num_hidden_layers", "num_layers"),
+    "num_heads": ("num_attention_heads", "num_heads"),
+    "intermediate_size": ("intermediate_size", "ffn_dim"),
+    "vocab_size": ("vocab_size",),
+    "max_position_embeddings": ("max_position_embeddings",),
+}
+_GATED_ACTS = {"silu", "swish", "swiglu"}
+
+
+def _positive_int(cfg: dict[str, Any], key: str, name: str) -> int:
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"model '{name}': field '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def model_shape_from_hf(cfg: dict[str, Any], name: str) -> ModelShape:
+    """A ``ModelShape`` from HF ``config.json`` fields.
+
+    Required: hidden_size, num_hidden_layers, num_attention_heads,
+    intermediate_size (or ffn_dim), vocab_size, max_position_embeddings, and the
+    MLP kind: hidden_act (or activation_function, OPT) -- silu/swish means a
+    gated 3-matrix MLP ("swiglu"), anything else a 2-matrix one ("gelu") -- or
+    batchsim's own ``mlp`` key. Optional: num_key_value_heads (default: the
+    number of heads), tie_word_embeddings (default True, as in HF's
+    PretrainedConfig). Raises ValueError naming the missing or bad field.
+    """
+    if not isinstance(cfg, dict):
+        raise ValueError(f"model '{name}': expected a mapping of config fields, got {type(cfg).__name__}")
+    values: dict[str, int] = {}
+    for field_name, keys in _HF_FIELDS.items():
+        key = next((k for k in keys if k in cfg), None)
+        if key is None:
+            raise ValueError(f"model '{name}': config field '{keys[0]}' is missing"
+                             + (f" (or '{keys[1]}')" if len(keys) > 1 else ""))
+        values[field_name] = _positive_int(cfg, key, name)
+    kv_key = next((k for k in ("num_key_value_heads", "num_kv_heads") if cfg.get(k) is not None), None)
+    num_kv_heads = _positive_int(cfg, kv_key, name) if kv_key else values["num_heads"]
+    if "mlp" in cfg:
+        mlp = str(cfg["mlp"])
+        if mlp not in ("swiglu", "gelu"):
+            raise ValueError(f"model '{name}': field 'mlp' must be 'swiglu' or 'gelu', got {mlp!r}")
+    else:
+        act = cfg.get("hidden_act", cfg.get("activation_function"))
+        if act is None:
+            raise ValueError(f"model '{name}': config field 'hidden_act' is missing "
+                             f"(or 'activation_function'; or give mlp: swiglu | gelu)")
+        mlp = "swiglu" if str(act).lower() in _GATED_ACTS else "gelu"
+    if values["hidden_size"] % values["num_heads"]:
+        raise ValueError(f"model '{name}': hidden_size {values['hidden_size']} is not a multiple "
+                         f"of num_attention_heads {values['num_heads']}")
+    if values["num_heads"] % num_kv_heads:
+        raise ValueError(f"model '{name}': num_attention_heads {values['num_heads']} is not a "
+                         f"multiple of num_key_value_heads {num_kv_heads}")
+    return ModelShape(name=name, num_kv_heads=num_kv_heads, mlp=mlp,
+                      tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)), **values)
