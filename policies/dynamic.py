@@ -37,6 +37,6 @@ class DynamicPolicy:
             return Idle()
         deadline_s = state.waiting[0].arrival_s + self.config.max_queue_delay_s
         full = len(state.waiting) >= self.config.max_batch_size
-        if full or now_s >= deadline_s or state.all_arrived:
+        if full or now_s >= deadline_s:
             return launch_group(state, now_s, self.config.reserve, self.config.max_batch_size)
         return Idle(wake_at_s=deadline_s)

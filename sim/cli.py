@@ -16,10 +16,12 @@ from typing import Any, Sequence
 EXIT_BAD_INPUT = 2
 
 
-def _fmt(v: Any, width: int = 9) -> str:
+def _fmt(v: Any, width: int = 10) -> str:
     if v is None:
         return f"{'-':>{width}}"
     if isinstance(v, float):
+        if abs(v) >= 10000:
+            return f"{v:>{width}.0f}"
         return f"{v:>{width}.1f}" if abs(v) >= 100 else f"{v:>{width}.2f}"
     return f"{v:>{width}}"
 
@@ -37,7 +39,7 @@ def format_summary(summary: dict[str, Any], title: str = "") -> str:
     if s.get("request_goodput") is not None:
         lines.append(f"goodput     {s['request_goodput']:.3f} req/s meeting the SLOs "
                      f"({100 * (s.get('slo_attainment') or 0):.1f}% of requests)")
-    head = f"{'(ms)':<8}" + "".join(f"{h:>9}" for h in ("mean", "p50", "p90", "p95", "p99")) + f"{'count':>10}"
+    head = f"{'(ms)':<8}" + "".join(f"{h:>10}" for h in ("mean", "p50", "p90", "p95", "p99")) + f"{'count':>10}"
     lines.append(head)
     for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E"),
                         ("queue", "queue")):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -154,6 +155,9 @@ def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
 
 
 def _describe(hint: Any) -> str:
+    if isinstance(hint, type):
+        return {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+                "dict": "a mapping"}.get(hint.__name__, hint.__name__)
     return str(hint).replace("typing.", "").replace("NoneType", "null")
 
 
@@ -168,6 +172,8 @@ def build(cls: type, data: Any, where: str, source: str, **extra: Any) -> Any:
     names = [f.name for f in dataclasses.fields(cls) if f.name not in ("source", "base_dir", "raw")]
     kwargs: dict[str, Any] = dict(extra)
     for key, value in data.items():
+        if value is None and key in names and not _type_ok(None, hints[key])[0]:
+            continue                      # null means "the default"
         if key not in names:
             raise ConfigError(f"{source}: unknown field '{where}.{key}'".replace("'.", "'")
                               + f"; allowed: {', '.join(n for n in names if n not in extra)}")
@@ -193,6 +199,8 @@ def _require(source: str, name: str, value: Any, why: str) -> None:
 
 
 # ---- the workload ------------------------------------------------------------
+ALL_POLICY_KNOBS = frozenset(f.name for cfg_cls, _ in POLICIES.values()
+                             for f in dataclasses.fields(cfg_cls)) - {"kind"}
 ARRIVAL_KINDS = ("poisson", "gamma", "constant", "all_at_once", "trace")
 LENGTH_KINDS = ("trace", "fixed", "uniform", "lognormal", "zipf", "empirical")
 
@@ -247,7 +255,16 @@ def _build_policy(data: Any, src: str) -> Any:
     if kind not in POLICIES:
         raise ConfigError(f"{src}: field 'policy.kind' must be one of {', '.join(POLICIES)}, got {kind!r}")
     cls = POLICIES[kind][0]
-    cfg = build(cls, {k: v for k, v in data.items() if k != "kind"}, "policy", src)
+    own = {f.name for f in dataclasses.fields(cls)}
+    knobs = {k: v for k, v in data.items() if k != "kind"}
+    # A knob of another policy (say max_num_batched_tokens on static) is set
+    # aside with a warning, so one file or sweep can switch policy.kind; a
+    # knob of no policy at all is a typo and an error.
+    foreign = sorted(k for k in knobs if k not in own and k in ALL_POLICY_KNOBS)
+    if foreign:
+        warnings.warn(f"{src}: policy.{', policy.'.join(foreign)} not used by policy {kind} (ignored)",
+                      stacklevel=3)
+    cfg = build(cls, {k: v for k, v in knobs.items() if k not in foreign}, "policy", src)
     for f in dataclasses.fields(cls):
         v = getattr(cfg, f.name)
         if isinstance(v, (int, float)) and not isinstance(v, bool):

@@ -124,10 +124,17 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
     if unfinished:
         raise RuntimeError(f"simulation stalled with {len(unfinished)} requests unfinished "
                            f"(policy {cfg.policy.kind}); first: {unfinished[:5]}")
-    rejected = sum(s.state.num_rejected for s in servers)
+    rejected = [r for r in requests if r.status == Status.REJECTED]
     if rejected:
-        msg = (f"{cfg.source}: {rejected} of {len(requests)} requests were rejected (prompt + max_tokens "
-               f"> max_model_len {max_model_len}, or prompt over the policy's limit); counted as failed")
+        too_long = sum(r.num_prompt_tokens + r.max_output_tokens > max_model_len for r in rejected)
+        limit = servers[0].policy.max_prompt_tokens
+        reasons = [f"{too_long} with prompt + max_tokens > max_model_len {max_model_len}"]
+        if len(rejected) > too_long:
+            why = (f"prompt > the policy's limit of {limit} tokens (max_num_batched_tokens)"
+                   if limit is not None else "more KV than the pool holds")
+            reasons.append(f"{len(rejected) - too_long} with {why}")
+        msg = (f"{cfg.source}: {len(rejected)} of {len(requests)} requests were rejected "
+               f"({'; '.join(reasons)}); counted as failed")
         if strict:
             raise ConfigError(msg + " (--strict)")
         warnings.warn(msg, stacklevel=2)

@@ -1,0 +1,75 @@
+"""Shared test helpers: hand-built states, simple profiles, direct simulation."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+import simpy
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from policies import make_policy  # noqa: E402
+from sim.curves import Curve1D, Curve2D  # noqa: E402
+from sim.engine import Server, SimExecutor, feed  # noqa: E402
+from sim.kv import BlockManager  # noqa: E402
+from sim.profile import ModelShape, Profile  # noqa: E402
+from sim.request import Request  # noqa: E402
+from sim.state import SchedulerState  # noqa: E402
+
+WORKLOADS = ROOT / "workloads"
+
+
+def linear_profile(per_token_s: float = 1e-4, overhead_s: float = 1e-3,
+                   decode_per_ctx_s: float = 1e-7, prefill_per_ctx_s: float = 1e-8) -> Profile:
+    """A profile with exactly linear curves, so expected times are easy arithmetic."""
+    big = 1 << 20
+    model = ModelShape("toy", 256, 2, 4, 4, 512, 1000, 1 << 16)
+    return Profile(
+        name="linear", model=model, device="test", dtype="fp32", tensor_parallel=1,
+        memory_bytes_per_gpu=1 << 34, weight_bytes=1 << 20, activation_bytes_per_gpu=0,
+        kv_bytes_per_token=1024, overhead_s=overhead_s,
+        linear=Curve1D([0, big], [0.0, per_token_s * big]),
+        # bilinear with one non-zero corner: attn_prefill(c, p) = k * c * p exactly
+        attn_prefill=Curve2D([0, big], [0, big], [[0.0, 0.0], [0.0, prefill_per_ctx_s * big * big]]),
+        attn_decode=Curve2D([0, big], [0, big], [[0.0, decode_per_ctx_s * big], [0.0, decode_per_ctx_s * big]]),
+        provenance={"source": "test"},
+    )
+
+
+def make_state(num_blocks: int = 1000, block_size: int = 16, max_model_len: int = 1 << 16,
+               watermark: float = 0.0, max_prompt_tokens: int | None = None) -> SchedulerState:
+    return SchedulerState(BlockManager(num_blocks, block_size, watermark), max_model_len, max_prompt_tokens)
+
+
+def add(state: SchedulerState, req_id: int, prompt: int, output: int, arrival_s: float = 0.0,
+        max_tokens: int | None = None) -> Request:
+    r = Request(req_id, arrival_s, prompt, max_tokens if max_tokens is not None else output)
+    assert state.add_arrival(r, output, arrival_s)
+    return r
+
+
+def simulate(specs: Sequence[tuple[float, int, int]], policy_cfg, profile: Profile | None = None,
+             num_blocks: int = 4096, block_size: int = 16, max_model_len: int = 1 << 16,
+             watermark: float = 0.0, on_step=None):
+    """Run (arrival_s, prompt, output) specs through one SimPy server; return
+    (server, requests)."""
+    profile = profile or linear_profile()
+    env = simpy.Environment()
+    policy = make_policy(policy_cfg, max_model_len)
+    state = SchedulerState(BlockManager(num_blocks, block_size, watermark), max_model_len,
+                           policy.max_prompt_tokens)
+    server = Server(env, policy, state, SimExecutor(profile), on_step=on_step)
+    reqs = [Request(i, a, p, o) for i, (a, p, o) in enumerate(specs)]
+    env.process(feed(env, [server], reqs, [o for _, _, o in specs]))
+    env.run()
+    return server, reqs
+
+
+@pytest.fixture
+def profile() -> Profile:
+    return linear_profile()

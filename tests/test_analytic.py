@@ -1,0 +1,79 @@
+"""Analytic checks: the simulator against arithmetic and queueing theory."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import linear_profile, simulate
+
+from policies import POLICIES
+from sim.batch import Batch, BatchItem
+from sim.config import workload_from_dict
+from sim.runner import run_workload
+from sim.roofline import preset_profile
+
+ONE_AT_A_TIME = {
+    "static": {"batch_size": 1}, "dynamic": {"max_batch_size": 1, "max_queue_delay_s": 0.0},
+    "orca": {}, "vllm": {}, "sarathi": {"max_num_batched_tokens": 4096},
+}
+
+
+@pytest.mark.parametrize("kind", list(POLICIES))
+def test_single_request_takes_prefill_plus_decodes(kind):
+    """E2E = prefill(P) + sum of (N - 1) decode steps, on every policy."""
+    profile = preset_profile("llama-3.1-8b", "h100-sxm")
+    P, N = 1000, 50
+    cfg_cls = POLICIES[kind][0]
+    server, (req,) = simulate([(2.0, P, N)], cfg_cls(**ONE_AT_A_TIME[kind]), profile=profile)
+    expected_s = profile.step_time_s(Batch((BatchItem(0, P, 0),)))
+    expected_s += sum(profile.step_time_s(Batch((BatchItem(0, 1, P + k),))) for k in range(N - 1))
+    assert req.finished_s - req.arrival_s == pytest.approx(expected_s, rel=1e-9)
+    assert req.first_token_s - req.arrival_s == pytest.approx(
+        profile.step_time_s(Batch((BatchItem(0, P, 0),))), rel=1e-9)
+    assert len(server.log) == N
+
+
+def test_md1_queue_ttft_for_a_prefill_only_server():
+    """Poisson arrivals, deterministic service D (fixed prompt, 1 output token,
+    one request at a time): M/D/1 mean wait Wq = rho * D / (2 * (1 - rho)),
+    so mean TTFT = Wq + D."""
+    profile = linear_profile(per_token_s=1e-4, overhead_s=2e-3)
+    P = 180
+    D = profile.step_time_s(Batch((BatchItem(0, P, 0),)))      # 2 ms + 180 * 0.1 ms = 20 ms
+    assert D == pytest.approx(0.002 + 180 * 1e-4, rel=1e-9)       # no context: no attention term
+    rho = 0.7
+    rate = rho / D
+    rng = np.random.default_rng(1)
+    n = 30_000
+    arrivals = np.cumsum(rng.exponential(1 / rate, n))
+    specs = [(float(t), P, 1) for t in arrivals]
+    server, reqs = simulate(specs, POLICIES["vllm"][0](max_num_seqs=1), profile=profile)
+    ttft = np.array([r.first_token_s - r.arrival_s for r in reqs])
+    expected = rho * D / (2 * (1 - rho)) + D
+    assert ttft.mean() == pytest.approx(expected, rel=0.05)
+
+
+def test_vllm_paper_memory_arithmetic_opt13b():
+    """OPT-13B: 2 (K, V) x 40 layers x 5120 hidden x 2 bytes = 800 KiB per token.
+    With `reserve: max` of 2048 tokens, at most floor(capacity / 2048) requests
+    run at once (the vLLM paper's Orca (Max))."""
+    profile = preset_profile("opt-13b", "a100-40gb")
+    assert profile.kv_bytes_per_token == 2 * 40 * 5120 * 2 == 800 * 1024
+    cfg = workload_from_dict({
+        "name": "opt", "num_requests": 200,
+        "arrivals": {"kind": "all_at_once"},
+        "lengths": {"kind": "fixed", "prompt_tokens": 200, "output_tokens": 100},
+        "policy": {"kind": "orca", "reserve": "max"},
+        "server": {"max_model_len": 2048},
+        "profile": {"model": "opt-13b", "gpu": "a100-40gb"},
+    })
+    result = run_workload(cfg)
+    capacity_tokens = result.meta["num_blocks"] * 16
+    assert capacity_tokens <= profile.kv_capacity_tokens(0.9)
+    limit = math.floor(capacity_tokens / 2048)
+    assert result.steps["num_running"].max() == limit
+    # while oracle reservations (200 + 100 = 300 tokens each) admit many more
+    oracle = run_workload(workload_from_dict({**cfg.raw, "policy": {"kind": "orca", "reserve": "oracle"}}))
+    assert oracle.steps["num_running"].max() > 5 * limit

@@ -1,0 +1,63 @@
+"""Orca: iteration-level, whole prompts join decode iterations, reserved memory."""
+
+from __future__ import annotations
+
+from conftest import add, make_state
+
+from policies.orca import OrcaConfig, OrcaPolicy
+from sim.batch import BatchItem
+from sim.request import Status
+
+
+def test_whole_prompts_join_decode_iterations():
+    state = make_state()
+    policy = OrcaPolicy(OrcaConfig())
+    add(state, 0, 50, 3)
+    b = policy.schedule(state, 0.0)
+    assert b.items == (BatchItem(0, 50, 0),)
+    state.commit(b, 1.0)
+    add(state, 1, 700, 3, arrival_s=1.0)
+    b = policy.schedule(state, 1.0)
+    # hybrid: request 0 decodes while request 1's whole 700-token prompt runs
+    assert b.items == (BatchItem(0, 1, 50), BatchItem(1, 700, 0))
+
+
+def test_finished_request_leaves_and_waiting_joins_next_iteration():
+    state = make_state()
+    policy = OrcaPolicy(OrcaConfig(max_batch_size=1))
+    add(state, 0, 10, 2)
+    add(state, 1, 10, 2)
+    b = policy.schedule(state, 0.0)
+    assert [it.req_id for it in b.items] == [0]
+    state.commit(b, 1.0)                            # output 1 of 2
+    state.commit(policy.schedule(state, 1.0), 2.0)  # output 2 of 2 -> finished
+    assert state.requests[0].status == Status.FINISHED
+    b = policy.schedule(state, 2.0)
+    assert b.items == (BatchItem(1, 10, 0),)
+
+
+def test_reservation_max_limits_concurrency():
+    # 64 blocks x 16 = 1024 tokens; reserve=max with max_model_len 256 -> 4 at once.
+    state = make_state(num_blocks=64, block_size=16, max_model_len=256)
+    policy = OrcaPolicy(OrcaConfig(reserve="max"))
+    for i in range(10):
+        add(state, i, 10, 5)
+    b = policy.schedule(state, 0.0)
+    assert len(b.items) == 1024 // 256 == 4
+    assert state.kv.num_free_blocks == 0
+
+
+def test_reservation_max_tokens_reserves_prompt_plus_max_tokens():
+    state = make_state(num_blocks=100, block_size=16)
+    policy = OrcaPolicy(OrcaConfig())
+    r = add(state, 0, 100, 20, max_tokens=60)
+    policy.schedule(state, 0.0)
+    assert len(r.block_ids) == -(-(100 + 60) // 16) == 10
+
+
+def test_pow2_and_oracle_use_true_length():
+    for reserve, expected_tokens in (("oracle", 100 + 20), ("pow2", 128)):
+        state = make_state(num_blocks=100, block_size=16)
+        r = add(state, 0, 100, 20, max_tokens=500)
+        OrcaPolicy(OrcaConfig(reserve=reserve)).schedule(state, 0.0)
+        assert len(r.block_ids) == -(-expected_tokens // 16)

@@ -1,0 +1,57 @@
+"""Sarathi-Serve (decode-first, chunked prefill), arithmetic in comments."""
+
+from __future__ import annotations
+
+from conftest import add, make_state
+
+from policies.sarathi import SarathiConfig, SarathiPolicy
+from sim.batch import BatchItem
+
+
+def test_decodes_first_then_chunks_fill_the_budget():
+    state = make_state()
+    policy = SarathiPolicy(SarathiConfig(max_num_batched_tokens=512))
+    add(state, 0, 8, 10)
+    add(state, 1, 8, 10)
+    b = policy.schedule(state, 0.0)                # 8 + 8 = 16 <= 512: both prefill whole
+    assert b.items == (BatchItem(0, 8, 0), BatchItem(1, 8, 0))
+    state.commit(b, 1.0)
+    add(state, 2, 1000, 10, arrival_s=1.0)
+    b = policy.schedule(state, 1.0)
+    # 2 decodes first; 512 - 2 = 510 tokens left for request 2's first chunk.
+    assert b.items == (BatchItem(0, 1, 8), BatchItem(1, 1, 8), BatchItem(2, 510, 0))
+    state.commit(b, 2.0)
+    add(state, 3, 100, 10, arrival_s=2.0)
+    b = policy.schedule(state, 2.0)
+    # Decodes again; the partial prefill continues before new requests:
+    # 1000 - 510 = 490 <= 510, then 510 - 490 = 20 tokens of request 3.
+    assert b.items == (BatchItem(0, 1, 9), BatchItem(1, 1, 9), BatchItem(2, 490, 510),
+                       BatchItem(3, 20, 0))
+    state.commit(b, 3.0)
+    assert state.requests[2].num_output_tokens == 1   # prefill done -> first token
+    assert state.requests[3].num_output_tokens == 0   # 80 tokens to go
+
+
+def test_no_decode_ever_waits_for_a_prefill():
+    state = make_state()
+    policy = SarathiPolicy(SarathiConfig(max_num_batched_tokens=64))
+    add(state, 0, 4, 50)
+    state.commit(policy.schedule(state, 0.0), 1.0)
+    for i in range(1, 6):
+        add(state, i, 300, 5, arrival_s=float(i))
+    t = 1.0
+    for _ in range(10):
+        b = policy.schedule(state, t)
+        assert any(it.req_id == 0 and it.num_new_tokens == 1 for it in b.items)
+        assert b.num_tokens <= 64
+        t += 1.0
+        state.commit(b, t)
+
+
+def test_max_num_seqs_caps_running():
+    state = make_state()
+    policy = SarathiPolicy(SarathiConfig(max_num_batched_tokens=512, max_num_seqs=2))
+    for i in range(4):
+        add(state, i, 10, 5)
+    b = policy.schedule(state, 0.0)
+    assert [it.req_id for it in b.items] == [0, 1]
