@@ -80,7 +80,9 @@ def make_requests(cfg: WorkloadConfig, specs: RequestSpecs, max_model_len: int) 
     for i in range(len(specs)):
         prompt = int(specs.prompt_tokens[i])
         true_out = int(specs.output_tokens[i])
-        if cfg.max_tokens == "output":
+        if specs.max_tokens is not None:
+            max_tokens = int(specs.max_tokens[i])          # the trace's own per-request cap
+        elif cfg.max_tokens == "output":
             max_tokens = true_out
         elif cfg.max_tokens == "context":
             max_tokens = max(1, max_model_len - prompt)

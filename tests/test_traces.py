@@ -100,3 +100,15 @@ def test_duration_limits_synthetic_requests():
     specs = generate(workload_from_dict({"name": "d", "duration_s": 100, "arrivals": {"kind": "poisson", "rate": 5},
                                          "lengths": {"kind": "uniform", "prompt_max": 10, "output_max": 5}}))
     assert specs.arrival_s[-1] <= 100 and 400 < len(specs) < 600
+
+
+def test_per_request_max_tokens_column_caps_output(tmp_path):
+    from sim.runner import run_workload
+    p = tmp_path / "m.csv"
+    p.write_text("arrival_time_s,prompt_tokens,output_tokens,max_tokens\n0,10,50,20\n1,10,5,100\n")
+    cfg = workload_from_dict({"name": "m", "arrivals": {"kind": "trace", "path": str(p)},
+                              "lengths": {"kind": "trace"}}, "w.yaml", tmp_path)
+    r = run_workload(cfg)
+    # request 0 stops at its max_tokens (20 < 50); request 1 at its true length (5 < 100)
+    assert r.requests["max_tokens"].tolist() == [20, 100]
+    assert r.summary["total_output_tokens"] == 20 + 5

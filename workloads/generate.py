@@ -22,6 +22,7 @@ class RequestSpecs:
     prompt_tokens: np.ndarray      # int64 > 0
     output_tokens: np.ndarray      # int64 > 0 (the true output length)
     num_dropped: int = 0           # trace rows that could not be replayed
+    max_tokens: np.ndarray | None = None   # per-request client max_tokens (trace column)
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -91,15 +92,17 @@ def _trace(cfg: WorkloadConfig) -> RequestSpecs:
     t = np.concatenate(parts)
     prompt = np.tile(data.prompt_tokens, a.repeat)
     output = np.tile(data.output_tokens, a.repeat)
+    max_tokens = np.tile(data.max_tokens, a.repeat) if data.max_tokens is not None else None
     keep = t >= a.start_s
     t, prompt, output = t[keep] - a.start_s, prompt[keep], output[keep]
+    max_tokens = max_tokens[keep] if max_tokens is not None else None
     if len(t) == 0:
         raise ConfigError(f"{cfg.source}: field 'arrivals.start_s' ({a.start_s}) is past the "
                           f"trace's last arrival")
     t = t * a.time_scale / a.rate_scale
     if a.rate is not None and len(t) > 1 and t[-1] > 0:
         t = t * ((len(t) - 1) / t[-1]) / a.rate       # rescale to the requested mean rate
-    return RequestSpecs(t, prompt, output, data.num_dropped)
+    return RequestSpecs(t, prompt, output, data.num_dropped, max_tokens)
 
 
 def generate(cfg: WorkloadConfig) -> RequestSpecs:
@@ -111,7 +114,7 @@ def generate(cfg: WorkloadConfig) -> RequestSpecs:
         specs = _trace(cfg)
         if cfg.lengths.kind != "trace":
             p, o = _lengths(cfg, [prompt_rng, output_rng], len(specs))
-            specs = RequestSpecs(specs.arrival_s, p, o, specs.num_dropped)
+            specs = RequestSpecs(specs.arrival_s, p, o, specs.num_dropped, specs.max_tokens)
     else:
         if cfg.num_requests is not None:
             n = cfg.num_requests
@@ -130,5 +133,6 @@ def generate(cfg: WorkloadConfig) -> RequestSpecs:
     if specs.num_dropped:
         warnings.warn(f"{cfg.source}: {specs.num_dropped} trace rows with a zero token count were "
                       f"dropped (they cannot be replayed)", stacklevel=2)
-    return RequestSpecs(specs.arrival_s[keep], specs.prompt_tokens[keep],
-                        specs.output_tokens[keep], specs.num_dropped)
+    return RequestSpecs(specs.arrival_s[keep], specs.prompt_tokens[keep], specs.output_tokens[keep],
+                        specs.num_dropped,
+                        specs.max_tokens[keep] if specs.max_tokens is not None else None)

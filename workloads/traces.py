@@ -7,6 +7,7 @@ Understood out of the box (column names matched case-insensitively):
   Mooncake (JSONL):    timestamp (ms), input_length, output_length
   BurstGPT:            Timestamp (s), Request tokens, Response tokens
 Other names can be given with ``arrivals.columns: {arrival, prompt, output}``.
+An optional ``max_tokens`` column gives each request its own client cap.
 
 Rows with a zero output (BurstGPT logs failed calls that way) cannot be
 replayed and are dropped with a count; anything else malformed is an error
@@ -31,6 +32,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
                "request tokens", "input_tokens", "prompt_len", "num_prompt_tokens"),
     "output": ("output_tokens", "generatedtokens", "num_decode_tokens", "output_length",
                "response tokens", "completion_tokens", "output_len", "num_output_tokens"),
+    "max_tokens": ("max_tokens", "max_output_tokens"),
 }
 
 
@@ -42,6 +44,7 @@ class TraceData:
     prompt_tokens: np.ndarray
     output_tokens: np.ndarray
     num_dropped: int = 0
+    max_tokens: np.ndarray | None = None    # per-request client max_tokens, if the file has it
 
 
 def _read_table(path: Path) -> pd.DataFrame:
@@ -123,16 +126,22 @@ def load_trace(path: Path, *, need_arrivals: bool, columns: dict[str, str] | Non
     prompt = _tokens(df, prompt_col, path)
     output = _tokens(df, output_col, path)
     arrival = _times(df, arrival_col, time_unit, path) if (need_arrivals and arrival_col) else None
+    max_col = _find(df, "max_tokens", columns, path)
+    max_tokens = _tokens(df, max_col, path) if max_col is not None else None
     keep = (prompt > 0) & (output > 0)
     if arrival is not None:
         order = np.argsort(arrival, kind="stable")
         arrival, prompt, output, keep = arrival[order], prompt[order], output[order], keep[order]
+        max_tokens = max_tokens[order] if max_tokens is not None else None
     dropped = int((~keep).sum())
     if dropped == len(keep):
         raise ConfigError(f"{path}: every row has a zero prompt or output token count")
     if dropped:
         prompt, output = prompt[keep], output[keep]
         arrival = arrival[keep] if arrival is not None else None
+        max_tokens = max_tokens[keep] if max_tokens is not None else None
         if arrival is not None:
             arrival = arrival - arrival[0]
-    return TraceData(arrival, prompt, output, dropped)
+    if max_tokens is not None and (max_tokens < 1).any():
+        raise ConfigError(f"{path}: column '{max_col}' must hold positive integers")
+    return TraceData(arrival, prompt, output, dropped, max_tokens)
