@@ -12,6 +12,8 @@ from array import array
 from collections import deque
 from typing import Iterable
 
+import numpy as np
+
 from sim.batch import Batch
 from sim.kv import BlockManager
 from sim.request import Request, Status
@@ -38,9 +40,11 @@ class SchedulerState:
         self.num_preemptions = 0
         self._true_output: dict[int, int] = {}
         self._group_of: dict[int, list[Request]] = {}
-        # Token log: one entry per sampled output token, in time order.
+        # Token log, in time order: the request of every sampled output token,
+        # and per step that sampled any, its end time and how many it sampled.
         self.token_req_ids = array("q")
-        self.token_times_s = array("d")
+        self._token_step_times_s = array("d")
+        self._token_step_counts = array("q")
 
     # ---- arrivals -----------------------------------------------------------
     def add_arrival(self, req: Request, true_output_tokens: int, now_s: float) -> bool:
@@ -113,8 +117,9 @@ class SchedulerState:
         """
         requests = self.requests
         true_output = self._true_output
-        tok_ids_append = self.token_req_ids.append
-        tok_times_append = self.token_times_s.append
+        tok_ids = self.token_req_ids
+        tok_ids_append = tok_ids.append
+        num_logged = len(tok_ids)
         finished: list[Request] | None = None
         for req_id, n, context_len, _pad in batch.items:
             if n == 0:
@@ -132,7 +137,6 @@ class SchedulerState:
                 raise RuntimeError(f"request {req_id} computed past its known tokens")
             r.num_output_tokens += 1
             tok_ids_append(req_id)
-            tok_times_append(now_s)
             if r.first_token_s is None:
                 r.first_token_s = now_s
             r.last_token_s = now_s
@@ -140,6 +144,9 @@ class SchedulerState:
                 if finished is None:
                     finished = []
                 finished.append(r)
+        if len(tok_ids) > num_logged:
+            self._token_step_times_s.append(now_s)
+            self._token_step_counts.append(len(tok_ids) - num_logged)
         if finished:
             for r in finished:
                 self._finish(r, now_s)
@@ -160,6 +167,13 @@ class SchedulerState:
             self.kv.free(m)
             self.running.remove(m)
             self.num_finished += 1
+
+    def token_log(self) -> tuple[np.ndarray, np.ndarray]:
+        """(request id, time in s) of every output token so far, in time order."""
+        ids = np.frombuffer(self.token_req_ids, dtype=np.int64).copy()
+        times = np.repeat(np.frombuffer(self._token_step_times_s, dtype=np.float64),
+                          np.frombuffer(self._token_step_counts, dtype=np.int64))
+        return ids, times
 
     def is_output_complete(self, req: Request) -> bool:
         """True once ``req`` has sampled every output token (it may still be

@@ -89,8 +89,7 @@ def test_invariants(policy_cfg, raw, num_blocks):
     assert not state.running and not state.waiting
     assert state.kv.num_used_blocks == 0
     # token conservation: one logged token per output token, in time order per request
-    ids = np.frombuffer(state.token_req_ids, dtype=np.int64)
-    times = np.frombuffer(state.token_times_s, dtype=np.float64)
+    ids, times = state.token_log()
     finished = [r for r in reqs if r.status == Status.FINISHED]
     assert len(ids) == sum(r.num_output_tokens for r in finished)
     assert np.all(np.diff(times) >= 0)
