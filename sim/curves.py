@@ -59,9 +59,14 @@ class Curve1D:
 
     def __call__(self, x: float) -> float:
         xs = self.xs
-        if x < xs[0] or x > xs[-1]:
+        last = len(xs) - 2
+        i = bisect_right(xs, x) - 1                  # _segment, inlined: the hot path
+        if i < 0 or x > xs[-1]:
             self.num_out_of_range += 1
-        i = _segment(xs, x)
+        if i < 0:
+            i = 0
+        elif i > last:
+            i = last
         x0, x1 = xs[i], xs[i + 1]
         y0, y1 = self.ys[i], self.ys[i + 1]
         y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
@@ -99,8 +104,15 @@ class Curve2D:
         xs, ys, zs = self.xs, self.ys, self.zs
         if x < xs[0] or x > xs[-1] or y < ys[0] or y > ys[-1]:
             self.num_out_of_range += 1
-        i = _segment(xs, x)
-        j = _segment(ys, y)
+            i = _segment(xs, x)
+            j = _segment(ys, y)
+        else:                                         # in range: no clamping needed
+            i = bisect_right(xs, x) - 1
+            j = bisect_right(ys, y) - 1
+            if i == len(xs) - 1:
+                i -= 1
+            if j == len(ys) - 1:
+                j -= 1
         tx = (x - xs[i]) / (xs[i + 1] - xs[i])
         ty = (y - ys[j]) / (ys[j + 1] - ys[j])
         z00, z01 = zs[i][j], zs[i][j + 1]

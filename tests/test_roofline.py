@@ -239,3 +239,18 @@ def test_profile_round_trips_through_files(tmp_path, suffix: str) -> None:  # ty
     assert loaded.model == prof.model
     assert loaded.efficiency == dataclasses.asdict(Efficiency())
     assert loaded.provenance == prof.provenance
+
+
+def test_curves_interpolate_extrapolate_and_count_out_of_range():
+    from sim.curves import Curve1D, Curve2D
+    c = Curve1D([0, 10, 20], [0, 1, 3])
+    # inside: linear; past the ends: the edge segment's slope, floored at 0
+    for x, y in [(-5, 0.0), (0, 0), (5, 0.5), (10, 1), (15, 2), (20, 3), (25, 4)]:
+        assert c(x) == pytest.approx(y)
+    assert c.num_out_of_range == 2                  # -5 and 25; 0 and 20 are on the grid
+    d = Curve2D([0, 10], [0, 10], [[0, 1], [2, 3]])
+    for x, y, z in [(0, 0, 0), (10, 10, 3), (5, 5, 1.5), (10, 0, 2), (0, 10, 1), (20, 0, 4)]:
+        assert d(x, y) == pytest.approx(z)
+    assert d.num_out_of_range == 1
+    # fitted values are made monotone: a cost never falls as the work grows
+    assert Curve1D([0, 1, 2], [1.0, 0.5, 2.0]).ys == [1.0, 1.0, 2.0]
