@@ -87,7 +87,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from reports.plan import run_plan_file
     out = run_plan_file(args.plan, out=Path(args.out) if args.out else None, jobs=args.jobs,
-                        cluster=args.cluster)
+                        cluster=args.cluster, progress=not args.quiet)
     print(f"wrote {out}")
     return 0
 
@@ -101,7 +101,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from calibrate.runner import main as calibrate_main
-    return calibrate_main(args)
+    argv = ["--model", args.model, "--device", args.device, "--out", args.out,
+            "--budget-s", str(args.budget_s)]
+    if args.dtype:
+        argv += ["--dtype", args.dtype]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    if args.quiet:
+        argv.append("--quiet")
+    return calibrate_main(argv)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -139,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("-j", "--jobs", type=int)
     pl.add_argument("--cluster")
     pl.add_argument("--out")
+    pl.add_argument("--quiet", action="store_true")
     pl.set_defaults(func=cmd_plan)
 
     rp = sub.add_parser("report", help="regenerate plots and reports from saved results")

@@ -11,21 +11,26 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
 import simpy
+import simpy.rt
 
 from policies import make_policy
+from sim.batch import Batch, StepResult
 from sim.config import ConfigError, WorkloadConfig
-from sim.engine import ROUTERS, Server, SimExecutor, StepLog, feed
+from sim.engine import ROUTERS, Executor, Server, SimExecutor, StepLog, feed
 from sim.kv import BlockManager
 from sim.metrics import summarize
 from sim.profile import Profile, ProfileError, load_profile
 from sim.request import Request, Status
 from sim.state import SchedulerState
 from workloads.generate import RequestSpecs, generate
+
+
+OnStep = Callable[[Server], Callable[[float, Batch, StepResult], None] | None]
 
 
 @dataclass
@@ -94,6 +99,44 @@ def make_requests(cfg: WorkloadConfig, specs: RequestSpecs, max_model_len: int) 
     return out
 
 
+def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len: int,
+          env: simpy.Environment, executor: Executor, *, num_replicas: int = 1,
+          router: str = "round_robin", on_step: OnStep | None = None,
+          progress: bool = False) -> tuple[list[Server], list[Request], RequestSpecs]:
+    """Run ``cfg``'s requests through ``num_replicas`` servers on ``env``.
+
+    The one place that builds requests, policies, block pools and servers, for
+    the simulator (``simpy.Environment`` + ``SimExecutor``) and the live driver
+    (a real-time environment + a live executor) alike. ``on_step(server)``
+    builds each server's step hook. Raises RuntimeError if a request is left
+    unfinished (a policy that stalls).
+    """
+    specs = generate(cfg)
+    if len(specs) == 0:
+        raise ConfigError(f"{cfg.source}: the workload has no requests (check num_requests, duration_s, "
+                          f"arrivals.start_s)")
+    requests = make_requests(cfg, specs, max_model_len)
+    true_out = [int(x) for x in specs.output_tokens]
+    servers = []
+    for k in range(num_replicas):
+        policy = make_policy(cfg.policy, max_model_len)
+        state = SchedulerState(BlockManager(num_blocks, cfg.server.block_size, cfg.server.watermark),
+                               max_model_len, policy.max_prompt_tokens)
+        server = Server(env, policy, state, executor, replica=k)
+        server.on_step = on_step(server) if on_step is not None else None
+        servers.append(server)
+    env.process(feed(env, servers, requests, true_out, router))
+    profile.reset_counters()
+    if isinstance(env, simpy.rt.RealtimeEnvironment):
+        env.sync()                          # t = 0 is now, not when the env was built
+    _run_env(env, servers, len(requests), progress)
+    unfinished = [r.req_id for s in servers for r in (*s.state.waiting, *s.state.running)]
+    if unfinished:
+        raise RuntimeError(f"run stalled with {len(unfinished)} requests unfinished "
+                           f"(policy {cfg.policy.kind}); first: {unfinished[:5]}")
+    return servers, requests, specs
+
+
 def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "round_robin",
                  progress: bool = False, strict: bool = False) -> RunResult:
     """Simulate ``cfg`` on ``num_replicas`` identical servers behind ``router``."""
@@ -103,30 +146,10 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
         raise ConfigError(f"num_replicas must be >= 1, got {num_replicas}")
     wall0 = time.perf_counter()
     profile = build_profile(cfg)
-    profile.reset_counters()
     num_blocks, max_model_len = kv_blocks(cfg, profile)
-    specs = generate(cfg)
-    if len(specs) == 0:
-        raise ConfigError(f"{cfg.source}: the workload has no requests (check num_requests, duration_s, "
-                          f"arrivals.start_s)")
-    requests = make_requests(cfg, specs, max_model_len)
-    true_out = [int(x) for x in specs.output_tokens]
-
-    env = simpy.Environment()
-    executor = SimExecutor(profile)
-    servers = []
-    for k in range(num_replicas):
-        policy = make_policy(cfg.policy, max_model_len)
-        state = SchedulerState(BlockManager(num_blocks, cfg.server.block_size, cfg.server.watermark),
-                               max_model_len, policy.max_prompt_tokens)
-        servers.append(Server(env, policy, state, executor, replica=k))
-    env.process(feed(env, servers, requests, true_out, router))
-    _run_env(env, servers, len(requests), progress)
-
-    unfinished = [r.req_id for s in servers for r in (*s.state.waiting, *s.state.running)]
-    if unfinished:
-        raise RuntimeError(f"simulation stalled with {len(unfinished)} requests unfinished "
-                           f"(policy {cfg.policy.kind}); first: {unfinished[:5]}")
+    servers, requests, specs = drive(cfg, profile, num_blocks, max_model_len, simpy.Environment(),
+                                     SimExecutor(profile), num_replicas=num_replicas, router=router,
+                                     progress=progress)
     rejected = [r for r in requests if r.status == Status.REJECTED]
     if rejected:
         too_long = sum(r.num_prompt_tokens + r.max_output_tokens > max_model_len for r in rejected)

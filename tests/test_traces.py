@@ -112,3 +112,12 @@ def test_per_request_max_tokens_column_caps_output(tmp_path):
     # request 0 stops at its max_tokens (20 < 50); request 1 at its true length (5 < 100)
     assert r.requests["max_tokens"].tolist() == [20, 100]
     assert r.summary["total_output_tokens"] == 20 + 5
+
+
+def test_trace_rate_applies_to_the_replayed_sample():
+    d = {"name": "a", "num_requests": 600,
+         "arrivals": {"kind": "trace", "path": "azure_llm_2023_conv.csv", "rate": 20.0},
+         "lengths": {"kind": "trace"}}
+    specs = generate(workload_from_dict(d))
+    assert len(specs) == 600
+    assert (len(specs) - 1) / specs.arrival_s[-1] == pytest.approx(20.0)

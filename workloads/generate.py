@@ -100,7 +100,12 @@ def _trace(cfg: WorkloadConfig) -> RequestSpecs:
         raise ConfigError(f"{cfg.source}: field 'arrivals.start_s' ({a.start_s}) is past the "
                           f"trace's last arrival")
     t = t * a.time_scale / a.rate_scale
+    if cfg.num_requests is not None:               # the rate below is the replayed sample's
+        n = cfg.num_requests
+        t, prompt, output = t[:n], prompt[:n], output[:n]
+        max_tokens = max_tokens[:n] if max_tokens is not None else None
     if a.rate is not None and len(t) > 1 and t[-1] > 0:
+        # arrivals.rate: the mean rate of the requests replayed, (n - 1) / span
         t = t * ((len(t) - 1) / t[-1]) / a.rate       # rescale to the requested mean rate
     return RequestSpecs(t, prompt, output, data.num_dropped, max_tokens)
 
