@@ -1,0 +1,205 @@
+"""Capacity under SLOs: judge a run, bisect the rate one replica sustains, size a fleet.
+
+Definitions (stated in every plan report):
+
+- SLO attainment, per metric, with fraction f (e.g. 0.99):
+  TTFT: at least f of all offered requests got their first token within
+  ``ttft_ms`` (a rejected request counts as a miss);
+  ITL: at least f of all inter-token gaps, over every token of every
+  request, are within ``itl_ms`` (vLLM's p99 ITL is a percentile over tokens);
+  TPOT: at least f of the requests with more than one output token have
+  TPOT within ``tpot_ms`` (a rejected request counts as a miss).
+  With f = 0.99 this is exactly "p99 TTFT <= ttft_ms and p99 ITL <= itl_ms".
+- Stable: when the last request arrives, at most ``max_backlog_fraction``
+  (5%) of all requests are still waiting to be scheduled for the first time.
+  A server that keeps up with the offered rate holds a bounded queue; one that
+  falls behind accumulates a backlog that grows with the run.
+- Capacity of one replica: the highest offered rate (req/s) at which a run
+  meets every SLO and is stable, found by doubling/halving to bracket it and
+  then geometric bisection to ``rel_tol``. Replicas for a target rate:
+  ceil(target / capacity), then checked by simulating the whole fleet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+
+from reports.runplots import itl_s
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Thresholds in ms (None: not constrained) and the attainment fraction."""
+
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+    tpot_ms: float | None = None
+    attainment: float = 0.99
+
+    def describe(self) -> str:
+        parts = [f"{name.split('_')[0].upper()} <= {v:g} ms" for name, v in
+                 (("ttft_ms", self.ttft_ms), ("itl_ms", self.itl_ms), ("tpot_ms", self.tpot_ms)) if v is not None]
+        return f"p{100 * self.attainment:g} " + ", ".join(parts) if parts else "none"
+
+
+def _fraction_within(values_s: np.ndarray, limit_ms: float, num_total: int) -> float:
+    """Share of ``num_total`` items whose value is within the limit (missing ones are misses)."""
+    if num_total == 0:
+        return 1.0
+    ok = np.count_nonzero(np.nan_to_num(values_s * 1e3, nan=np.inf) <= limit_ms)
+    return ok / num_total
+
+
+def judge(requests: pd.DataFrame, tokens: pd.DataFrame, slo: Slo, *,
+          max_backlog_fraction: float = 0.05) -> dict[str, Any]:
+    """Attainment per metric, the backlog at the last arrival, and the verdict.
+
+    Returns passed (bool), reasons (list of str, empty when passed),
+    ttft_attainment / itl_attainment / tpot_attainment (None when not
+    constrained), backlog_fraction and stable.
+    """
+    n = len(requests)
+    finished = requests["status"] == "finished"
+    out: dict[str, Any] = {"ttft_attainment": None, "itl_attainment": None, "tpot_attainment": None}
+    reasons = []
+    if slo.ttft_ms is not None:
+        ttft = requests["ttft_s"].where(finished).to_numpy(dtype=float)
+        out["ttft_attainment"] = _fraction_within(ttft, slo.ttft_ms, n)
+    if slo.tpot_ms is not None:
+        multi = requests["output_tokens"] > 1
+        tpot = requests.loc[multi, "tpot_s"].where(finished[multi]).to_numpy(dtype=float)
+        out["tpot_attainment"] = _fraction_within(tpot, slo.tpot_ms, int(multi.sum()))
+    if slo.itl_ms is not None:
+        gaps = itl_s(tokens)
+        out["itl_attainment"] = _fraction_within(gaps, slo.itl_ms, len(gaps))
+    for metric in ("ttft", "itl", "tpot"):
+        value = out[f"{metric}_attainment"]
+        if value is not None and value < slo.attainment:
+            limit = getattr(slo, f"{metric}_ms")
+            reasons.append(f"{metric.upper()} within {limit:g} ms for {100 * value:.1f}% "
+                           f"< {100 * slo.attainment:g}%")
+    last_arrival_s = float(requests["arrival_s"].max()) if n else 0.0
+    # Backlog: arrived before the last arrival, served later, yet not started by then.
+    started_s = requests["first_scheduled_s"].to_numpy(dtype=float)
+    waiting = finished.to_numpy() & (requests["arrival_s"].to_numpy() < last_arrival_s) & ~(started_s < last_arrival_s)
+    out["backlog_fraction"] = int(np.count_nonzero(waiting)) / n if n else 0.0
+    out["stable"] = out["backlog_fraction"] <= max_backlog_fraction
+    if not out["stable"]:
+        reasons.append(f"unstable: {100 * out['backlog_fraction']:.1f}% of requests still waiting at the last "
+                       f"arrival (> {100 * max_backlog_fraction:g}%)")
+    out["passed"] = not reasons
+    out["reasons"] = reasons
+    return out
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """Bisection settings; rates in req/s for one replica."""
+
+    num_requests: int = 400          # requests per trial run
+    min_rate: float = 0.05
+    max_rate: float = 2000.0
+    rel_tol: float = 0.05            # stop when hi / lo - 1 <= rel_tol
+    max_runs: int = 14               # trial runs per candidate, saturation probe included
+    max_backlog_fraction: float = 0.05
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+Evaluate = Callable[[float], dict[str, Any]]     # rate -> judge() result plus metrics; must hold 'passed'
+
+
+def find_capacity(evaluate: Evaluate, settings: SearchSettings,
+                  start_rate: float) -> tuple[float, list[dict[str, Any]], str]:
+    """Highest passing rate, every trial (in order), and a note on how the search ended.
+
+    Brackets the capacity by doubling from ``start_rate`` while runs pass (or
+    halving while they fail), then bisects geometrically. The result is the
+    highest rate that passed below the lowest that failed; 0.0 when even
+    ``min_rate`` fails.
+    """
+    trials: list[dict[str, Any]] = []
+
+    def trial(rate: float) -> bool:
+        result = dict(evaluate(rate))
+        result.setdefault("rate_rps", rate)
+        trials.append(result)
+        return bool(result["passed"])
+
+    rate = min(max(start_rate, settings.min_rate), settings.max_rate)
+    lo, hi = 0.0, math.inf
+    note = ""
+    while len(trials) < settings.max_runs:
+        if trial(rate):
+            lo = rate
+            if rate >= settings.max_rate:
+                note = f"capped: passed at max_rate {settings.max_rate:g} req/s"
+                break
+            if hi == math.inf:
+                rate = min(rate * 2.0, settings.max_rate)
+                continue
+        else:
+            hi = rate
+            if rate <= settings.min_rate:
+                note = f"fails even at min_rate {settings.min_rate:g} req/s"
+                break
+            if lo == 0.0:
+                rate = max(rate / 2.0, settings.min_rate)
+                continue
+        if hi / lo - 1.0 <= settings.rel_tol:
+            note = f"bracketed within {100 * settings.rel_tol:g}%: passes at {lo:.4g}, fails at {hi:.4g} req/s"
+            break
+        rate = math.sqrt(lo * hi)
+    else:
+        note = f"stopped after max_runs {settings.max_runs}: passes at {lo:.4g}, fails at {hi:.4g} req/s"
+    return lo, trials, note
+
+
+def replicas_for(target_rate: float, capacity_rps: float) -> int | None:
+    """ceil(target / capacity); None when one replica sustains no load at all."""
+    if capacity_rps <= 0:
+        return None
+    return max(1, math.ceil(target_rate / capacity_rps - 1e-9))
+
+
+def fleet_cost(replicas: int, tensor_parallel: int, price_per_gpu_hour: float,
+               output_tokens_per_s: float) -> tuple[float, float | None]:
+    """($ per hour, $ per million output tokens) of ``replicas`` x ``tensor_parallel`` GPUs."""
+    per_hour = replicas * tensor_parallel * price_per_gpu_hour
+    per_mtok = per_hour / (output_tokens_per_s * 3600.0) * 1e6 if output_tokens_per_s > 0 else None
+    return per_hour, per_mtok
+
+
+def sweep_capacity(table: pd.DataFrame, *, rate_col: str, group_cols: list[str],
+                   slo_ms: dict[str, float]) -> pd.DataFrame:
+    """Per configuration of a sweep: the highest rate whose mean p99s meet ``slo_ms``
+    ({"ttft": 2000, "tpot": 50, ...}) at that rate and at every lower rate of the grid.
+
+    Returns group_cols + max_rate (the ``rate_col`` value, NaN if none passes),
+    offered_rate (realized req/s at that rate) and output_throughput.
+    """
+    metrics = [f"p99_{m}_ms" for m in slo_ms if f"p99_{m}_ms" in table.columns]
+    cols = [*metrics, *(c for c in ("offered_rate", "output_throughput") if c in table.columns)]
+    rows = []
+    groups = table.groupby(group_cols, sort=False, dropna=False) if group_cols else [((), table)]
+    for key, sub in groups:
+        mean = sub.groupby(rate_col, sort=True)[cols].mean()
+        ok = np.ones(len(mean), bool)
+        for m in metrics:
+            ok &= (mean[m] <= slo_ms[m.split("_")[1]]).to_numpy()
+        passing = np.cumprod(ok).astype(bool)          # every lower rate must pass too
+        best = mean[passing].tail(1)
+        key = key if isinstance(key, tuple) else (key,)
+        row = dict(zip(group_cols, key))
+        row["max_rate"] = best.index[0] if len(best) else np.nan
+        for c in ("offered_rate", "output_throughput"):
+            if c in mean:
+                row[c] = float(best[c].iloc[0]) if len(best) else np.nan
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,209 @@
+"""`sim plan`: how many replicas of which (GPU, policy) serve a target rate within SLOs.
+
+For each candidate (one worker task each, on the process pool or Dask):
+1. probe the saturation throughput (every request at once, nearly);
+2. bisect the highest rate one replica sustains within the SLOs (see
+   ``reports.capacity`` for the definitions);
+3. replicas = ceil(target / capacity); simulate the whole fleet behind the
+   router at the target rate, adding a replica while the SLOs fail (up to
+   ``verify.max_extra_replicas``);
+4. cost per hour = replicas x GPUs per replica x price, and per million
+   output tokens at the fleet's simulated output throughput.
+
+Output directory: plan.json (inputs, every result), trials.csv, ranked.csv,
+runs/<candidate>/{capacity,fleet}/ (run directories), figures/, report.md,
+report.html.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from reports.capacity import SearchSettings, Slo, find_capacity, fleet_cost, judge, replicas_for
+from reports.planspec import Candidate, PlanSpec, Verify, parse_plan, spec_summary
+from reports.pool import run_tasks
+from reports.render import write_text_atomic
+from reports.sweep import offered_rate, scalar_summary
+from sim.config import ConfigError, set_dotted, workload_from_dict
+
+SATURATION_RATE_FACTOR = 100.0      # the probe offers 100x max_rate: effectively all at once
+TRIAL_COLUMNS = ("p99_ttft_ms", "p99_itl_ms", "p99_tpot_ms", "request_throughput", "output_throughput",
+                 "num_out_of_range_lookups", "num_preemptions", "mean_batch_size", "peak_kv_utilization")
+
+
+class PlanFailed(ConfigError):
+    """No candidate could be evaluated; the message names the first error."""
+
+
+@dataclass(frozen=True)
+class CandidateTask:
+    candidate: Candidate
+    source: str
+    base_dir: str
+    target_rate: float
+    slo: Slo
+    router: str
+    search: SearchSettings
+    verify: Verify
+    run_dir: str
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+
+
+_FACTORS: dict[str, float] = {}
+
+
+def rate_factor(raw: dict[str, Any], source: str, base_dir: str) -> float:
+    """Realized mean rate of the workload's requests when arrivals.rate is 1.0.
+
+    A trace rescaled to a mean rate keeps its shape, so its first N requests
+    arrive at their own mean rate; dividing by this factor makes the offered
+    rate of the truncated run the one asked for.
+    """
+    from workloads.generate import generate
+    raw = set_dotted(raw, "arrivals.rate", 1.0)
+    key = json.dumps([raw.get("arrivals"), raw.get("lengths"), raw.get("num_requests"), raw.get("seed")],
+                     sort_keys=True, default=str)
+    if key not in _FACTORS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            specs = generate(workload_from_dict(raw, source, base_dir))
+        _FACTORS[key] = offered_rate(specs.arrival_s) or 1.0
+    return _FACTORS[key]
+
+
+def simulate(task: CandidateTask, rate_rps: float, num_requests: int, num_replicas: int = 1):
+    """Run the candidate's workload at offered ``rate_rps``; (RunResult, judge() dict plus metrics)."""
+    from sim.runner import run_workload
+    raw = set_dotted(task.candidate.raw, "num_requests", num_requests)
+    nominal = rate_rps / rate_factor(raw, task.source, task.base_dir)
+    cfg = workload_from_dict(set_dotted(raw, "arrivals.rate", nominal), task.source, task.base_dir)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")            # rejections count as SLO misses
+        result = run_workload(cfg, num_replicas=num_replicas, router=task.router)
+    verdict = judge(result.requests, result.tokens, task.slo, max_backlog_fraction=task.search.max_backlog_fraction)
+    verdict.update({k: result.summary.get(k) for k in TRIAL_COLUMNS})
+    verdict.update(rate_rps=rate_rps, offered_rate=offered_rate(result.requests["arrival_s"]),
+                   num_replicas=num_replicas, wall_s=time.perf_counter() - t0)
+    return result, verdict
+
+
+def plan_candidate(task: CandidateTask) -> dict[str, Any]:
+    """Worker entry point: capacity search, fleet check and cost of one candidate."""
+    from sim.io import write_run
+    s, cand = task.search, task.candidate
+    probe, _ = simulate(task, s.max_rate * SATURATION_RATE_FACTOR, s.num_requests)
+    saturation_rps = float(probe.summary["request_throughput"])
+    best: dict[str, Any] = {}
+
+    def evaluate(rate: float) -> dict[str, Any]:
+        result, verdict = simulate(task, rate, s.num_requests)
+        if verdict["passed"] and rate >= best.get("rate", 0.0):
+            best.update(rate=rate, result=result)
+        return verdict
+
+    settings = SearchSettings(**{**s.to_dict(), "max_runs": max(1, s.max_runs - 1)})
+    capacity, trials, note = find_capacity(evaluate, settings, start_rate=0.5 * saturation_rps)
+    run_dir = Path(task.run_dir)
+    if "result" in best:
+        write_run(best["result"], run_dir / "capacity")
+    out: dict[str, Any] = {
+        "name": cand.name, "hardware": cand.hardware, "policy": cand.policy, "gpus_per_replica": cand.gpus_per_replica,
+        "price_per_gpu_hour": cand.price_per_gpu_hour, "saturation_rps": saturation_rps, "capacity_rps": capacity,
+        "search_note": note, "trials": trials, "profile_source": probe.summary.get("profile_source"),
+        "profile_name": probe.meta.get("profile_name"), "profile_provenance": probe.meta.get("profile_provenance"),
+        "profile_efficiency": probe.meta.get("profile_efficiency"), "num_blocks": probe.meta.get("num_blocks"),
+        "replicas_estimate": replicas_for(task.target_rate, capacity), "attempts": [], "verified": False,
+        "run_dir": str(run_dir)}
+    if out["replicas_estimate"] is None:
+        out.update(replicas=None, cost_per_hour=None, cost_per_mtok=None)
+        return out
+    first = out["replicas_estimate"]
+    for n in range(first, first + task.verify.max_extra_replicas + 1):
+        fleet, verdict = simulate(task, task.target_rate, task.verify.num_requests_per_replica * n, num_replicas=n)
+        verdict["replicas"] = [scalar_summary(r) for r in fleet.summary.get("replicas", [fleet.summary])]
+        out["attempts"].append(verdict)
+        if verdict["passed"]:
+            out["verified"] = True
+            break
+    write_run(fleet, run_dir / "fleet")
+    per_hour, per_mtok = fleet_cost(n, cand.gpus_per_replica, cand.price_per_gpu_hour,
+                                    float(fleet.summary["output_throughput"]))
+    out.update(replicas=n, cost_per_hour=per_hour, cost_per_mtok=per_mtok,
+               fleet_output_throughput=fleet.summary["output_throughput"])
+    return out
+
+
+def ranked_table(results: list[dict[str, Any]]) -> pd.DataFrame:
+    """One row per candidate: verified first, then cheapest per hour, then cheapest per token."""
+    rows = []
+    for r in results:
+        last = (r.get("attempts") or [{}])[-1]
+        oor = sum(int(t.get("num_out_of_range_lookups") or 0) for t in [*r.get("trials", []), *r.get("attempts", [])])
+        rows.append({"candidate": r["name"], "hardware": r.get("hardware"), "policy": r.get("policy"),
+                     "capacity_rps": r.get("capacity_rps"), "replicas_estimate": r.get("replicas_estimate"),
+                     "replicas": r.get("replicas"), "gpus": (r.get("replicas") or 0) * r.get("gpus_per_replica", 1),
+                     "meets_slo": bool(r.get("verified")), "cost_per_hour": r.get("cost_per_hour"),
+                     "cost_per_mtok": r.get("cost_per_mtok"), "fleet_p99_ttft_ms": last.get("p99_ttft_ms"),
+                     "fleet_p99_itl_ms": last.get("p99_itl_ms"), "fleet_p99_tpot_ms": last.get("p99_tpot_ms"),
+                     "profile_source": r.get("profile_source"), "out_of_range_lookups": oor,
+                     "error": r.get("error")})
+    df = pd.DataFrame(rows)
+    order = df.assign(_bad=~df["meets_slo"], _cost=df["cost_per_hour"].fillna(float("inf")),
+                      _tok=df["cost_per_mtok"].fillna(float("inf")), _cap=-df["capacity_rps"].fillna(0))
+    return df.loc[order.sort_values(["_bad", "_cost", "_tok", "_cap"]).index].reset_index(drop=True)
+
+
+def trials_table(results: list[dict[str, Any]]) -> pd.DataFrame:
+    rows = [{"candidate": r["name"], "phase": "search", **{k: v for k, v in t.items() if k != "reasons"},
+             "reasons": "; ".join(t.get("reasons", []))} for r in results for t in r.get("trials", [])]
+    rows += [{"candidate": r["name"], "phase": "fleet",
+              **{k: v for k, v in t.items() if k not in ("reasons", "replicas")},
+              "reasons": "; ".join(t.get("reasons", []))} for r in results for t in r.get("attempts", [])]
+    return pd.DataFrame(rows)
+
+
+def run_plan(spec: PlanSpec, *, jobs: int | None = None, cluster: Any = None, progress: bool = True) -> Path:
+    """Evaluate every candidate, write plan.json, trials.csv, ranked.csv and the report; return the dir."""
+    out = spec.out
+    out.mkdir(parents=True, exist_ok=True)
+    tasks = [CandidateTask(c, str(spec.base_path), str(spec.base_path.parent), spec.target_rate, spec.slo, spec.router,
+                           spec.search, spec.verify, str(out / "runs" / slug(c.name))) for c in spec.candidates]
+    results: list[dict[str, Any]] = []
+    for outcome in run_tasks(plan_candidate, tasks, jobs=jobs, cluster=cluster, progress=progress,
+                             desc=f"plan {spec.name}"):
+        if outcome.error is not None:
+            c = outcome.task.candidate
+            results.append({"name": c.name, "hardware": c.hardware, "policy": c.policy, "error": repr(outcome.error),
+                            "gpus_per_replica": c.gpus_per_replica, "price_per_gpu_hour": c.price_per_gpu_hour})
+        else:
+            results.append(outcome.result)
+    order = {c.name: i for i, c in enumerate(spec.candidates)}
+    results.sort(key=lambda r: order[r["name"]])
+    # plan.json marks a complete plan directory, so it is written last; every file goes tmp + rename.
+    write_text_atomic(out / "trials.csv", trials_table(results).to_csv(index=False))
+    write_text_atomic(out / "ranked.csv", ranked_table(results).to_csv(index=False))
+    write_text_atomic(out / "plan.json", json.dumps({"plan": spec_summary(spec), "results": results}, indent=2,
+                                               default=str) + "\n")
+    from reports.report import regenerate
+    regenerate(out)
+    if all("error" in r for r in results):
+        raise PlanFailed(f"{spec.source}: every candidate failed; first: {results[0]['name']}: {results[0]['error']}")
+    return out
+
+
+def run_plan_file(path: str | Path, *, out: Path | None = None, jobs: int | None = None,
+                  cluster: str | None = None, progress: bool = True) -> Path:
+    """`sim plan FILE`: validate the plan, evaluate every candidate, write the report; return its directory."""
+    return run_plan(parse_plan(path, out), jobs=jobs, cluster=cluster, progress=progress)

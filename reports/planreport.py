@@ -1,0 +1,161 @@
+"""The capacity-plan report, rebuilt from a plan directory alone (plan.json, ranked.csv,
+trials.csv and the saved run directories)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from reports import plots
+from reports.render import Bullets, Callout, Document, Heading, Para, Table, write_document
+from reports.report import Figures, provenance_lines, read_runs, run_figures
+
+RANKED_COLUMNS = {"candidate": "candidate", "capacity_rps": "capacity / replica (req/s)", "replicas": "replicas",
+                  "gpus": "GPUs", "meets_slo": "fleet meets SLO", "cost_per_hour": "$ / hour",
+                  "cost_per_mtok": "$ / M output tokens", "fleet_p99_ttft_ms": "fleet p99 TTFT (ms)",
+                  "fleet_p99_itl_ms": "fleet p99 ITL (ms)", "profile_source": "profile"}
+
+
+def _definitions(plan: dict[str, Any]) -> list[str]:
+    s = plan["search"]
+    return [
+        f"SLO: {plan['slo_text']}. A TTFT or TPOT target is met when at least "
+        f"{100 * plan['slo']['attainment']:g}% of all offered requests meet it (rejected requests count as misses); "
+        f"an ITL target when at least that share of all inter-token gaps, over every token, meets it — "
+        f"the same as vLLM's percentile over tokens.",
+        f"Stable: when the last request arrives, at most {100 * s['max_backlog_fraction']:g}% of the requests are "
+        f"still waiting to be scheduled (a server that falls behind builds a backlog that grows with the run).",
+        f"Capacity of one replica: the highest offered rate meeting every SLO while stable, bracketed by "
+        f"doubling/halving from half the saturation throughput, then geometric bisection to {100 * s['rel_tol']:g}% "
+        f"({s['num_requests']} requests per trial, at most {s['max_runs']} runs per candidate). Every trial is "
+        f"measured over the whole run, warm-up and drain included.",
+        f"Replicas: ceil(target / capacity), then the whole fleet is simulated behind the `{plan['router']}` router at "
+        f"{plan['target_rate']:g} req/s ({plan['verify']['num_requests_per_replica']} requests per replica); while "
+        f"the SLOs fail a replica is added, at most {plan['verify']['max_extra_replicas']} times.",
+        "Cost per hour = replicas x GPUs per replica x price per GPU-hour; cost per million output tokens = cost per "
+        "hour / (fleet output tokens per second x 3600) x 1e6, at the simulated fleet throughput.",
+        "Offered rates are the realized mean rate of the simulated requests ((n - 1) / arrival span); the traffic "
+        "keeps the base workload's shape (arrival pattern and lengths) with its timeline rescaled.",
+    ]
+
+
+def _warnings(results: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for r in results:
+        if r.get("error"):
+            out.append(f"{r['name']}: evaluation failed: {r['error']}")
+            continue
+        oor = sum(int(t.get("num_out_of_range_lookups") or 0) for t in [*r.get("trials", []), *r.get("attempts", [])])
+        if oor:
+            out.append(f"{r['name']}: {oor:,} step-cost lookups fell outside the profile's calibrated range "
+                       f"(extrapolated); its numbers are less certain.")
+        if r.get("capacity_rps", 0) <= 0:
+            out.append(f"{r['name']}: no rate met the SLOs ({r.get('search_note')}).")
+        elif "capped" in (r.get("search_note") or ""):
+            out.append(f"{r['name']}: {r['search_note']}; capacity may be higher.")
+        if r.get("replicas") and not r.get("verified"):
+            out.append(f"{r['name']}: the fleet still missed the SLOs with {r['replicas']} replicas.")
+    return out
+
+
+def _recommendation(ranked: pd.DataFrame, plan: dict[str, Any]) -> Callout:
+    ok = ranked[ranked["meets_slo"]]
+    if ok.empty:
+        return Callout(f"No candidate serves {plan['target_rate']:g} req/s within {plan['slo_text']} in this plan; "
+                       f"see the warnings and the capacity search below.")
+    best = ok.iloc[0]
+    return Callout(
+        f"**{best['candidate']}**: {int(best['replicas'])} replica(s), {int(best['gpus'])} GPU(s), "
+        f"${best['cost_per_hour']:,.2f} per hour, ${best['cost_per_mtok']:,.3f} per million output tokens. "
+        f"The simulated fleet at {plan['target_rate']:g} req/s had p99 TTFT {best['fleet_p99_ttft_ms']:,.0f} ms and "
+        f"p99 ITL {best['fleet_p99_itl_ms']:,.1f} ms (SLO: {plan['slo_text']}).", kind="ok")
+
+
+def _attempts_table(results: list[dict[str, Any]]) -> pd.DataFrame:
+    rows = [{"candidate": r["name"], "replicas": a.get("num_replicas"), "offered (req/s)": a.get("offered_rate"),
+             "passed": a.get("passed"), "p99 TTFT (ms)": a.get("p99_ttft_ms"), "p99 ITL (ms)": a.get("p99_itl_ms"),
+             "TTFT attained": a.get("ttft_attainment"), "ITL attained": a.get("itl_attainment"),
+             "why not": "; ".join(a.get("reasons") or [])} for r in results for a in r.get("attempts", [])]
+    return pd.DataFrame(rows)
+
+
+def _provenance(results: list[dict[str, Any]]) -> list[str]:
+    """One line per hardware: profile name, source and provenance fields, efficiency factors, KV blocks;
+    then each distinct rationale the profiles give for their efficiency factors, once."""
+    seen, out, notes = set(), [], {}
+    for r in results:
+        if r.get("error") or r.get("hardware") in seen:
+            continue
+        seen.add(r.get("hardware"))
+        meta = {"profile_name": r.get("profile_name"), "profile_provenance": r.get("profile_provenance")}
+        lines = provenance_lines(meta, {"profile_source": r.get("profile_source")})
+        eff = r.get("profile_efficiency") or {}
+        factors = ", ".join(f"{k} {v:g}" for k, v in eff.items() if isinstance(v, (int, float)))
+        if isinstance(eff.get("justification"), str):
+            notes[eff["justification"]] = None
+        out.append(f"**{r['hardware']}**: " + "; ".join(lines) + (f"; efficiency factors: {factors}" if factors else "")
+                   + f"; {r.get('num_blocks') or '?'} KV blocks per replica")
+    return out + [f"Efficiency rationale stated by the profile: {note}" for note in notes]
+
+
+def plan_report(d: Path) -> list[Path]:
+    """Write DIR/figures/* and DIR/report.{md,html} from a plan directory."""
+    data = json.loads((d / "plan.json").read_text())
+    plan, results = data["plan"], data["results"]
+    ranked = pd.read_csv(d / "ranked.csv")
+    ranked["meets_slo"] = ranked["meets_slo"].astype(bool)
+    trials = pd.read_csv(d / "trials.csv") if (d / "trials.csv").stat().st_size > 1 else pd.DataFrame()
+    slo = plan["slo"]
+    figs = Figures(d)
+    doc = Document(f"Capacity plan: {plan['name']}")
+    doc.add(Para(f"Question: the cheapest fleet that serves **{plan['target_rate']:g} req/s** of the traffic in "
+                 f"`{Path(plan['base']).name}` within **{plan['slo_text']}**, among {len(plan['candidates'])} "
+                 f"candidate (hardware, policy) options."),
+            Heading("Recommendation"), _recommendation(ranked, plan))
+    for w in _warnings(results):
+        doc.add(Callout(w))
+    shown = ranked[[c for c in RANKED_COLUMNS if c in ranked.columns]].rename(columns=RANKED_COLUMNS)
+    doc.add(Heading("Candidates, ranked"), Table(shown, caption="fleet-verified first, then by cost per hour"))
+    ok = ranked[ranked["capacity_rps"].fillna(0) > 0]
+    if not ok.empty:
+        doc.add(figs.save(plots.capacity_bars(ok, target_rate=plan["target_rate"]), "capacity",
+                          "Capacity of one replica, replicas needed and fleet cost per candidate"))
+    if not trials.empty and (trials["phase"] == "search").any():
+        search = trials[trials["phase"] == "search"]
+        doc.add(Heading("Capacity search"),
+                figs.save(plots.search_curves(search, slo_ttft_ms=slo.get("ttft_ms"), slo_itl_ms=slo.get("itl_ms"),
+                                              slo_tpot_ms=slo.get("tpot_ms")), "search",
+                          "p99 latencies at every rate the bisection tried (hollow markers failed)"),
+                Bullets([f"{r['name']}: saturation {r.get('saturation_rps', 0):.3g} req/s; capacity "
+                         f"{r.get('capacity_rps', 0):.3g} req/s; {r.get('search_note')}" for r in results
+                         if not r.get("error")]))
+    attempts = _attempts_table(results)
+    if not attempts.empty:
+        doc.add(Heading("Fleet verification"), Table(attempts, caption="every fleet simulated at the target rate"))
+    best = ranked[ranked["meets_slo"]].head(4)["candidate"].tolist() or ranked["candidate"].head(1).tolist()
+    by_name = {r["name"]: r for r in results}
+    fleets = read_runs({n: Path(by_name[n]["run_dir"]) / "fleet" for n in best if by_name[n].get("run_dir")})
+    if fleets:
+        top_name, top = next(iter(fleets.items()))
+        reps = pd.DataFrame([{"replica": i, **r} for i, r in enumerate(top.summary.get("replicas") or [top.summary])])
+        doc.add(Heading("Fleets at the target rate"),
+                figs.save(plots.replica_balance(reps, title=f"Load across the replicas of {top_name}"), "replicas",
+                          f"Per-replica load of {top_name}"),
+                Table(reps[[c for c in ("replica", "completed", "request_throughput", "output_throughput",
+                                        "p99_ttft_ms", "p99_itl_ms", "mean_batch_size", "peak_kv_utilization")
+                            if c in reps]],
+                      caption=f"per replica, {top_name}"),
+                *run_figures(figs, fleets, prefix="fleet_", slo_ttft_ms=slo.get("ttft_ms"),
+                             slo_itl_ms=slo.get("itl_ms"), slots=False))
+    prices = pd.DataFrame([{"hardware": c["hardware"], "GPUs per replica": c["gpus_per_replica"],
+                            "$ per GPU-hour": c["price_per_gpu_hour"]} for c in plan["candidates"]]).drop_duplicates()
+    doc.add(Heading("Definitions"), Bullets(_definitions(plan)),
+            Heading("Assumptions"), Table(prices, caption="prices used"),
+            Bullets(plan.get("assumptions") or ["none stated in the plan file"]),
+            Heading("Profile provenance"), Bullets(_provenance(results) or ["no candidate ran"]),
+            Para(f"Source files: plan `{plan['source']}`, traffic `{plan['base']}`; data: plan.json, ranked.csv, "
+                 f"trials.csv, runs/ (definitions: `reports.capacity`)."))
+    return figs.written + write_document(doc, d)

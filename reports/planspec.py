@@ -1,0 +1,202 @@
+"""Plan files: parse and validate a capacity-planning question.
+
+A plan file (paths relative to the file; ``out`` relative to the working
+directory, like ``--out``)::
+
+    name: azure-conv-50rps
+    base: azure_conv.yaml               # traffic shape (arrivals, lengths); its rate is rescaled
+    set: {max_tokens: output}           # overrides for every run (optional)
+    target_rate: 50                     # req/s the fleet must serve
+    slo: {ttft_ms: 2000, itl_ms: 100, attainment: 0.99}   # tpot_ms too; see reports.capacity
+    router: least_requests              # round_robin | least_requests | least_tokens
+    search: {num_requests: 400, rel_tol: 0.05, max_runs: 14}
+    verify: {num_requests_per_replica: 300, max_extra_replicas: 3}
+    policies: [vllm, {kind: sarathi, max_num_batched_tokens: 512}]   # default for candidates
+    candidates:
+      - name: h100
+        profile: {model: llama-3.1-8b, gpu: h100-sxm, tensor_parallel: 1}   # or {path: file}
+        price_per_gpu_hour: 3.00
+        policies: [...]                 # optional, overrides the default list
+        server: {gpu_memory_utilization: 0.9}   # optional
+        gpus_per_replica: 1             # default: profile.tensor_parallel
+    assumptions: ["prices are on-demand list prices, May 2025"]
+    out: runs/plan_azure_conv
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from reports.capacity import SearchSettings, Slo
+from reports.spec import apply_set, check_keys, check_runnable, fail, load_base, positive_int, validate_run_settings
+from sim.config import load_yaml_mapping, set_dotted, workload_from_dict
+
+PLAN_KEYS = ("name", "description", "base", "set", "target_rate", "slo", "router", "search", "verify", "policies",
+             "candidates", "assumptions", "out")
+CANDIDATE_KEYS = ("name", "profile", "price_per_gpu_hour", "policies", "server", "gpus_per_replica")
+SLO_KEYS = ("ttft_ms", "itl_ms", "tpot_ms", "attainment")
+VERIFY_KEYS = ("num_requests_per_replica", "max_extra_replicas")
+
+
+@dataclass(frozen=True)
+class Verify:
+    num_requests_per_replica: int = 300
+    max_extra_replicas: int = 3
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (hardware, policy) option: the raw workload of one replica, and its price."""
+
+    name: str
+    raw: dict[str, Any]
+    gpus_per_replica: int
+    price_per_gpu_hour: float
+    hardware: str
+    policy: str
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    source: Path
+    name: str
+    base_path: Path
+    target_rate: float
+    slo: Slo
+    router: str
+    search: SearchSettings
+    verify: Verify
+    candidates: list[Candidate]
+    assumptions: list[str]
+    out: Path
+
+
+def _number(source: Path, field: str, value: Any, *, positive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0):
+        raise fail(source, field, f"must be a number > 0, got {value!r}", f"set {field} to a positive number")
+    return float(value)
+
+
+def _slo(source: Path, data: Any) -> Slo:
+    if not isinstance(data, dict):
+        raise fail(source, "slo", f"must be a mapping, got {data!r}", "slo: {ttft_ms: 2000, itl_ms: 100}")
+    check_keys(source, "slo", data, SLO_KEYS)
+    values = {k: _number(source, f"slo.{k}", v) for k, v in data.items() if v is not None}
+    if not any(k in values for k in ("ttft_ms", "itl_ms", "tpot_ms")):
+        raise fail(source, "slo", "sets no threshold", "give at least one of ttft_ms, itl_ms, tpot_ms")
+    if not 0 < values.get("attainment", 0.99) <= 1:
+        raise fail(source, "slo.attainment", f"must be in (0, 1], got {values['attainment']}", "attainment: 0.99")
+    return Slo(**values)
+
+
+def _section(source: Path, name: str, data: Any, cls: type) -> Any:
+    if data is None:
+        return cls()
+    allowed = tuple(f.name for f in fields(cls))
+    if not isinstance(data, dict):
+        raise fail(source, name, f"must be a mapping, got {data!r}", f"{name}: {{{allowed[0]}: ...}}")
+    check_keys(source, name, data, allowed)
+    defaults = cls()
+    for key, value in data.items():
+        if isinstance(getattr(defaults, key), int):
+            positive_int(source, f"{name}.{key}", value, minimum=0 if key == "max_extra_replicas" else 1)
+        else:
+            _number(source, f"{name}.{key}", value)
+    return cls(**data)
+
+
+def _policy_label(policy: Any) -> str:
+    if isinstance(policy, str):
+        return policy
+    knobs = " ".join(f"{k}={v}" for k, v in policy.items() if k != "kind")
+    return f"{policy.get('kind', '?')} {knobs}".strip()
+
+
+def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Path) -> list[Candidate]:
+    items = data.get("candidates")
+    if not isinstance(items, list) or not items:
+        raise fail(source, "candidates", f"must be a non-empty list, got {items!r}",
+                   "candidates: [{profile: {gpu: h100-sxm}, price_per_gpu_hour: 3.0}]")
+    default_policies = data.get("policies") or [base_raw.get("policy") or "vllm"]
+    workload_slo = {k: v for k, v in (("ttft_ms", slo.ttft_ms), ("tpot_ms", slo.tpot_ms)) if v is not None}
+    out: list[Candidate] = []
+    checked: dict[str, None] = {}
+    for i, item in enumerate(items):
+        where = f"candidates[{i}]"
+        if not isinstance(item, dict):
+            raise fail(source, where, f"must be a mapping, got {item!r}", "{profile: {...}, price_per_gpu_hour: 3.0}")
+        check_keys(source, where, item, CANDIDATE_KEYS, required=("profile", "price_per_gpu_hour"))
+        price = _number(source, f"{where}.price_per_gpu_hour", item["price_per_gpu_hour"])
+        profile = item["profile"]
+        if not isinstance(profile, dict):
+            raise fail(source, f"{where}.profile", f"must be a mapping, got {profile!r}",
+                       "profile: {model: llama-3.1-8b, gpu: h100-sxm, tensor_parallel: 1}")
+        hardware = str(item.get("name") or profile.get("path") or
+                       f"{profile.get('gpu', 'h100-sxm')}" + (f" x{profile['tensor_parallel']}"
+                                                              if profile.get("tensor_parallel", 1) != 1 else ""))
+        gpus = positive_int(source, f"{where}.gpus_per_replica",
+                            item.get("gpus_per_replica", profile.get("tensor_parallel", 1)))
+        policies = item.get("policies") or default_policies
+        if not isinstance(policies, list):
+            raise fail(source, f"{where}.policies", f"must be a list, got {policies!r}", "policies: [vllm, sarathi]")
+        for policy in policies:
+            raw = set_dotted(base_raw, "profile", profile)
+            raw = set_dotted(raw, "policy", policy)
+            raw = apply_set(source, raw, {"slo": workload_slo} if workload_slo else None)
+            if item.get("server") is not None:
+                raw = apply_set(source, raw, {f"server.{k}": v for k, v in dict(item["server"]).items()})
+            label = f"{source} [{where}, policy {_policy_label(policy)}]"
+            check_runnable(workload_from_dict(raw, label, base_dir), checked)
+            out.append(Candidate(name=f"{hardware} / {_policy_label(policy)}", raw=raw, gpus_per_replica=gpus,
+                                 price_per_gpu_hour=price, hardware=hardware, policy=_policy_label(policy)))
+    names = [c.name for c in out]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise fail(source, "candidates", f"name the same option twice: {dupes}", "give each candidate a distinct name:")
+    return out
+
+
+def parse_plan(path: str | Path, out: Path | None = None) -> PlanSpec:
+    """Read, check and validate a plan file; every candidate is validated like a workload."""
+    source = Path(path)
+    data = load_yaml_mapping(source)
+    check_keys(source, "", data, PLAN_KEYS, required=("base", "target_rate", "slo", "candidates"))
+    base_path, base_raw = load_base(source, data["base"])
+    base_raw = apply_set(source, base_raw, data.get("set"))
+    kind = (base_raw.get("arrivals") or {}).get("kind", "poisson")
+    if kind == "all_at_once":
+        raise fail(source, "base", "has arrivals.kind all_at_once, which has no rate to rescale",
+                   "use a trace or a poisson/gamma/constant arrival process")
+    slo = _slo(source, data["slo"])
+    router = str(data.get("router", "least_requests"))
+    validate_run_settings(str(source), 1, router)
+    search = _section(source, "search", data.get("search"), SearchSettings)
+    if search.min_rate >= search.max_rate:
+        raise fail(source, "search.min_rate", f"({search.min_rate}) must be below search.max_rate ({search.max_rate})",
+                   "lower min_rate or raise max_rate")
+    assumptions = data.get("assumptions") or []
+    if not isinstance(assumptions, list) or not all(isinstance(a, str) for a in assumptions):
+        raise fail(source, "assumptions", "must be a list of strings", 'assumptions: ["prices: on-demand, 2025"]')
+    # Runs are sized by request count (search.num_requests, verify.num_requests_per_replica), not duration.
+    base_raw = set_dotted({k: v for k, v in base_raw.items() if k != "duration_s"}, "num_requests", search.num_requests)
+    return PlanSpec(
+        source=source, name=str(data.get("name") or source.stem), base_path=base_path,
+        target_rate=_number(source, "target_rate", data["target_rate"]), slo=slo, router=router, search=search,
+        verify=_section(source, "verify", data.get("verify"), Verify),
+        candidates=_candidates(source, data, base_raw, slo, base_path.parent), assumptions=list(assumptions),
+        out=out or (Path(data["out"]) if data.get("out") else Path("runs") / source.stem))
+
+
+def spec_summary(spec: PlanSpec) -> dict[str, Any]:
+    """A JSON-able record of the plan (for plan.json and the report)."""
+    return json.loads(json.dumps({
+        "name": spec.name, "source": str(spec.source), "base": str(spec.base_path), "target_rate": spec.target_rate,
+        "slo": spec.slo.__dict__, "slo_text": spec.slo.describe(), "router": spec.router,
+        "search": spec.search.to_dict(), "verify": spec.verify.__dict__, "assumptions": spec.assumptions,
+        "candidates": [{"name": c.name, "hardware": c.hardware, "policy": c.policy,
+                        "gpus_per_replica": c.gpus_per_replica, "price_per_gpu_hour": c.price_per_gpu_hour,
+                        "profile": c.raw.get("profile"), "policy_config": c.raw.get("policy")}
+                       for c in spec.candidates]}, default=str))

@@ -1,0 +1,245 @@
+"""Sweep files: parse, expand into runs, validate every run before any starts.
+
+A sweep file (paths in it are relative to the file, except ``out``, which
+like ``--out`` is relative to the working directory)::
+
+    base: azure_conv.yaml            # the workload every run starts from
+    set: {num_requests: 400}         # fixed overrides for every run (optional)
+    vary:                            # cartesian grid over dotted keys
+      policy.max_num_batched_tokens: [256, 512, 1024]
+      arrivals.rate: [2, 4, 8]
+      policy: [{kind: static, batch_size: 32}, vllm]   # whole sub-mappings work too
+    repetitions: 2                   # independent seeds per grid point (default 1)
+    num_replicas: 1                  # run-level settings; may also be varied
+    router: round_robin
+    save_runs: false                 # keep each run's files under OUT/runs/<run_id>/
+    out: runs/my_sweep               # default runs/<sweep file stem>
+
+Seeds: repetition 0 uses the workload's own seed (so one repetition
+reproduces ``sim run``); repetition r > 0 uses
+``SeedSequence(seed, spawn_key=(r,))``. Grid points share the seed of a
+repetition (common random numbers), so they see the same traffic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sim.config import ConfigError, WorkloadConfig, load_yaml_mapping, set_dotted, workload_from_dict
+
+RUN_KEYS = ("num_replicas", "router")          # run_workload arguments, not workload fields
+SWEEP_KEYS = ("name", "description", "base", "set", "vary", "repetitions", "num_replicas", "router",
+              "save_runs", "out")
+
+
+def fail(source: Path | str, field: str, problem: str, fix: str) -> ConfigError:
+    """A ConfigError in the project's one-line format: file, field, what is wrong, the fix."""
+    return ConfigError(f"{source}: field '{field}' {problem}; fix: {fix}")
+
+
+def check_keys(source: Path | str, where: str, data: dict, allowed: tuple[str, ...],
+               required: tuple[str, ...] = ()) -> None:
+    """Reject unknown keys (listing the allowed ones) and missing required ones."""
+    for key in data:
+        if key not in allowed:
+            field = f"{where}.{key}" if where else str(key)
+            raise fail(source, field, "is unknown", f"use one of: {', '.join(allowed)}")
+    for key in required:
+        if data.get(key) is None:
+            field = f"{where}.{key}" if where else key
+            raise fail(source, field, "is missing", f"add '{key}:' ({_HINTS.get(key, 'see the docs')})")
+
+
+_HINTS = {"base": "a workload YAML, relative to this file", "vary": "a mapping of dotted key -> list of values",
+          "target_rate": "requests per second the fleet must serve", "slo": "e.g. {ttft_ms: 2000, itl_ms: 100}",
+          "candidates": "a list of {profile, price_per_gpu_hour, policies}",
+          "price_per_gpu_hour": "the GPU's price in $ per hour", "profile": "{model, gpu, tensor_parallel} or {path}"}
+
+
+def positive_int(source: Path | str, field: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise fail(source, field, f"must be an integer >= {minimum}, got {value!r}",
+                   f"set {field}: {max(minimum, 1)} or more")
+    return value
+
+
+def load_base(source: Path, value: Any, field: str = "base") -> tuple[Path, dict[str, Any]]:
+    """Resolve ``base`` relative to the file that names it and read its raw mapping."""
+    if not isinstance(value, str) or not value:
+        raise fail(source, field, f"must be a path to a workload YAML, got {value!r}", "base: my_workload.yaml")
+    path = (source.parent / value).resolve()
+    if not path.is_file():
+        raise fail(source, field, f"names {value!r}, which does not exist ({path})",
+                   "give a workload YAML path relative to this file")
+    return path, load_yaml_mapping(path)
+
+
+def apply_set(source: Path, raw: dict[str, Any], overrides: Any, field: str = "set") -> dict[str, Any]:
+    if overrides is None:
+        return raw
+    if not isinstance(overrides, dict):
+        raise fail(source, field, f"must be a mapping of dotted key -> value, got {overrides!r}",
+                   f"{field}: {{num_requests: 400}}")
+    for key, value in overrides.items():
+        raw = set_dotted(raw, str(key), value)
+    return raw
+
+
+def flatten(key: str, value: Any) -> dict[str, Any]:
+    """Columns for one varied value: scalars stay, mappings flatten to dotted keys."""
+    if key == "policy" and isinstance(value, str):
+        value = {"kind": value}
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(flatten(f"{key}.{k}", v))
+        return out
+    if isinstance(value, list):
+        return {key: json.dumps(value)}
+    return {key: value}
+
+
+def run_id_of(values: dict[str, Any], repetition: int) -> str:
+    """Stable 12-hex-digit id of a grid point and repetition (independent of key order)."""
+    text = json.dumps({"values": values, "repetition": repetition}, sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def repetition_seed(seed: int, repetition: int) -> int:
+    """Repetition 0 keeps ``seed``; r > 0 gets an independent stream's 32-bit seed."""
+    if repetition == 0:
+        return int(seed)
+    ss = np.random.SeedSequence(entropy=int(seed), spawn_key=(repetition,))
+    return int(ss.generate_state(1, dtype=np.uint32)[0])
+
+
+@dataclass(frozen=True)
+class RunTask:
+    """One simulation of a sweep: everything a worker needs, picklable."""
+
+    run_id: str
+    values: dict[str, Any]        # the grid point: vary key -> value as written
+    columns: dict[str, Any]       # the grid point flattened to table columns
+    repetition: int
+    seed: int
+    raw: dict[str, Any]           # the full raw workload mapping of this run
+    source: str
+    base_dir: str
+    num_replicas: int
+    router: str
+    save_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    source: Path
+    name: str
+    base_path: Path
+    base_raw: dict[str, Any]      # the base workload with ``set`` applied
+    vary: dict[str, list[Any]]
+    repetitions: int
+    num_replicas: int
+    router: str
+    save_runs: bool
+    out: Path
+
+    def fingerprint(self) -> str:
+        """What a results table depends on besides its run ids: base, grid keys, run settings."""
+        text = json.dumps({"base": self.base_raw, "vary_keys": sorted(self.vary), "num_replicas": self.num_replicas,
+                           "router": self.router}, sort_keys=True, default=str)
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def parse_sweep(path: str | Path, out: Path | None = None) -> SweepSpec:
+    """Read and check a sweep file (structure only; ``expand`` validates the runs)."""
+    source = Path(path)
+    data = load_yaml_mapping(source)
+    check_keys(source, "", data, SWEEP_KEYS, required=("base", "vary"))
+    base_path, base_raw = load_base(source, data["base"])
+    base_raw = apply_set(source, base_raw, data.get("set"))
+    vary = data["vary"]
+    if not isinstance(vary, dict) or not vary:
+        raise fail(source, "vary", f"must be a non-empty mapping of dotted key -> list of values, got {vary!r}",
+                   "vary: {policy.max_num_batched_tokens: [512, 1024]}")
+    for key, values in vary.items():
+        if not isinstance(values, list) or not values:
+            raise fail(source, f"vary.{key}", f"must be a non-empty list of values, got {values!r}",
+                       f"vary: {{{key}: [value1, value2]}}")
+        if key in ("seed", "name"):
+            raise fail(source, f"vary.{key}", "cannot be varied", "use 'repetitions: N' for independent seeds")
+        if len({json.dumps(v, sort_keys=True, default=str) for v in values}) != len(values):
+            raise fail(source, f"vary.{key}", f"lists a value twice: {values!r}", "remove the duplicate")
+    out_dir = out or (Path(data["out"]) if data.get("out") else Path("runs") / source.stem)
+    return SweepSpec(
+        source=source, name=str(data.get("name") or source.stem), base_path=base_path, base_raw=base_raw,
+        vary={str(k): list(v) for k, v in vary.items()},
+        repetitions=positive_int(source, "repetitions", data.get("repetitions", 1)),
+        num_replicas=positive_int(source, "num_replicas", data.get("num_replicas", 1)),
+        router=str(data.get("router", "round_robin")), save_runs=bool(data.get("save_runs", False)), out=out_dir)
+
+
+def validate_run_settings(source: str, num_replicas: Any, router: Any) -> None:
+    """num_replicas >= 1 and a known router, else a ConfigError naming ``source``."""
+    from sim.engine import ROUTERS
+    positive_int(source, "num_replicas", num_replicas)
+    if router not in ROUTERS:
+        raise fail(source, "router", f"must be one of {', '.join(ROUTERS)}, got {router!r}", "router: least_requests")
+
+
+def check_runnable(cfg: WorkloadConfig, checked: dict[str, None]) -> None:
+    """Build the profile and KV pool once per distinct (profile, server) so that an
+    unknown GPU or a model that does not fit fails before any run starts."""
+    from sim.runner import build_profile, kv_blocks
+    resolved = cfg.to_dict()
+    key = json.dumps([resolved["profile"], resolved["server"]], sort_keys=True, default=str)
+    if key not in checked:
+        kv_blocks(cfg, build_profile(cfg))
+        checked[key] = None
+
+
+def expand(spec: SweepSpec) -> list[RunTask]:
+    """Every run of the grid x repetitions, each validated like a workload file.
+
+    Raises ConfigError naming the sweep file and the offending grid point.
+    """
+    keys = list(spec.vary)
+    arrivals, lengths = spec.base_raw.get("arrivals") or {}, spec.base_raw.get("lengths") or {}
+    if spec.repetitions > 1 and arrivals.get("kind") == "trace" and lengths.get("kind", "trace") == "trace":
+        warnings.warn(f"{spec.source}: field 'repetitions' is {spec.repetitions}, but the base replays a trace's "
+                      f"arrivals and lengths, which no seed changes: the repetitions will be identical", stacklevel=2)
+    tasks: list[RunTask] = []
+    checked: dict[str, None] = {}
+    for combo in itertools.product(*(spec.vary[k] for k in keys)):
+        values = dict(zip(keys, combo))
+        label = ", ".join(f"{k}={json.dumps(v, default=str)}" for k, v in values.items())
+        where = f"{spec.source} [run {label}]"
+        raw = dict(spec.base_raw)
+        run_settings = {"num_replicas": spec.num_replicas, "router": spec.router}
+        for key, value in values.items():
+            if key in RUN_KEYS:
+                run_settings[key] = value
+            else:
+                raw = set_dotted(raw, key, value)
+        validate_run_settings(where, run_settings["num_replicas"], run_settings["router"])
+        cfg = workload_from_dict(raw, where, spec.base_path.parent)
+        check_runnable(cfg, checked)
+        columns: dict[str, Any] = {}
+        for key, value in values.items():
+            columns.update(flatten(key, value))
+        for rep in range(spec.repetitions):
+            seed = repetition_seed(cfg.seed, rep)
+            run_id = run_id_of(values, rep)
+            tasks.append(RunTask(
+                run_id=run_id, values=values, columns=columns, repetition=rep, seed=seed,
+                raw=set_dotted(raw, "seed", seed), source=str(spec.base_path), base_dir=str(spec.base_path.parent),
+                num_replicas=int(run_settings["num_replicas"]), router=str(run_settings["router"]),
+                save_dir=str(spec.out / "runs" / run_id) if spec.save_runs else None))
+    return tasks

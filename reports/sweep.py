@@ -1,0 +1,220 @@
+"""`sim sweep`: run a grid of workload variants into one tidy, resumable table.
+
+Output directory::
+
+    results.csv    one row per finished run, appended and flushed as each run
+                   ends: run_id, the grid columns, repetition, seed, every
+                   scalar summary metric, offered_rate, sim_wall_s, wall_s
+    sweep.json     what the table depends on (base, grid, fingerprint)
+    failed.jsonl   runs that raised (retried by the next invocation)
+    runs/<run_id>/ each run's files, only with ``save_runs: true``
+    figures/, report.md, report.html   written when the sweep ends
+
+Rerunning the same sweep skips every run_id already in results.csv, so an
+interrupted sweep resumes where it stopped and a grid can be extended.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from reports.pool import run_tasks
+from reports.spec import RunTask, SweepSpec, expand, parse_sweep
+from sim.config import ConfigError
+from sim.io import write_json
+
+TABLE = "results.csv"
+LEAD_COLUMNS = ("run_id",)
+TAIL_COLUMNS = ("repetition", "seed")
+
+
+class SweepFailed(ConfigError):
+    """Some runs raised; the others are in the table. Reported like bad input (one
+    line, exit status 2); the tracebacks are in failed.jsonl."""
+
+
+def scalar_summary(summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary's scalar entries (drops the per-replica list and other nesting)."""
+    return {k: v for k, v in summary.items() if v is None or isinstance(v, (bool, int, float, str))}
+
+
+def offered_rate(arrival_s: Any) -> float | None:
+    """Mean arrival rate of a run, (n - 1) / span, as the trace README defines it."""
+    n = len(arrival_s)
+    span = float(arrival_s.max() - arrival_s.min()) if n > 1 else 0.0
+    return (n - 1) / span if span > 0 else None
+
+
+def run_task(task: RunTask) -> dict[str, Any]:
+    """Worker entry point: simulate one run and return its table metrics (no DataFrames)."""
+    import warnings
+
+    from sim.config import workload_from_dict
+    from sim.runner import run_workload
+
+    t0 = time.perf_counter()
+    cfg = workload_from_dict(task.raw, task.source, task.base_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # rejections are counted in 'failed'
+        result = run_workload(cfg, num_replicas=task.num_replicas, router=task.router)
+    if task.save_dir:
+        from sim.io import write_run
+        write_run(result, task.save_dir)
+    row = scalar_summary(result.summary)
+    row["offered_rate"] = offered_rate(result.requests["arrival_s"])
+    row["sim_wall_s"] = result.meta.get("wall_s")
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+# ---- the table ----------------------------------------------------------------
+def _repair_tail(path: Path) -> None:
+    """Drop a half-written last line (a run killed mid-write) so appends stay aligned."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def read_table_ids(path: Path) -> tuple[list[str], set[str]]:
+    """(header, run ids) of an existing table; ([], set()) when there is none."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return [], set()
+    _repair_tail(path)
+    with path.open(newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, [])
+        ids = {row[0] for row in reader if row and len(row) == len(header)}
+    return header, ids
+
+
+def _rewrite_with_header(path: Path, header: list[str]) -> None:
+    """Re-write the table under a wider header (new columns empty in old rows), atomically."""
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=header)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+class ResultsTable:
+    """Append-only CSV: one row per run, flushed as written; widens its header if needed."""
+
+    def __init__(self, path: Path, header: list[str]) -> None:
+        self.path = path
+        self.header = header
+
+    def append(self, row: dict[str, Any]) -> None:
+        missing = [k for k in row if k not in self.header]
+        if missing or not self.header:
+            if self.header:
+                self.header = self.header[:-1] + missing + self.header[-1:]   # wall_s stays last
+                _rewrite_with_header(self.path, self.header)
+            else:
+                self.header = list(row)
+                with self.path.open("w", newline="") as f:
+                    csv.writer(f).writerow(self.header)
+        with self.path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self.header).writerow({k: "" if v is None else v for k, v in row.items()})
+            f.flush()
+
+
+def table_row(task: RunTask, metrics: dict[str, Any], grid_columns: Sequence[str]) -> dict[str, Any]:
+    row: dict[str, Any] = {"run_id": task.run_id}
+    row.update({c: task.columns.get(c) for c in grid_columns})
+    row.update(repetition=task.repetition, seed=task.seed)
+    wall = metrics.get("wall_s")
+    row.update({k: v for k, v in metrics.items() if k != "wall_s"})
+    row["wall_s"] = wall
+    return row
+
+
+def grid_columns_of(tasks: Iterable[RunTask]) -> list[str]:
+    cols: dict[str, None] = {}
+    for t in tasks:
+        cols.update(dict.fromkeys(t.columns))
+    return list(cols)
+
+
+# ---- the sweep -------------------------------------------------------------------
+def _check_same_sweep(spec: SweepSpec, meta_path: Path, table: Path) -> None:
+    if not meta_path.is_file() or not table.is_file():
+        return
+    old = json.loads(meta_path.read_text())
+    if old.get("fingerprint") != spec.fingerprint():
+        raise ConfigError(f"{spec.source}: field 'out' ({spec.out}) holds results of a different sweep (another "
+                          f"base workload, 'set', grid keys or run settings); fix: choose another out: / --out, "
+                          f"or delete {table} to start over")
+
+
+def run_sweep(spec: SweepSpec, tasks: Sequence[RunTask], *, jobs: int | None = None, cluster: Any = None,
+              progress: bool = True, runner: Callable[[RunTask], dict[str, Any]] = run_task) -> Path:
+    """Run the tasks not yet in ``spec.out/results.csv``, appending each as it finishes.
+
+    Returns the table's path. Raises SweepFailed (after every other run has
+    finished and been written) when some runs raised.
+    """
+    out = spec.out
+    out.mkdir(parents=True, exist_ok=True)
+    table_path, meta_path, failed_path = out / TABLE, out / "sweep.json", out / "failed.jsonl"
+    _check_same_sweep(spec, meta_path, table_path)
+    grid_cols = grid_columns_of(tasks)
+    write_json(meta_path, {"name": spec.name, "source": str(spec.source), "base": str(spec.base_path),
+                            "fingerprint": spec.fingerprint(), "vary": spec.vary, "grid_columns": grid_cols,
+                            "repetitions": spec.repetitions, "num_replicas": spec.num_replicas,
+                            "router": spec.router, "slo": spec.base_raw.get("slo"), "num_runs": len(tasks)})
+    header, done = read_table_ids(table_path)
+    todo = [t for t in tasks if t.run_id not in done]
+    if progress:
+        where = f"Dask cluster {cluster}" if cluster is not None else f"{jobs or 'all'} local worker(s)"
+        print(f"sweep {spec.name}: {len(tasks)} runs, {len(tasks) - len(todo)} already in {table_path}, "
+              f"running {len(todo)} on {where}", file=sys.stderr)
+    if failed_path.exists():
+        failed_path.unlink()
+    table = ResultsTable(table_path, header)
+    failures: list[tuple[RunTask, BaseException]] = []
+    for outcome in run_tasks(runner, todo, jobs=jobs, cluster=cluster, progress=progress, desc=spec.name):
+        if outcome.error is not None:
+            failures.append((outcome.task, outcome.error))
+            with failed_path.open("a") as f:
+                f.write(json.dumps({"run_id": outcome.task.run_id, "values": outcome.task.values,
+                                    "repetition": outcome.task.repetition, "error": repr(outcome.error),
+                                    "traceback": "".join(traceback.format_exception(outcome.error))},
+                                   default=str) + "\n")
+            continue
+        table.append(table_row(outcome.task, outcome.result, grid_cols))
+    if failures:
+        task, exc = failures[0]
+        msg = (f"{len(failures)} of {len(todo)} runs failed (details in {failed_path}); the other runs are in "
+               f"{table_path}; rerun the same command to retry only the failed ones. First: run {task.run_id} "
+               f"{task.values}: {exc}")
+        raise SweepFailed(msg)
+    return table_path
+
+
+def run_sweep_file(path: str | Path, *, jobs: int | None = None, cluster: str | None = None,
+                   out: Path | None = None, progress: bool = True) -> Path:
+    """`sim sweep FILE`: parse, validate every run, run the missing ones, write the report.
+
+    Returns the results table's path. Bad files raise ConfigError before any run.
+    """
+    spec = parse_sweep(path, out)
+    tasks = expand(spec)
+    from reports.report import regenerate
+    try:
+        table = run_sweep(spec, tasks, jobs=jobs, cluster=cluster, progress=progress)
+    except SweepFailed:
+        if (spec.out / TABLE).is_file():
+            regenerate(spec.out)
+        raise
+    regenerate(spec.out)
+    return table

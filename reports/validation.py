@@ -1,0 +1,299 @@
+"""Live-vs-simulated comparison: error tables, attribution, decision diff, figures.
+
+Torch-free; reads only the DataFrames of two runs (``sim.io.read_run`` or
+``RunResult``s): a *live* run whose ``steps`` carry ``batch`` (composition),
+``forward_s`` (measured) and ``predicted_s`` (profile) times, and its twin.
+
+Attribution (measured-time replay). The live step sequence is replayed with
+each step's measured duration swapped for its predicted one, keeping the live
+schedule (same batches, same order; idle gaps end no earlier than they did
+live). Then for every metric M:
+
+    M(sim) - M(live) = [M(replay) - M(live)]  +  [M(sim) - M(replay)]
+                        cost-curve error          policy divergence
+                        (same batches,            (different batches, same
+                         different time)           cost model)
+
+The replay keeps the live order, so where the live run was much slower than
+predicted, its batches wait for arrivals the live schedule had absorbed: read
+the split with the per-step errors. Errors are signed % of the live value.
+Nothing here writes a file.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from reports.plots import FIG_WIDTH_IN, plt
+from reports.runplots import latency_cdfs
+from sim.metrics import summarize
+
+if TYPE_CHECKING:
+    from sim.runner import RunResult as Run     # or anything with requests, steps, tokens, summary
+
+THROUGHPUTS = (("request_throughput", "req/s"), ("output_throughput", "tok/s"))
+LATENCIES = ("ttft", "itl", "tpot", "e2el")
+STATS = ("mean", "p50", "p90", "p99")
+IDLE_GAP_S = 1e-9
+STARVED_SHARE = 0.9     # a step with less CPU per wall second than 0.9 x the run's p90 was descheduled
+
+
+def metric_keys() -> list[tuple[str, str]]:
+    """(summary key, unit) of every compared metric, in table order."""
+    return [*THROUGHPUTS, *((f"{s}_{m}_ms", "ms") for m in LATENCIES for s in STATS)]
+
+
+def _pct(value: float | None, ref: float | None) -> float:
+    return float("nan") if value is None or not ref else (value - ref) / ref * 100.0
+
+
+def error_table(live: Mapping[str, Any], sim: Mapping[str, Any],
+                replay: Mapping[str, Any] | None = None) -> pd.DataFrame:
+    """One row per metric: live, sim, err_pct = (sim - live) / live; with
+    ``replay``: cost_pct = (replay - live) / live and policy_pct = (sim -
+    replay) / live, which add up to err_pct."""
+    rows = []
+    for key, unit in metric_keys():
+        row = {"metric": key, "unit": unit, "live": live.get(key), "sim": sim.get(key),
+               "err_pct": _pct(sim.get(key), live.get(key))}
+        if replay is not None:
+            row["replay"] = replay.get(key)
+            row["cost_pct"] = _pct(replay.get(key), live.get(key))
+            row["policy_pct"] = row["err_pct"] - row["cost_pct"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def check(table: pd.DataFrame, tolerances_pct: Mapping[str, float]) -> list[str]:
+    """Violations of ``{metric: max |err_pct|}``; a NaN error is a violation."""
+    err = dict(zip(table["metric"], table["err_pct"]))
+    return [f"{key}: {err.get(key, np.nan):+.1f}% (limit ±{limit:g}%)"
+            for key, limit in tolerances_pct.items() if not abs(err.get(key, np.nan)) <= limit]
+
+
+# ---- per-step cost error ------------------------------------------------------------------
+def step_kind(steps: pd.DataFrame) -> np.ndarray:
+    """'prefill' (no decodes), 'decode' (no chunks) or 'mixed' per step."""
+    pre = steps["num_prefill_seqs"].to_numpy() > 0
+    dec = (steps["batch_size"] - steps["num_prefill_seqs"]).to_numpy() > 0
+    return np.where(pre & dec, "mixed", np.where(pre, "prefill", "decode"))
+
+
+def step_errors(steps: pd.DataFrame) -> pd.DataFrame:
+    """Per live step: kind, t_s, measured_s (forward time, else the step's
+    duration), predicted_s and error_pct = (predicted - measured) / measured."""
+    measured = steps["forward_s"] if "forward_s" in steps else steps["duration_s"]
+    measured = measured.where(np.isfinite(measured), steps["duration_s"]).to_numpy(dtype=float)
+    pred = steps["predicted_s"].to_numpy(dtype=float)
+    return pd.DataFrame({"kind": step_kind(steps), "t_s": steps["t_s"].to_numpy(dtype=float),
+                         "measured_s": measured, "predicted_s": pred,
+                         "error_pct": (pred - measured) / measured * 100.0})
+
+
+def step_error_stats(steps: pd.DataFrame) -> dict[str, Any]:
+    """median/p90 |error| %, mean signed error %, per kind too; host time
+    outside the forward pass (scheduling, bookkeeping, clock catch-up)."""
+    e = step_errors(steps)
+    out: dict[str, Any] = {"num_steps": len(e)}
+    for kind, sub in [("all", e), *e.groupby("kind")]:
+        a = sub["error_pct"].abs()
+        out[kind] = {"num_steps": len(sub), "median_abs_pct": float(a.median()),
+                     "p90_abs_pct": float(a.quantile(0.9)), "mean_pct": float(sub["error_pct"].mean())}
+    dur = steps["duration_s"].to_numpy(dtype=float)
+    host = dur - e["measured_s"].to_numpy()
+    out["host_ms"] = {"mean": float(host.mean() * 1e3), "p99": float(np.percentile(host, 99) * 1e3),
+                      "share_pct": float(host.sum() / dur.sum() * 100.0)}
+    out["busy_s"] = {"live_duration": float(dur.sum()), "live_forward": float(e["measured_s"].sum()),
+                     "replay_predicted": float(e["predicted_s"].sum())}
+    # CPU seconds per forward-pass second: ~threads when the cores were ours, less when shared.
+    out["cpu_per_forward_s"] = None
+    if "cpu_s" in steps and len(e):
+        ratio = steps["cpu_s"].to_numpy(dtype=float) / e["measured_s"].to_numpy()
+        out["cpu_per_forward_s"] = float(steps["cpu_s"].sum() / e["measured_s"].sum())
+        # unstarved: steps that got (nearly) the CPU share the run's best steps got
+        a = e.loc[ratio >= STARVED_SHARE * np.percentile(ratio, 90), "error_pct"].abs()
+        out["unstarved"] = {"num_steps": len(a), "median_abs_pct": float(a.median()),
+                            "p90_abs_pct": float(a.quantile(0.9))}
+    return out
+
+
+# ---- decisions --------------------------------------------------------------------------------
+def decision_diff(live_steps: pd.DataFrame, sim_steps: pd.DataFrame) -> dict[str, Any]:
+    """Step i of the live run against step i of the simulated one, by their
+    (req_id, num_new_tokens, context_len) items in order: the fraction that
+    are identical (over the longer run) and the first divergence."""
+    a, b = live_steps["batch"].astype(str).tolist(), sim_steps["batch"].astype(str).tolist()
+    n, m = max(len(a), len(b)), min(len(a), len(b))
+    same = sum(x == y for x, y in zip(a, b))
+    first = next((i for i in range(m) if a[i] != b[i]), m if len(a) != len(b) else None)
+    out: dict[str, Any] = {"num_live_steps": len(a), "num_sim_steps": len(b),
+                           "identical_fraction": same / n if n else 1.0, "first_divergence": None}
+    if first is not None:
+        (lt, lb), (st, sb) = [(float(steps["t_s"].iloc[first]), seq[first]) if first < len(seq) else (None, None)
+                              for steps, seq in ((live_steps, a), (sim_steps, b))]
+        out["first_divergence"] = {"step": first, "live_t_s": lt, "sim_t_s": st, "live_batch": lb, "sim_batch": sb}
+    return out
+
+
+# ---- measured-time replay -----------------------------------------------------------------
+def _ready_s(live: Run) -> np.ndarray:
+    """Per step, the latest arrival among its requests (-inf without ``batch``)."""
+    if "batch" not in live.steps:
+        return np.full(len(live.steps), -np.inf)
+    arrival = dict(zip(live.requests["req_id"].tolist(), live.requests["arrival_s"].tolist()))
+    return np.array([max((arrival[int(item.split(":", 1)[0])] for item in str(b).split()), default=-np.inf)
+                     for b in live.steps["batch"]], dtype=float)
+
+
+def replay(live: Run, kv_total_blocks: int | None = None) -> dict[str, Any]:
+    """Summary of the live schedule re-timed with the profile's step times.
+
+    Step i starts when step i-1 ends, but never before its requests arrived
+    (from the ``batch`` compositions) nor, if the live server sat idle before
+    it, before it started live. Every token, first token, finish (step ends)
+    and first scheduling (step starts) moves with its step.
+    """
+    st = live.steps
+    start = st["t_s"].to_numpy(dtype=float)
+    end = start + st["duration_s"].to_numpy(dtype=float)
+    pred = st["predicted_s"].to_numpy(dtype=float)
+    ready = _ready_s(live)
+    r_start, r_end = np.empty_like(start), np.empty_like(start)
+    prev_live = prev_rep = -np.inf
+    for i in range(len(start)):
+        idle = start[i] > prev_live + IDLE_GAP_S
+        r_start[i] = max(prev_rep, ready[i], start[i] if idle else -np.inf)
+        r_end[i] = r_start[i] + pred[i]
+        prev_live, prev_rep = end[i], r_end[i]
+
+    def move(t: np.ndarray, live_marks: np.ndarray, rep_marks: np.ndarray) -> np.ndarray:
+        idx = np.clip(np.searchsorted(live_marks, np.nan_to_num(t) - 1e-7), 0, len(live_marks) - 1)
+        return np.where(np.isfinite(t), rep_marks[idx], np.nan)
+
+    req = live.requests.copy()
+    for col, (marks, rep) in {"first_token_s": (end, r_end), "finished_s": (end, r_end),
+                              "first_scheduled_s": (start, r_start)}.items():
+        req[col] = move(req[col].to_numpy(dtype=float), marks, rep)
+    for col, since in (("queue_s", "first_scheduled_s"), ("ttft_s", "first_token_s"), ("e2e_s", "finished_s")):
+        req[col] = req[since] - req["arrival_s"]
+    req["tpot_s"] = (req["e2e_s"] - req["ttft_s"]) / (req["output_tokens"].where(req["output_tokens"] > 1) - 1)
+    tokens = pd.DataFrame({"req_id": live.tokens["req_id"].to_numpy(),
+                           "t_s": move(live.tokens["t_s"].to_numpy(dtype=float), end, r_end)})
+    steps = st.assign(t_s=r_start, duration_s=pred)
+    return summarize(req, tokens, steps, None, kv_total_blocks)
+
+
+# ---- everything together ----------------------------------------------------------------------
+def compare(live: Run, sim: Run) -> dict[str, Any]:
+    """The whole comparison as plain data (report.json's body)."""
+    kv_total = int(live.steps["kv_total_blocks"].iloc[0]) if len(live.steps.get("kv_total_blocks", ())) else None
+    table = error_table(live.summary, sim.summary, replay(live, kv_total))
+    return {"table": table.replace({np.nan: None}).to_dict("records"),
+            "steps": step_error_stats(live.steps),
+            "decisions": decision_diff(live.steps, sim.steps),
+            "completed": {"live": live.summary["completed"], "sim": sim.summary["completed"]},
+            "preemptions": {"live": live.summary["num_preemptions"], "sim": sim.summary["num_preemptions"]},
+            "out_of_range_lookups": {"live": live.summary.get("num_out_of_range_lookups"),
+                                     "sim": sim.summary.get("num_out_of_range_lookups")}}
+
+
+def _num(v: Any, pct: bool = False) -> str:
+    if v is None or (isinstance(v, float) and not np.isfinite(v)):
+        return "-"
+    return f"{v:+.1f}" if pct else (f"{v:.1f}" if abs(v) >= 100 else f"{v:.3g}")
+
+
+def format_table(rows: list[dict[str, Any]] | pd.DataFrame, markdown: bool = False) -> str:
+    """The error table as aligned text, or as a Markdown table."""
+    df = pd.DataFrame(rows)
+    head = {"live": "live", "sim": "sim", "err_pct": "err %", "replay": "replay", "cost_pct": "cost-curve %",
+            "policy_pct": "policy %"}
+    cols = [c for c in head if c in df]
+    cells = [[f"{r.metric} ({r.unit})"] + [_num(getattr(r, c), c.endswith("pct")) for c in cols]
+             for r in df.itertuples()]
+    header = ["metric"] + [head[c] for c in cols]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in cells])
+    w = max(len(c[0]) for c in cells + [header])
+    fmt = lambda c: f"{c[0]:<{w}}" + "".join(f"{x:>14}" for x in c[1:])   # noqa: E731
+    return "\n".join([fmt(header)] + [fmt(c) for c in cells])
+
+
+def _short(batch: str | None, max_items: int = 8) -> str:
+    items = (batch or "").split()
+    more = f" ... (+{len(items) - max_items} items)" if len(items) > max_items else ""
+    return " ".join(items[:max_items]) + more if batch is not None else "(run ended)"
+
+
+def render_markdown(comparison: Mapping[str, Any], title: str, notes: list[str]) -> str:
+    """report.md: notes, the error table, step errors, decisions, figures."""
+    s, d = comparison["steps"], comparison["decisions"]
+    lines = [f"# {title}", "", *(f"- {n}" for n in notes), "",
+             "## Sim vs live", "", "err % = (sim - live) / live. Attribution by measured-time replay "
+             "(the live batches re-timed with the profile): cost-curve % + policy % = err %.", "",
+             format_table(comparison["table"], markdown=True), "",
+             "## Per-step cost error (live batches: predicted vs measured forward time)", "",
+             "| steps | n | median abs % | p90 abs % | mean signed % |", "|---|---|---|---|---|"]
+    lines += [f"| {kind} | {k['num_steps']} | {k['median_abs_pct']:.1f} | {k['p90_abs_pct']:.1f} | "
+              f"{k['mean_pct']:+.1f} |" for kind in ("all", "prefill", "decode", "mixed") if (k := s.get(kind))]
+    b, h = s["busy_s"], s["host_ms"]
+    lines += ["", f"Busy time: live {b['live_duration']:.2f} s of which forward {b['live_forward']:.2f} s; "
+              f"the profile predicts {b['replay_predicted']:.2f} s for the same batches. Host time outside "
+              f"the forward pass (scheduling, bookkeeping, clock catch-up): mean {h['mean']:.2f} ms, p99 "
+              f"{h['p99']:.2f} ms per step ({h['share_pct']:.1f}% of busy time; the simulator has none)."
+              + ("" if s.get("cpu_per_forward_s") is None else
+                 f" CPU seconds per forward-pass second: {s['cpu_per_forward_s']:.2f} (about the thread "
+                 f"count when the cores were not shared with other processes); on the "
+                 f"{s['unstarved']['num_steps']} steps that were not starved of CPU the median |error| is "
+                 f"{s['unstarved']['median_abs_pct']:.1f}% (p90 {s['unstarved']['p90_abs_pct']:.1f}%)."), "",
+              "## Decisions", "", f"{d['num_live_steps']} live steps, {d['num_sim_steps']} simulated; "
+              f"{100 * d['identical_fraction']:.1f}% of step pairs (step i vs step i) have identical batches."]
+    f = d["first_divergence"]
+    if f is None:
+        lines.append("The two runs made identical decisions at every step.")
+    else:
+        t = lambda v: "-" if v is None else f"{v:.4f} s"   # noqa: E731
+        lines += [f"First divergence at step {f['step']} (live t = {t(f['live_t_s'])}, sim t = "
+                  f"{t(f['sim_t_s'])}); items are req:new_tokens:context.", "",
+                  f"- live: `{_short(f['live_batch'])}`", f"- sim:  `{_short(f['sim_batch'])}`"]
+    pre = comparison["preemptions"]
+    lines += ["", f"Preemptions: live {pre['live']}, sim {pre['sim']}.", "", "## Figures", "",
+              "![TTFT and ITL CDFs](cdf.png)", "", "![per-step error](step_error.png)", ""]
+    return "\n".join(lines)
+
+
+# ---- figures -----------------------------------------------------------------------------------
+def cdf_figure(live: Run, sim: Run, title: str) -> Figure:
+    """TTFT and ITL CDFs of both runs, overlaid."""
+    return latency_cdfs({"live": (live.requests, live.tokens), "sim": (sim.requests, sim.tokens)},
+                        title=title)
+
+
+def step_error_figure(steps: pd.DataFrame, title: str) -> Figure:
+    """Histogram of the per-step signed error % by step kind, and the error over time."""
+    e = step_errors(steps)
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(FIG_WIDTH_IN, 4.2), constrained_layout=True)
+    lo, hi = np.nanpercentile(e["error_pct"], [0.5, 99.5]) if len(e) else (-1.0, 1.0)
+    bins = np.linspace(min(lo, -5.0), max(hi, 5.0), 41)
+    kinds = [k for k in ("decode", "prefill", "mixed") if (e["kind"] == k).any()]
+    ax0.hist([e.loc[e["kind"] == k, "error_pct"].clip(bins[0], bins[-1]) for k in kinds], bins=bins,
+             stacked=True, label=[f"{k} (n={(e['kind'] == k).sum()})" for k in kinds])
+    med = float(e["error_pct"].median()) if len(e) else 0.0
+    ax0.axvline(0, color="black", linewidth=1)
+    ax0.axvline(med, color="crimson", linestyle="--", label=f"median {med:+.1f}%")
+    ax0.set(xlabel="(predicted − measured) / measured (%)", ylabel="steps", title="Per-step cost error (tails clipped)")
+    ax0.legend(fontsize=8)
+    for k, sub in ((k, e[e["kind"] == k]) for k in kinds):
+        ax1.scatter(sub["t_s"], sub["error_pct"], s=6, alpha=0.6, label=k)
+    ax1.axhline(0, color="black", linewidth=1)
+    ax1.set(ylim=(bins[0], bins[-1]), xlabel="step start (s)", ylabel="error (%)",
+            title="Per-step error over the run")
+    ax1.grid(True, alpha=0.3)
+    ax1.legend(fontsize=8, markerscale=2)
+    fig.suptitle(title, fontsize=13)
+    return fig

@@ -1,0 +1,163 @@
+"""Sweeps: grid expansion, seeds, up-front validation, resume, and local pool == Dask."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from reports.spec import expand, parse_sweep, repetition_seed, run_id_of
+from reports.sweep import read_table_ids, run_sweep, run_sweep_file, run_task
+from sim.config import ConfigError
+
+WORKLOAD = {"name": "tiny", "seed": 3, "num_requests": 40, "arrivals": {"kind": "poisson", "rate": 4.0},
+            "lengths": {"kind": "uniform", "prompt_min": 32, "prompt_max": 256, "output_min": 8, "output_max": 48},
+            "policy": {"kind": "vllm"}}
+TIMING_COLUMNS = ["wall_s", "sim_wall_s"]
+
+
+def write_files(tmp_path: Path, sweep: dict, workload: dict | None = None) -> Path:
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(workload or WORKLOAD))
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"base": "tiny.yaml", **sweep}))
+    return path
+
+
+GRID = {"vary": {"policy.kind": ["vllm", "sarathi"], "arrivals.rate": [2.0, 6.0]}, "repetitions": 2}
+
+
+def test_grid_expands_with_stable_ids_and_independent_seeds(tmp_path: Path) -> None:
+    spec = parse_sweep(write_files(tmp_path, GRID), out=tmp_path / "out")
+    tasks = expand(spec)
+    assert len(tasks) == 2 * 2 * 2 and len({t.run_id for t in tasks}) == 8
+    # Repetition 0 keeps the workload's seed (it reproduces `sim run`); repetition 1 gets another one,
+    # the same at every grid point (common random numbers).
+    assert {t.seed for t in tasks if t.repetition == 0} == {3}
+    assert len({t.seed for t in tasks if t.repetition == 1}) == 1 and repetition_seed(3, 1) != 3
+    assert tasks[0].raw["policy"]["kind"] == "vllm" and tasks[0].raw["arrivals"]["rate"] == 2.0
+    assert run_id_of({"a": 1, "b": 2}, 0) == run_id_of({"b": 2, "a": 1}, 0) != run_id_of({"a": 1, "b": 2}, 1)
+
+
+def test_mapping_values_replace_a_section_and_become_columns(tmp_path: Path) -> None:
+    sweep = {"vary": {"policy": ["vllm", {"kind": "static", "batch_size": 8}]}}
+    tasks = expand(parse_sweep(write_files(tmp_path, sweep), out=tmp_path / "out"))
+    assert tasks[1].raw["policy"] == {"kind": "static", "batch_size": 8}
+    assert tasks[0].columns == {"policy.kind": "vllm"}
+    assert tasks[1].columns == {"policy.kind": "static", "policy.batch_size": 8}
+
+
+@pytest.mark.parametrize("sweep, message", [
+    ({"vary": {"arrivals.rate": [1.0]}, "repititions": 2}, "field 'repititions' is unknown"),
+    ({"vary": {"arrivals.rate": []}}, "field 'vary.arrivals.rate' must be a non-empty list"),
+    ({"vary": {}}, "field 'vary' must be a non-empty mapping"),
+    ({"vary": {"arrivals.rate": [1.0, 1.0]}}, "lists a value twice"),
+    ({"vary": {"seed": [1, 2]}}, "use 'repetitions: N'"),
+    ({"vary": {"arrivals.rate": [1.0]}, "repetitions": 0}, "field 'repetitions' must be an integer >= 1"),
+])
+def test_bad_sweep_files_name_the_field_and_the_fix(tmp_path: Path, sweep: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as info:
+        parse_sweep(write_files(tmp_path, sweep))
+    assert "sweep.yaml" in str(info.value) and "fix:" in str(info.value)
+
+
+def test_missing_base_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"vary": {"arrivals.rate": [1.0]}}))
+    with pytest.raises(ConfigError, match="field 'base' is missing"):
+        parse_sweep(path)
+    path.write_text(yaml.safe_dump({"base": "nope.yaml", "vary": {"arrivals.rate": [1.0]}}))
+    with pytest.raises(ConfigError, match="names 'nope.yaml', which does not exist"):
+        parse_sweep(path)
+
+
+NEVER_CALLED: list[str] = []
+
+
+def never_run(task) -> dict:
+    NEVER_CALLED.append(task.run_id)
+    raise AssertionError("no run may start when a variant is invalid")
+
+
+@pytest.mark.parametrize("vary, message", [
+    ({"policy.kind": ["vllm", "fifo"]}, "policy.kind=\"fifo\".*must be one of"),
+    ({"arrivals.rate": [2.0, -1.0]}, "arrivals.rate=-1.0.*must be > 0"),
+    ({"policy.max_num_seqs": [8], "arrivals.rat": [1.0]}, "unknown field 'arrivals.rat'"),
+    ({"profile.gpu": ["h100-sxm", "tpu-v9"]}, "profile.gpu=\"tpu-v9\""),
+    ({"router": ["round_robin", "random"]}, "field 'router' must be one of"),
+])
+def test_every_variant_is_validated_before_any_run(tmp_path: Path, vary: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        run_sweep_file(write_files(tmp_path, {"vary": vary}), out=tmp_path / "out", jobs=1, progress=False)
+    assert not NEVER_CALLED and not (tmp_path / "out" / "results.csv").exists()
+
+
+class Interrupt(KeyboardInterrupt):
+    pass
+
+
+CALLS: list[str] = []
+INTERRUPT_AT: list[int] = []
+
+
+def counting_run(task) -> dict:
+    CALLS.append(task.run_id)
+    if INTERRUPT_AT and len(CALLS) == INTERRUPT_AT[0]:
+        raise Interrupt()                       # Ctrl-C during this run
+    return run_task(task)
+
+
+def test_interrupted_sweep_keeps_its_rows_and_resumes_without_rerunning(tmp_path: Path) -> None:
+    spec = parse_sweep(write_files(tmp_path, GRID), out=tmp_path / "out")
+    tasks = expand(spec)
+    CALLS.clear()
+    INTERRUPT_AT[:] = [4]
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(spec, tasks, jobs=1, progress=False, runner=counting_run)
+    INTERRUPT_AT.clear()
+    table = tmp_path / "out" / "results.csv"
+    _, done = read_table_ids(table)
+    assert done == set(CALLS[:3])               # the three finished runs were written as they ended
+    with table.open("a") as f:
+        f.write("deadbeef0000,vllm,2.0")        # a row cut short by a kill mid-write
+    CALLS.clear()
+    run_sweep(spec, tasks, jobs=1, progress=False, runner=counting_run)
+    assert len(CALLS) == 5 and not set(CALLS) & done
+    final = pd.read_csv(table)
+    assert sorted(final["run_id"]) == sorted(t.run_id for t in tasks)
+    assert {"policy.kind", "arrivals.rate", "repetition", "seed", "p99_ttft_ms", "offered_rate"} <= set(final.columns)
+    CALLS.clear()
+    run_sweep(spec, tasks, jobs=1, progress=False, runner=counting_run)
+    assert CALLS == []                          # a complete sweep reruns nothing
+
+
+def test_out_dir_of_another_sweep_is_refused(tmp_path: Path) -> None:
+    path = write_files(tmp_path, {"vary": {"arrivals.rate": [2.0]}})
+    spec = parse_sweep(path, out=tmp_path / "out")
+    run_sweep(spec, expand(spec), jobs=1, progress=False)
+    changed = {"base": "tiny.yaml", "set": {"num_requests": 20}, "vary": {"arrivals.rate": [2.0]}}
+    path.write_text(yaml.safe_dump(changed))
+    spec = parse_sweep(path, out=tmp_path / "out")
+    with pytest.raises(ConfigError, match="holds results of a different sweep"):
+        run_sweep(spec, expand(spec), jobs=1, progress=False)
+
+
+def comparable(table: Path) -> pd.DataFrame:
+    return pd.read_csv(table).drop(columns=TIMING_COLUMNS).sort_values("run_id").reset_index(drop=True)
+
+
+def test_dask_cluster_gives_the_same_table_as_the_local_pool(tmp_path: Path) -> None:
+    from distributed import Client, LocalCluster
+    path = write_files(tmp_path, {**GRID, "save_runs": True})
+    local = run_sweep_file(path, out=tmp_path / "pool", jobs=2, progress=False)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        spec = parse_sweep(path, out=tmp_path / "dask")
+        dask = run_sweep(spec, expand(spec), cluster=client, progress=False)
+    pd.testing.assert_frame_equal(comparable(local), comparable(dask))
+    assert len(comparable(local)) == 8
+    # The pool sweep also wrote its report and every run's files.
+    assert (tmp_path / "pool" / "report.html").is_file()
+    assert (tmp_path / "pool" / "figures" / "latency_throughput.png").is_file()
+    assert len(list((tmp_path / "pool" / "runs").glob("*/summary.json"))) == 8
