@@ -7,7 +7,9 @@ sarathi, to check that time grows linearly with trace length.
 
     python benchmarks/bench_sim.py [--policies vllm,sarathi] [--no-scaling]
 
-Figures are ratios measured in this run; the machine may be shared and noisy.
+Figures are measured in this run; the machine may be shared and noisy: the
+process CPU seconds (cpu s) beside the wall seconds show how much of the
+wall time the run really had the CPU.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ def one_run(policy: str, repeat: int) -> dict:
     from sim.runner import run_workload
     warnings.simplefilter("ignore")
     cfg = load_workload(WORKLOAD, {"policy.kind": policy, "arrivals.repeat": repeat})
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     result = run_workload(cfg)
     wall_s = time.perf_counter() - t0
+    cpu_s = time.process_time() - c0
     n_req = len(result.requests)
     return {"policy": policy, "repeat": repeat, "requests": n_req, "steps": len(result.steps),
-            "wall_s": wall_s, "req_per_s": n_req / wall_s, "steps_per_s": len(result.steps) / wall_s,
+            "wall_s": wall_s, "cpu_s": cpu_s, "req_per_s": n_req / wall_s, "steps_per_s": len(result.steps) / wall_s,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "completed": result.summary["completed"], "mean_ttft_ms": result.summary["mean_ttft_ms"]}
 
@@ -57,11 +60,12 @@ def main() -> None:
     if args.child:
         print(json.dumps(one_run(args.child[0], int(args.child[1]))))
         return
-    print(f"{'policy':<9}{'requests':>9}{'steps':>9}{'wall s':>8}{'req/s':>8}{'steps/s':>9}{'RSS MiB':>9}")
+    print(f"{'policy':<9}{'requests':>9}{'steps':>9}{'wall s':>8}{'cpu s':>7}{'req/s':>8}{'steps/s':>9}"
+          f"{'RSS MiB':>9}")
     for policy in args.policies.split(","):
         r = in_child(policy, 1)
-        print(f"{policy:<9}{r['requests']:>9}{r['steps']:>9}{r['wall_s']:>8.2f}{r['req_per_s']:>8.0f}"
-              f"{r['steps_per_s']:>9.0f}{r['peak_rss_mib']:>9.0f}", flush=True)
+        print(f"{policy:<9}{r['requests']:>9}{r['steps']:>9}{r['wall_s']:>8.2f}{r['cpu_s']:>7.2f}"
+              f"{r['req_per_s']:>8.0f}{r['steps_per_s']:>9.0f}{r['peak_rss_mib']:>9.0f}", flush=True)
     if args.no_scaling:
         return
     print("\nlinear growth (trace replayed back to back):")

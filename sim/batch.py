@@ -7,7 +7,7 @@ live engine read only this shape; neither ever sees the policy's name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 
@@ -29,29 +29,33 @@ class BatchItem(NamedTuple):
     num_pad_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
 class Batch:
     """The items of one iteration, in the order the policy chose.
 
     The shape the cost model and the step log read is computed once, here:
     an item computing exactly one token (padding included) is a decode, one
-    computing more is a prefill chunk.
+    computing more is a prefill chunk. Treat a Batch as immutable. (A plain
+    slotted class rather than a frozen dataclass: one is built per simulated
+    step, and frozen attribute writes cost several times more.)
     """
 
-    items: tuple[BatchItem, ...]
-    num_tokens: int = field(init=False)           # through the token-parallel layers, padding included
-    num_prefill_tokens: int = field(init=False)   # real prompt/recompute tokens in chunks
-    num_prefill_seqs: int = field(init=False)
-    num_decode_tokens: int = field(init=False)    # real decodes
-    num_pad_tokens: int = field(init=False)
-    decode_seqs: int = field(init=False)          # one-token items, padded ones included
-    decode_context: int = field(init=False)       # sum of their context_len
-    prefill_chunks: tuple[tuple[int, int], ...] = field(init=False)  # (tokens incl. pad, context_len)
+    __slots__ = ("items", "num_tokens", "num_prefill_tokens", "num_prefill_seqs", "num_decode_tokens",
+                 "num_pad_tokens", "decode_seqs", "decode_context", "prefill_chunks")
 
-    def __post_init__(self) -> None:
+    items: tuple[BatchItem, ...]
+    num_tokens: int                  # through the token-parallel layers, padding included
+    num_prefill_tokens: int          # real prompt/recompute tokens in chunks
+    num_prefill_seqs: int
+    num_decode_tokens: int           # real decodes
+    num_pad_tokens: int
+    decode_seqs: int                 # one-token items, padded ones included
+    decode_context: int              # sum of their context_len
+    prefill_chunks: tuple[tuple[int, int], ...]  # (tokens incl. pad, context_len) per chunk
+
+    def __init__(self, items: tuple[BatchItem, ...]) -> None:
         num_tokens = num_prefill = num_decode = num_pad = decode_seqs = decode_context = 0
         chunks = []
-        for it in self.items:
+        for it in items:
             n = it.num_new_tokens
             pad = it.num_pad_tokens
             total = n + pad
@@ -64,33 +68,47 @@ class Batch:
             elif total > 1:
                 chunks.append((total, it.context_len))
                 num_prefill += n
-        setattr_ = object.__setattr__
-        setattr_(self, "num_tokens", num_tokens)
-        setattr_(self, "num_prefill_tokens", num_prefill)
-        setattr_(self, "num_prefill_seqs", len(chunks))
-        setattr_(self, "num_decode_tokens", num_decode)
-        setattr_(self, "num_pad_tokens", num_pad)
-        setattr_(self, "decode_seqs", decode_seqs)
-        setattr_(self, "decode_context", decode_context)
-        setattr_(self, "prefill_chunks", tuple(chunks))
+        self.items = tuple(items)
+        self.num_tokens = num_tokens
+        self.num_prefill_tokens = num_prefill
+        self.num_prefill_seqs = len(chunks)
+        self.num_decode_tokens = num_decode
+        self.num_pad_tokens = num_pad
+        self.decode_seqs = decode_seqs
+        self.decode_context = decode_context
+        self.prefill_chunks = tuple(chunks)
 
     @classmethod
     def of_decodes(cls, decodes: list[BatchItem], decode_context: int,
                    others: Sequence[BatchItem] = ()) -> Batch:
         """``Batch(decodes + others)`` for plain one-token ``decodes`` (no
         padding) whose summed context is known: only ``others`` are re-read."""
-        batch = cls(tuple(others))
         n = len(decodes)
-        setattr_ = object.__setattr__
-        setattr_(batch, "items", tuple(decodes) + batch.items if others else tuple(decodes))
-        setattr_(batch, "num_tokens", batch.num_tokens + n)
-        setattr_(batch, "num_decode_tokens", batch.num_decode_tokens + n)
-        setattr_(batch, "decode_seqs", batch.decode_seqs + n)
-        setattr_(batch, "decode_context", batch.decode_context + decode_context)
+        if others:
+            batch = cls(tuple(others))
+            batch.items = tuple(decodes) + batch.items
+        else:
+            batch = object.__new__(cls)
+            batch.items = tuple(decodes)
+            batch.num_tokens = batch.num_prefill_tokens = batch.num_prefill_seqs = 0
+            batch.num_decode_tokens = batch.num_pad_tokens = batch.decode_seqs = batch.decode_context = 0
+            batch.prefill_chunks = ()
+        batch.num_tokens += n
+        batch.num_decode_tokens += n
+        batch.decode_seqs += n
+        batch.decode_context += decode_context
         return batch
 
     def __len__(self) -> int:
         return len(self.items)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Batch) and self.items == other.items
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Batch({self.items!r})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +119,9 @@ class Idle:
     wake_at_s: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """What an executor reports for one step.
+class StepResult(NamedTuple):
+    """What an executor reports for one step (immutable; a NamedTuple because
+    one is made per simulated step).
 
     duration_s: the step's time on the clock that drives the run (predicted
         in simulation, measured wall time live).

@@ -88,13 +88,24 @@ class Profile:
     provenance: dict[str, Any] = field(default_factory=dict)
     fit_error: dict[str, Any] = field(default_factory=dict)
     efficiency: dict[str, Any] = field(default_factory=dict)
+    _linear_memo: dict[int, tuple[float, bool]] = field(default_factory=dict, repr=False, compare=False)
 
     # ---- costs --------------------------------------------------------------
     def step_time_s(self, batch: Batch) -> float:
         """Predicted duration of one iteration running ``batch`` (seconds)."""
         t = self.overhead_s
-        if batch.num_tokens:
-            t += self.linear(batch.num_tokens)
+        num_tokens = batch.num_tokens
+        if num_tokens:
+            # Token counts repeat step after step: memoize linear(), counting
+            # every out-of-range use as the curve itself would.
+            hit = self._linear_memo.get(num_tokens)
+            if hit is None:
+                before = self.linear.num_out_of_range
+                hit = (self.linear(num_tokens), self.linear.num_out_of_range > before)
+                self._linear_memo[num_tokens] = hit
+            elif hit[1]:
+                self.linear.num_out_of_range += 1
+            t += hit[0]
         if batch.prefill_chunks:
             attn_prefill = self.attn_prefill
             for chunk, context in batch.prefill_chunks:

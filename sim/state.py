@@ -111,7 +111,8 @@ class SchedulerState:
         """Advance every request in ``batch`` after a step that ended at ``now_s``.
 
         Adds each item's new tokens to ``num_computed_tokens``; a request that
-        has caught up samples one output token (stamped ``now_s``); a request
+        has caught up samples one output token (stamped ``now_s`` in the token
+        log; ``last_token_s`` is set when the last one is sampled); a request
         with all its output tokens finishes and frees its blocks (for a static
         group: when the whole group is done).
         """
@@ -139,8 +140,8 @@ class SchedulerState:
             tok_ids_append(req_id)
             if r.first_token_s is None:
                 r.first_token_s = now_s
-            r.last_token_s = now_s
             if r.num_output_tokens >= true_output[req_id]:
+                r.last_token_s = now_s
                 if finished is None:
                     finished = []
                 finished.append(r)
