@@ -241,6 +241,7 @@ def fit_curves(shapes: Sequence[Shape], times_s: Sequence[float], grid: CurveGri
     design_inc, reg_inc = design @ cum, np.stack(reg) @ cum
     weights = np.ones(len(y))
     inc = np.ones(grid.num_unknowns)              # first guess: every increment positive
+    x = cum @ inc
     for it in range(num_robust_iters + 1):
         if it:                                    # Huber weights from the last solve's residuals
             rel = np.abs(design @ x - y) / y

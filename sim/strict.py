@@ -1,0 +1,91 @@
+"""A strict builder of frozen dataclasses from YAML mappings.
+
+Unknown keys are rejected with the list of allowed ones; values are checked
+against the field's type hint; ``null`` means "the default". Every error is a
+``ConfigError`` naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """Bad user input. The message is one line: file, field, expected, fix."""
+
+
+def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
+    """Check (and gently coerce int -> float) a YAML value against a type hint."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            ok, v = _type_ok(value, arg)
+            if ok:
+                return True, v
+        return False, value
+    if hint is type(None):
+        return value is None, value
+    if hint is Any:
+        return True, value
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        return False, value
+    if hint is str:
+        return isinstance(value, str), value
+    if origin is dict or hint is dict:
+        return isinstance(value, dict), value
+    return isinstance(value, hint), value
+
+
+def _describe(hint: Any) -> str:
+    if isinstance(hint, type):
+        return {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+                "dict": "a mapping"}.get(hint.__name__, hint.__name__)
+    return str(hint).replace("typing.", "").replace("NoneType", "null")
+
+
+def build(cls: type, data: Any, where: str, source: str, **extra: Any) -> Any:
+    """Build frozen dataclass ``cls`` from a mapping, rejecting unknown keys."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: field '{where}' must be a mapping, got {type(data).__name__} "
+                          f"({data!r})")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in ("source", "base_dir", "raw")]
+    kwargs: dict[str, Any] = dict(extra)
+    for key, value in data.items():
+        if value is None and key in names and not _type_ok(None, hints[key])[0]:
+            continue                      # null means "the default"
+        if key not in names:
+            raise ConfigError(f"{source}: unknown field '{where}.{key}'".replace("'.", "'")
+                              + f"; allowed: {', '.join(n for n in names if n not in extra)}")
+        ok, value = _type_ok(value, hints[key])
+        if not ok:
+            raise ConfigError(f"{source}: field '{where}.{key}'".replace("'.", "'")
+                              + f" expected {_describe(hints[key])}, got {value!r}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _positive(source: str, name: str, value: float | None, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{source}: field '{name}' must be {'>= 0' if allow_zero else '> 0'}, "
+                          f"got {value}")
+
+
+def _require(source: str, name: str, value: Any, why: str) -> None:
+    if value is None:
+        raise ConfigError(f"{source}: field '{name}' is required {why}")
+
+
