@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sim.presets import MODEL_PRESETS as SHAPE_PRESETS
+from sim.profile import ModelShape
+
 RMS_NORM_EPS = 1e-5
 INIT_STD = 0.02
 
@@ -111,17 +114,22 @@ class ModelConfig:
         return cfg
 
 
+# RoPE base of the real models (a shape fact the cost model does not need).
+ROPE_THETA = {"llama-3.1-8b": 500000.0, "llama-3.1-70b": 500000.0}
+
+
+def _from_shape(shape: ModelShape) -> ModelConfig:
+    return ModelConfig(shape.name, shape.hidden_size, shape.num_layers, shape.num_heads,
+                       shape.num_kv_heads, shape.intermediate_size, shape.vocab_size,
+                       shape.max_position_embeddings, ROPE_THETA.get(shape.name, 10000.0))
+
+
+# Tiny models that run fast on 2 CPU cores, plus every Llama-style (SwiGLU)
+# shape the roofline presets know, taken from sim.presets so the two never drift.
 MODEL_PRESETS: dict[str, ModelConfig] = {
-    c.name: c
-    for c in (
-        ModelConfig("tiny-llama-2l", 64, 2, 4, 2, 172, 512, 2048),
-        ModelConfig("tiny-llama", 256, 4, 8, 4, 688, 4096, 4096),
-        ModelConfig("llama-2-7b", 4096, 32, 32, 32, 11008, 32000, 4096, 10000.0),
-        ModelConfig("llama-2-13b", 5120, 40, 40, 40, 13824, 32000, 4096, 10000.0),
-        ModelConfig("llama-3.1-8b", 4096, 32, 32, 8, 14336, 128256, 131072, 500000.0),
-        ModelConfig("mistral-7b", 4096, 32, 32, 8, 14336, 32000, 32768, 10000.0),   # v0.1
-        ModelConfig("llama-3.1-70b", 8192, 80, 64, 8, 28672, 128256, 131072, 500000.0),
-    )
+    "tiny-llama-2l": ModelConfig("tiny-llama-2l", 64, 2, 4, 2, 172, 512, 2048),
+    "tiny-llama": ModelConfig("tiny-llama", 256, 4, 8, 4, 688, 4096, 4096),
+    **{name: _from_shape(shape) for name, shape in SHAPE_PRESETS.items() if shape.mlp == "swiglu"},
 }
 
 
