@@ -3,14 +3,23 @@
 Selective batching (Orca): every new token of the batch, pads included, goes
 through the token-parallel layers (embedding, norms, QKV/O, MLP) as one
 [T, hidden] tensor; attention runs per prefill item and once for all decode
-items together, reading the paged KV cache through each request's block table
-(``Request.block_ids``: token position t lives in block ``block_ids[t //
+items in a few groups, reading the paged KV cache through each request's block
+table (``Request.block_ids``: token position t lives in block ``block_ids[t //
 block_size]``, slot ``t % block_size``). The LM head runs only on the last row
 of items that sample.
 
-Row layout inside a step: [decode rows (1 per n == 1 item)] [prefill rows, item
-by item] [pad rows]. Every real row writes its K/V into the paged cache first.
-A chunk with context (c > 0) and every decode then read positions 0..own from
+Decode attention: one SDPA call per *group* of decodes, each padded only to its
+own longest context, so the work follows the total decode context (as a paged
+attention kernel's does, and as ``sim.profile``'s attn_decode assumes) rather
+than (number of decodes x longest context). Decodes are sorted by their number
+of KV blocks and cut into at most ``MAX_DECODE_GROUPS`` contiguous groups, top
+down, always at the cut that saves the most padded blocks, until the padded
+work is within ``DECODE_PAD_TOLERANCE`` of the exact total or a cut would save
+less K+V than ``MIN_DECODE_SPLIT_BYTES`` (an extra call costs more than that).
+
+Row layout inside a step: [decode rows (1 per n == 1 item, by ascending
+context)] [prefill rows, item by item] [pad rows]. Every real row writes its
+K/V into the paged cache first. A chunk with context (c > 0) and every decode then read positions 0..own from
 the cache; a prefill from c == 0 attends over its own fresh K/V (what paged
 engines do: the cache holds exactly the same values). Pad rows cost
 token-parallel time, write no KV, and get a zero attention output.
@@ -31,6 +40,11 @@ from sim.request import Request
 
 PROMPT_ID_MUL_REQ = 1_000_003
 PROMPT_ID_MUL_POS = 7919
+MAX_DECODE_GROUPS = 16            # SDPA calls per layer for the decodes, at most
+DECODE_PAD_TOLERANCE = 0.03       # stop cutting once padded blocks <= (1 + this) x exact blocks
+# A cut must save at least this many bytes of padded K+V per layer: an extra call (~15 us on
+# CPU, where decode attention costs ~150 ns per KiB of K+V; a few launches on CUDA) costs more
+MIN_DECODE_SPLIT_BYTES = {"cpu": 256 * 1024, "cuda": 16 * 1024 * 1024}
 
 
 class _Prefill(NamedTuple):
@@ -43,11 +57,22 @@ class _Prefill(NamedTuple):
     mask: torch.Tensor | None         # [n, c+n] bool, True = attend; None if c == 0
 
 
-class _Decode(NamedTuple):
-    """Attention work of all n == 1 items (rows 0..D-1), batched over a padded block table."""
+class _DecodeGroup(NamedTuple):
+    """Decode rows row_start..row_stop-1, each padded to the KV blocks of the group's last (longest)."""
 
-    block_table: torch.Tensor         # [D * max_blocks] int64, row-major, padded with block 0
-    mask: torch.Tensor                # [D, 1, 1, max_blocks * block_size] bool, True = attend
+    row_start: int
+    row_stop: int
+    block_start: int                  # its slice of _Decode.block_table
+    block_stop: int
+    mask: torch.Tensor                # [rows, 1, 1, num_blocks * block_size] bool, True = attend
+
+
+class _Decode(NamedTuple):
+    """Attention work of all n == 1 items (rows 0..D-1, ascending context), in padded groups."""
+
+    block_table: torch.Tensor         # [sum of rows x num_blocks over groups] int64, padded with block 0
+    groups: list[_DecodeGroup]
+    num_rows: int                     # D
 
 
 class _Plan(NamedTuple):
@@ -200,7 +225,9 @@ class LiveEngine:
     def _plan(self, batch: Batch, requests: Mapping[int, Request]) -> _Plan | None:
         """Validate the items and build every index tensor of the step (None: nothing to run)."""
         bs, dev, items = self.block_size, self.device, batch.items
-        order = [i for i, it in enumerate(items) if it.num_new_tokens == 1] \
+        # decodes first, by ascending context (so their groups are contiguous rows), then chunks
+        order = sorted((i for i, it in enumerate(items) if it.num_new_tokens == 1),
+                       key=lambda i: items[i].context_len) \
             + [i for i, it in enumerate(items) if it.num_new_tokens > 1]
         empty = np.zeros(0, dtype=np.int64)
         ids_parts, pos_parts, slot_parts = [empty], [empty], [empty]
@@ -255,15 +282,34 @@ class LiveEngine:
         )
 
     def _decode_meta(self, tables: list[list[int]], context_lens: list[int]) -> _Decode | None:
+        """Groups of the decode rows (tables in ascending length), their padded block table and masks."""
         if not tables:
             return None
-        max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-        block_table = torch.tensor(padded, dtype=torch.int64).view(-1).to(self.device)  # [D*B]
-        ctx = torch.tensor(context_lens, dtype=torch.int64).to(self.device)          # [D]
-        span = torch.arange(max_blocks * self.block_size, device=self.device)
-        mask = (span[None, :] <= ctx[:, None])[:, None, None, :]                    # [D, 1, 1, L]
-        return _Decode(block_table, mask)
+        bs = self.block_size
+        lens = [len(t) for t in tables]
+        flat_table: list[int] = []
+        masks: list[np.ndarray] = []
+        bounds: list[tuple[int, int, int, int]] = []
+        block_bytes = 2 * self.k_cache[0][0].numel() * self.k_cache[0].element_size()   # K + V, one layer
+        min_bytes = MIN_DECODE_SPLIT_BYTES.get(self.device.type, MIN_DECODE_SPLIT_BYTES["cuda"])
+        for lo, hi in decode_groups(lens, -(-min_bytes // block_bytes)):
+            width = lens[hi - 1]
+            start = len(flat_table)
+            for t in tables[lo:hi]:
+                flat_table += t
+                flat_table += [0] * (width - len(t))
+            bounds.append((lo, hi, start, len(flat_table)))
+            ctx = np.asarray(context_lens[lo:hi], dtype=np.int64)
+            masks.append((np.arange(width * bs)[None, :] <= ctx[:, None]).reshape(-1))
+        # one host-to-device copy each for the table and all masks
+        block_table = torch.tensor(flat_table, dtype=torch.int64).to(self.device)
+        mask_flat = torch.from_numpy(np.concatenate(masks)).to(self.device)
+        groups, offset = [], 0
+        for (lo, hi, b0, b1), m in zip(bounds, masks):
+            mask = mask_flat[offset: offset + m.size].view(hi - lo, 1, 1, -1)
+            offset += m.size
+            groups.append(_DecodeGroup(lo, hi, b0, b1, mask))
+        return _Decode(block_table, groups, len(tables))
 
     def _prefill_meta(self, row_start: int, n: int, c: int, table: list[int]) -> _Prefill:
         if c == 0:
@@ -284,15 +330,23 @@ class LiveEngine:
         out = torch.zeros(num_rows, nh, hd, device=q.device, dtype=q.dtype) if num_rows > num_real \
             else torch.empty(num_rows, nh, hd, device=q.device, dtype=q.dtype)
         if decode is not None:
-            num_dec = decode.mask.shape[0]
             kc, vc = self.k_cache[layer], self.v_cache[layer]
             nkv = kc.shape[2]
-            kd = self._gather(0, kc, decode.block_table).view(num_dec, -1, nkv, hd).transpose(1, 2)
-            vd = self._gather(1, vc, decode.block_table).view(num_dec, -1, nkv, hd).transpose(1, 2)
-            # kd, vd: [D, nkv, L, hd]
-            o = F.scaled_dot_product_attention(q[:num_dec].unsqueeze(2), kd, vd,
-                                               attn_mask=decode.mask, enable_gqa=True)  # [D, nh, 1, hd]
-            out[:num_dec] = o.squeeze(2)
+            kall = self._gather(0, kc, decode.block_table)                         # [blocks, bs, nkv, hd]
+            vall = self._gather(1, vc, decode.block_table)
+            # GQA folded into the query length: the nh // nkv query heads sharing a KV head are
+            # its "queries" (head h reads KV head h // (nh // nkv), as enable_gqa does), so each
+            # KV head is read once, not once per query head: faster, and no slower per token for
+            # long contexts (whose per-head K/V no longer stays in cache between query heads)
+            qd = q[:decode.num_rows].view(decode.num_rows, nkv, nh // nkv, hd)
+            for g in decode.groups:
+                rows = g.row_stop - g.row_start
+                kd = kall[g.block_start:g.block_stop].view(rows, -1, nkv, hd).transpose(1, 2)
+                vd = vall[g.block_start:g.block_stop].view(rows, -1, nkv, hd).transpose(1, 2)
+                # kd, vd: [rows, nkv, L, hd]
+                o = F.scaled_dot_product_attention(qd[g.row_start:g.row_stop], kd, vd,
+                                                   attn_mask=g.mask)              # [rows, nkv, nh/nkv, hd]
+                out[g.row_start:g.row_stop] = o.view(rows, nh, hd)
         for p in plan.prefills:
             rows = slice(p.row_start, p.row_start + p.num_new_tokens)
             qp = q[rows].transpose(0, 1).unsqueeze(0)                                  # [1, nh, n, hd]
@@ -310,3 +364,39 @@ class LiveEngine:
                                                    attn_mask=p.mask, enable_gqa=True)
             out[rows] = o[0].transpose(0, 1)
         return out.view(num_rows, nh * hd)
+
+
+def decode_groups(num_blocks: list[int], min_saved_blocks: int = 1) -> list[tuple[int, int]]:
+    """Contiguous groups [(lo, hi), ...] of decodes sorted by ascending ``num_blocks``.
+
+    Each group is padded to its last (longest) item. Top down: cut the group
+    where the cut saves the most padded blocks, while there are fewer than
+    MAX_DECODE_GROUPS groups, padded blocks exceed (1 + DECODE_PAD_TOLERANCE)
+    x the exact total, and the best cut saves at least ``min_saved_blocks``.
+    """
+    n = len(num_blocks)
+    if n == 0:
+        return []
+    b = np.asarray(num_blocks, dtype=np.int64)
+    exact = int(b.sum())
+    padded = n * int(b[-1])
+
+    def best_cut(lo: int, hi: int) -> tuple[int, int]:
+        """(padded blocks saved, cut) of the best cut of lo..hi-1; (0, lo) if none."""
+        if hi - lo < 2 or b[lo] == b[hi - 1]:
+            return 0, lo
+        save = np.arange(1, hi - lo) * (b[hi - 1] - b[lo:hi - 1])    # cut after j items
+        j = int(save.argmax())
+        return int(save[j]), lo + j + 1
+
+    groups, cuts = [(0, n)], [best_cut(0, n)]
+    while len(groups) < MAX_DECODE_GROUPS and padded > (1 + DECODE_PAD_TOLERANCE) * exact:
+        g = max(range(len(groups)), key=lambda i: cuts[i][0])
+        saved, cut = cuts[g]
+        if saved < max(min_saved_blocks, 1):
+            break
+        lo, hi = groups[g]
+        groups[g:g + 1] = [(lo, cut), (cut, hi)]
+        cuts[g:g + 1] = [best_cut(lo, cut), best_cut(cut, hi)]
+        padded -= saved
+    return groups

@@ -6,7 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from calibrate.engine import LiveEngine  # noqa: E402
+from calibrate import engine as engine_module  # noqa: E402
+from calibrate.engine import LiveEngine, decode_groups  # noqa: E402
 from calibrate.model import MODEL_PRESETS  # noqa: E402
 from sim.batch import Batch, BatchItem  # noqa: E402
 from sim.request import Request  # noqa: E402
@@ -190,3 +191,60 @@ def test_bf16_smoke() -> None:
     logits = run(engine, reqs, [item(reqs[1], 1), item(reqs[2], 1)])
     assert logits.shape == (2, CFG.vocab_size) and torch.isfinite(logits).all()
     engine.synchronize()                                         # no-op on CPU
+
+
+def prepare_ragged_decoders(engine: LiveEngine) -> dict[int, Request]:
+    """Requests with decode contexts 1, 40 and 300 (one output each) plus a fresh request 4.
+
+    Blocks are handed out back to front so that tables are not in cache order.
+    """
+    free = list(range(engine.num_blocks - 1, -1, -1))
+    reqs = {}
+    for req_id, prompt in ((1, 300), (2, 1), (3, 40), (4, 9)):
+        need = -(-(prompt + 2) // BLOCK_SIZE)
+        reqs[req_id] = make_request(req_id, prompt, [free.pop() for _ in range(need)][::-1])
+    for req_id in (1, 2, 3):
+        run(engine, reqs, [item(reqs[req_id], reqs[req_id].num_prompt_tokens)])
+    return reqs
+
+
+@pytest.mark.parametrize("split_bytes", [0, None])     # 0: every cut that saves a block; None: default
+def test_decodes_with_very_different_contexts_match_each_alone(monkeypatch, split_bytes) -> None:
+    if split_bytes is not None:
+        monkeypatch.setitem(engine_module.MIN_DECODE_SPLIT_BYTES, "cpu", split_bytes)
+    alone = make_engine(num_blocks=128)
+    reqs = prepare_ragged_decoders(alone)
+    expected = {r: run(alone, reqs, [item(reqs[r], 1)])[0] for r in (1, 2, 3)}
+    expected[4] = run(alone, reqs, [item(reqs[4], 9)])[0]
+
+    together = make_engine(num_blocks=128)
+    reqs = prepare_ragged_decoders(together)
+    items = [item(reqs[1], 1), item(reqs[4], 9), item(reqs[2], 1), item(reqs[3], 1)]
+    plan = together._plan(Batch(tuple(items)), reqs)
+    groups = [(g.row_start, g.row_stop) for g in plan.decode.groups]
+    # decode rows by ascending context: 1 (1 block), 40 (11), 300 (76)
+    assert groups == ([(0, 1), (1, 2), (2, 3)] if split_bytes == 0 else [(0, 3)])
+    logits = run(together, reqs, items)
+    assert logits.shape == (4, CFG.vocab_size)                  # batch-item order: 1, 4, 2, 3
+    for row, r in enumerate((1, 4, 2, 3)):
+        torch.testing.assert_close(logits[row], expected[r], atol=ATOL, rtol=0)
+    for r in (1, 2, 3):
+        dense = together.model.forward_dense(all_token_ids(together, reqs[r])[:, :-1])
+        torch.testing.assert_close(logits[(1, 4, 2, 3).index(r)], dense[-1], atol=ATOL, rtol=0)
+        assert together.output_token_ids(r) == alone.output_token_ids(r)
+
+
+def padded_blocks(num_blocks: list[int], groups: list[tuple[int, int]]) -> int:
+    return sum((hi - lo) * num_blocks[hi - 1] for lo, hi in groups)
+
+
+def test_decode_groups_bound_the_padded_work() -> None:
+    assert decode_groups([]) == []
+    assert decode_groups([5] * 10) == [(0, 10)]
+    assert decode_groups([1] * 32 + [126] * 32) == [(0, 32), (32, 64)]
+    assert decode_groups([1] * 32 + [126] * 32, min_saved_blocks=10_000) == [(0, 64)]
+    spread = sorted(1 + (2000 * i // 63) // 16 for i in range(64))
+    groups = decode_groups(spread)
+    assert len(groups) <= engine_module.MAX_DECODE_GROUPS
+    assert [lo for lo, _ in groups[1:]] == [hi for _, hi in groups[:-1]] and groups[-1][1] == 64
+    assert padded_blocks(spread, groups) <= 1.1 * sum(spread) < 0.6 * padded_blocks(spread, [(0, 64)])
