@@ -54,10 +54,6 @@ class BlockManager:
         """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
         return -(-num_tokens // self.block_size)
 
-    def num_missing_blocks(self, req: Request, num_tokens: int) -> int:
-        """Blocks ``req`` must still get to hold ``num_tokens`` tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
-
     def can_allocate(self, req: Request, num_tokens: int, *, use_watermark: bool = False) -> bool:
         """Whether ``req`` can grow to hold ``num_tokens`` tokens now."""
         missing = max(0, -(-num_tokens // self.block_size) - len(req.block_ids))

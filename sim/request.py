@@ -65,10 +65,5 @@ class Request:
         return self.num_prompt_tokens + self.num_output_tokens - self.num_computed_tokens
 
     @property
-    def is_prefilling(self) -> bool:
-        """True while more than one token is uncomputed (prompt or recompute)."""
-        return self.num_prompt_tokens + self.num_output_tokens - self.num_computed_tokens > 1
-
-    @property
     def is_finished(self) -> bool:
         return self.status >= Status.FINISHED

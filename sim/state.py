@@ -175,8 +175,3 @@ class SchedulerState:
         times = np.repeat(np.frombuffer(self._token_step_times_s, dtype=np.float64),
                           np.frombuffer(self._token_step_counts, dtype=np.int64))
         return ids, times
-
-    def is_output_complete(self, req: Request) -> bool:
-        """True once ``req`` has sampled every output token (it may still be
-        held by its static group)."""
-        return req.status >= Status.FINISHED
