@@ -104,17 +104,18 @@ class WorkloadConfig:
         return d
 
     def resolve_path(self, path: str) -> Path:
-        """A path from the file, relative to the file's folder, else a bundled trace."""
+        """A path from the file: relative to the file's folder, else a bundled
+        trace by name, else a file shipped with batchsim (e.g.
+        ``calibrate/profiles/cpu/tiny-llama/float32.yaml``)."""
         p = Path(path).expanduser()
-        if not p.is_absolute():
-            local = Path(self.base_dir) / p
-            if local.exists():
-                return local
-            bundled = Path(__file__).resolve().parent.parent / "workloads" / "traces" / p.name
-            if bundled.exists():
-                return bundled
-            return local
-        return p
+        if p.is_absolute():
+            return p
+        local = Path(self.base_dir) / p
+        root = Path(__file__).resolve().parent.parent
+        for candidate in (local, root / "workloads" / "traces" / p.name, root / p):
+            if candidate.exists():
+                return candidate
+        return local
 
 
 SECTIONS: dict[str, type] = {
