@@ -147,9 +147,11 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
     wall0 = time.perf_counter()
     profile = build_profile(cfg)
     num_blocks, max_model_len = kv_blocks(cfg, profile)
+    loop0 = time.perf_counter()
     servers, requests, specs = drive(cfg, profile, num_blocks, max_model_len, simpy.Environment(),
                                      SimExecutor(profile), num_replicas=num_replicas, router=router,
                                      progress=progress)
+    loop_s = time.perf_counter() - loop0
     rejected = [r for r in requests if r.status == Status.REJECTED]
     if rejected:
         too_long = sum(r.num_prompt_tokens + r.max_output_tokens > max_model_len for r in rejected)
@@ -165,7 +167,7 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
             raise ConfigError(msg + " (--strict)")
         warnings.warn(msg, stacklevel=2)
     result = collect(cfg, servers, requests, num_blocks, profile)
-    result.meta.update(wall_s=time.perf_counter() - wall0, num_blocks=num_blocks,
+    result.meta.update(wall_s=time.perf_counter() - wall0, loop_s=loop_s, num_blocks=num_blocks,
                        max_model_len=max_model_len, num_replicas=num_replicas, router=router,
                        num_trace_rows_dropped=specs.num_dropped)
     return result
