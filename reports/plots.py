@@ -137,7 +137,10 @@ def latency_throughput(table: pd.DataFrame, *, rate_col: str, group_cols: Sequen
         ax.set_ylabel(ylabel)
         ax.set_title(ylabel.split(" (")[0] + f" as {rate_col.rsplit('.', 1)[-1]} rises")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8, title=legend_title(group_cols), title_fontsize=8)
+    if len(group_cols) > 1 or len(axes[0].get_lines()) > 4:
+        legend_below(fig, axes[0], ncol=3)       # many or long labels would hide the curves
+    else:
+        axes[0].legend(fontsize=8, title=legend_title(group_cols), title_fontsize=8)
     fig.suptitle(title, fontsize=13)
     return plain_log_ticks(fig)
 
