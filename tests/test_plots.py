@@ -34,6 +34,8 @@ def texts(fig) -> str:
         legend = ax.get_legend()
         if legend:
             parts += [t.get_text() for t in legend.get_texts()]
+    for legend in fig.legends:                 # series legends placed under the panels
+        parts += [t.get_text() for t in legend.get_texts()]
     return " | ".join(parts)
 
 
