@@ -241,6 +241,11 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
     if not 0 <= s.watermark < 1:
         raise ConfigError(f"{source}: field 'server.watermark' must be in [0, 1), got {s.watermark}")
     _positive(source, "profile.tensor_parallel", cfg.profile.tensor_parallel)
+    raw_profile = data.get("profile") if isinstance(data.get("profile"), dict) else {}
+    clash = sorted(k for k in ("model", "gpu", "tensor_parallel", "dtype") if k in raw_profile)
+    if cfg.profile.path is not None and clash:
+        raise ConfigError(f"{source}: field 'profile' gives both a path and {', '.join(clash)}; a profile "
+                          f"file fixes the model and the hardware: keep one of them")
     if cfg.slo is not None:
         for name in ("ttft_ms", "tpot_ms", "e2el_ms"):
             _positive(source, f"slo.{name}", getattr(cfg.slo, name))

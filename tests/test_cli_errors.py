@@ -56,6 +56,7 @@ def test_good_file_runs_and_writes_outputs(tmp_path, capsys):
     (GOOD + "profile: {model: llama-3.1-70b, gpu: l40s}\n", "weights do not fit"),
     (GOOD + "profile: {model: gpt-7, gpu: h100-sxm}\n", "gpt-7"),
     (GOOD + "profile: {path: nowhere.yaml}\n", "profile file not found"),
+    (GOOD + "profile: {path: p.yaml, model: llama-2-7b}\n", "gives both a path and model"),
     ("- a\n- b\n", "expected a mapping"),
 ])
 def test_bad_workload_files(tmp_path, capsys, text, expect):
