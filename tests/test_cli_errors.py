@@ -118,3 +118,14 @@ def test_every_example_workload_validates():
         if path.name.startswith(("sweep_", "plan_")):
             continue
         load_workload(path)
+
+
+def test_readme_custom_model_example_runs(tmp_path, capsys):
+    """The HF-fields example in the README, verbatim."""
+    import re
+    readme = (WORKLOADS.parent / "README.md").read_text()
+    block = re.search(r"```yaml\n(profile:\n  model: \{hidden_size.*?)```", readme, re.S).group(1)
+    text = GOOD + block
+    rc, out, err, _ = run_cli(tmp_path, text, capsys=capsys)
+    assert rc == 0, err
+    assert "a100-80gb-tp2" in out
