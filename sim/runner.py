@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
 import sys
 import time
 import warnings
@@ -24,7 +25,7 @@ from sim.config import ConfigError, WorkloadConfig
 from sim.engine import ROUTERS, Executor, Server, SimExecutor, StepLog, feed
 from sim.kv import BlockManager
 from sim.metrics import summarize
-from sim.profile import Profile, ProfileError, load_profile
+from sim.profile import FORMAT_VERSION, Profile, ProfileError, load_profile
 from sim.request import Request, Status
 from sim.state import SchedulerState
 from workloads.generate import RequestSpecs, generate
@@ -167,6 +168,10 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
             raise ConfigError(msg + " (--strict)")
         warnings.warn(msg, stacklevel=2)
     result = collect(cfg, servers, requests, num_blocks, profile)
+    if cfg.profile.path is not None:
+        path = cfg.resolve_path(cfg.profile.path)
+        result.meta["profile_file"] = {"path": str(path), "format_version": FORMAT_VERSION,
+                                       "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     result.meta.update(wall_s=time.perf_counter() - wall0, loop_s=loop_s, num_blocks=num_blocks,
                        max_model_len=max_model_len, num_replicas=num_replicas, router=router,
                        num_trace_rows_dropped=specs.num_dropped)

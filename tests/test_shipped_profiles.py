@@ -34,3 +34,4 @@ def test_sim_run_finds_a_shipped_profile_by_its_repository_path(tmp_path):
     r = run_workload(cfg)
     assert r.summary["completed"] == 30
     assert r.summary["profile_source"] == "batchsim-calibrate"
+    assert len(r.meta["profile_file"]["sha256"]) == 64 and r.meta["profile_file"]["format_version"] == 1
