@@ -51,7 +51,6 @@ def schedule_decodes(state: SchedulerState) -> DecodePlan:
     simulator's hottest path.
     """
     kv = state.kv
-    free_ids = kv._free_ids
     block_size = kv.block_size
     running = state.running
     items: list[BatchItem] = []
@@ -65,11 +64,9 @@ def schedule_decodes(state: SchedulerState) -> DecodePlan:
         if r.num_prompt_tokens + r.num_output_tokens - computed != 1:
             prefilling.append(r)
             continue
-        if computed >= len(r.block_ids) * block_size:     # next token opens a new block
-            if not free_ids:
-                start = i                                  # slow path from here on
-                break
-            r.block_ids.append(free_ids.pop())
+        if computed >= len(r.block_ids) * block_size and not kv.append_block(r):
+            start = i                                      # pool dry: slow path from here on
+            break
         append(new_item(BatchItem, (r.req_id, 1, computed, 0)))
         context += computed
     i = start

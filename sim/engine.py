@@ -66,7 +66,7 @@ class StepLog:
         self.predicted_s.append(result.predicted_s if result.predicted_s is not None else float("nan"))
         self.ints.extend((len(batch.items), batch.num_prefill_tokens, batch.num_decode_tokens,
                           batch.num_pad_tokens, batch.num_prefill_seqs, len(state.waiting),
-                          len(state.running), state.kv.num_blocks - len(state.kv._free_ids)))
+                          len(state.running), state.kv.num_used_blocks))
 
     def __len__(self) -> int:
         return len(self.t_s)

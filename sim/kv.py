@@ -76,6 +76,13 @@ class BlockManager:
         free = self._free_ids
         req.block_ids.extend(free.pop() for _ in range(missing))
 
+    def append_block(self, req: Request) -> bool:
+        """Give ``req`` one more block if one is free; False if the pool is dry."""
+        if not self._free_ids:
+            return False
+        req.block_ids.append(self._free_ids.pop())
+        return True
+
     def free(self, req: Request) -> None:
         """Return all of ``req``'s blocks to the pool."""
         self._free_ids.extend(reversed(req.block_ids))
