@@ -31,13 +31,11 @@ class StaticConfig:
 def group_step(state: SchedulerState) -> Batch:
     """One decode iteration of a running static group: live slots decode a
     token, finished slots burn one padded token each."""
-    items = []
-    for r in state.running:
-        if r.status >= Status.FINISHED:
-            items.append(BatchItem(r.req_id, 0, r.num_computed_tokens, 1))
-        else:
-            items.append(BatchItem(r.req_id, 1, r.num_computed_tokens))
-    return Batch(tuple(items))
+    new_item = tuple.__new__          # BatchItem(...) without the NamedTuple call overhead
+    finished = Status.FINISHED
+    return Batch(tuple(new_item(BatchItem, (r.req_id, 0, r.num_computed_tokens, 1)) if r.status >= finished
+                       else new_item(BatchItem, (r.req_id, 1, r.num_computed_tokens, 0))
+                       for r in state.running))
 
 
 def launch_group(state: SchedulerState, now_s: float, reserve: str, max_size: int) -> Batch | Idle:
