@@ -195,11 +195,20 @@ def _run_env_inner(env: simpy.Environment, servers: list[Server], num_requests: 
         return
     from tqdm import tqdm
     bar = tqdm(total=num_requests, unit="req", desc="simulating", file=sys.stderr, leave=False)
-    while env.peek() != float("inf"):
-        env.run(until=env.now + 5.0)
+    env.process(_progress_ticker(env, servers, bar))
+    env.run()
+    bar.close()
+
+
+def _progress_ticker(env: simpy.Environment, servers: list[Server], bar, every_s: float = 5.0):
+    """A SimPy process that refreshes the progress bar every ``every_s``
+    simulated seconds, and leaves once nothing else is left to happen."""
+    while True:
         bar.n = sum(s.state.num_finished + s.state.num_rejected for s in servers)
         bar.refresh()
-    bar.close()
+        if all(s.process.triggered for s in servers) or env.peek() == float("inf"):
+            return
+        yield env.timeout(every_s)
 
 
 def collect(cfg: WorkloadConfig, servers: list[Server], requests: list[Request], num_blocks: int,

@@ -69,3 +69,11 @@ def test_fleet_of_replicas(router):
     assert sorted(three.requests["replica"].unique()) == [0, 1, 2]
     assert len(three.summary["replicas"]) == 3
     assert three.summary["p99_ttft_ms"] < one.summary["p99_ttft_ms"]
+
+
+def test_progress_bar_run_ends_and_changes_nothing():
+    cfg = load_workload(WORKLOADS / "azure_conv.yaml", {"num_requests": 300})
+    quiet = run_workload(cfg)
+    shown = run_workload(cfg, progress=True)
+    assert shown.summary == quiet.summary
+    pd.testing.assert_frame_equal(shown.steps, quiet.steps)
