@@ -213,14 +213,13 @@ def _progress_ticker(env: simpy.Environment, servers: list[Server], bar, every_s
 
 def collect(cfg: WorkloadConfig, servers: list[Server], requests: list[Request], num_blocks: int,
             profile: Profile) -> RunResult:
-    replica_of = {r.req_id: s.replica for s in servers for r in s.state.requests.values()}
-    true_out = {rid: n for s in servers for rid, n in s.state._true_output.items()}
+    owner = {rid: s for s in servers for rid in s.state.requests}   # every request reached a server
     rows = {
         "req_id": [r.req_id for r in requests],
-        "replica": [replica_of.get(r.req_id, 0) for r in requests],
+        "replica": [owner[r.req_id].replica for r in requests],
         "arrival_s": [r.arrival_s for r in requests],
         "prompt_tokens": [r.num_prompt_tokens for r in requests],
-        "output_tokens": [true_out[r.req_id] for r in requests],
+        "output_tokens": [owner[r.req_id].state.oracle_output_tokens(r) for r in requests],
         "max_tokens": [r.max_output_tokens for r in requests],
         "status": ["finished" if r.status == Status.FINISHED else "rejected" for r in requests],
         "first_scheduled_s": [r.first_scheduled_s for r in requests],
