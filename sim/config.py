@@ -194,7 +194,9 @@ def _build_policy(data: Any, src: str) -> Any:
     for f in dataclasses.fields(cls):
         v = getattr(cfg, f.name)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
-            _positive(src, f"policy.{f.name}", v)
+            _positive(src, f"policy.{f.name}", v, allow_zero=f.default == 0)   # a default of 0 means "off"
+    if kind == "vllm_v1" and not cfg.watermark < 1:
+        raise ConfigError(f"{src}: field 'policy.watermark' must be in [0, 1), got {cfg.watermark}")
     reserve = getattr(cfg, "reserve", None)
     if reserve is not None and reserve not in ("max_tokens", "max", "pow2", "oracle"):
         raise ConfigError(f"{src}: field 'policy.reserve' must be max_tokens, max, pow2 or oracle, "

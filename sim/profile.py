@@ -13,7 +13,9 @@ says which in ``provenance``.
 
 File format history (``FORMAT_VERSION``):
   1 - first version: overhead, linear, attn_prefill, attn_decode curves;
-      memory facts; model shape; provenance; fit error.
+      memory facts; model shape; provenance; fit error. Later, an optional
+      ``engine`` mapping (the measured server's knobs), which older readers
+      ignore.
 """
 
 from __future__ import annotations
@@ -88,6 +90,11 @@ class Profile:
     provenance: dict[str, Any] = field(default_factory=dict)
     fit_error: dict[str, Any] = field(default_factory=dict)
     efficiency: dict[str, Any] = field(default_factory=dict)
+    # The serving engine the profile was measured on, when it was one (``sim
+    # calibrate --server``): its knobs and KV pool (max_num_seqs,
+    # max_num_batched_tokens, num_gpu_blocks, block_size, max_model_len, ...).
+    # ``sim run`` takes them as the server's defaults.
+    engine: dict[str, Any] = field(default_factory=dict)
     _linear_memo: dict[int, tuple[float, bool]] = field(default_factory=dict, repr=False, compare=False)
 
     # ---- costs --------------------------------------------------------------
@@ -168,6 +175,7 @@ class Profile:
                 "attn_decode": self.attn_decode.to_dict("seqs", "context"),
             },
             "efficiency": self.efficiency,
+            "engine": self.engine,
             "provenance": self.provenance,
             "fit_error": self.fit_error,
         }
@@ -242,6 +250,7 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
             provenance=dict(data.get("provenance") or {}),
             fit_error=dict(data.get("fit_error") or {}),
             efficiency=dict(data.get("efficiency") or {}),
+            engine=dict(data.get("engine") or {}),
         )
     except ProfileError:
         raise

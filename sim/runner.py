@@ -120,8 +120,9 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     true_out = [int(x) for x in specs.output_tokens]
     servers = []
     for k in range(num_replicas):
-        policy = make_policy(cfg.policy, max_model_len)
-        state = SchedulerState(BlockManager(num_blocks, cfg.server.block_size, cfg.server.watermark),
+        policy = make_policy(cfg.policy, max_model_len, profile)
+        usable = num_blocks - getattr(policy, "num_reserved_blocks", 0)    # vLLM v1's null block
+        state = SchedulerState(BlockManager(usable, cfg.server.block_size, cfg.server.watermark),
                                max_model_len, policy.max_prompt_tokens)
         server = Server(env, policy, state, executor, replica=k)
         server.on_step = on_step(server) if on_step is not None else None

@@ -1,0 +1,159 @@
+"""vLLM v1 (the engine of today's vLLM): one token budget, running requests first.
+
+The rules of ``vllm.v1.core.sched.scheduler.Scheduler.schedule`` in vLLM
+0.32.0 with FCFS, prefix caching off, no speculative decoding, no KV
+connector (``tests/test_vllm_v1_differential.py`` checks them step by step
+against that class):
+
+1. ``long_prefill_token_threshold`` caps a request's tokens in a step, but
+   only while more than one request is running or waiting.
+2. Running requests, in order, each get ``num_tokens - num_computed_tokens``
+   tokens (a decode: 1; an unfinished prefill or a recompute: the rest of
+   it), capped by the threshold, the remaining budget and the model length.
+   Blocks are allocated for exactly the tokens scheduled. When the pool is
+   short, the *last* running request is preempted (recompute: blocks freed,
+   back to the front of the waiting queue) until the allocation fits; if the
+   victim is the request itself, no further running request is scheduled.
+3. Only in a step that preempted nothing, waiting requests are admitted FCFS
+   while fewer than ``max_num_seqs`` run and budget is left. The first one
+   that does not fit stops the scan. A request fits when the blocks of its
+   *whole* known sequence fit in the free pool (``scheduler_reserve_full_isl``),
+   plus the watermark if anything is running; only the first chunk's blocks
+   are then allocated.
+4. One block of the pool is vLLM's null block and never holds KV:
+   ``server.num_blocks`` is vLLM's ``num_gpu_blocks`` and one fewer is usable.
+
+Not modelled: async scheduling's one-step lag in freeing blocks, prefix
+caching, priorities, speculative decoding, KV connectors, multimodal inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Mapping
+
+from sim.batch import Batch, BatchItem, Idle
+from sim.request import Status
+
+if TYPE_CHECKING:
+    from sim.state import SchedulerState
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class VllmV1Config:
+    kind: Literal["vllm_v1"] = "vllm_v1"
+    # None: vLLM 0.32.0's OpenAI-server default for the profile's device
+    # (``engine_defaults``), or the knob a server-calibrated profile recorded.
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int = 0          # 0: off (vLLM's default)
+    reserve_full_prompt: bool = True               # vLLM's scheduler_reserve_full_isl
+    watermark: float = 0.0                         # vLLM v1's scheduler watermark (default 0)
+
+
+def engine_defaults(device: str, memory_bytes_per_gpu: int, world_size: int,
+                    max_model_len: int) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) that vLLM 0.32.0's OpenAI API
+    server picks when neither is given (``EngineArgs.get_batch_defaults``):
+    CPU 2048 x world / 128 x world; GPUs with >= 160 GiB 16384 / 1024; with
+    >= 70 GiB and not an A100, 8192 / 1024; others 2048 / 256. The token
+    budget is then capped at max_num_seqs x max_model_len and max_num_seqs at
+    the token budget."""
+    if device.lower().startswith("cpu"):
+        tokens, seqs = 2048 * world_size, 128 * world_size
+    elif memory_bytes_per_gpu >= 160 * GIB:
+        tokens, seqs = 16384, 1024
+    elif memory_bytes_per_gpu >= 70 * GIB and "a100" not in device.lower():
+        tokens, seqs = 8192, 1024
+    else:
+        tokens, seqs = 2048, 256
+    tokens = min(tokens, seqs * max_model_len)
+    return tokens, min(seqs, tokens)
+
+
+class VllmV1Policy:
+    max_prompt_tokens: int | None = None     # chunked prefill: any prompt that fits the context
+    num_reserved_blocks = 1                  # vLLM's null block
+
+    def __init__(self, config: VllmV1Config, max_model_len: int,
+                 defaults: tuple[int, int] = (2048, 256)) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.token_budget = config.max_num_batched_tokens or defaults[0]
+        self.max_num_seqs = config.max_num_seqs or min(defaults[1], self.token_budget)
+        self._watermark_blocks: int | None = None
+
+    @classmethod
+    def from_engine(cls, config: VllmV1Config, max_model_len: int, device: str,
+                    memory_bytes_per_gpu: int, world_size: int,
+                    engine: Mapping[str, Any] | None = None) -> VllmV1Policy:
+        """Knobs left unset come from the server a profile was measured on
+        (``engine``), else from vLLM's defaults for the device."""
+        tokens, seqs = engine_defaults(device, memory_bytes_per_gpu, world_size, max_model_len)
+        engine = engine or {}
+        return cls(config, max_model_len, (engine.get("max_num_batched_tokens") or tokens,
+                                           engine.get("max_num_seqs") or seqs))
+
+    def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
+        kv = state.kv
+        if self._watermark_blocks is None:   # vLLM: int(watermark x num_gpu_blocks, null block included)
+            self._watermark_blocks = int(self.config.watermark * (kv.num_blocks + self.num_reserved_blocks))
+        running = state.running
+        budget = self.token_budget
+        threshold = self.config.long_prefill_token_threshold
+        if len(running) + len(state.waiting) <= 1:
+            threshold = 0
+        max_len = self.max_model_len - 1          # room for the token sampled after the step
+        items: list[BatchItem] = []
+        preempted = False
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            computed = r.num_computed_tokens
+            n = r.num_prompt_tokens + r.num_output_tokens - computed
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, budget, max_len - computed)
+            if n <= 0:
+                i += 1
+                continue
+            while not kv.can_allocate(r, computed + n):
+                victim = running[-1]
+                state.preempt(victim)
+                preempted = True
+                if victim is r:
+                    break
+            if r.status != Status.RUNNING:
+                break
+            kv.allocate(r, computed + n)
+            items.append(BatchItem(r.req_id, n, computed))
+            budget -= n
+            i += 1
+        if not preempted:
+            self._admit(state, now_s, budget, threshold, items)
+        return Batch(tuple(items)) if items else Idle()
+
+    def _admit(self, state: SchedulerState, now_s: float, budget: int, threshold: int,
+               items: list[BatchItem]) -> None:
+        """Step 3 of the module doc: FCFS admission, stopping at the first misfit."""
+        kv = state.kv
+        waiting, running = state.waiting, state.running
+        while budget > 0 and waiting and len(running) < self.max_num_seqs:
+            r = waiting[0]
+            n = r.num_prompt_tokens + r.num_output_tokens     # a preempted request recomputes its outputs too
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, budget)
+            free = kv.num_free_blocks - (self._watermark_blocks if running else 0)
+            if self.config.reserve_full_prompt:
+                whole = min(r.num_prompt_tokens + r.num_output_tokens, self.max_model_len)
+                if kv.num_blocks_for(whole) > free:
+                    break
+            if kv.num_blocks_for(n) > free:
+                break
+            kv.allocate(r, n)
+            state.admit(r, now_s)
+            items.append(BatchItem(r.req_id, n, 0))
+            budget -= n
