@@ -9,7 +9,9 @@ against that class):
    only while more than one request is running or waiting.
 2. Running requests, in order, each get ``num_tokens - num_computed_tokens``
    tokens (a decode: 1; an unfinished prefill or a recompute: the rest of
-   it), capped by the threshold, the remaining budget and the model length.
+   it), capped by the threshold and the remaining budget. (vLLM's cap at
+   the model length binds only with speculative decoding: batchsim rejects
+   requests whose prompt + max_tokens exceed it.)
    Blocks are allocated for exactly the tokens scheduled. When the pool is
    short, the *last* running request is preempted (recompute: blocks freed,
    back to the front of the waiting queue) until the allocation fits; if the
@@ -105,7 +107,6 @@ class VllmV1Policy:
         threshold = self.config.long_prefill_token_threshold
         if len(running) + len(state.waiting) <= 1:
             threshold = 0
-        max_len = self.max_model_len - 1          # room for the token sampled after the step
         items: list[BatchItem] = []
         preempted = False
         i = 0
@@ -115,10 +116,7 @@ class VllmV1Policy:
             n = r.num_prompt_tokens + r.num_output_tokens - computed
             if 0 < threshold < n:
                 n = threshold
-            n = min(n, budget, max_len - computed)
-            if n <= 0:
-                i += 1
-                continue
+            n = min(n, budget)       # >= 1: a running request always has a token to compute
             while not kv.can_allocate(r, computed + n):
                 victim = running[-1]
                 state.preempt(victim)

