@@ -100,13 +100,17 @@ def reservation_tokens(
     power of two (at most 2x); ``max`` always reserves the maximum sequence
     length. ``max_tokens`` (the default) reserves prompt + the client's
     ``max_tokens``, which is what a server that honours ``max_tokens`` must do.
+
+    pow2 rounds the *output* up, not the total (the paper: "if the true output
+    length is 25, it reserves 32 positions for outputs"): prompt 100 with 5
+    outputs reserves 100 + 8 = 108 tokens, prompt 40 with 25 outputs 40 + 32 = 72.
     """
     if mode == "max_tokens":
         tokens = num_prompt_tokens + max_output_tokens
     elif mode == "oracle":
         tokens = num_prompt_tokens + true_output_tokens
     elif mode == "pow2":
-        tokens = 1 << (num_prompt_tokens + true_output_tokens - 1).bit_length()
+        tokens = num_prompt_tokens + (1 << (true_output_tokens - 1).bit_length())
     elif mode == "max":
         tokens = max_model_len
     else:

@@ -56,8 +56,22 @@ def test_reservation_max_tokens_reserves_prompt_plus_max_tokens():
 
 
 def test_pow2_and_oracle_use_true_length():
-    for reserve, expected_tokens in (("oracle", 100 + 20), ("pow2", 128)):
+    # pow2 rounds the true output (20) up to 32: 100 + 32 = 132 tokens = 9 blocks.
+    for reserve, expected_tokens in (("oracle", 100 + 20), ("pow2", 100 + 32)):
         state = make_state(num_blocks=100, block_size=16)
         r = add(state, 0, 100, 20, max_tokens=500)
         OrcaPolicy(OrcaConfig(reserve=reserve)).schedule(state, 0.0)
         assert len(r.block_ids) == -(-expected_tokens // 16)
+
+
+def test_pow2_reserves_as_the_vllm_paper_does():
+    """vLLM paper section 6.1: the output is rounded up to a power of two, the
+    prompt is not. Prompt 100 + 5 outputs: 100 + 8 = 108; prompt 40 + 25
+    outputs: 40 + 32 = 72; a single output token reserves 1 (2^0)."""
+    from sim.kv import reservation_tokens
+    assert reservation_tokens("pow2", 100, 500, 5, 4096) == 108
+    assert reservation_tokens("pow2", 40, 500, 25, 4096) == 72
+    assert reservation_tokens("pow2", 40, 500, 32, 4096) == 72
+    assert reservation_tokens("pow2", 40, 500, 33, 4096) == 40 + 64
+    assert reservation_tokens("pow2", 7, 500, 1, 4096) == 8
+    assert reservation_tokens("pow2", 4000, 500, 200, 4096) == 4096     # capped at max_model_len
