@@ -3,8 +3,11 @@
 Each iteration has a token budget (``max_num_batched_tokens``). Every running
 decode gets its token first (no decode ever stalls behind a prefill); the
 remaining budget goes to prefill chunks, partially prefilled requests first,
-then new requests FCFS while fewer than ``max_num_seqs`` run. Paged memory
-and recompute preemption as in vLLM.
+then new requests FCFS while fewer than ``max_num_seqs`` run. Paged memory:
+a request's whole prompt is allocated when it is admitted (Sarathi-Serve and
+vLLM v0 with chunked prefill), so a partly prefilled request never stalls
+for memory; decodes grow one block at a time and preempt the newest running
+request by recompute, as in vLLM.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from policies.base import schedule_decodes
-from policies.vllm import admit_prefills
+from policies.vllm import admit_prefills, check_budget
 from sim.batch import Batch, BatchItem, Idle
 from sim.request import Status
 
@@ -34,28 +37,20 @@ class SarathiPolicy:
 
     def __init__(self, config: SarathiConfig) -> None:
         self.config = config
+        check_budget(config.max_num_batched_tokens, config.max_num_seqs)
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
-        kv = state.kv
         plan = schedule_decodes(state)
         items: list[BatchItem] = []            # prefill chunks, after the decodes
-        running = state.running
         budget = self.config.max_num_batched_tokens - len(plan.items)
-        # Partially prefilled (or recomputing) running requests continue first.
+        # Partially prefilled (or recomputing) running requests continue
+        # first; their blocks were all allocated at admission.
         for r in plan.prefilling:
             if budget <= 0:
                 break
             if r.status != Status.RUNNING:      # preempted above to make room
                 continue
             n = min(r.num_uncomputed_tokens, budget)
-            if not items and not plan.items:
-                # Nothing else would progress: evict the newest others so the
-                # oldest unfinished prefill can, rather than stall forever.
-                while not kv.can_allocate(r, r.num_computed_tokens + n) and running[-1] is not r:
-                    state.preempt(running[-1])
-            if not kv.can_allocate(r, r.num_computed_tokens + n):
-                break
-            kv.allocate(r, r.num_computed_tokens + n)
             items.append(BatchItem(r.req_id, n, r.num_computed_tokens))
             budget -= n
         if budget > 0 and state.waiting:

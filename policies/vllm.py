@@ -28,11 +28,24 @@ class VllmConfig:
     max_num_batched_tokens: int | None = None
 
 
+def check_budget(max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    """vLLM's start-up check: every running sequence must fit one token in a step."""
+    if max_num_batched_tokens < max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                         f"({max_num_seqs}), as vLLM requires")
+
+
 def admit_prefills(state: SchedulerState, now_s: float, max_num_seqs: int,
                    token_budget: int, *, chunked: bool) -> list[BatchItem]:
     """Admit waiting requests FCFS into a prefill, within the token budget,
     the sequence limit and the pool minus the watermark. With ``chunked`` the
-    last one admitted may get only part of its prompt (a chunk)."""
+    last one admitted may get only part of its prompt (a chunk).
+
+    As vLLM v0's block manager (``can_allocate`` / ``allocate``) and
+    Sarathi-Serve do, a request is admitted only if the blocks of its whole
+    prompt (plus, after a preemption, the outputs it recomputes) fit above
+    the watermark, and all of them are allocated at once: a partly
+    prefilled request never waits for memory."""
     kv = state.kv
     items: list[BatchItem] = []
     while state.waiting and len(state.running) < max_num_seqs and token_budget > 0:
@@ -42,9 +55,9 @@ def admit_prefills(state: SchedulerState, now_s: float, max_num_seqs: int,
             if not chunked and items:
                 break
             n = token_budget if chunked else n     # unchunked: a lone long prompt still runs
-        if not kv.can_allocate(r, r.num_computed_tokens + n, use_watermark=True):
+        if not kv.can_allocate(r, r.num_tokens, use_watermark=True):
             break
-        kv.allocate(r, r.num_computed_tokens + n)
+        kv.allocate(r, r.num_tokens)
         state.admit(r, now_s)
         items.append(BatchItem(r.req_id, n, r.num_computed_tokens))
         token_budget -= n
@@ -55,6 +68,12 @@ class VllmPolicy:
     def __init__(self, config: VllmConfig, max_model_len: int) -> None:
         self.config = config
         self.token_budget = config.max_num_batched_tokens or max(max_model_len, 2048)
+        # vLLM v0's start-up checks (SchedulerConfig._verify_args).
+        if self.token_budget < max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({self.token_budget}) is smaller than max_model_len "
+                             f"({max_model_len}): vLLM without chunked prefill refuses this; raise "
+                             f"policy.max_num_batched_tokens or lower server.max_model_len")
+        check_budget(self.token_budget, config.max_num_seqs)
         # vLLM v0 ignores prompts longer than min(max_model_len, max_num_batched_tokens).
         self.max_prompt_tokens: int | None = self.token_budget
 

@@ -55,3 +55,30 @@ def test_max_num_seqs_caps_running():
         add(state, i, 10, 5)
     b = policy.schedule(state, 0.0)
     assert [it.req_id for it in b.items] == [0, 1]
+
+
+def test_whole_prompt_allocated_at_admission():
+    """Sarathi-Serve / vLLM v0 chunked prefill: admission takes every block of
+    the prompt, though the first step computes only a chunk."""
+    state = make_state(num_blocks=100, block_size=16)
+    policy = SarathiPolicy(SarathiConfig(max_num_batched_tokens=512))
+    r = add(state, 0, 1000, 10)
+    b = policy.schedule(state, 0.0)
+    assert b.items == (BatchItem(0, 512, 0),)
+    assert len(r.block_ids) == -(-1000 // 16) == 63      # all of the prompt, not ceil(512 / 16) = 32
+    state.commit(b, 1.0)
+    b = policy.schedule(state, 1.0)                       # the rest needs no new block
+    assert b.items == (BatchItem(0, 1000 - 512, 512),) and len(r.block_ids) == 63
+
+
+def test_admission_waits_until_the_whole_prompt_fits():
+    """40 blocks of 16: request 0 (prompt 320 = 20 blocks) runs; request 1
+    (prompt 400 = 25 blocks) would fit a 256-token chunk (16 blocks) in the
+    20 free blocks, but not its whole prompt, so it waits."""
+    state = make_state(num_blocks=40, block_size=16)
+    policy = SarathiPolicy(SarathiConfig(max_num_batched_tokens=256 + 320))
+    add(state, 0, 320, 50)
+    add(state, 1, 400, 5)
+    b = policy.schedule(state, 0.0)
+    assert b.items == (BatchItem(0, 320, 0),)
+    assert [r.req_id for r in state.waiting] == [1] and state.kv.num_free_blocks == 20
