@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
+from policies.vllm import check_budget
 from sim.batch import Batch, BatchItem, Idle
 from sim.request import Status
 
@@ -86,6 +87,11 @@ class VllmV1Policy:
         self.token_budget = config.max_num_batched_tokens or defaults[0]
         self.max_num_seqs = config.max_num_seqs or min(defaults[1], self.token_budget)
         self._watermark_blocks: int | None = None
+        # vLLM's start-up checks (SchedulerConfig.verify_max_model_len).
+        check_budget(self.token_budget, self.max_num_seqs)
+        if config.long_prefill_token_threshold > max_model_len:
+            raise ValueError(f"long_prefill_token_threshold ({config.long_prefill_token_threshold}) cannot "
+                             f"exceed max_model_len ({max_model_len}), as vLLM requires")
 
     @classmethod
     def from_engine(cls, config: VllmV1Config, max_model_len: int, device: str,

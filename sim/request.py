@@ -31,6 +31,15 @@ class Status(IntEnum):
     REJECTED = 5     # refused at arrival (longer than the model's context)
 
 
+# Why a request was refused at arrival, as a real server refuses it.
+# (Templates take max_model_len and the policy's prompt limit.)
+REJECT_REASONS: dict[str, str] = {
+    "context": "prompt + max_tokens > max_model_len {max_model_len}",
+    "prompt_limit": "prompt > the policy's prompt limit of {limit} tokens (vLLM v0 without chunked prefill)",
+    "kv_pool": "more KV blocks than the pool holds above the watermark",
+}
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """One request. Policies read it; only ``SchedulerState`` writes it.
@@ -53,6 +62,7 @@ class Request:
     first_token_s: float | None = None
     last_token_s: float | None = None
     finished_s: float | None = None
+    reject_reason: str | None = None     # set when REJECTED: one of REJECT_REASONS
 
     @property
     def num_tokens(self) -> int:

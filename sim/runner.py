@@ -11,6 +11,7 @@ import hashlib
 import sys
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -26,7 +27,7 @@ from sim.engine import ROUTERS, Executor, Server, SimExecutor, StepLog, feed
 from sim.kv import BlockManager
 from sim.metrics import summarize
 from sim.profile import FORMAT_VERSION, Profile, ProfileError, load_profile
-from sim.request import Request, Status
+from sim.request import REJECT_REASONS, Request, Status
 from sim.state import SchedulerState
 from workloads.generate import RequestSpecs, generate
 
@@ -59,12 +60,21 @@ def build_profile(cfg: WorkloadConfig) -> Profile:
 
 
 def kv_blocks(cfg: WorkloadConfig, profile: Profile) -> tuple[int, int]:
-    """(num_blocks, max_model_len), with vLLM's start-up checks as clear errors."""
+    """(num_blocks, max_model_len), with vLLM's start-up checks as clear errors.
+
+    Unset in the workload, both come from the server a profile was measured on
+    (``profile.engine``: num_gpu_blocks x block_size, max_model_len) when it
+    says, else from the profile's memory facts and model. The measured pool is
+    counted in the workload's ``server.block_size`` (same tokens)."""
     s = cfg.server
-    max_model_len = s.max_model_len or profile.model.max_position_embeddings
+    eng = profile.engine or {}
+    max_model_len = s.max_model_len or eng.get("max_model_len") or profile.model.max_position_embeddings
     if s.num_blocks is not None:
         num_blocks = s.num_blocks
         where = "server.num_blocks"
+    elif eng.get("num_gpu_blocks") and eng.get("block_size"):
+        num_blocks = int(eng["num_gpu_blocks"]) * int(eng["block_size"]) // s.block_size
+        where = "profile (engine.num_gpu_blocks)"
     else:
         capacity = profile.kv_capacity_tokens(s.gpu_memory_utilization)
         if capacity <= 0:
@@ -120,7 +130,10 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     true_out = [int(x) for x in specs.output_tokens]
     servers = []
     for k in range(num_replicas):
-        policy = make_policy(cfg.policy, max_model_len, profile)
+        try:
+            policy = make_policy(cfg.policy, max_model_len, profile)
+        except ValueError as exc:                  # the engines' own start-up checks
+            raise ConfigError(f"{cfg.source}: field 'policy': {exc}") from None
         usable = num_blocks - getattr(policy, "num_reserved_blocks", 0)    # vLLM v1's null block
         state = SchedulerState(BlockManager(usable, cfg.server.block_size, cfg.server.watermark),
                                max_model_len, policy.max_prompt_tokens)
@@ -154,17 +167,13 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
                                      SimExecutor(profile), num_replicas=num_replicas, router=router,
                                      progress=progress)
     loop_s = time.perf_counter() - loop0
-    rejected = [r for r in requests if r.status == Status.REJECTED]
+    rejected = Counter(r.reject_reason for r in requests if r.status == Status.REJECTED)
     if rejected:
-        too_long = sum(r.num_prompt_tokens + r.max_output_tokens > max_model_len for r in rejected)
         limit = servers[0].policy.max_prompt_tokens
-        reasons = [f"{too_long} with prompt + max_tokens > max_model_len {max_model_len}"]
-        if len(rejected) > too_long:
-            why = (f"prompt > the policy's limit of {limit} tokens (max_num_batched_tokens)"
-                   if limit is not None else "more KV than the pool holds")
-            reasons.append(f"{len(rejected) - too_long} with {why}")
-        msg = (f"{cfg.source}: {len(rejected)} of {len(requests)} requests were rejected "
-               f"({'; '.join(reasons)}); counted as failed")
+        reasons = "; ".join(f"{n} with " + REJECT_REASONS[why].format(max_model_len=max_model_len, limit=limit)
+                            for why, n in sorted(rejected.items()))
+        msg = (f"{cfg.source}: {sum(rejected.values())} of {len(requests)} requests were rejected "
+               f"({reasons}); counted as failed")
         if strict:
             raise ConfigError(msg + " (--strict)")
         warnings.warn(msg, stacklevel=2)
@@ -223,6 +232,7 @@ def collect(cfg: WorkloadConfig, servers: list[Server], requests: list[Request],
         "output_tokens": [owner[r.req_id].state.oracle_output_tokens(r) for r in requests],
         "max_tokens": [r.max_output_tokens for r in requests],
         "status": ["finished" if r.status == Status.FINISHED else "rejected" for r in requests],
+        "reject_reason": [r.reject_reason or "" for r in requests],
         "first_scheduled_s": [r.first_scheduled_s for r in requests],
         "first_token_s": [r.first_token_s for r in requests],
         "finished_s": [r.finished_s for r in requests],
@@ -252,6 +262,8 @@ def collect(cfg: WorkloadConfig, servers: list[Server], requests: list[Request],
     summary["num_out_of_range_lookups"] = profile.num_out_of_range
     summary["profile_source"] = profile.provenance.get("source", "unknown")
     summary["policy"] = cfg.policy.kind
+    summary["failed_by_reason"] = {k: int(v) for k, v in
+                                   req_df.loc[req_df["status"] == "rejected", "reject_reason"].value_counts().items()}
     if len(servers) > 1:
         summary["replicas"] = [
             summarize(req_df[req_df["replica"] == s.replica],

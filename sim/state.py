@@ -50,24 +50,30 @@ class SchedulerState:
     def add_arrival(self, req: Request, true_output_tokens: int, now_s: float) -> bool:
         """Queue an arrived request, or reject it as a real server would.
 
-        A request is rejected (status REJECTED, counted as failed) when
-        prompt + max_tokens exceeds the model's context (vLLM's validation),
-        when it could never fit in the KV pool, or when its prompt exceeds the
-        policy's prompt limit (vLLM v0 ignores such prompts). Returns False if
+        A request is rejected (status REJECTED, counted as failed, with its
+        ``reject_reason``, see ``sim.request.REJECT_REASONS``) when prompt +
+        max_tokens exceeds the model's context (vLLM's validation), when its
+        prompt exceeds the policy's prompt limit (vLLM v0 ignores such
+        prompts), or when it could never fit in the KV pool. Returns False if
         rejected.
         """
         self.requests[req.req_id] = req
         self._true_output[req.req_id] = min(true_output_tokens, req.max_output_tokens)
         total = req.num_prompt_tokens + req.max_output_tokens
-        usable_blocks = self.kv.num_blocks - self.kv.watermark_blocks
-        if (total > self.max_model_len or self.kv.num_blocks_for(total) > usable_blocks
-                or (self.max_prompt_tokens is not None and req.num_prompt_tokens > self.max_prompt_tokens)):
-            req.status = Status.REJECTED
-            req.finished_s = now_s
-            self.num_rejected += 1
-            return False
-        self.waiting.append(req)
-        return True
+        if total > self.max_model_len:
+            reason = "context"
+        elif self.max_prompt_tokens is not None and req.num_prompt_tokens > self.max_prompt_tokens:
+            reason = "prompt_limit"
+        elif self.kv.num_blocks_for(total) > self.kv.num_blocks - self.kv.watermark_blocks:
+            reason = "kv_pool"
+        else:
+            self.waiting.append(req)
+            return True
+        req.status = Status.REJECTED
+        req.reject_reason = reason
+        req.finished_s = now_s
+        self.num_rejected += 1
+        return False
 
     def oracle_output_tokens(self, req: Request) -> int:
         """The true output length. Only oracle options may call this."""

@@ -58,6 +58,15 @@ def test_good_file_runs_and_writes_outputs(tmp_path, capsys):
     (GOOD + "profile: {path: nowhere.yaml}\n", "profile file not found"),
     (GOOD + "profile: {path: p.yaml, model: llama-2-7b}\n", "gives both a path and model"),
     ("- a\n- b\n", "expected a mapping"),
+    # The engines' own start-up checks.
+    (GOOD.replace("{kind: vllm}", "{kind: vllm, max_num_batched_tokens: 1024}") + "server: {max_model_len: 2048}\n",
+     "max_num_batched_tokens (1024) is smaller than max_model_len (2048)"),
+    (GOOD.replace("{kind: vllm}", "{kind: sarathi, max_num_batched_tokens: 64, max_num_seqs: 128}"),
+     "max_num_batched_tokens (64) must be >= max_num_seqs (128)"),
+    (GOOD.replace("{kind: vllm}", "{kind: vllm_v1, max_num_batched_tokens: 64, max_num_seqs: 128}"),
+     "max_num_batched_tokens (64) must be >= max_num_seqs (128)"),
+    (GOOD.replace("{kind: vllm}", "{kind: vllm_v1, long_prefill_token_threshold: 4096}") + "server: {max_model_len: 2048}\n",
+     "long_prefill_token_threshold (4096) cannot exceed max_model_len (2048)"),
 ])
 def test_bad_workload_files(tmp_path, capsys, text, expect):
     rc, out, err, outdir = run_cli(tmp_path, text, capsys=capsys)
@@ -129,3 +138,16 @@ def test_readme_custom_model_example_runs(tmp_path, capsys):
     rc, out, err, _ = run_cli(tmp_path, text, capsys=capsys)
     assert rc == 0, err
     assert "a100-80gb-tp2" in out
+
+
+def test_rejections_are_counted_per_reason(tmp_path, capsys):
+    """A 110-token request needs ceil(110 / 16) = 7 blocks; a pool of 10 with
+    watermark 0.4 keeps int(0.4 x 10) = 4 free, so 6 are usable: every request
+    is rejected for the KV pool, not for a prompt limit."""
+    text = GOOD.replace("output_tokens: 10", "output_tokens: 10}\nserver: {num_blocks: 10, max_model_len: 160, "
+                        "watermark: 0.4").replace("{kind: vllm}", "{kind: sarathi, max_num_seqs: 8}")
+    rc, out, err, outdir = run_cli(tmp_path, text, capsys=capsys)
+    assert rc == 0, err
+    assert "20 of 20 requests were rejected (20 with more KV blocks than the pool holds above the watermark)" in err
+    s = json.loads((outdir / "summary.json").read_text())
+    assert s["failed_by_reason"] == {"kv_pool": 20}
