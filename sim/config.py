@@ -59,8 +59,8 @@ class ServerConfig:
     block_size: int = 16                 # vLLM default
     gpu_memory_utilization: float = 0.9  # vLLM default
     watermark: float = 0.01              # vLLM default
-    max_model_len: int | None = None     # default: the model's context length
-    num_blocks: int | None = None        # default: from the profile's memory facts
+    max_model_len: int | None = None     # default: the profile's measured server, else the model's context
+    num_blocks: int | None = None        # default: the profile's measured server, else its memory facts
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +178,7 @@ def _build_policy(data: Any, src: str) -> Any:
     if not isinstance(data, dict) or "kind" not in data:
         raise ConfigError(f"{src}: field 'policy' needs a 'kind' ({', '.join(POLICIES)})")
     kind = data["kind"]
-    if kind not in POLICIES:
+    if not isinstance(kind, str) or kind not in POLICIES:
         raise ConfigError(f"{src}: field 'policy.kind' must be one of {', '.join(POLICIES)}, got {kind!r}")
     cls = POLICIES[kind][0]
     own = {f.name for f in dataclasses.fields(cls)}
@@ -214,6 +214,9 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
         if key not in allowed:
             raise ConfigError(f"{source}: unknown field '{key}'; allowed: {', '.join(allowed)}")
     top = {k: v for k, v in data.items() if k not in SECTIONS and k != "policy"}
+    if "name" in top and not isinstance(top["name"], str):
+        raise ConfigError(f"{source}: field 'name' must be a string (or left out: the file's name), "
+                          f"got {top['name']!r}")
     top.setdefault("name", Path(source).stem)
     sections = {k: build(cls, data.get(k), k, source) for k, cls in SECTIONS.items() if k != "slo"}
     slo = build(SloConfig, data["slo"], "slo", source) if data.get("slo") is not None else None
@@ -227,6 +230,7 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
                           f"{cfg.arrivals.kind}; use lengths.kind empirical with a length file")
     if cfg.arrivals.kind != "trace" and cfg.num_requests is None and cfg.duration_s is None:
         raise ConfigError(f"{source}: set 'num_requests' or 'duration_s' for synthetic arrivals")
+    _positive(source, "seed", cfg.seed, allow_zero=True)
     _positive(source, "num_requests", cfg.num_requests)
     _positive(source, "duration_s", cfg.duration_s)
     if isinstance(cfg.max_tokens, str) and cfg.max_tokens not in ("output", "context"):

@@ -18,13 +18,38 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from sim.config import ConfigError
 from sim.runner import RunResult
 
 
+class OutputError(ConfigError):
+    """An output that cannot be written (no permission, disk full); one line."""
+
+
 def _atomic(path: Path, write) -> None:
+    """Write through a temporary name and rename; on failure leave no ``.tmp``."""
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"{path}: cannot write ({exc.strerror or exc}); the run directory is "
+                          f"incomplete (no summary.json)") from None
+
+
+def ensure_writable(out_dir: str | Path) -> Path:
+    """Check before any work that ``out_dir`` can be created and written."""
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".batchsim-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise OutputError(f"--out {out}: cannot write there ({exc.strerror or exc}); choose another "
+                          f"directory") from None
+    return out
 
 
 def git_revision() -> str:
@@ -52,8 +77,7 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def write_run(result: RunResult, out_dir: str | Path) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = ensure_writable(out_dir)
     stale = out / "summary.json"
     if stale.exists():
         stale.unlink()                     # a half-rewritten directory must not look complete

@@ -21,6 +21,7 @@ File format history (``FORMAT_VERSION``):
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,43 @@ def _get(d: dict, key: str, where: str, source: str) -> Any:
     return d[key]
 
 
+def _finite(value: Any, where: str, source: str, *, minimum: float = 0.0, strict: bool = False) -> float:
+    """A number that is finite and >= minimum (> with ``strict``), else a ProfileError."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ProfileError(f"{source}: field '{where}' must be a number, got {value!r}") from None
+    if not math.isfinite(x) or x < minimum or (strict and x == minimum):
+        raise ProfileError(f"{source}: field '{where}' must be a finite number "
+                           f"{'>' if strict else '>='} {minimum:g}, got {value!r}")
+    return x
+
+
+def _check_curve(where: str, axes: dict[str, Any], values: Any, source: str) -> None:
+    """Grid axes finite, >= 0 and strictly increasing; costs finite, >= 0 and
+    non-decreasing along every axis (more work never costs less). A file that
+    breaks this is refused rather than silently repaired."""
+    for name, xs in axes.items():
+        if not isinstance(xs, list) or len(xs) < 2:
+            raise ProfileError(f"{source}: field '{where}.{name}' must be a list of at least 2 grid points")
+        pts = [_finite(x, f"{where}.{name}", source) for x in xs]
+        if any(b <= a for a, b in zip(pts, pts[1:])):
+            raise ProfileError(f"{source}: field '{where}.{name}' must be strictly increasing, got {xs}")
+    rows = values if len(axes) == 2 else [values]
+    shape = [len(v) for v in axes.values()]
+    if not isinstance(rows, list) or len(rows) != (shape[0] if len(axes) == 2 else 1) or any(
+            not isinstance(r, list) or len(r) != shape[-1] for r in rows):
+        raise ProfileError(f"{source}: field '{where}.seconds' must have shape {' x '.join(map(str, shape))}")
+    grid = [[_finite(y, f"{where}.seconds", source) for y in r] for r in rows]
+    for i, r in enumerate(grid):
+        for j in range(len(r)):
+            for prev, axis in ((r[j - 1] if j else None, list(axes)[-1]),
+                               (grid[i - 1][j] if i else None, list(axes)[0])):
+                if prev is not None and r[j] < prev * (1 - 1e-9):
+                    raise ProfileError(f"{source}: field '{where}.seconds' decreases along '{axis}' "
+                                       f"({prev:g} -> {r[j]:g} s): a step with more work cannot cost less")
+
+
 def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
     """Build a Profile from its file form, with errors that name the field."""
     if not isinstance(data, dict):
@@ -226,6 +264,22 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
         lin = _get(c, "linear", "curves.", source)
         pre = _get(c, "attn_prefill", "curves.", source)
         dec = _get(c, "attn_decode", "curves.", source)
+        for key in ("memory_bytes_per_gpu", "kv_bytes_per_token"):
+            _finite(_get(mem, key, "memory.", source), f"memory.{key}", source, strict=True)
+        for key in ("weight_bytes", "activation_bytes_per_gpu"):
+            _finite(_get(mem, key, "memory.", source), f"memory.{key}", source)
+        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                    "vocab_size", "max_position_embeddings"):
+            _finite(_get(m, key, "model.", source), f"model.{key}", source, strict=True)
+        _finite(_get(c, "overhead_s", "curves.", source), "curves.overhead_s", source)
+        _check_curve("curves.linear", {"tokens": _get(lin, "tokens", "curves.linear.", source)},
+                     _get(lin, "seconds", "curves.linear.", source), source)
+        _check_curve("curves.attn_prefill", {"chunk": _get(pre, "chunk", "curves.attn_prefill.", source),
+                                             "context": _get(pre, "context", "curves.attn_prefill.", source)},
+                     _get(pre, "seconds", "curves.attn_prefill.", source), source)
+        _check_curve("curves.attn_decode", {"seqs": _get(dec, "seqs", "curves.attn_decode.", source),
+                                            "context": _get(dec, "context", "curves.attn_decode.", source)},
+                     _get(dec, "seconds", "curves.attn_decode.", source), source)
         prof = Profile(
             name=str(data.get("name", Path(source).stem)),
             model=model,
@@ -271,6 +325,8 @@ def load_profile(path: str | Path) -> Profile:
     try:
         text = path.read_text()
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except UnicodeDecodeError:
+        raise ProfileError(f"{path}: not a text file (expected a YAML or JSON profile)") from None
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise ProfileError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
                            f"{str(exc).splitlines()[0]}") from None

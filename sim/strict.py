@@ -8,6 +8,7 @@ against the field's type hint; ``null`` means "the default". Every error is a
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any
@@ -35,7 +36,7 @@ def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool), value
     if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return True, float(value)
         return False, value
     if hint is str:
@@ -69,6 +70,9 @@ def build(cls: type, data: Any, where: str, source: str, **extra: Any) -> Any:
             raise ConfigError(f"{source}: unknown field '{where}.{key}'".replace("'.", "'")
                               + f"; allowed: {', '.join(n for n in names if n not in extra)}")
         ok, value = _type_ok(value, hints[key])
+        if not ok and isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{source}: field '{where}.{key}'".replace("'.", "'")
+                              + f" must be a finite number, got {value}")
         if not ok:
             raise ConfigError(f"{source}: field '{where}.{key}'".replace("'.", "'")
                               + f" expected {_describe(hints[key])}, got {value!r}")
@@ -79,6 +83,8 @@ def build(cls: type, data: Any, where: str, source: str, **extra: Any) -> Any:
 def _positive(source: str, name: str, value: float | None, allow_zero: bool = False) -> None:
     if value is None:
         return
+    if not math.isfinite(value):
+        raise ConfigError(f"{source}: field '{name}' must be a finite number, got {value}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{source}: field '{name}' must be {'>= 0' if allow_zero else '> 0'}, "
                           f"got {value}")

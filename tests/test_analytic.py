@@ -17,6 +17,7 @@ from sim.roofline import preset_profile
 ONE_AT_A_TIME = {
     "static": {"batch_size": 1}, "dynamic": {"max_batch_size": 1, "max_queue_delay_s": 0.0},
     "orca": {}, "vllm": {}, "sarathi": {"max_num_batched_tokens": 4096},
+    "vllm_v1": {"max_num_batched_tokens": 4096},
 }
 
 

@@ -34,7 +34,7 @@ def test_decodes_first_then_chunks_fill_the_budget():
 
 def test_no_decode_ever_waits_for_a_prefill():
     state = make_state()
-    policy = SarathiPolicy(SarathiConfig(max_num_batched_tokens=64))
+    policy = SarathiPolicy(SarathiConfig(max_num_batched_tokens=64, max_num_seqs=16))
     add(state, 0, 4, 50)
     state.commit(policy.schedule(state, 0.0), 1.0)
     for i in range(1, 6):

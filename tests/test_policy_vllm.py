@@ -11,7 +11,7 @@ from sim.request import Status
 
 def test_prefill_first_within_token_budget_then_decode_only():
     state = make_state()
-    policy = VllmPolicy(VllmConfig(max_num_batched_tokens=400), max_model_len=4096)
+    policy = VllmPolicy(VllmConfig(max_num_batched_tokens=400, max_num_seqs=8), max_model_len=400)
     for i, p in enumerate((100, 200, 300)):
         add(state, i, p, 5)
     b = policy.schedule(state, 0.0)
@@ -71,13 +71,22 @@ def test_out_of_blocks_preempts_newest_by_recompute():
     assert a.num_output_tokens == 5
 
 
-def test_prompt_longer_than_budget_is_rejected_at_arrival():
-    policy = VllmPolicy(VllmConfig(max_num_batched_tokens=512), max_model_len=4096)
-    state = make_state(max_prompt_tokens=policy.max_prompt_tokens)
+def test_budget_below_max_model_len_is_refused_at_start_up():
+    """vLLM v0 without chunked prefill refuses max_num_batched_tokens < max_model_len."""
+    import pytest
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(512\) is smaller than max_model_len \(4096\)"):
+        VllmPolicy(VllmConfig(max_num_batched_tokens=512), max_model_len=4096)
+    with pytest.raises(ValueError, match=r"must be >= max_num_seqs \(256\)"):
+        VllmPolicy(VllmConfig(max_num_batched_tokens=128), max_model_len=128)
+
+
+def test_prompt_over_the_policy_limit_is_rejected_with_its_reason():
+    state = make_state(max_prompt_tokens=512)
     from sim.request import Request
     r = Request(0, 0.0, 600, 10)
     assert not state.add_arrival(r, 10, 0.0)
-    assert r.status == Status.REJECTED and state.num_rejected == 1
+    assert r.status == Status.REJECTED and r.reject_reason == "prompt_limit" and state.num_rejected == 1
+    policy = VllmPolicy(VllmConfig(), max_model_len=4096)
     assert isinstance(policy.schedule(state, 0.0), Idle)
 
 

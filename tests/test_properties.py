@@ -26,8 +26,12 @@ def policy_configs():
                   reserve=st.sampled_from(["max_tokens", "max", "pow2", "oracle"])),
         st.builds(POLICIES["vllm"][0], max_num_seqs=st.integers(1, 16),
                   max_num_batched_tokens=st.sampled_from([None, 512, 1024])),
-        st.builds(POLICIES["sarathi"][0], max_num_seqs=st.integers(1, 16),
+        st.builds(POLICIES["sarathi"][0], max_num_seqs=st.integers(1, 8),
                   max_num_batched_tokens=st.integers(8, 600)),
+        st.builds(POLICIES["vllm_v1"][0], max_num_seqs=st.integers(1, 8),
+                  max_num_batched_tokens=st.integers(8, 600),
+                  long_prefill_token_threshold=st.sampled_from([0, 16, 100]),
+                  watermark=st.sampled_from([0.0, 0.05])),
     )
 
 

@@ -7,6 +7,7 @@ not move the arrival times (and vice versa).
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -82,10 +83,35 @@ def _lengths(cfg: WorkloadConfig, streams: list[np.random.Generator], n: int) ->
     return data.prompt_tokens[idx], data.output_tokens[idx]
 
 
+# Peak memory of a simulation per request (100k ShareGPT-length requests
+# peaked at 3.9 GB, ~39 KB each): what the size estimate below refuses on.
+BYTES_PER_REQUEST = 40_000
+
+
+def _physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+def check_size(cfg: WorkloadConfig, num_requests: float, field: str) -> None:
+    """Refuse, before anything is allocated, a workload that cannot fit this
+    machine's memory (a MemoryError later would come after minutes of work)."""
+    need = num_requests * BYTES_PER_REQUEST
+    have = _physical_memory_bytes()
+    if need > have:
+        raise ConfigError(f"{cfg.source}: field '{field}' asks for about {num_requests:.3g} requests, "
+                          f"~{need / 2**30:.3g} GiB at ~{BYTES_PER_REQUEST // 1000} KB each, more than this "
+                          f"machine's {have / 2**30:.1f} GiB; lower it or split the run")
+
+
 def _trace(cfg: WorkloadConfig) -> RequestSpecs:
     a = cfg.arrivals
     data = load_trace(cfg.resolve_path(a.path), need_arrivals=True, columns=a.columns,
                       time_unit=a.time_unit)
+    if cfg.num_requests is None:
+        check_size(cfg, float(len(data.prompt_tokens)) * a.repeat, "arrivals.repeat")
     t = data.arrival_s
     span = float(t[-1]) if len(t) > 1 else 0.0
     parts = [t + k * (span + (span / max(len(t) - 1, 1))) for k in range(a.repeat)]
@@ -113,6 +139,8 @@ def _trace(cfg: WorkloadConfig) -> RequestSpecs:
 def generate(cfg: WorkloadConfig) -> RequestSpecs:
     """The workload's requests, in arrival order, truncated by num_requests /
     duration_s. Deterministic for a given config and seed."""
+    if cfg.num_requests is not None:
+        check_size(cfg, float(cfg.num_requests), "num_requests")
     ss = np.random.SeedSequence(cfg.seed)
     arr_rng, prompt_rng, output_rng = (np.random.default_rng(s) for s in ss.spawn(3))
     if cfg.arrivals.kind == "trace":
@@ -126,6 +154,7 @@ def generate(cfg: WorkloadConfig) -> RequestSpecs:
         else:
             # Enough arrivals to cover duration_s with a wide margin; cut below.
             rate = cfg.arrivals.rate or 1.0
+            check_size(cfg, rate * cfg.duration_s, "duration_s")
             n = int(rate * cfg.duration_s * 1.5 + 10 * np.sqrt(rate * cfg.duration_s) + 10)
         t = _synthetic_arrivals(cfg, arr_rng, n)
         p, o = _lengths(cfg, [prompt_rng, output_rng], n)

@@ -76,13 +76,17 @@ def _find(df: pd.DataFrame, role: str, given: dict[str, str] | None, path: Path)
     return None
 
 
+MAX_TOKENS = 2**31 - 1
+
+
 def _tokens(df: pd.DataFrame, col: str, path: Path) -> np.ndarray:
     values = pd.to_numeric(df[col], errors="coerce")
-    bad = values.isna() | (values < 0) | (values != np.floor(values.fillna(0)))
+    # > 2^31 tokens is no request any model serves (and would overflow int64 casts of floats).
+    bad = values.isna() | (values < 0) | (values > MAX_TOKENS) | (values != np.floor(values.fillna(0)))
     if bad.any():
         row = int(np.flatnonzero(bad.to_numpy())[0])
         raise ConfigError(f"{path}: column '{col}' row {row + 2}: expected a non-negative integer "
-                          f"token count, got {df[col].iloc[row]!r}")
+                          f"token count up to {MAX_TOKENS}, got {str(df[col].iloc[row])!r}")
     return values.to_numpy(dtype=np.int64)
 
 
@@ -96,9 +100,10 @@ def _times(df: pd.DataFrame, col: str, unit: str | None, path: Path) -> np.ndarr
             raise ConfigError(f"{path}: column '{col}' row {row + 2}: cannot parse timestamp {raw.iloc[row]!r}")
         ns = parsed.astype("int64").to_numpy()
         return (ns - ns.min()) / 1e9
-    if numeric.isna().any():
-        row = int(np.flatnonzero(numeric.isna().to_numpy())[0])
-        raise ConfigError(f"{path}: column '{col}' row {row + 2}: expected a number, got {raw.iloc[row]!r}")
+    bad = numeric.isna() | ~np.isfinite(numeric.fillna(0))
+    if bad.any():
+        row = int(np.flatnonzero(bad.to_numpy())[0])
+        raise ConfigError(f"{path}: column '{col}' row {row + 2}: expected a finite number, got {str(raw.iloc[row])!r}")
     t = numeric.to_numpy(dtype=np.float64)
     if unit is None:
         # Mooncake stores integer milliseconds in 'timestamp'.

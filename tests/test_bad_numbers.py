@@ -1,0 +1,182 @@
+"""Every bad number refused early: one line naming file and field, exit 2, no
+traceback, no run directory that looks complete. Table-driven."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from conftest import ROOT
+
+from sim.cli import main
+
+GOOD = {
+    "name": "t", "num_requests": 20,
+    "arrivals": {"kind": "poisson", "rate": 5},
+    "lengths": {"kind": "fixed", "prompt_tokens": 100, "output_tokens": 10},
+    "policy": {"kind": "vllm"},
+}
+NAN, INF = float("nan"), float("inf")
+
+
+def with_(path: str, value):
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    node = data
+    *parents, leaf = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+    return data
+
+
+def run(tmp_path: Path, data, capsys, *extra: str, name: str = "w.yaml"):
+    wl = tmp_path / name
+    wl.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    out = tmp_path / "out"
+    rc = main(["run", str(wl), "--out", str(out), "--quiet", *extra])
+    err = capsys.readouterr().err
+    return rc, err, out
+
+
+WORKLOAD_CASES = [
+    (with_("arrivals.rate", NAN), "field 'arrivals.rate' must be a finite number, got nan"),
+    (with_("arrivals.rate", INF), "field 'arrivals.rate' must be a finite number, got inf"),
+    (with_("arrivals", {"kind": "gamma", "rate": 5, "cv": NAN}), "field 'arrivals.cv' must be a finite number"),
+    (with_("lengths", {"kind": "lognormal", "prompt_mean": 100, "output_mean": 10, "sigma": INF}),
+     "field 'lengths.sigma' must be a finite number"),
+    (with_("slo", {"ttft_ms": NAN}), "field 'slo.ttft_ms' must be a finite number"),
+    (with_("slo", {"tpot_ms": -INF}), "field 'slo.tpot_ms' must be a finite number"),
+    (with_("duration_s", INF), "field 'duration_s' must be a finite number"),
+    (with_("max_tokens", NAN), "field 'max_tokens' must be a finite number"),
+    (with_("server", {"gpu_memory_utilization": NAN}), "server.gpu_memory_utilization"),
+    (with_("name", None), "field 'name' must be a string"),
+    (with_("seed", -1), "field 'seed' must be >= 0, got -1"),
+    (with_("policy", {"kind": [1, 2]}), "field 'policy.kind' must be one of"),
+    (with_("num_requests", 10**12), "field 'num_requests' asks for about 1e+12 requests"),
+    (with_("duration_s", 1e15) | {"num_requests": None}, "field 'duration_s' asks for about"),
+]
+
+
+@pytest.mark.parametrize("data, expect", WORKLOAD_CASES)
+def test_bad_workload_numbers(tmp_path, capsys, data, expect):
+    rc, err, out = run(tmp_path, data, capsys)
+    assert rc == 2, err
+    assert expect in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert str(tmp_path / "w.yaml") in err
+    assert not (out / "summary.json").exists()
+
+
+TRACE_CASES = [
+    ("0,10,5\n1,99999999999999999999999,5\n", "column 'prompt_tokens' row 3: expected a non-negative integer"),
+    ("0,10,5\n1,10,1e40\n", "column 'output_tokens' row 3"),
+    ("0,10,5\ninf,10,5\n", "column 'arrival_time_s' row 3: expected a finite number, got 'inf'"),
+    ("0,10,5\nnan,10,5\n", "column 'arrival_time_s' row 3: expected a finite number"),
+    ("0,nan,5\n", "column 'prompt_tokens' row 2"),
+]
+
+
+@pytest.mark.parametrize("rows, expect", TRACE_CASES)
+def test_bad_trace_cells(tmp_path, capsys, rows, expect):
+    (tmp_path / "trace.csv").write_text("arrival_time_s,prompt_tokens,output_tokens\n" + rows)
+    data = {"name": "t", "arrivals": {"kind": "trace", "path": "trace.csv"}, "lengths": {"kind": "trace"}}
+    rc, err, out = run(tmp_path, data, capsys)
+    assert rc == 2 and expect in err and "trace.csv" in err, err
+    assert not (out / "summary.json").exists()
+
+
+def test_trace_repeat_beyond_memory_is_refused(tmp_path, capsys):
+    (tmp_path / "trace.csv").write_text("arrival_time_s,prompt_tokens,output_tokens\n0,10,5\n1,10,5\n")
+    data = {"name": "t", "arrivals": {"kind": "trace", "path": "trace.csv", "repeat": 10**13},
+            "lengths": {"kind": "trace"}}
+    rc, err, _ = run(tmp_path, data, capsys)
+    assert rc == 2 and "field 'arrivals.repeat' asks for about 2e+13 requests" in err, err
+
+
+# ---- profile files ---------------------------------------------------------------------------
+SHIPPED = ROOT / "calibrate" / "profiles" / "cpu" / "tiny-llama" / "float32.yaml"
+
+
+def profile_with(edit) -> dict:
+    data = yaml.safe_load(SHIPPED.read_text())
+    edit(data)
+    return data
+
+
+def _set(path: str, value):
+    def edit(d):
+        *parents, leaf = path.split(".")
+        node = d
+        for k in parents:
+            node = node[k] if not k.isdigit() else node[int(k)]
+        node[int(leaf) if leaf.isdigit() else leaf] = value
+    return edit
+
+
+def _del(path: str):
+    def edit(d):
+        *parents, leaf = path.split(".")
+        node = d
+        for k in parents:
+            node = node[k]
+        del node[leaf]
+    return edit
+
+
+def _decrease(d):
+    ys = d["curves"]["linear"]["seconds"]
+    ys[-1] = ys[0] / 2
+
+
+PROFILE_CASES = [
+    (_del("curves.overhead_s"), "field 'curves.overhead_s' is missing"),
+    (_set("curves.overhead_s", -0.001), "field 'curves.overhead_s' must be a finite number >= 0"),
+    (_set("curves.linear.seconds.1", NAN), "field 'curves.linear.seconds' must be a finite number"),
+    (_set("curves.linear.seconds.0", -1e-4), "field 'curves.linear.seconds' must be a finite number >= 0"),
+    (_decrease, "field 'curves.linear.seconds' decreases along 'tokens'"),
+    (_set("curves.attn_decode.seqs", [4, 2, 8]), "field 'curves.attn_decode.seqs' must be strictly increasing"),
+    (_set("curves.attn_prefill.seconds.0.0", INF), "field 'curves.attn_prefill.seconds' must be a finite number"),
+    (_set("memory.kv_bytes_per_token", -8), "field 'memory.kv_bytes_per_token' must be a finite number > 0"),
+    (_set("memory.weight_bytes", -1), "field 'memory.weight_bytes' must be a finite number >= 0"),
+    (_set("model.max_position_embeddings", 0), "field 'model.max_position_embeddings' must be a finite number > 0"),
+]
+
+
+@pytest.mark.parametrize("edit, expect", PROFILE_CASES)
+def test_bad_profile_files(tmp_path, capsys, edit, expect):
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(profile_with(edit), sort_keys=False))
+    data = with_("profile", {"path": "p.yaml"}) | {"server": {"num_blocks": 512, "max_model_len": 512}}
+    rc, err, out = run(tmp_path, data, capsys)
+    assert rc == 2, err
+    assert expect in err and "p.yaml" in err, err
+    assert "Traceback" not in err
+    assert not (out / "summary.json").exists()
+
+
+def test_binary_garbage_profile(tmp_path, capsys):
+    (tmp_path / "p.yaml").write_bytes(bytes(range(256)) * 4)
+    rc, err, _ = run(tmp_path, with_("profile", {"path": "p.yaml"}), capsys)
+    assert rc == 2 and "p.yaml: not a text file" in err, err
+
+
+# ---- outputs ----------------------------------------------------------------------------------
+def test_unwritable_out_is_refused_before_the_run(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    wl = tmp_path / "w.yaml"
+    wl.write_text(yaml.safe_dump(GOOD))
+    rc = main(["run", str(wl), "--out", str(blocker / "sub"), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "cannot write there" in err and "Traceback" not in err, err
+
+
+def test_full_disk_leaves_no_tmp_and_no_summary(tmp_path, capsys, monkeypatch):
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(np, "savez_compressed", no_space)
+    rc, err, out = run(tmp_path, GOOD, capsys)
+    assert rc == 2 and "tokens.npz: cannot write (No space left on device)" in err, err
+    assert not list(out.glob("*.tmp")) and not (out / "summary.json").exists()
