@@ -23,6 +23,9 @@ from sim.state import SchedulerState  # noqa: E402
 
 WORKLOADS = ROOT / "workloads"
 
+# Fixtures that build the tiny model and start a real vLLM server (skipped without vllm).
+pytest_plugins = ["conftest_vllm"]
+
 
 def linear_profile(per_token_s: float = 1e-4, overhead_s: float = 1e-3,
                    decode_per_ctx_s: float = 1e-7, prefill_per_ctx_s: float = 1e-8) -> Profile:

@@ -8,9 +8,9 @@ word ``w{i}``, except ids 0, 1, 2, which are ``<unk>``, ``<s>``, ``</s>``
 (``SPECIAL_TOKEN_IDS``). Text is split on whitespace, so ``"w5 w17"`` encodes
 to ``[5, 17]``. The default shape is batchsim's ``tiny-llama`` preset.
 
-vLLM's CPU attention supports head sizes 32, 64, 80, ... only: ``tiny-llama``
-(head_dim 32) serves on CPU, ``tiny-llama-2l`` (head_dim 16) is written but
-vLLM's CPU backend refuses it.
+vLLM 0.32's CPU attention has kernels for head sizes 32, 64, 80, ... only:
+``tiny-llama`` (head_dim 32) serves on CPU; a server on ``tiny-llama-2l``
+(head_dim 16) starts, but its engine dies on the first request.
 
 CLI: ``python -m calibrate.serving.tiny_model --out DIR [--preset NAME] [--seed N]``.
 """
@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from calibrate.model import INIT_STD, MODEL_PRESETS, RMS_NORM_EPS, get_model_config
+from calibrate.model import INIT_STD, MODEL_PRESETS, RMS_NORM_EPS, ModelConfig, get_model_config
 
 DEFAULT_PRESET = "tiny-llama"
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
@@ -67,12 +67,11 @@ def write_tiny_llama(out_dir: str | os.PathLike[str], *, hidden_size: int = _P.h
     spec: dict[str, Any] = {"shape": {k: v for k, v in vars(shape).items() if k != "name"},
                             "seed": seed, "dtype": dtype, "special_tokens": list(SPECIAL_TOKENS)}
     out = Path(out_dir)
-    if out.exists():
-        if _read_spec(out) == spec and all((out / f).is_file() for f in FILES):
-            return out
-        if any(out.iterdir()) and _read_spec(out) is None:
-            raise FileExistsError(f"{out} exists and was not written by write_tiny_llama; "
-                                  f"choose an empty or new folder")
+    if out.is_dir() and _read_spec(out) == spec and all((out / f).is_file() for f in FILES):
+        return out
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and _read_spec(out) is None)):
+        raise FileExistsError(f"{out} exists and was not written by write_tiny_llama; "
+                              f"choose an empty or new folder")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
@@ -108,7 +107,7 @@ def _read_spec(folder: Path) -> dict[str, Any] | None:
     return spec if isinstance(spec, dict) else None
 
 
-def _write_config(folder: Path, shape: Any, dtype: str) -> None:
+def _write_config(folder: Path, shape: ModelConfig, dtype: str) -> None:
     from transformers import GenerationConfig, LlamaConfig
 
     config = LlamaConfig(
@@ -122,7 +121,7 @@ def _write_config(folder: Path, shape: Any, dtype: str) -> None:
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID).save_pretrained(folder)
 
 
-def _write_weights(folder: Path, shape: Any, seed: int, dtype: str) -> None:
+def _write_weights(folder: Path, shape: ModelConfig, seed: int, dtype: str) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -174,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m calibrate.serving.tiny_model",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder to write (reused if identical)")
-    parser.add_argument("--preset", default=DEFAULT_PRESET, choices=["tiny-llama", "tiny-llama-2l"])
+    parser.add_argument("--preset", default=DEFAULT_PRESET, choices=["tiny-llama", "tiny-llama-2l"],
+                        help="tiny-llama-2l (head_dim 16) does not run on vLLM's CPU backend")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     args = parser.parse_args(argv)
