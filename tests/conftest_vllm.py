@@ -1,7 +1,6 @@
 """Session fixtures for tests that talk to a real local vLLM server.
 
-Load with ``pytest_plugins = ["conftest_vllm"]`` in each test module that uses
-them (``from conftest_vllm import vllm_server`` works too). Every user shares
+``tests/conftest.py`` loads them for every test module. Every user shares
 one model folder and one server, started on first use and stopped at the end
 of the session. Each fixture skips when what it needs is not installed.
 
