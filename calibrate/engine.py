@@ -21,8 +21,13 @@ Row layout inside a step: [decode rows (1 per n == 1 item, by ascending
 context)] [prefill rows, item by item] [pad rows]. Every real row writes its
 K/V into the paged cache first. A chunk with context (c > 0) and every decode then read positions 0..own from
 the cache; a prefill from c == 0 attends over its own fresh K/V (what paged
-engines do: the cache holds exactly the same values). Pad rows cost
-token-parallel time, write no KV, and get a zero attention output.
+engines do: the cache holds exactly the same values). Prompt pad rows
+(a static batch's prompts padded to the longest) cost token-parallel time,
+write no KV, and get a zero attention output. A finished slot of a static
+group (an item with no new token and one pad token) is a decode row: a dense
+static batch still runs its attention over the context it holds, so it reads
+its KV like any decode (and writes position ``context_len``, a slot of its
+own reservation that nothing reads); it samples nothing.
 """
 
 from __future__ import annotations
@@ -225,9 +230,11 @@ class LiveEngine:
     def _plan(self, batch: Batch, requests: Mapping[int, Request]) -> _Plan | None:
         """Validate the items and build every index tensor of the step (None: nothing to run)."""
         bs, dev, items = self.block_size, self.device, batch.items
-        # decodes first, by ascending context (so their groups are contiguous rows), then chunks
-        order = sorted((i for i, it in enumerate(items) if it.num_new_tokens == 1),
-                       key=lambda i: items[i].context_len) \
+        # decodes first, by ascending context (so their groups are contiguous rows), then chunks;
+        # a finished slot of a static group (n == 0, one pad token) decodes too, see the module doc
+        decodes = [i for i, it in enumerate(items)
+                   if it.num_new_tokens == 1 or (it.num_new_tokens == 0 and it.num_pad_tokens == 1)]
+        order = sorted(decodes, key=lambda i: items[i].context_len) \
             + [i for i, it in enumerate(items) if it.num_new_tokens > 1]
         empty = np.zeros(0, dtype=np.int64)
         ids_parts, pos_parts, slot_parts = [empty], [empty], [empty]
@@ -237,13 +244,16 @@ class LiveEngine:
         dec_ids: list[int] = []
         dec_pos: list[int] = []                       # = context_len of each decode
         dec_slots: list[int] = []
-        row = max_pos = 0
+        row = max_pos = num_slot_pads = 0
         for i in order:
             it = items[i]
             req, n, c = requests[it.req_id], it.num_new_tokens, it.context_len
             if c < 0 or c + n > req.num_tokens:
                 raise ValueError(f"request {req.req_id}: context {c} + {n} new tokens exceeds its "
                                  f"{req.num_tokens} known tokens")
+            if n == 0:                             # a finished slot's wasted decode
+                n = 1
+                num_slot_pads += 1
             table = self._block_ids(req, c + n)
             if n == 1:                             # python scalars: numpy is slow on 1 element
                 dec_ids.append(self._token_id(req, c))
@@ -262,7 +272,7 @@ class LiveEngine:
         # decode rows come first
         ids_parts[0], pos_parts[0] = np.array(dec_ids, dtype=np.int64), np.array(dec_pos, dtype=np.int64)
         slot_parts[0] = np.array(dec_slots, dtype=np.int64)
-        num_pad = sum(it.num_pad_tokens for it in items)
+        num_pad = sum(it.num_pad_tokens for it in items) - num_slot_pads
         if row + num_pad == 0:
             return None
         ids_parts.append(np.zeros(num_pad, dtype=np.int64))

@@ -161,6 +161,19 @@ def test_pad_tokens_do_not_change_results() -> None:
     assert make_engine().step(Batch((BatchItem(1, 0, 0, 4),)), {1: make_request(1, 5, [0, 1])}) is None
 
 
+def test_a_finished_static_slot_runs_a_decode_row() -> None:
+    """A finished slot of a static group (no new token, one pad) attends over
+    its context like a decode, as a dense static batch does: the plan holds
+    two decode rows (contexts 6 and 9), no prompt pad row, and one sampler."""
+    engine = make_engine()
+    reqs = {1: make_request(1, 5, [8, 9]), 2: make_request(2, 8, [4, 5, 6])}
+    run(engine, reqs, [item(reqs[1], 5, 3), item(reqs[2], 8)])
+    run(engine, reqs, [item(reqs[1], 1), item(reqs[2], 1)])
+    plan = engine._plan(Batch((BatchItem(1, 0, reqs[1].num_computed_tokens, 1), item(reqs[2], 1))), reqs)
+    assert plan.num_real == 2 and plan.token_ids.shape[0] == 2          # no pad row left over
+    assert plan.positions.tolist() == [6, 9] and len(plan.sampling) == 1   # request 1: 5 + 1 computed
+
+
 def test_repeating_a_step_is_idempotent() -> None:
     engine = make_engine()
     req = make_request(1, 6, [3, 4])
