@@ -115,11 +115,18 @@ class VllmV1Policy:
             threshold = 0
         items: list[BatchItem] = []
         preempted = False
+        block_size = kv.block_size
+        new_item = tuple.__new__          # BatchItem(...) without the NamedTuple call overhead
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
             computed = r.num_computed_tokens
             n = r.num_prompt_tokens + r.num_output_tokens - computed
+            if n == 1 and computed < len(r.block_ids) * block_size:
+                items.append(new_item(BatchItem, (r.req_id, 1, computed, 0)))   # the hot path: a
+                budget -= 1                                                      # decode with room
+                i += 1
+                continue
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget)       # >= 1: a running request always has a token to compute
