@@ -6,8 +6,12 @@
 - TPOT: (E2E - TTFT) / (output tokens - 1), per request with > 1 output token.
 - E2EL: finished (result returned) - arrival.
 - queue: first scheduled - arrival.
-Percentiles are numpy's linear interpolation; every metric comes with its count.
-Throughputs divide by ``duration_s``: first arrival to last completion.
+Percentiles are numpy's linear interpolation, std is numpy's default (the
+population std, ddof 0, as vLLM's benchmark reports it); every metric comes
+with its count. Throughputs divide by ``duration_s``: first arrival to last
+completion. Goodput counts completed requests meeting every SLO (<=).
+KV utilisation is weighted by step duration over busy time; busy fraction is
+the busy time per replica over ``duration_s``.
 """
 
 from __future__ import annotations
@@ -82,11 +86,14 @@ def summarize(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.DataFrame,
         s.update(distribution(name, series[name]))
     s["request_goodput"] = None
     if slo and any(v is not None for v in slo.values()):
+        # vLLM's --goodput: a completed request is good when every constrained metric is <= its
+        # threshold, compared in seconds against slo_ms / 1000 as vLLM does (value_s * 1e3 <= slo_ms
+        # rounds differently at the threshold); a one-token request's TPOT counts as 0.
         ok = np.ones(len(done), bool)
         for key, col in (("ttft_ms", "ttft_s"), ("tpot_ms", "tpot_s"), ("e2el_ms", "e2e_s")):
             if slo.get(key) is not None:
-                vals = done[col].to_numpy() * 1e3
-                ok &= np.nan_to_num(vals, nan=0.0) <= slo[key]
+                vals_s = done[col].to_numpy()
+                ok &= np.nan_to_num(vals_s, nan=0.0) <= slo[key] / 1e3
         s["request_goodput"] = int(ok.sum()) / duration_s
         s["slo_attainment"] = float(ok.mean()) if len(ok) else None
     s["num_preemptions"] = int(requests["num_preemptions"].sum())
@@ -94,8 +101,10 @@ def summarize(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.DataFrame,
     if len(steps):
         dur = steps["duration_s"].to_numpy()
         busy_s = float(dur.sum())
+        # Steps of several replicas overlap in time: busy is per replica, averaged over the fleet.
+        num_replicas = int(steps["replica"].nunique()) if "replica" in steps else 1
         s["mean_batch_size"] = float(steps["batch_size"].mean())
-        s["busy_fraction"] = min(1.0, busy_s / duration_s)
+        s["busy_fraction"] = min(1.0, busy_s / (num_replicas * duration_s))
         if kv_total_blocks:
             kv = steps["kv_used_blocks"].to_numpy() / kv_total_blocks
             s["mean_kv_utilization"] = float((kv * dur).sum() / busy_s) if busy_s > 0 else 0.0
