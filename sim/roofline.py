@@ -1,8 +1,12 @@
 """Analytic step-cost profiles: a roofline model of one (model, GPU, TP, dtype).
 
-Every curve of ``sim.profile.Profile`` is a roofline, time = max(compute time,
-memory time), where the rates are the GPU's datasheet peaks times *achieved*
-fractions (``Efficiency``). ``Roofline`` holds the direct formulas;
+Every curve of ``sim.profile.Profile`` is a roofline of a compute time c and a
+memory time m, where the rates are the GPU's datasheet peaks times *achieved*
+fractions (``Efficiency``). Far from the ridge point the time is max(c, m); near
+it both limits are partly active and the time is the smooth maximum of a
+load -> math pipeline with S tile buffers (``overlap_time``; S =
+``Efficiency.pipeline_stages``), up to (S + 1) / S x max(c, m) at c = m.
+``Roofline`` holds the direct formulas;
 ``analytic_profile`` samples them on grids that are refined until the profile's
 piecewise-linear interpolation stays within ``GRID_TOLERANCE`` of the formula.
 All counts are per GPU: tensor parallelism t splits heads, KV heads, MLP
@@ -11,6 +15,7 @@ columns and weights t ways and adds two all-reduces per layer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -53,28 +58,71 @@ class Efficiency:
     # preparation, sampling and output processing. That is ~1-2 ms at moderate
     # batch (part of it overlaps the GPU); 1.5 ms is the middle of that range.
     overhead_s: float = 1.5e-3
+    # Near the ridge point: tile buffers between the memory and math stages of a kernel
+    # (Ampere's multistage GEMM mainloop keeps 3); inf = the hard max(c, m).
+    pipeline_stages: float = 3
+    ridge_law: str = (
+        "time = (c^(S+1) - m^(S+1)) / (c^S - m^S) with c the compute time, m the memory time and "
+        "S = pipeline_stages: a load -> math pipeline with S tile buffers; max(c, m) far from the "
+        "ridge, (S+1)/S x c at c = m (4/3 for S = 3; within 0.3% of (c^k + m^k)^(1/k), k = 2.41)"
+    )
     justification: str = (
         "Achieved, not peak, rates: published per-operator measurements of Llama-2-7B on A100 "
         "run ~1.5x slower than a peak-rate roofline. GEMMs reach ~65% of tensor-core peak and "
         "weight streaming ~70% of HBM bandwidth; attention reaches less (50% of FLOP/s, 60% of "
         "bandwidth: softmax, causal masking, paged-KV gathers); NCCL ring all-reduce reaches "
-        "~70% of link bandwidth. overhead_s 1.5 ms: per-step CPU work of vLLM with CUDA graphs."
+        "~70% of link bandwidth. overhead_s 1.5 ms: per-step CPU work of vLLM with CUDA graphs. "
+        "Near the ridge point (96-768 tokens per step on A100/H100) compute and memory are both "
+        "partly active: the time is that of a 3-buffer load -> math pipeline (ridge_law), up to "
+        "4/3 x max(compute, memory); Vidur's A100 Llama-2-7B medians agree within 10% at 32, 128, "
+        "512 and 2048 tokens (calibrate/profiles/README.md)."
     )
 
     def __post_init__(self) -> None:
-        for f in fields(self)[:-1]:     # rates must be > 0, fixed costs >= 0
+        for f in fields(self):           # rates must be > 0, fixed costs >= 0
             value = getattr(self, f.name)
+            if isinstance(value, str) and f.name in ("ridge_law", "justification"):
+                continue
             if not isinstance(value, (int, float)) or value < 0 or (value == 0 and not f.name.endswith("_s")):
                 raise ValueError(f"Efficiency.{f.name} must be {'>= 0' if f.name.endswith('_s') else '> 0'}, "
                                  f"got {value!r}")
+        stages = self.pipeline_stages
+        if not (math.isinf(stages) or (float(stages).is_integer() and stages >= 1)):
+            raise ValueError(f"Efficiency.pipeline_stages must be a whole number >= 1 or inf, got {stages!r}")
 
     @classmethod
     def peak(cls) -> Efficiency:
-        """The pure peak-rate roofline: every fraction 1, no fixed costs."""
-        return cls(1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, "peak-rate roofline, no losses")
+        """The pure peak-rate roofline: every fraction 1, no fixed costs, the hard max(c, m)."""
+        return cls(matmul_flops=1.0, mem_bw=1.0, attn_flops=1.0, attn_mem_bw=1.0, interconnect=1.0,
+                   per_seq_decode_s=0.0, overhead_s=0.0, pipeline_stages=math.inf,
+                   ridge_law="time = max(c, m)", justification="peak-rate roofline, no losses")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def overlap_time(compute_s: Any, memory_s: Any, stages: float) -> Any:
+    """Time of a kernel whose memory traffic (m) feeds its math (c) through ``stages``
+    tile buffers: (c^(S+1) - m^(S+1)) / (c^S - m^S), max(c, m) when S is inf.
+
+    The two stages of the pipeline are a tandem line with S buffers between them and
+    memoryless tile times: with r = c / m the fraction of time the math runs is
+    (r - r^(S+1)) / (1 - r^(S+1)). Written as max(c, m) x sum_{i<=S} q^i / sum_{i<S} q^i,
+    q = min / max, it is exact at c = m ((S+1)/S x c) and tends to max(c, m) as
+    q -> 0; S = 1 (no overlap) gives c + m. Scalars or numpy arrays.
+    """
+    c = np.asarray(compute_s, dtype=float)
+    m = np.asarray(memory_s, dtype=float)
+    hi = np.maximum(c, m)
+    if math.isinf(stages):
+        return hi
+    q = np.minimum(c, m) / np.where(hi > 0, hi, 1.0)
+    num, den, power = np.ones_like(q), np.ones_like(q), np.ones_like(q)
+    for _ in range(int(stages) - 1):
+        power = power * q
+        num = num + power
+        den = den + power
+    return hi * (num + power * q) / den
 
 
 class Roofline:
@@ -132,7 +180,8 @@ class Roofline:
         flops = 2 * tokens * self._layer_params + 2 * np.minimum(tokens, MAX_SAMPLED_ROWS) * self._lm_head_params
         weight_bytes = (self._layer_params + self._lm_head_params) * self.dtype_bytes
         mem_bytes = weight_bytes + tokens * self._act_bytes_per_token
-        time_s = np.maximum(flops * self._s_per_matmul_flop, mem_bytes * self._s_per_weight_byte)
+        time_s = overlap_time(flops * self._s_per_matmul_flop, mem_bytes * self._s_per_weight_byte,
+                              self.eff.pipeline_stages)
         if self._allreduce_calls:
             time_s = time_s + self._allreduce_calls * (tokens * self._allreduce_s_per_token
                                                        + self.gpu.interconnect_latency_s)
@@ -148,7 +197,7 @@ class Roofline:
         p = np.asarray(context, dtype=float)
         flops = self._attn_flops_per_pair * c * (p + (c + 1) / 2)
         kv_bytes = (p + 2 * c) * self._kv_bytes_per_token_gpu     # read p + c, write c
-        return np.maximum(flops * self._s_per_attn_flop, kv_bytes * self._s_per_kv_byte)
+        return overlap_time(flops * self._s_per_attn_flop, kv_bytes * self._s_per_kv_byte, self.eff.pipeline_stages)
 
     def attn_decode_s(self, num_seqs: Any, context: Any) -> Any:
         """``num_seqs`` single-token decodes over ``context`` KV tokens in total."""
@@ -156,7 +205,7 @@ class Roofline:
         keys = np.asarray(context, dtype=float) + n                # each also sees its new token
         flops = self._attn_flops_per_pair * keys
         kv_bytes = keys * self._kv_bytes_per_token_gpu
-        time_s = np.maximum(flops * self._s_per_attn_flop, kv_bytes * self._s_per_kv_byte)
+        time_s = overlap_time(flops * self._s_per_attn_flop, kv_bytes * self._s_per_kv_byte, self.eff.pipeline_stages)
         return time_s + n * self.eff.per_seq_decode_s
 
     # ---- memory -----------------------------------------------------------------
