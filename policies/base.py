@@ -26,10 +26,13 @@ class Policy(Protocol):
     can run (Idle.wake_at_s asks to be called again at that simulated/wall
     time even if no request arrives). Raises nothing on normal input.
     ``max_prompt_tokens``: prompts longer than this are refused at arrival
-    (None: no limit beyond the model's context).
+    (None: no limit beyond the model's context). ``token_budget``: the most
+    tokens one step computes, which sizes the activation reserve as vLLM's
+    profiling run does (None: no budget; ``DEFAULT_ACTIVATION_TOKENS``).
     """
 
     max_prompt_tokens: int | None
+    token_budget: int | None      # most tokens one step computes (None: no budget, e.g. static)
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle: ...
 

@@ -26,6 +26,7 @@ class DynamicConfig:
 
 class DynamicPolicy:
     max_prompt_tokens: int | None = None
+    token_budget: int | None = None
 
     def __init__(self, config: DynamicConfig) -> None:
         self.config = config

@@ -30,6 +30,7 @@ class OrcaConfig:
 
 class OrcaPolicy:
     max_prompt_tokens: int | None = None
+    token_budget: int | None = None
 
     def __init__(self, config: OrcaConfig) -> None:
         self.config = config

@@ -37,6 +37,7 @@ class SarathiPolicy:
 
     def __init__(self, config: SarathiConfig) -> None:
         self.config = config
+        self.token_budget: int | None = config.max_num_batched_tokens
         check_budget(config.max_num_batched_tokens, config.max_num_seqs)
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:

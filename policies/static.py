@@ -52,6 +52,7 @@ def launch_group(state: SchedulerState, now_s: float, reserve: str, max_size: in
 
 class StaticPolicy:
     max_prompt_tokens: int | None = None
+    token_budget: int | None = None
 
     def __init__(self, config: StaticConfig) -> None:
         self.config = config

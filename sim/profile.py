@@ -13,9 +13,9 @@ says which in ``provenance``.
 
 File format history (``FORMAT_VERSION``):
   1 - first version: overhead, linear, attn_prefill, attn_decode curves;
-      memory facts; model shape; provenance; fit error. Later, an optional
-      ``engine`` mapping (the measured server's knobs), which older readers
-      ignore.
+      memory facts; model shape; provenance; fit error. Later, optional
+      fields older readers ignore: ``engine`` (the measured server's knobs)
+      and ``memory.activation_bytes_per_token_per_gpu``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ from sim.curves import Curve1D, Curve2D
 
 FORMAT_VERSION = 1
 GIB = 1024**3
+# Steps the activation reserve is sized for when a policy has no token budget
+# (static, dynamic, orca): vLLM's profiling run with 8192 batched tokens.
+DEFAULT_ACTIVATION_TOKENS = 8192
 
 
 class ProfileError(ValueError):
@@ -96,6 +99,10 @@ class Profile:
     # max_num_batched_tokens, num_gpu_blocks, block_size, max_model_len, ...).
     # ``sim run`` takes them as the server's defaults.
     engine: dict[str, Any] = field(default_factory=dict)
+    # Activations that grow with the step's token budget, per token per GPU: vLLM
+    # sizes its profiling run by max_num_batched_tokens, so the KV pool is what is
+    # left after activation_bytes_per_gpu + this x the policy's budget (0: fixed).
+    activation_bytes_per_token_per_gpu: int = 0
     _linear_memo: dict[int, tuple[float, bool]] = field(default_factory=dict, repr=False, compare=False)
 
     # ---- costs --------------------------------------------------------------
@@ -133,19 +140,27 @@ class Profile:
             c.num_out_of_range = 0
 
     # ---- memory -------------------------------------------------------------
-    def kv_capacity_tokens(self, gpu_memory_utilization: float) -> int:
-        """KV tokens that fit: device memory x utilization - weights - activations."""
+    def activation_bytes(self, num_batched_tokens: int = DEFAULT_ACTIVATION_TOKENS) -> int:
+        """Activation reserve per GPU for steps of up to ``num_batched_tokens`` tokens."""
+        return self.activation_bytes_per_gpu + self.activation_bytes_per_token_per_gpu * num_batched_tokens
+
+    def kv_capacity_tokens(self, gpu_memory_utilization: float,
+                           num_batched_tokens: int = DEFAULT_ACTIVATION_TOKENS) -> int:
+        """KV tokens that fit: device memory x utilization - weights - activations
+        (sized for steps of ``num_batched_tokens``, the policy's token budget)."""
         tp = self.tensor_parallel
         budget = tp * (self.memory_bytes_per_gpu * gpu_memory_utilization
-                       - self.activation_bytes_per_gpu)
+                       - self.activation_bytes(num_batched_tokens))
         free = budget - self.weight_bytes
         return max(0, int(free // self.kv_bytes_per_token))
 
-    def memory_report(self, gpu_memory_utilization: float) -> str:
+    def memory_report(self, gpu_memory_utilization: float,
+                      num_batched_tokens: int = DEFAULT_ACTIVATION_TOKENS) -> str:
         tp = self.tensor_parallel
         return (f"{tp} x {self.memory_bytes_per_gpu / GIB:.1f} GiB x {gpu_memory_utilization:g}"
                 f" - weights {self.weight_bytes / GIB:.1f} GiB"
-                f" - activations {tp} x {self.activation_bytes_per_gpu / GIB:.2f} GiB")
+                f" - activations {tp} x {self.activation_bytes(num_batched_tokens) / GIB:.2f} GiB"
+                f" (steps of {num_batched_tokens} tokens)")
 
     # ---- files --------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -167,6 +182,7 @@ class Profile:
                 "memory_bytes_per_gpu": self.memory_bytes_per_gpu,
                 "weight_bytes": self.weight_bytes,
                 "activation_bytes_per_gpu": self.activation_bytes_per_gpu,
+                "activation_bytes_per_token_per_gpu": self.activation_bytes_per_token_per_gpu,
                 "kv_bytes_per_token": self.kv_bytes_per_token,
             },
             "curves": {
@@ -289,6 +305,8 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
             memory_bytes_per_gpu=int(_get(mem, "memory_bytes_per_gpu", "memory.", source)),
             weight_bytes=int(_get(mem, "weight_bytes", "memory.", source)),
             activation_bytes_per_gpu=int(_get(mem, "activation_bytes_per_gpu", "memory.", source)),
+            activation_bytes_per_token_per_gpu=int(_finite(mem.get("activation_bytes_per_token_per_gpu", 0),
+                                                           "memory.activation_bytes_per_token_per_gpu", source)),
             kv_bytes_per_token=int(_get(mem, "kv_bytes_per_token", "memory.", source)),
             overhead_s=float(_get(c, "overhead_s", "curves.", source)),
             linear=Curve1D(_get(lin, "tokens", "curves.linear.", source),

@@ -26,7 +26,7 @@ from sim.config import ConfigError, WorkloadConfig
 from sim.engine import ROUTERS, Executor, Server, SimExecutor, StepLog, feed
 from sim.kv import BlockManager
 from sim.metrics import summarize
-from sim.profile import FORMAT_VERSION, Profile, ProfileError, load_profile
+from sim.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
 from sim.request import REJECT_REASONS, Request, Status
 from sim.state import SchedulerState
 from workloads.generate import RequestSpecs, generate
@@ -59,28 +59,44 @@ def build_profile(cfg: WorkloadConfig) -> Profile:
         raise ConfigError(f"{cfg.source}: field 'profile': {exc}") from None
 
 
+def resolve_server(cfg: WorkloadConfig, profile: Profile) -> WorkloadConfig:
+    """``cfg`` with the server facts it leaves unset taken from the server the
+    profile was measured on (``profile.engine``: block_size, max_model_len,
+    num_gpu_blocks, the null block included), when the profile says. A pool
+    given in other blocks keeps its tokens."""
+    eng = profile.engine or {}
+    given = cfg.raw.get("server") if isinstance(cfg.raw.get("server"), dict) else {}
+    updates: dict[str, int] = {}
+    if given.get("block_size") is None and eng.get("block_size"):
+        updates["block_size"] = int(eng["block_size"])
+    if given.get("max_model_len") is None and eng.get("max_model_len"):
+        updates["max_model_len"] = int(eng["max_model_len"])
+    if given.get("num_blocks") is None and eng.get("num_gpu_blocks") and eng.get("block_size"):
+        block_size = updates.get("block_size", cfg.server.block_size)
+        updates["num_blocks"] = int(eng["num_gpu_blocks"]) * int(eng["block_size"]) // block_size
+    if not updates:
+        return cfg
+    return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **updates))
+
+
 def kv_blocks(cfg: WorkloadConfig, profile: Profile) -> tuple[int, int]:
     """(num_blocks, max_model_len), with vLLM's start-up checks as clear errors.
 
-    Unset in the workload, both come from the server a profile was measured on
-    (``profile.engine``: num_gpu_blocks x block_size, max_model_len) when it
-    says, else from the profile's memory facts and model. The measured pool is
-    counted in the workload's ``server.block_size`` (same tokens)."""
+    Unset, the pool is what the profile's memory leaves after weights and
+    activations, the activations sized (as vLLM's profiling run does) for the
+    policy's token budget; max_model_len is the model's context."""
     s = cfg.server
-    eng = profile.engine or {}
-    max_model_len = s.max_model_len or eng.get("max_model_len") or profile.model.max_position_embeddings
+    max_model_len = s.max_model_len or profile.model.max_position_embeddings
     if s.num_blocks is not None:
         num_blocks = s.num_blocks
         where = "server.num_blocks"
-    elif eng.get("num_gpu_blocks") and eng.get("block_size"):
-        num_blocks = int(eng["num_gpu_blocks"]) * int(eng["block_size"]) // s.block_size
-        where = "profile (engine.num_gpu_blocks)"
     else:
-        capacity = profile.kv_capacity_tokens(s.gpu_memory_utilization)
+        step_tokens = _policy(cfg, max_model_len, profile).token_budget or DEFAULT_ACTIVATION_TOKENS
+        capacity = profile.kv_capacity_tokens(s.gpu_memory_utilization, step_tokens)
         if capacity <= 0:
             raise ConfigError(
                 f"{cfg.source}: field 'profile': the model's weights do not fit "
-                f"({profile.memory_report(s.gpu_memory_utilization)} leaves no room for KV); "
+                f"({profile.memory_report(s.gpu_memory_utilization, step_tokens)} leaves no room for KV); "
                 f"raise profile.tensor_parallel, pick a larger GPU or raise server.gpu_memory_utilization")
         num_blocks = capacity // s.block_size
         where = "profile"
@@ -90,6 +106,14 @@ def kv_blocks(cfg: WorkloadConfig, profile: Profile) -> tuple[int, int]:
             f"than one request of max_model_len {max_model_len}; set server.max_model_len <= "
             f"{num_blocks * s.block_size}, or give the KV cache more memory")
     return num_blocks, max_model_len
+
+
+def _policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile):  # -> Policy
+    """The policy object, with the engines' start-up checks as config errors."""
+    try:
+        return make_policy(cfg.policy, max_model_len, profile)
+    except ValueError as exc:
+        raise ConfigError(f"{cfg.source}: field 'policy': {exc}") from None
 
 
 def make_requests(cfg: WorkloadConfig, specs: RequestSpecs, max_model_len: int) -> list[Request]:
@@ -130,10 +154,7 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     true_out = [int(x) for x in specs.output_tokens]
     servers = []
     for k in range(num_replicas):
-        try:
-            policy = make_policy(cfg.policy, max_model_len, profile)
-        except ValueError as exc:                  # the engines' own start-up checks
-            raise ConfigError(f"{cfg.source}: field 'policy': {exc}") from None
+        policy = _policy(cfg, max_model_len, profile)
         usable = num_blocks - getattr(policy, "num_reserved_blocks", 0)    # vLLM v1's null block
         state = SchedulerState(BlockManager(usable, cfg.server.block_size, cfg.server.watermark),
                                max_model_len, policy.max_prompt_tokens)
@@ -161,6 +182,7 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
         raise ConfigError(f"num_replicas must be >= 1, got {num_replicas}")
     wall0 = time.perf_counter()
     profile = build_profile(cfg)
+    cfg = resolve_server(cfg, profile)
     num_blocks, max_model_len = kv_blocks(cfg, profile)
     loop0 = time.perf_counter()
     servers, requests, specs = drive(cfg, profile, num_blocks, max_model_len, simpy.Environment(),

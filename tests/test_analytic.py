@@ -78,3 +78,30 @@ def test_vllm_paper_memory_arithmetic_opt13b():
     # while oracle reservations (200 + 100 = 300 tokens each) admit many more
     oracle = run_workload(workload_from_dict({**cfg.raw, "policy": {"kind": "orca", "reserve": "oracle"}}))
     assert oracle.steps["num_running"].max() > 5 * limit
+
+
+def test_activation_reserve_follows_the_token_budget_opt13b():
+    """The vLLM paper (Fig. 1): OPT-13B on one A100-40GB holds 26 GB of weights
+    and about 12 GB of KV cache, ~15.7K token slots at 800 KiB per token.
+
+    Roofline arithmetic: 0.9 x 40 GiB = 38,654,705,664 B; weights 12.84e9
+    params x 2 B = 25,680,609,280 B; activations 0.548 GiB fixed (logits of 256
+    rows, CUDA context) + (2 x 20480 + 4 x 5120) x 2 B = 122,880 B per batched
+    token. vLLM v0's budget for max_model_len 2048 is 2048 tokens: 251.7 MB,
+    leaving 14,812 slots of 819,200 B (12.1 GB). A fixed 8192-token reserve
+    would leave 13,890 (-6%).
+    """
+    profile = preset_profile("opt-13b", "a100-40gb")
+    assert profile.activation_bytes_per_token_per_gpu == (2 * 20480 + 4 * 5120) * 2
+    assert profile.kv_capacity_tokens(0.9, 2048) == 14812
+    assert profile.kv_capacity_tokens(0.9, 8192) == 13890
+    assert abs(14812 / 15.7e3 - 1) < 0.06
+    cfg = workload_from_dict({
+        "name": "opt", "num_requests": 4, "arrivals": {"kind": "all_at_once"},
+        "lengths": {"kind": "fixed", "prompt_tokens": 200, "output_tokens": 10},
+        "policy": {"kind": "vllm"}, "server": {"max_model_len": 2048},
+        "profile": {"model": "opt-13b", "gpu": "a100-40gb"},
+    })
+    assert run_workload(cfg).meta["num_blocks"] == 14812 // 16
+    sarathi = workload_from_dict({**cfg.raw, "policy": {"kind": "sarathi", "max_num_batched_tokens": 512}})
+    assert run_workload(sarathi).meta["num_blocks"] == profile.kv_capacity_tokens(0.9, 512) // 16

@@ -189,7 +189,8 @@ def test_every_preset_pair_builds_fast() -> None:
             assert prof.provenance == {"source": "analytic-roofline", "gpu": gpu, "model": model,
                                        "tensor_parallel": 1, "dtype": "bf16",
                                        "generator": "sim.roofline", "batchsim_format": FORMAT_VERSION,
-                                       "max_num_batched_tokens_for_activations": 8192}
+                                       "activations": "fixed + per token x the policy's "
+                                                      "max_num_batched_tokens (vLLM's profiling run)"}
             assert "justification" in prof.efficiency
     best_s = min(_timed(lambda: preset_profile("llama-3.1-70b", "h100-sxm", 8)) for _ in range(3))
     assert best_s < 0.05
