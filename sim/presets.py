@@ -10,7 +10,10 @@ number an engine's KV-cache sizing starts from.
 
 from __future__ import annotations
 
+import csv
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from sim.profile import ModelShape
@@ -26,8 +29,9 @@ class GpuSpec:
 
     interconnect_bytes_s: per-direction GPU-to-GPU bandwidth (NVLink, or PCIe
         where there is no NVLink).
-    interconnect_latency_s: fixed cost of one small all-reduce call (order of
-        magnitude from nccl-tests small-message all_reduce_perf; not a datasheet number).
+    interconnect_latency_s: fixed cost of one small all-reduce call (a measured
+        order of magnitude, not a datasheet number; sources beside each preset).
+    interconnect_kind: "nvlink" or "pcie".
     """
 
     name: str
@@ -36,6 +40,7 @@ class GpuSpec:
     mem_bandwidth_bytes_s: float
     interconnect_bytes_s: float
     interconnect_latency_s: float
+    interconnect_kind: str = "nvlink"
 
 
 GPU_PRESETS: dict[str, GpuSpec] = {
@@ -61,7 +66,8 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         peak_flops_bf16=989 * TERA,             # H100 SXM datasheet: BF16 1,979 TFLOPS with sparsity / 2
         mem_bandwidth_bytes_s=3350 * GIGA,      # H100 SXM datasheet: 3.35 TB/s
         interconnect_bytes_s=450 * GIGA,        # NVLink 4: 900 GB/s total = 450 GB/s per direction
-        interconnect_latency_s=10e-6,           # small-message NVLink all-reduce, ~10 us
+        # vLLM's custom all-reduce on H100, TP 2-8, <= 32 KiB: 8.5-11.8 us (sgl-project/sglang#2904)
+        interconnect_latency_s=10e-6,
     ),
     "h200": GpuSpec(
         name="h200",
@@ -77,7 +83,9 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         peak_flops_bf16=362 * TERA,             # L40S datasheet: BF16 733 TFLOPS with sparsity / 2 (362.05)
         mem_bandwidth_bytes_s=864 * GIGA,       # L40S datasheet: 864 GB/s
         interconnect_bytes_s=32 * GIGA,         # no NVLink: PCIe Gen4 x16, ~32 GB/s per direction
-        interconnect_latency_s=25e-6,           # small-message all-reduce over PCIe, ~25 us
+        # vLLM's custom all-reduce needs NVLink; NCCL's small-message all-reduce over PCIe, ~25 us
+        interconnect_latency_s=25e-6,
+        interconnect_kind="pcie",
     ),
 }
 
@@ -158,3 +166,37 @@ def model_shape_from_hf(cfg: dict[str, Any], name: str) -> ModelShape:
                          f"multiple of num_key_value_heads {num_kv_heads}")
     return ModelShape(name=name, num_kv_heads=num_kv_heads, mlp=mlp,
                       tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)), **values)
+
+
+# ---- validation error of the analytic presets ------------------------------------
+PRESET_ERRORS_PATH = Path(__file__).resolve().parent.parent / "calibrate" / "profiles" / "public_vllm" / "preset_errors.csv"
+_INT_COLUMNS = ("tensor_parallel", "num_rows", "num_rows_all")
+_FLOAT_COLUMNS = ("mae_pct", "bias_pct", "p90_abs_pct", "mae_pct_all")
+
+
+@lru_cache(maxsize=4)
+def _preset_error_table(path: str) -> dict[tuple[str, int], dict[str, Any]]:
+    p = Path(path)
+    if not p.is_file():
+        return {}
+    out: dict[tuple[str, int], dict[str, Any]] = {}
+    with p.open(newline="") as f:
+        for row in csv.DictReader(f):
+            e: dict[str, Any] = dict(row)
+            e.update({k: int(row[k]) for k in _INT_COLUMNS})
+            e.update({k: float(row[k]) for k in _FLOAT_COLUMNS})
+            out[(e["gpu"], e["tensor_parallel"])] = e
+    return out
+
+
+def preset_error(gpu: str, tp: int, path: str | Path | None = None) -> dict[str, Any] | None:
+    """The validation error of the analytic preset on ``gpu`` at tensor parallel ``tp``,
+    measured against public vLLM runs (``calibrate/profiles/public_vllm/``), or None
+    where no run was checked (other GPUs and degrees).
+
+    Keys: gpu, tensor_parallel, engine, held_out (how the rows were held out),
+    num_rows, mae_pct and bias_pct on the held-out rows (sim - real) / real,
+    p90_abs_pct, num_rows_all and mae_pct_all over every row, source.
+    """
+    table = _preset_error_table(str(path or PRESET_ERRORS_PATH))
+    return table.get((str(gpu).lower(), int(tp)))

@@ -10,7 +10,8 @@ load -> math pipeline with S tile buffers (``overlap_time``; S =
 ``analytic_profile`` samples them on grids that are refined until the profile's
 piecewise-linear interpolation stays within ``GRID_TOLERANCE`` of the formula.
 All counts are per GPU: tensor parallelism t splits heads, KV heads, MLP
-columns and weights t ways and adds two all-reduces per layer.
+columns and weights t ways; what it does not shrink (collectives, the
+per-layer kernel floor, the engine's host work) is ``sim.collectives``'.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from sim.collectives import (ATTN_DECODE_FLOPS, DEFAULT_ENGINE, ENGINES, INTERCONNECT_EFFICIENCY, LAYER_FIXED_S,
+                             EngineOverhead, TpStepCosts, engine_overhead)
 from sim.curves import Curve1D, Curve2D
 from sim.presets import GPU_PRESETS, MODEL_PRESETS, GpuSpec, model_shape_from_hf
 from sim.profile import FORMAT_VERSION, GIB, ModelShape, Profile
@@ -46,18 +49,22 @@ MIN_DECODE_CONTEXT_MAX = 2**22                            # 4M tokens over all d
 
 @dataclass(frozen=True, slots=True)
 class Efficiency:
-    """Achieved fractions of the datasheet peaks, and fixed per-step costs."""
+    """Achieved fractions of the datasheet peaks, and fixed costs (fitted and checked
+    against public vLLM runs: calibrate/profiles/README.md)."""
 
-    matmul_flops: float = 0.65      # dense GEMMs (QKV/O, MLP, LM head)
-    mem_bw: float = 0.70            # weight + activation streaming in the linear layers
-    attn_flops: float = 0.50        # attention math (softmax, masking, small head_dim tiles)
-    attn_mem_bw: float = 0.60       # paged KV reads (block-table gathers)
-    interconnect: float = 0.70      # ring all-reduce bus bandwidth vs NVLink/PCIe peak
-    per_seq_decode_s: float = 1e-6  # per-sequence work split/merge in paged decode attention
-    # vLLM with CUDA graphs still spends CPU time every step: scheduling, input
-    # preparation, sampling and output processing. That is ~1-2 ms at moderate
-    # batch (part of it overlaps the GPU); 1.5 ms is the middle of that range.
-    overhead_s: float = 1.5e-3
+    matmul_flops: float = 0.68      # dense GEMMs (QKV/O, MLP, LM head)
+    mem_bw: float = 0.83            # weight + activation streaming in the linear layers
+    attn_flops: float = 0.50        # prefill attention math (FlashAttention, tensor cores)
+    attn_decode_flops: float = ATTN_DECODE_FLOPS  # paged decode attention: CUDA cores, per query head
+    attn_mem_bw: float = 0.82       # paged KV reads (block-table gathers)
+    interconnect: float = INTERCONNECT_EFFICIENCY  # all-reduce bus bandwidth / link peak at serving sizes
+    layer_fixed_s: float = LAYER_FIXED_S          # per layer per forward pass: the kernels' floor
+    # The serving engine's host work (sim.collectives.ENGINES): per step (schedule, prepare
+    # inputs, sample, process outputs), extra per step when TP > 1, per scheduled sequence.
+    engine: str = DEFAULT_ENGINE
+    overhead_s: float = ENGINES[DEFAULT_ENGINE].step_s
+    tp_overhead_s: float = ENGINES[DEFAULT_ENGINE].tp_step_s
+    per_seq_s: float = ENGINES[DEFAULT_ENGINE].per_seq_s
     # Near the ridge point: tile buffers between the memory and math stages of a kernel
     # (Ampere's multistage GEMM mainloop keeps 3); inf = the hard max(c, m).
     pipeline_stages: float = 3
@@ -67,11 +74,15 @@ class Efficiency:
         "ridge, (S+1)/S x c at c = m (4/3 for S = 3; within 0.3% of (c^k + m^k)^(1/k), k = 2.41)"
     )
     justification: str = (
-        "Achieved, not peak, rates: published per-operator measurements of Llama-2-7B on A100 "
-        "run ~1.5x slower than a peak-rate roofline. GEMMs reach ~65% of tensor-core peak and "
-        "weight streaming ~70% of HBM bandwidth; attention reaches less (50% of FLOP/s, 60% of "
-        "bandwidth: softmax, causal masking, paged-KV gathers); NCCL ring all-reduce reaches "
-        "~70% of link bandwidth. overhead_s 1.5 ms: per-step CPU work of vLLM with CUDA graphs. "
+        "Achieved, not peak, rates, fitted on 251 public vLLM 0.5 batches (A100-40GB, H100-SXM, TP 1, "
+        "2, 4; calibrate/profiles/public_vllm/) and checked on 253 held out by model: GEMMs reach ~68% "
+        "of tensor-core peak, weight streaming ~83% and paged-KV reads ~82% of HBM bandwidth; prefill "
+        "attention keeps the 50% prior; vLLM's paged-attention decode kernel runs on CUDA cores per "
+        "query head (~1.3% of the tensor-core peak). Every layer pays a kernel floor (layer_fixed_s) "
+        "that TP does not shrink; TP adds 2 all-reduces per layer, one after the embedding and a "
+        "logits gather, each the link's call latency plus bytes at ~20% of link peak (sim.collectives). "
+        "The engine's host work is per step, per step at TP > 1 and per sequence (engine: "
+        "sim.collectives.ENGINES; vllm-v0 fitted, vllm-v1 and vllm-v1-async from vLLM's own measurements). "
         "Near the ridge point (96-768 tokens per step on A100/H100) compute and memory are both "
         "partly active: the time is that of a 3-buffer load -> math pipeline (ridge_law), up to "
         "4/3 x max(compute, memory); Vidur's A100 Llama-2-7B medians agree within 10% at 32, 128, "
@@ -81,7 +92,7 @@ class Efficiency:
     def __post_init__(self) -> None:
         for f in fields(self):           # rates must be > 0, fixed costs >= 0
             value = getattr(self, f.name)
-            if isinstance(value, str) and f.name in ("ridge_law", "justification"):
+            if isinstance(value, str) and f.name in ("ridge_law", "justification", "engine"):
                 continue
             if not isinstance(value, (int, float)) or value < 0 or (value == 0 and not f.name.endswith("_s")):
                 raise ValueError(f"Efficiency.{f.name} must be {'>= 0' if f.name.endswith('_s') else '> 0'}, "
@@ -93,9 +104,16 @@ class Efficiency:
     @classmethod
     def peak(cls) -> Efficiency:
         """The pure peak-rate roofline: every fraction 1, no fixed costs, the hard max(c, m)."""
-        return cls(matmul_flops=1.0, mem_bw=1.0, attn_flops=1.0, attn_mem_bw=1.0, interconnect=1.0,
-                   per_seq_decode_s=0.0, overhead_s=0.0, pipeline_stages=math.inf,
-                   ridge_law="time = max(c, m)", justification="peak-rate roofline, no losses")
+        return cls(matmul_flops=1.0, mem_bw=1.0, attn_flops=1.0, attn_decode_flops=1.0, attn_mem_bw=1.0,
+                   interconnect=1.0, layer_fixed_s=0.0, engine="none", overhead_s=0.0, tp_overhead_s=0.0,
+                   per_seq_s=0.0, pipeline_stages=math.inf, ridge_law="time = max(c, m)",
+                   justification="peak-rate roofline, no losses")
+
+    @classmethod
+    def for_engine(cls, engine: str) -> Efficiency:
+        """The defaults with the host-work terms of ``engine`` (sim.collectives.ENGINES)."""
+        e = engine_overhead(engine)
+        return cls(engine=e.name, overhead_s=e.step_s, tp_overhead_s=e.tp_step_s, per_seq_s=e.per_seq_s)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,6 +172,7 @@ class Roofline:
         self._s_per_matmul_flop = 1.0 / (peak_flops * eff.matmul_flops)
         self._s_per_weight_byte = 1.0 / (gpu.mem_bandwidth_bytes_s * eff.mem_bw)
         self._s_per_attn_flop = 1.0 / (peak_flops * eff.attn_flops)
+        self._s_per_decode_attn_flop = 1.0 / (peak_flops * eff.attn_decode_flops)
         self._s_per_kv_byte = 1.0 / (gpu.mem_bandwidth_bytes_s * eff.attn_mem_bw)
         # Matmul weights of all layers (q, o: h*h; k, v: h*kv_dim; MLP) and the LM head, per GPU.
         self._layer_params = n_layers * (2 * h * h + 2 * h * kv_dim + n_mlp_mats * h * inter) / t
@@ -164,10 +183,11 @@ class Roofline:
         # (gated: gate_up write 2I, act read 2I + write I, down read I = 6I; plain: 4I).
         act_elems = 14 * h + (2 * h + 2 * kv_dim) / t + (6 if n_mlp_mats == 3 else 4) * inter / t
         self._act_bytes_per_token = n_layers * act_elems * db
-        # Two ring all-reduces per layer (after attention and after the MLP), each moving
-        # 2 (t-1)/t of the T x h activation through every GPU's link, plus a fixed call latency.
-        self._allreduce_calls = 2 * n_layers if t > 1 else 0
-        self._allreduce_s_per_token = 2 * (t - 1) / t * h * db / (gpu.interconnect_bytes_s * eff.interconnect)
+        # Collectives, the per-layer kernel floor and the engine's host work: the per-step
+        # costs that t does not shrink.
+        host = EngineOverhead(eff.engine, eff.overhead_s, eff.tp_overhead_s, eff.per_seq_s, "Efficiency")
+        self.tp_costs = TpStepCosts(model, gpu, t, db, host, eff.layer_fixed_s, eff.interconnect)
+        self.overhead_s = self.tp_costs.fixed_step_s
         # Attention: QK^T and PV are 2 matmuls of 2 flops per (query, key, head, head_dim).
         self._attn_flops_per_pair = 4 * model.num_heads * model.head_dim * n_layers / t
         self.kv_bytes_per_token = model.kv_bytes_per_token(db)
@@ -175,17 +195,15 @@ class Roofline:
 
     # ---- step-cost terms -------------------------------------------------------
     def linear_s(self, num_tokens: Any) -> Any:
-        """QKV/O, MLP, norms and LM head for ``num_tokens`` tokens, plus TP all-reduces."""
+        """QKV/O, MLP, norms and LM head for ``num_tokens`` tokens, plus TP collectives and
+        the per-layer kernel floor."""
         tokens = np.asarray(num_tokens, dtype=float)
         flops = 2 * tokens * self._layer_params + 2 * np.minimum(tokens, MAX_SAMPLED_ROWS) * self._lm_head_params
         weight_bytes = (self._layer_params + self._lm_head_params) * self.dtype_bytes
         mem_bytes = weight_bytes + tokens * self._act_bytes_per_token
         time_s = overlap_time(flops * self._s_per_matmul_flop, mem_bytes * self._s_per_weight_byte,
                               self.eff.pipeline_stages)
-        if self._allreduce_calls:
-            time_s = time_s + self._allreduce_calls * (tokens * self._allreduce_s_per_token
-                                                       + self.gpu.interconnect_latency_s)
-        return time_s
+        return time_s + self.tp_costs.comm_s(tokens) + self.tp_costs.layers_fixed_s
 
     def attn_prefill_s(self, chunk: Any, context: Any) -> Any:
         """Causal attention of a ``chunk`` of new tokens over ``context`` earlier ones.
@@ -197,7 +215,8 @@ class Roofline:
         p = np.asarray(context, dtype=float)
         flops = self._attn_flops_per_pair * c * (p + (c + 1) / 2)
         kv_bytes = (p + 2 * c) * self._kv_bytes_per_token_gpu     # read p + c, write c
-        return overlap_time(flops * self._s_per_attn_flop, kv_bytes * self._s_per_kv_byte, self.eff.pipeline_stages)
+        time_s = overlap_time(flops * self._s_per_attn_flop, kv_bytes * self._s_per_kv_byte, self.eff.pipeline_stages)
+        return time_s + self.tp_costs.per_seq_s
 
     def attn_decode_s(self, num_seqs: Any, context: Any) -> Any:
         """``num_seqs`` single-token decodes over ``context`` KV tokens in total."""
@@ -205,8 +224,9 @@ class Roofline:
         keys = np.asarray(context, dtype=float) + n                # each also sees its new token
         flops = self._attn_flops_per_pair * keys
         kv_bytes = keys * self._kv_bytes_per_token_gpu
-        time_s = overlap_time(flops * self._s_per_attn_flop, kv_bytes * self._s_per_kv_byte, self.eff.pipeline_stages)
-        return time_s + n * self.eff.per_seq_decode_s
+        time_s = overlap_time(flops * self._s_per_decode_attn_flop, kv_bytes * self._s_per_kv_byte,
+                              self.eff.pipeline_stages)
+        return time_s + n * self.tp_costs.per_seq_s
 
     # ---- memory -----------------------------------------------------------------
     @property
@@ -290,14 +310,14 @@ def _refine_2d(f: Any, xs: list[float], ys: list[float],
 
 # ---- profiles -------------------------------------------------------------------
 def analytic_profile(model: ModelShape, gpu: GpuSpec, tensor_parallel: int = 1,
-                     dtype: str = "bf16", max_num_batched_tokens_for_activations: int = 8192,
-                     efficiency: Efficiency | None = None) -> Profile:
+                     dtype: str = "bf16", efficiency: Efficiency | None = None) -> Profile:
     """A ``Profile`` whose curves sample the roofline of ``model`` on ``tensor_parallel``
     GPUs of kind ``gpu``; interpolation stays within ``GRID_TOLERANCE`` (relative)
     of ``Roofline``'s formulas at probe points inside the grids."""
     rf = Roofline(model, gpu, tensor_parallel, dtype, efficiency)
     t, eff = tensor_parallel, rf.eff
-    activation_bytes = rf.activation_bytes_per_gpu(max_num_batched_tokens_for_activations)
+    # The decode axis must cover the largest pool any token budget leaves (a 1-token budget).
+    activation_bytes = rf.activation_bytes_per_gpu(1)
     # The decode-context axis reaches past what the KV cache could ever hold (util 1.0).
     max_kv_tokens = max(0, t * (gpu.memory_bytes - activation_bytes) - rf.weight_bytes) // rf.kv_bytes_per_token
     decode_context_max = max(MIN_DECODE_CONTEXT_MAX, 1 << int(max_kv_tokens).bit_length())
@@ -312,15 +332,17 @@ def analytic_profile(model: ModelShape, gpu: GpuSpec, tensor_parallel: int = 1,
     return Profile(
         name=f"{model.name}@{gpu.name}-tp{t}-{dtype}", model=model, device=gpu.name,
         dtype=dtype, tensor_parallel=t, memory_bytes_per_gpu=gpu.memory_bytes,
-        weight_bytes=rf.weight_bytes, activation_bytes_per_gpu=activation_bytes,
-        kv_bytes_per_token=rf.kv_bytes_per_token, overhead_s=eff.overhead_s,
+        weight_bytes=rf.weight_bytes, activation_bytes_per_gpu=rf.activation_bytes_per_gpu(0),
+        activation_bytes_per_token_per_gpu=rf.activation_bytes_per_gpu(1) - rf.activation_bytes_per_gpu(0),
+        kv_bytes_per_token=rf.kv_bytes_per_token, overhead_s=rf.overhead_s,
         linear=Curve1D(lin_x.tolist(), rf.linear_s(lin_x).tolist(), name="curves.linear"),
         attn_prefill=curve2d(pre_c, pre_p, rf.attn_prefill_s, "curves.attn_prefill"),
         attn_decode=curve2d(dec_n, dec_c, rf.attn_decode_s, "curves.attn_decode"),
         provenance={"source": "analytic-roofline", "gpu": gpu.name, "model": model.name,
                     "tensor_parallel": t, "dtype": dtype, "generator": "sim.roofline",
                     "batchsim_format": FORMAT_VERSION,
-                    "max_num_batched_tokens_for_activations": max_num_batched_tokens_for_activations},
+                    "activations": "fixed + per token x the policy's max_num_batched_tokens "
+                                   "(vLLM's profiling run)"},
         fit_error={"method": "grid interpolation of the analytic formula",
                    "max_rel_error_at_probes": {"linear": lin_err, "attn_prefill": pre_err,
                                                "attn_decode": dec_err}},
@@ -336,13 +358,15 @@ def _lookup(table: dict[str, Any], key: str, what: str) -> Any:
 
 
 def preset_profile(model: str | dict[str, Any], gpu: str, tensor_parallel: int = 1,
-                   dtype: str = "bf16") -> Profile:
+                   dtype: str = "bf16", engine: str = DEFAULT_ENGINE) -> Profile:
     """``analytic_profile`` for a preset model name (or an HF-style config dict of a
-    custom model) on a preset GPU. Raises ValueError listing the known names."""
+    custom model) on a preset GPU, with the host-work terms of ``engine``
+    (sim.collectives.ENGINES). Raises ValueError listing the known names."""
     if isinstance(model, dict):
         name = str(model.get("name") or model.get("_name_or_path") or "custom")
         shape = model_shape_from_hf(model, name)
     else:
         shape = _lookup(MODEL_PRESETS, model, "model")
-    return analytic_profile(shape, _lookup(GPU_PRESETS, gpu, "gpu"), tensor_parallel, dtype)
+    efficiency = None if engine == DEFAULT_ENGINE else Efficiency.for_engine(engine)
+    return analytic_profile(shape, _lookup(GPU_PRESETS, gpu, "gpu"), tensor_parallel, dtype, efficiency)
 

@@ -115,8 +115,11 @@ def test_decode_at_batch_one_is_weight_bound() -> None:
         prof = preset_profile(model, gpu, tensor_parallel=tp)
         eff, g = Efficiency(), GPU_PRESETS[gpu]
         weights_s = prof.weight_bytes / tp / (g.mem_bandwidth_bytes_s * eff.mem_bw)
-        expected_s = weights_s + eff.overhead_s
-        assert abs(prof.step_time_s(decode_batch(1, 500)) / expected_s - 1) < 0.10, (model, gpu)
+        # + the engine's host work (per step, per sequence, per step at TP > 1) and every
+        # layer's kernel floor; what is left is the all-reduces (TP 2) and the KV read
+        fixed_s = (eff.overhead_s + eff.per_seq_s + (eff.tp_overhead_s if tp > 1 else 0.0)
+                   + MODEL_PRESETS[model].num_layers * eff.layer_fixed_s)
+        assert abs(prof.step_time_s(decode_batch(1, 500)) / (weights_s + fixed_s) - 1) < 0.10, (model, gpu)
 
 
 def test_efficiencies_put_costs_1_3_to_1_8x_above_peak_roofline() -> None:
@@ -340,11 +343,14 @@ def test_ridge_law_is_a_smooth_maximum_that_moves_with_the_gpu() -> None:
     # One law for every GPU: the penalty depends only on c / m, so it peaks where the GPU's ridge is:
     # ~157 tokens on A100 (312 TFLOP/s : 2.0 TB/s), ~340 on H100 (989 : 3.35), >= 15% over
     # max(c, m) for 105-240 and 216-555 tokens: together the 96-768 tokens of the published medians.
+    # (The fitted efficiencies, matmul 0.68 and mem_bw 0.83, put the achieved ridges at ~137 and ~290
+    # tokens; the layers' kernel floor is set to 0 here so the law is seen alone.)
     tokens = np.arange(1, 4097)
-    for gpu, ridge_lo, ridge_hi in (("a100-80gb", 140, 175), ("h100-sxm", 300, 380)):
-        law = Roofline(MODEL_PRESETS["llama-2-7b"], GPU_PRESETS[gpu])
+    for gpu, ridge_lo, ridge_hi in (("a100-80gb", 120, 160), ("h100-sxm", 260, 330)):
+        alone = dataclasses.replace(Efficiency(), layer_fixed_s=0.0)
+        law = Roofline(MODEL_PRESETS["llama-2-7b"], GPU_PRESETS[gpu], efficiency=alone)
         hard = Roofline(MODEL_PRESETS["llama-2-7b"], GPU_PRESETS[gpu],
-                        efficiency=dataclasses.replace(Efficiency(), pipeline_stages=math.inf))
+                        efficiency=dataclasses.replace(alone, pipeline_stages=math.inf))
         excess = law.linear_s(tokens) / hard.linear_s(tokens)
         assert ridge_lo < tokens[excess.argmax()] < ridge_hi and excess.max() == pytest.approx(4 / 3, rel=0.002)
         # Far from the ridge it is the roofline again (at 4096 tokens on H100 activation traffic is still
