@@ -69,6 +69,9 @@ class ProfileConfig:
     gpu: str = "h100-sxm"
     tensor_parallel: int = 1
     dtype: str = "bf16"
+    # The serving engine generation whose host work the analytic preset charges
+    # (sim.collectives.ENGINES: vllm-v0 fitted on public runs; vllm-v1, vllm-v1-async).
+    engine: str = "vllm-v0"
     path: str | None = None              # a profile file; overrides model/gpu
 
 
@@ -248,7 +251,7 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
         raise ConfigError(f"{source}: field 'server.watermark' must be in [0, 1), got {s.watermark}")
     _positive(source, "profile.tensor_parallel", cfg.profile.tensor_parallel)
     raw_profile = data.get("profile") if isinstance(data.get("profile"), dict) else {}
-    clash = sorted(k for k in ("model", "gpu", "tensor_parallel", "dtype") if k in raw_profile)
+    clash = sorted(k for k in ("model", "gpu", "tensor_parallel", "dtype", "engine") if k in raw_profile)
     if cfg.profile.path is not None and clash:
         raise ConfigError(f"{source}: field 'profile' gives both a path and {', '.join(clash)}; a profile "
                           f"file fixes the model and the hardware: keep one of them")

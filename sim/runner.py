@@ -54,7 +54,7 @@ def build_profile(cfg: WorkloadConfig) -> Profile:
             raise ConfigError(f"{cfg.source}: field 'profile.path': {exc}") from None
     from sim.roofline import preset_profile
     try:
-        return preset_profile(p.model, p.gpu, tensor_parallel=p.tensor_parallel, dtype=p.dtype)
+        return preset_profile(p.model, p.gpu, tensor_parallel=p.tensor_parallel, dtype=p.dtype, engine=p.engine)
     except ValueError as exc:
         raise ConfigError(f"{cfg.source}: field 'profile': {exc}") from None
 
@@ -243,6 +243,28 @@ def _progress_ticker(env: simpy.Environment, servers: list[Server], bar, every_s
         yield env.timeout(every_s)
 
 
+def profile_trust(profile: Profile) -> dict[str, Any]:
+    """How far this profile's step costs are known to be off, and against what:
+    an analytic preset's held-out error against public vLLM runs for its GPU
+    and TP degree (``sim.presets.preset_error``), or a measured profile's
+    held-out self-check. ``error_pct`` is None where nothing was checked."""
+    if profile.provenance.get("source") == "analytic-roofline":
+        from sim.presets import preset_error
+        err = preset_error(profile.device, profile.tensor_parallel)
+        if err is None:
+            return {"error_pct": None, "basis": f"analytic preset, not validated on {profile.device} at "
+                                                 f"TP {profile.tensor_parallel} (no public measurements)"}
+        return {"error_pct": err["mae_pct"], "bias_pct": err["bias_pct"],
+                "basis": f"analytic preset vs {err['num_rows']} held-out public vLLM batches on "
+                         f"{profile.device} TP {profile.tensor_parallel} (mean abs step error)"}
+    fe = profile.fit_error or {}
+    for key, basis in (("holdout_mape_pct", "held-out calibration batches (MAPE)"),
+                       ("self_check_max_abs_pct", "held-out self-check against the server (worst |error|)")):
+        if fe.get(key) is not None:
+            return {"error_pct": float(fe[key]), "basis": f"{profile.provenance.get('source', 'measured')}: {basis}"}
+    return {"error_pct": None, "basis": f"{profile.provenance.get('source', 'unknown')}: no held-out check recorded"}
+
+
 def collect(cfg: WorkloadConfig, servers: list[Server], requests: list[Request], num_blocks: int,
             profile: Profile) -> RunResult:
     owner = {rid: s for s in servers for rid in s.state.requests}   # every request reached a server
@@ -283,6 +305,7 @@ def collect(cfg: WorkloadConfig, servers: list[Server], requests: list[Request],
     summary = summarize(req_df, tokens, steps, slo, num_blocks)   # each step row is one replica's
     summary["num_out_of_range_lookups"] = profile.num_out_of_range
     summary["profile_source"] = profile.provenance.get("source", "unknown")
+    summary["profile_trust"] = profile_trust(profile)
     summary["policy"] = cfg.policy.kind
     summary["failed_by_reason"] = {k: int(v) for k, v in
                                    req_df.loc[req_df["status"] == "rejected", "reject_reason"].value_counts().items()}
