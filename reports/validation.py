@@ -22,6 +22,7 @@ Nothing here writes a file.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
@@ -33,6 +34,7 @@ from reports.runplots import latency_cdfs
 from sim.metrics import summarize
 
 if TYPE_CHECKING:
+    from reports.render import Document
     from sim.runner import RunResult as Run     # or anything with requests, steps, tokens, summary
 
 THROUGHPUTS = (("request_throughput", "req/s"), ("output_throughput", "tok/s"))
@@ -73,6 +75,66 @@ def check(table: pd.DataFrame, tolerances_pct: Mapping[str, float]) -> list[str]
     err = dict(zip(table["metric"], table["err_pct"]))
     return [f"{key}: {err.get(key, np.nan):+.1f}% (limit ±{limit:g}%)"
             for key, limit in tolerances_pct.items() if not abs(err.get(key, np.nan)) <= limit]
+
+
+# ---- verdict against accuracy targets ----------------------------------------------------------
+# target name -> (summary key, default max |err %|): throughput within 5%, p50 TTFT and ITL within
+# 10%, p99 within 20%. Any compared metric key (``p90_e2el_ms``) works as a target name too.
+TARGETS: dict[str, tuple[str, float]] = {
+    "throughput": ("output_throughput", 5.0),
+    "ttft_p50": ("p50_ttft_ms", 10.0), "itl_p50": ("p50_itl_ms", 10.0),
+    "ttft_p99": ("p99_ttft_ms", 20.0), "itl_p99": ("p99_itl_ms", 20.0),
+}
+VERDICT_EPS_PCT = 1e-9     # an error exactly on the target meets it, whatever the float rounding
+
+
+def parse_targets(text: str | None) -> dict[str, float]:
+    """``"throughput=5,ttft_p99=25"`` -> the default targets with those replaced
+    or added, as {target name: max |err %|}. ConfigError for a bad item."""
+    from sim.config import ConfigError
+
+    out = {name: pct for name, (_, pct) in TARGETS.items()}
+    known = {key for key, _ in metric_keys()}
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or (name not in TARGETS and name not in known):
+            raise ConfigError(f"--targets: {item!r} must be NAME=PERCENT with NAME one of "
+                              f"{', '.join(TARGETS)} or a compared metric ({', '.join(sorted(known))})")
+        try:
+            pct = float(value.rstrip("% "))
+        except ValueError:
+            pct = float("nan")
+        if not pct >= 0 or pct == float("inf"):
+            raise ConfigError(f"--targets: {item!r}: the percentage must be a number >= 0")
+        out[name] = pct
+    return out
+
+
+def verdict(table: pd.DataFrame, targets_pct: Mapping[str, float]) -> pd.DataFrame:
+    """One row per target: target, metric, limit_pct, live, sim, err_pct and
+    met (|err_pct| <= limit_pct; a missing or NaN error fails)."""
+    rows = {r["metric"]: r for r in table.to_dict("records")}
+    out = []
+    for name, limit in targets_pct.items():
+        key = TARGETS[name][0] if name in TARGETS else name
+        r = rows.get(key, {})
+        err = r.get("err_pct")
+        err = float("nan") if err is None else float(err)
+        out.append({"target": name, "metric": key, "limit_pct": float(limit), "live": r.get("live"),
+                    "sim": r.get("sim"), "err_pct": err,
+                    "met": bool(np.isfinite(err) and abs(err) <= limit + VERDICT_EPS_PCT)})
+    return pd.DataFrame(out, columns=["target", "metric", "limit_pct", "live", "sim", "err_pct", "met"])
+
+
+def format_verdict(rows: pd.DataFrame) -> str:
+    """The verdict as text: one line per target, then PASS or FAIL."""
+    lines = [f"{r.target:<12}{r.metric:<20} err {_num(r.err_pct, True):>7} %   limit ±{r.limit_pct:g}%   "
+             f"{'met' if r.met else 'MISSED'}" for r in rows.itertuples()]
+    missed = [r.target for r in rows.itertuples() if not r.met]
+    lines.append("verdict: PASS (every target met)" if not missed else
+                 f"verdict: FAIL ({len(missed)} of {len(rows)} targets missed: {', '.join(missed)})")
+    return "\n".join(lines)
 
 
 # ---- per-step cost error ------------------------------------------------------------------
@@ -207,11 +269,13 @@ def _num(v: Any, pct: bool = False) -> str:
     return f"{v:+.1f}" if pct else (f"{v:.1f}" if abs(v) >= 100 else f"{v:.3g}")
 
 
-def format_table(rows: list[dict[str, Any]] | pd.DataFrame, markdown: bool = False) -> str:
-    """The error table as aligned text, or as a Markdown table."""
+def format_table(rows: list[dict[str, Any]] | pd.DataFrame, markdown: bool = False,
+                 labels: Mapping[str, str] | None = None) -> str:
+    """The error table as aligned text, or as a Markdown table; ``labels``
+    renames column headers (``{"live": "measured"}``)."""
     df = pd.DataFrame(rows)
     head = {"live": "live", "sim": "sim", "err_pct": "err %", "replay": "replay", "cost_pct": "cost-curve %",
-            "policy_pct": "policy %"}
+            "policy_pct": "policy %", **(labels or {})}
     cols = [c for c in head if c in df]
     cells = [[f"{r.metric} ({r.unit})"] + [_num(getattr(r, c), c.endswith("pct")) for c in cols]
              for r in df.itertuples()]
@@ -297,3 +361,52 @@ def step_error_figure(steps: pd.DataFrame, title: str) -> Figure:
     ax1.legend(fontsize=8, markerscale=2)
     fig.suptitle(title, fontsize=13)
     return fig
+
+
+# ---- server validation report (sim validate --server / --measured) ------------------------------
+def server_report(body: Mapping[str, Any], cdf_png: Path) -> Document:
+    """report.md / report.html of a server validation, from its report.json ``body`` alone."""
+    from reports.render import Bullets, Callout, Document, Heading, Image, Para, Table
+
+    v = pd.DataFrame(body["verdict"])
+    missed = v.loc[~v["met"].astype(bool), "target"].tolist()
+    doc = Document(f"Validation of {body['workload']} against a vLLM server")
+    doc.add(Callout("every accuracy target met" if body["passed"] else
+                    f"{len(missed)} of {len(v)} accuracy targets missed: {', '.join(missed)}",
+                    "ok" if body["passed"] else "warning"))
+    m = body["measured"]
+    doc.add(Heading("Setup"), Bullets([
+        f"workload `{body['workload_file']}`: {body['num_requests']} requests, {body['traffic']}",
+        f"measured: {m['source']}, model `{m['model'] or 'unknown'}`"
+        + ("" if m["arrivals_measured"] else " (**arrival times were not measured**: the workload's were used)"),
+        f"simulated: policy `vllm_v1`, profile `{body['profile']}`, {body['num_blocks_simulated']} KV blocks"]))
+    knobs = pd.DataFrame([{"knob": k, "value": d["value"], "from": d["source"]} for k, d in body["knobs"].items()])
+    doc.add(Table(knobs, "Server knobs used by the simulator and where each came from"))
+    if body.get("load"):
+        ld = body["load"]
+        doc.add(Heading("Machine load during the measurement"), Para(
+            f"1/5/15-minute load average before: {' / '.join(f'{x:.2f}' for x in ld['before_1_5_15min'])}; "
+            f"after: {' / '.join(f'{x:.2f}' for x in ld['after_1_5_15min'])}; 1-minute peak during: "
+            f"{ld['max_1min_during']:.2f}; {ld['cpus']} CPUs. The server's speed moves with the load: "
+            f"a load above the CPU count means it shared its cores."))
+    else:
+        doc.add(Heading("Machine load during the measurement"),
+                Para("Not recorded: the measurement was taken elsewhere (a saved benchmark file)."))
+    shown = v.assign(limit_pct=[f"±{x:g}%" for x in v["limit_pct"]], err_pct=[_num(x, True) for x in v["err_pct"]],
+                     met=["met" if x else "MISSED" for x in v["met"]])
+    doc.add(Heading("Verdict"), Para("err % = (simulated - measured) / measured; a target is met when "
+                                     "|err %| <= its limit."),
+            Table(shown.rename(columns={"live": "measured", "sim": "simulated", "limit_pct": "limit",
+                                        "err_pct": "err %"})))
+    t = pd.DataFrame(body["table"])[["metric", "unit", "live", "sim", "err_pct"]]
+    t["err_pct"] = [_num(x, True) for x in t["err_pct"]]
+    doc.add(Heading("All compared metrics"),
+            Table(t.rename(columns={"live": "measured", "sim": "simulated", "err_pct": "err %"})))
+    c, f, p = body["completed"], body["failed"], body["preemptions"]
+    doc.add(Para(f"Completed: measured {c['live']}, simulated {c['sim']}; failed: measured {f['live']}, "
+                 f"simulated {f['sim']}; preemptions: measured "
+                 f"{'unknown' if p['live'] is None else p['live']}, simulated {p['sim']}."))
+    if body["notes"]:
+        doc.add(Heading("Notes"), Bullets(list(body["notes"])))
+    doc.add(Heading("Latency distributions"), Image(cdf_png, "TTFT and ITL CDFs, measured and simulated"))
+    return doc

@@ -100,6 +100,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.server:                     # black box: time a running server from outside (no torch)
+        from calibrate.serving.calibrate_server import main as calibrate_server_main
+        return calibrate_server_main(args)
     from calibrate.runner import main as calibrate_main
     argv = ["--model", args.model, "--device", args.device, "--out", args.out,
             "--budget-s", str(args.budget_s)]
@@ -113,6 +116,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    if args.server or args.measured:    # a real vLLM server, live or from a saved benchmark (no torch)
+        from calibrate.serving.validate_server import main as validate_server_main
+        return validate_server_main(args)
+    if args.targets:
+        from sim.config import ConfigError
+        raise ConfigError("--targets applies to --server and --measured validations only")
     from calibrate.validate import main as validate_main
     return validate_main(args)
 
@@ -154,23 +163,42 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("dir")
     rp.set_defaults(func=cmd_report)
 
-    c = sub.add_parser("calibrate", help="measure step costs on real kernels (needs torch)")
-    c.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    c.add_argument("--model", default="tiny-llama")
+    c = sub.add_parser("calibrate", help="measure step costs on real kernels (needs torch), or time a running "
+                                         "vLLM server from outside (--server, no torch)")
+    c.add_argument("--server", metavar="URL", help="calibrate a running OpenAI-compatible vLLM server, "
+                   "e.g. http://127.0.0.1:8000, instead of batchsim's own torch engine")
+    c.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="torch engine: device")
+    c.add_argument("--model", default="tiny-llama", help="torch engine: model preset")
     c.add_argument("--dtype")
     c.add_argument("--out", required=True, help="profile path (.yaml or .json)")
     c.add_argument("--budget-s", type=float, default=120.0)
     c.add_argument("--threads", type=int)
+    c.add_argument("--seed", type=int, default=0, help="seed of the probe prompts (--server)")
+    c.add_argument("--max-num-seqs", type=int, help="--server: the server's max_num_seqs, if it does not expose it")
+    c.add_argument("--max-num-batched-tokens", type=int,
+                   help="--server: the server's max_num_batched_tokens, if it does not expose it")
+    c.add_argument("--model-config", metavar="CONFIG_JSON",
+                   help="--server: the served model's HF config.json (its shape), if the server does not give it")
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(func=cmd_calibrate)
 
-    v = sub.add_parser("validate", help="run a workload live and compare with the simulator (needs torch)")
+    v = sub.add_parser("validate", help="run a workload live and compare with the simulator: on batchsim's "
+                                        "torch engine, a vLLM server (--server) or a saved benchmark (--measured)")
     v.add_argument("workload")
+    src = v.add_mutually_exclusive_group()
+    src.add_argument("--server", metavar="URL", help="replay the workload against this running vLLM server "
+                     "(no torch)")
+    src.add_argument("--measured", metavar="FILE", help="compare with a `vllm bench serve --save-result "
+                     "--save-detailed` JSON instead of measuring (no torch)")
+    v.add_argument("--targets", metavar="NAME=PCT,...", help="--server/--measured accuracy targets, max |err %%| "
+                   "(default throughput=5,ttft_p50=10,itl_p50=10,ttft_p99=20,itl_p99=20)")
     v.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     v.add_argument("--model", default="tiny-llama")
     v.add_argument("--dtype")
-    v.add_argument("--profile", help="a profile fitted on this engine (default: calibrate first)")
+    v.add_argument("--profile", help="a profile fitted on this engine or server (torch engine default: "
+                                     "calibrate first; --server/--measured default: the workload's profile)")
     v.add_argument("--out", help="report directory")
+    v.add_argument("--quiet", action="store_true", help="--server: no progress on stderr")
     v.add_argument("--set", action="append", metavar="KEY=VALUE")
     v.add_argument("--budget-s", type=float, default=120.0, help="calibration budget if calibrating")
     v.add_argument("--threads", type=int)

@@ -1,0 +1,357 @@
+"""`sim validate --server / --measured`: the measured run's tables, the verdict,
+the vllm bench serve reader, and one end-to-end run against a real vLLM server."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import ROOT
+
+from calibrate.serving.measured import bench_run, measured_run, read_bench_json, replay_table
+from calibrate.serving.validate_server import output_dir, resolve_knobs
+from reports import validation as rv
+from sim.cli import main
+from sim.config import ConfigError, workload_from_dict
+from sim.profile import load_profile
+
+PROFILE = ROOT / "calibrate" / "profiles" / "cpu" / "tiny-llama" / "float32.yaml"
+
+
+# ---- measured run tables ---------------------------------------------------------------------
+def hand_run():
+    # r0: sent at 0.0, tokens at 0.1, 0.2, 0.4 -> TTFT 100 ms, ITL 100 and 200 ms, TPOT (0.4-0.1)/2 = 150 ms
+    # r1: sent at 0.5, tokens at 0.8, 0.9      -> TTFT 300 ms, ITL 100 ms, TPOT 100 ms
+    # r2: sent at 1.0, failed after one token  -> counted as failed, its token dropped
+    return measured_run([0.0, 0.5, 1.0], [10, 20, 30], [3, 2, 5],
+                        [[0.1, 0.2, 0.4], [0.8, 0.9], [1.2]], [True, True, False])
+
+
+def test_measured_run_tables_follow_the_benchmark_definitions():
+    run = hand_run()
+    req = run.requests
+    assert list(req["status"]) == ["finished", "finished", "failed"]
+    assert np.allclose(req["ttft_s"][:2], [0.1, 0.3]) and math.isnan(req["ttft_s"][2])
+    assert np.allclose(req["tpot_s"][:2], [0.15, 0.1])
+    assert list(run.tokens["req_id"]) == [0, 0, 0, 1, 1]         # time order; the failed request's token dropped
+    s = run.summary
+    assert (s["completed"], s["failed"]) == (2, 1)
+    # duration: first send 0.0 to last completion 0.9 s; 5 output tokens of finished requests
+    assert s["duration_s"] == pytest.approx(0.9)
+    assert s["output_throughput"] == pytest.approx(5 / 0.9)
+    assert s["p50_ttft_ms"] == pytest.approx(200.0)
+    assert s["count_itl"] == 3 and s["p50_itl_ms"] == pytest.approx(100.0)
+    assert s["mean_itl_ms"] == pytest.approx(400 / 3)
+    for key in ("num_steps", "mean_batch_size", "busy_fraction", "peak_kv_utilization", "p99_queue_ms",
+                "num_preemptions"):
+        assert s[key] is None, key                               # what a client cannot see
+    assert s["count_queue"] == 0
+
+
+def test_client_results_become_chunks_relative_to_the_replay_start():
+    from calibrate.serving.client import StreamResult
+    from calibrate.serving.measured import client_run
+
+    # perf_counter origin 1000 s; r1 got tokens 2 and 3 in one event (same stamp): one chunk, as vllm bench counts
+    results = [StreamResult(0, 1000.0, [1000.1, 1000.2], 10, 2),
+               StreamResult(1, 1000.52, [1000.7, 1000.8, 1000.8], 12, 3),
+               StreamResult(2, 1001.0, [], 8, 0, error="HTTP 400: too long")]
+    run = client_run(results, 1000.0, [0.0, 0.5, 1.0])
+    req = run.requests
+    assert np.allclose(req["send_lag_s"], [0.0, 0.02, 0.0]) and np.allclose(req["arrival_s"], [0.0, 0.52, 1.0])
+    assert list(req["num_chunks"]) == [2, 2, 0] and list(req["output_tokens"]) == [2, 3, 0]
+    assert list(req["status"]) == ["finished", "finished", "failed"]
+    assert np.allclose(run.tokens["t_s"], [0.1, 0.2, 0.7, 0.8])
+    assert run.summary["count_itl"] == 2 and run.summary["failed"] == 1
+    # TPOT uses the token count: (0.8 - 0.7) / (3 - 1)
+    assert req["tpot_s"][1] == pytest.approx(0.05)
+
+
+def test_measured_vs_simulated_summary_error_table():
+    sim = dict(hand_run().summary, p50_ttft_ms=220.0, output_throughput=5 / 0.9 * 0.96, p99_itl_ms=None)
+    table = rv.error_table(hand_run().summary, sim).set_index("metric")
+    assert table.loc["p50_ttft_ms", "err_pct"] == pytest.approx(10.0)     # (220 - 200) / 200
+    assert table.loc["output_throughput", "err_pct"] == pytest.approx(-4.0)
+    assert math.isnan(table.loc["p99_itl_ms", "err_pct"])
+    v = rv.verdict(table.reset_index(), rv.parse_targets(None)).set_index("target")
+    assert v.loc["throughput", "met"] and v.loc["ttft_p50", "met"] and v.loc["itl_p50", "met"]
+    assert not v.loc["itl_p99", "met"]                                      # a missing number never passes
+
+
+# ---- verdict ---------------------------------------------------------------------------------
+def table_with(metric: str, live: float, sim: float) -> pd.DataFrame:
+    return pd.DataFrame([{"metric": metric, "unit": "ms", "live": live, "sim": sim,
+                          "err_pct": (sim - live) / live * 100.0}])
+
+
+@pytest.mark.parametrize("target, metric, live, on, over", [
+    ("throughput", "output_throughput", 100.0, 105.0, 105.01),
+    ("throughput", "output_throughput", 3.7, 3.7 * 0.95, 3.7 * 0.9499),
+    ("ttft_p50", "p50_ttft_ms", 41.3, 41.3 * 1.1, 41.3 * 1.1001),
+    ("itl_p50", "p50_itl_ms", 7.0, 6.3, 6.2999),
+    ("ttft_p99", "p99_ttft_ms", 250.0, 300.0, 300.01),
+    ("itl_p99", "p99_itl_ms", 33.3, 33.3 * 0.8, 33.3 * 0.7999),
+])
+def test_verdict_exactly_on_the_target_passes_just_over_fails(target, metric, live, on, over):
+    targets = {target: rv.TARGETS[target][1]}
+    assert rv.verdict(table_with(metric, live, on), targets)["met"].all()
+    assert not rv.verdict(table_with(metric, live, over), targets)["met"].any()
+
+
+def test_targets_override_and_bad_targets():
+    t = rv.parse_targets("throughput=2.5, ttft_p99=30%,p90_e2el_ms=15")
+    assert t["throughput"] == 2.5 and t["ttft_p99"] == 30.0 and t["p90_e2el_ms"] == 15.0
+    assert t["itl_p50"] == 10.0                                   # untouched defaults stay
+    v = rv.verdict(table_with("p90_e2el_ms", 100.0, 114.0), {"p90_e2el_ms": 15.0})
+    assert v["met"].all() and v["metric"][0] == "p90_e2el_ms"
+    for bad in ("throughput", "speed=5", "ttft_p50=-1", "ttft_p50=fast", "itl_p99=nan"):
+        with pytest.raises(ConfigError, match="--targets"):
+            rv.parse_targets(bad)
+    text = rv.format_verdict(rv.verdict(table_with("p50_ttft_ms", 10.0, 12.0), {"ttft_p50": 10.0}))
+    assert "MISSED" in text and text.endswith("ttft_p50)")
+
+
+# ---- vllm bench serve --save-result --save-detailed ------------------------------------------
+def bench_dict() -> dict:
+    """A small file in vLLM 0.32's layout: 3 requests, the last one failed."""
+    return {
+        "date": "20260101-000000", "backend": "vllm", "model_id": "tiny", "num_prompts": 3,
+        "request_rate": 4.0, "burstiness": 1.0, "max_concurrency": None, "duration": 1.5,
+        "completed": 2, "failed": 1, "total_input_tokens": 30, "total_output_tokens": 5,
+        "request_throughput": 2 / 1.5, "output_throughput": 5 / 1.5,
+        "input_lens": [10, 20, 30], "output_lens": [3, 2, 0], "ttfts": [0.1, 0.3, 0.0],
+        "itls": [[0.1, 0.2], [0.1], []], "latencies": [0.4, 0.4, 0.0],
+        "start_times": [100.0, 100.5, 101.0], "queue_times": [0.0, 0.0, 0.0],
+        "generated_texts": ["a b c", "d e", ""], "errors": ["", "", "HTTP 500"],
+        "median_ttft_ms": 200.0, "p99_ttft_ms": 298.0, "median_itl_ms": 100.0, "p99_itl_ms": 198.0,
+    }
+
+
+def write(tmp_path: Path, data, name: str = "bench.json") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def test_bench_reader_rebuilds_the_clients_timestamps(tmp_path):
+    bench = read_bench_json(write(tmp_path, bench_dict()))
+    assert len(bench) == 3 and bench.completed == 2 and list(bench.success) == [True, True, False]
+    assert bench.request_rate == 4.0 and bench.burstiness == 1.0 and bench.model_id == "tiny"
+    run = bench_run(bench)
+    # send times relative to the first: 0, 0.5, 1.0; tokens at send + TTFT + cumulative ITL
+    assert np.allclose(run.requests["arrival_s"], [0.0, 0.5, 1.0])
+    assert np.allclose(run.tokens["t_s"], [0.1, 0.2, 0.4, 0.8, 0.9])
+    s = run.summary
+    assert s["p50_ttft_ms"] == pytest.approx(200.0) and s["p50_itl_ms"] == pytest.approx(100.0)
+    assert (s["completed"], s["failed"]) == (2, 1)
+    trace = replay_table(run)
+    assert list(trace.columns) == ["arrival_time_s", "prompt_tokens", "output_tokens"] and len(trace) == 2
+
+
+def test_bench_reader_without_start_times_takes_given_arrivals(tmp_path):
+    data = bench_dict()
+    del data["start_times"]
+    bench = read_bench_json(write(tmp_path, data))
+    with pytest.raises(ConfigError, match="start_times"):
+        bench_run(bench)
+    with pytest.raises(ConfigError, match="3 requests but the workload has 2"):
+        bench_run(bench, [0.0, 1.0])
+    run = bench_run(bench, [0.0, 2.0, 3.0])
+    assert np.allclose(run.requests["first_token_s"][:2], [0.1, 2.3])
+    assert run.meta["arrivals_measured"] is False
+
+
+@pytest.mark.parametrize("edit, expect", [
+    (lambda d: d.pop("itls"), "field 'itls' is missing (save the result with vllm bench serve --save-result"),
+    (lambda d: d.pop("completed"), "field 'completed' is missing"),
+    (lambda d: d.update(output_lens=[3, 2]), "field 'output_lens' has 2 entries but input_lens has 3"),
+    (lambda d: d.update(ttfts=[0.1, 0.3]), "field 'ttfts' has 2 entries but input_lens has 3"),
+    (lambda d: d.update(itls=[[0.1], []]), "field 'itls' must be a list of 3 lists"),
+    (lambda d: d.update(start_times=[1.0, 2.0]), "field 'start_times' has 2 entries"),
+    (lambda d: d["ttfts"].__setitem__(1, float("nan")), "field 'ttfts[1]' is nan"),
+    (lambda d: d["itls"][0].__setitem__(1, float("nan")), "field 'itls[0][1]' is nan"),
+    (lambda d: d["start_times"].__setitem__(2, float("inf")), "field 'start_times[2]' is inf"),
+    (lambda d: d["ttfts"].__setitem__(0, -0.5), "field 'ttfts[0]' must be >= 0"),
+    (lambda d: d["input_lens"].__setitem__(0, 10.5), "field 'input_lens[0]' must be an integer"),
+    (lambda d: d["output_lens"].__setitem__(0, "3"), "field 'output_lens[0]' must be a number"),
+    (lambda d: d["itls"].__setitem__(1, 0.1), "field 'itls[1]' must be a list of seconds"),
+    (lambda d: d.update(completed=3), "field 'completed' is 3 but 2 requests have a non-zero output_lens"),
+    (lambda d: d["ttfts"].__setitem__(0, 0.0), "field 'ttfts[0]' is 0.0 for a completed request"),
+    (lambda d: d.update(input_lens=[], output_lens=[], ttfts=[], itls=[], start_times=[], latencies=[],
+                        errors=[], completed=0), "field 'input_lens' is empty"),
+    (lambda d: d.update(request_rate="fast"), "field 'request_rate' must be a number"),
+])
+def test_bench_reader_rejects_malformed_files(tmp_path, edit, expect):
+    data = bench_dict()
+    edit(data)
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError) as err:
+        read_bench_json(path)
+    msg = str(err.value)
+    assert msg.startswith(str(path)) and expect in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("{not json", "invalid JSON at line 1"),
+    (json.dumps(bench_dict()) + "\n" + json.dumps(bench_dict()), "--append-result"),
+    ("[1, 2]", "expected a JSON object"),
+])
+def test_bench_reader_rejects_non_results(tmp_path, text, expect):
+    with pytest.raises(ConfigError, match=re.escape(expect)):
+        read_bench_json(write(tmp_path, text))
+    with pytest.raises(ConfigError, match="file not found"):
+        read_bench_json(tmp_path / "missing.json")
+
+
+# ---- configuration and files ---------------------------------------------------------------------
+WORKLOAD = """
+name: srv
+seed: 2
+num_requests: 3
+arrivals: {kind: poisson, rate: 4}
+lengths: {kind: fixed, prompt_tokens: 64, output_tokens: 8}
+policy: {kind: sarathi, max_num_seqs: 8, max_num_batched_tokens: 256}
+server: {max_model_len: 2048}
+"""
+
+
+def test_knobs_come_from_server_then_profile_engine_then_workload():
+    import yaml
+    cfg = workload_from_dict(yaml.safe_load(WORKLOAD), "w.yaml")
+    profile = load_profile(PROFILE)
+    profile.engine = {"max_num_seqs": 16, "num_gpu_blocks": 500, "block_size": 32}
+    values, sources, notes = resolve_knobs(cfg, profile, {"num_blocks": 900, "max_num_seqs": None,
+                                                          "block_size": None, "max_model_len": None,
+                                                          "max_num_batched_tokens": None})
+    assert values == {"num_blocks": 900, "block_size": 32, "max_model_len": 2048, "max_num_seqs": 16,
+                      "max_num_batched_tokens": 256}
+    assert sources == {"num_blocks": "server", "block_size": "profile engine", "max_model_len": "workload",
+                       "max_num_seqs": "profile engine", "max_num_batched_tokens": "workload"}
+    assert notes == ["note: the workload's max_num_seqs 8 is not the server's; 16 (profile engine) is used"]
+    bare = workload_from_dict({k: v for k, v in yaml.safe_load(WORKLOAD).items() if k != "server"}, "w.yaml")
+    profile.engine = {}
+    values, sources, _ = resolve_knobs(bare, profile, None)
+    assert (values["block_size"], sources["block_size"]) == (16, "batchsim default")
+    assert (values["num_blocks"], sources["num_blocks"]) == (None, "default")      # from the profile's memory
+
+
+def test_output_dir_never_reuses_a_non_empty_folder(tmp_path):
+    base = tmp_path / "runs" / "v"
+    assert output_dir(str(base), "w", "x") == base
+    base.mkdir(parents=True)
+    assert output_dir(str(base), "w", "x") == base                    # empty: fine
+    (base / "report.md").write_text("old")
+    (tmp_path / "runs" / "v-2").mkdir()
+    (tmp_path / "runs" / "v-2" / "f").write_text("old")
+    assert output_dir(str(base), "w", "x") == tmp_path / "runs" / "v-3"
+    assert output_dir(None, "w", "127.0.0.1:8000") == Path("runs") / "validate-w-127.0.0.1_8000"
+
+
+def test_validate_measured_end_to_end_without_torch(tmp_path):
+    """--measured on a hand-written file: exit 0/1 by the verdict, report files, no torch import."""
+    wl = write(tmp_path, WORKLOAD, "w.yaml")
+    bench = write(tmp_path, bench_dict())
+    out = tmp_path / "out"
+    code = (f"import sys; from sim.cli import main; rc = main(['validate', r'{wl}', '--measured', r'{bench}', "
+            f"'--profile', r'{PROFILE}', '--out', r'{out}']); "
+            f"assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode in (0, 1), res.stderr
+    assert ("verdict: PASS" in res.stdout) == (res.returncode == 0), res.stdout
+    for name in ("report.md", "report.json", "report.html", "cdf.png", "cdf.svg", "replayed_requests.csv",
+                 "measured/summary.json", "sim/summary.json"):
+        assert (out / name).is_file(), name
+    body = json.loads((out / "report.json").read_text())
+    assert body["policy"]["kind"] == "vllm_v1" and body["passed"] == (res.returncode == 0)
+    assert any("sarathi is replaced by vllm_v1" in n for n in body["notes"])
+    assert "data:image/png;base64," in (out / "report.html").read_text()
+    sim_req = pd.read_csv(out / "sim" / "requests.csv")
+    assert list(sim_req["prompt_tokens"]) == [10, 20]                # the file's requests, not the workload's
+
+
+def test_calibrate_server_flag_dispatches_to_the_server_calibration(monkeypatch):
+    import types
+    seen = {}
+    fake = types.ModuleType("calibrate.serving.calibrate_server")
+    fake.main = lambda args: seen.setdefault("args", args) and 0
+    monkeypatch.setitem(sys.modules, "calibrate.serving.calibrate_server", fake)
+    assert main(["calibrate", "--server", "http://127.0.0.1:8000", "--out", "p.yaml", "--budget-s", "30",
+                 "--seed", "3", "--max-num-seqs", "32", "--max-num-batched-tokens", "512",
+                 "--model-config", "config.json", "--quiet"]) == 0
+    a = seen["args"]
+    assert (a.server, a.out, a.budget_s, a.seed, a.quiet) == ("http://127.0.0.1:8000", "p.yaml", 30.0, 3, True)
+    assert (a.max_num_seqs, a.max_num_batched_tokens, a.model_config) == (32, 512, "config.json")
+
+
+def test_validate_bad_inputs_exit_2(tmp_path, capsys):
+    wl = write(tmp_path, WORKLOAD, "w.yaml")
+    bad = bench_dict()
+    bad["ttfts"][0] = float("nan")
+    cases = [["--measured", str(write(tmp_path, bad)), "--profile", str(PROFILE)],
+             ["--measured", str(write(tmp_path, bench_dict(), "ok.json"))],                  # no profile
+             ["--measured", str(tmp_path / "ok.json"), "--profile", str(PROFILE), "--targets", "ttft=3"],
+             ["--server", "http://127.0.0.1:9", "--profile", str(PROFILE)],                   # nobody there
+             ["--server", "localhost:8000", "--profile", str(PROFILE)],                       # not a URL
+             ["--targets", "ttft_p50=5"]]                                     # targets without a server
+    for extra in cases:
+        assert main(["validate", str(wl), "--out", str(tmp_path / "o"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+# ---- against a real vLLM server --------------------------------------------------------------------
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+
+if Path(__file__).with_name("conftest_vllm.py").is_file():
+    pytest_plugins = ["conftest_vllm"]     # the shared session server (tiny-llama, 8 seqs, 256 tokens)
+else:
+    @pytest.fixture(scope="module")
+    def vllm_server(tmp_path_factory):
+        from calibrate.serving.launch import VllmServer
+        from calibrate.serving.tiny_model import write_tiny_llama
+
+        model = write_tiny_llama(tmp_path_factory.mktemp("model") / "tiny")
+        with VllmServer(model, max_num_seqs=32, max_num_batched_tokens=512) as server:
+            yield server
+
+
+SERVER_WORKLOAD = """
+name: srv-e2e
+seed: 4
+num_requests: 40
+arrivals: {kind: gamma, rate: 4, cv: 2}
+lengths: {kind: uniform, prompt_min: 64, prompt_max: 320, output_min: 8, output_max: 48}
+policy: {kind: vllm_v1}
+"""
+
+
+@needs_vllm
+def test_validate_against_a_real_vllm_server(tmp_path, vllm_server, capsys):
+    url = getattr(vllm_server, "url", vllm_server)
+    wl = write(tmp_path, SERVER_WORKLOAD, "w.yaml")
+    out = tmp_path / "report"
+    rc = main(["validate", str(wl), "--server", url, "--profile", str(PROFILE), "--out", str(out), "--quiet"])
+    printed = capsys.readouterr().out
+    assert rc in (0, 1)
+    assert ("verdict: PASS" in printed) == (rc == 0) and ("verdict: FAIL" in printed) == (rc == 1)
+    for name in ("report.md", "report.json", "report.html", "cdf.png", "cdf.svg", "measured/tokens.npz",
+                 "sim/summary.json"):
+        assert (out / name).is_file(), name
+    body = json.loads((out / "report.json").read_text())
+    assert body["passed"] == (rc == 0) and body["completed"]["live"] == 40
+    assert body["knobs"]["num_blocks"]["source"] == "server" and body["knobs"]["block_size"]["source"] == "server"
+    for row in body["table"]:
+        assert all(isinstance(row[k], float) and math.isfinite(row[k]) for k in ("live", "sim", "err_pct")), row
+    load = body["load"]
+    assert len(load["before_1_5_15min"]) == 3 and len(load["after_1_5_15min"]) == 3
+    measured = pd.read_csv(out / "measured" / "requests.csv")
+    assert (measured["status"] == "finished").all() and (measured["send_lag_s"] >= -1e-9).all()
