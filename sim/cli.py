@@ -53,21 +53,26 @@ def format_summary(summary: dict[str, Any], title: str = "") -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from sim.config import load_workload, parse_override
-    from sim.io import write_run
+    from sim.io import ensure_writable, write_run
     from sim.runner import run_workload
 
     overrides = dict(parse_override(t) for t in args.set or [])
     if args.seed is not None:
         overrides["seed"] = args.seed
     cfg = load_workload(args.workload, overrides)
+    out = ensure_writable(Path(args.out) if args.out else Path("runs") / cfg.name)   # before the work
     result = run_workload(cfg, num_replicas=args.replicas, router=args.router,
                           progress=not args.quiet and sys.stderr.isatty(), strict=args.strict)
-    out = Path(args.out) if args.out else Path("runs") / cfg.name
     write_run(result, out)
     title = (f"{cfg.name}: policy {cfg.policy.kind}, profile {result.meta['profile_name']} "
              f"({result.summary['profile_source']}), {result.meta['num_blocks']} KV blocks x "
-             f"{cfg.server.block_size} tokens")
+             f"{result.meta['kv_block_size']} tokens")
     print(format_summary(result.summary, title))
+    trust = result.summary.get("profile_trust") or {}
+    if trust:
+        err = trust.get("error_pct")
+        print(f"profile     {'step-cost error ~' + format(err, '.1f') + '%' if err is not None else 'unchecked'}"
+              f" ({trust['basis']})")
     if result.summary.get("num_out_of_range_lookups"):
         print(f"note: {result.summary['num_out_of_range_lookups']} cost lookups fell outside the "
               f"profile's measured grid and were extrapolated")

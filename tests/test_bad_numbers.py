@@ -163,7 +163,12 @@ def test_binary_garbage_profile(tmp_path, capsys):
 
 
 # ---- outputs ----------------------------------------------------------------------------------
-def test_unwritable_out_is_refused_before_the_run(tmp_path, capsys):
+def test_unwritable_out_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    import sim.runner
+
+    def never(*args, **kwargs):
+        raise AssertionError("the simulation ran before --out was checked")
+    monkeypatch.setattr(sim.runner, "run_workload", never)
     blocker = tmp_path / "file"
     blocker.write_text("")
     wl = tmp_path / "w.yaml"
