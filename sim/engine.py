@@ -141,8 +141,8 @@ class Server:
                 yield env.timeout(end_s - env.now)
                 end_s = env.now
             now_s = end_s
+            log.record(start_s, decision, result, state)     # the queues and KV the step ran with
             state.commit(decision, end_s)
-            log.record(start_s, decision, result, state)
             if on_step is not None:
                 on_step(start_s, decision, result)
 
@@ -162,10 +162,16 @@ def pick_replica(router: str, servers: Sequence[Server], counter: int) -> Server
 
 
 def feed(env: simpy.Environment, servers: Sequence[Server], requests: Sequence[Request],
-         true_output_tokens: Sequence[int], router: str = "round_robin"):  # SimPy process
-    """Release ``requests`` (sorted by arrival) at their arrival times."""
+         true_output_tokens: Sequence[int], router: str = "round_robin",
+         lag_s: float = 0.0):  # SimPy process
+    """Release ``requests`` (sorted by arrival) at their arrival times.
+
+    ``lag_s``: each request reaches its server that long after its arrival,
+    which stays the origin of its TTFT: a serving engine's per-request
+    overhead (client send to the engine's queue plus the engine's output
+    back to the client) when simulating a measured server."""
     for i, req in enumerate(requests):
-        delay = req.arrival_s - env.now
+        delay = req.arrival_s + lag_s - env.now
         if delay > 0:
             yield env.timeout(delay)
         pick_replica(router, servers, i).submit(req, true_output_tokens[i])

@@ -106,8 +106,9 @@ def test_token_log_and_steps_by_hand(run: RunResult) -> None:
     s = run.steps
     assert s["duration_s"].tolist() == [exact(d) for d in (0.020, 0.018, 0.0102, 0.0102, 0.0101, 0.012, 0.0101)]
     assert s["batch_size"].tolist() == [1, 2, 2, 2, 1, 1, 1]
-    # KV blocks the pool holds after each step's commit (finished requests already freed)
-    assert s["kv_used_blocks"].tolist() == [7, 9, 9, 7, 0, 2, 0]
+    # KV blocks held while each step runs (before its commit frees finished requests):
+    # R0 7; R0 7 + R1 4 + R2 2 = 13; R0 + R2 9; 9; R0 7; R4 2; 2
+    assert s["kv_used_blocks"].tolist() == [7, 13, 9, 9, 7, 2, 2]
 
 
 def test_distributions_by_hand(run: RunResult) -> None:
@@ -165,10 +166,10 @@ def test_throughput_goodput_kv_and_busy_by_hand(run: RunResult) -> None:
     assert s["num_steps"] == 7 and s["mean_batch_size"] == exact(10 / 7)
     # busy: (20 + 18 + 10.2 + 10.2 + 10.1 + 12 + 10.1) ms = 90.6 ms of 122.1 ms
     assert s["busy_fraction"] == exact(90.6 / 122.1)
-    # KV, weighted by step time over busy time: (7 x 20 + 9 x 18 + 9 x 10.2 + 7 x 10.2 + 0 x 10.1
-    #   + 2 x 12 + 0 x 10.1) / (90.6 x 64) = 489.2 / 5798.4 (a plain mean would be 34 / 448); peak 9 / 64
-    assert s["mean_kv_utilization"] == exact(489.2 / 5798.4)
-    assert s["peak_kv_utilization"] == 9 / 64
+    # KV, weighted by step time over busy time: (7 x 20 + 13 x 18 + 9 x 10.2 + 9 x 10.2 + 7 x 10.1
+    #   + 2 x 12 + 2 x 10.1) / (90.6 x 64) = 672.5 / 5798.4 (a plain mean would be 49 / 448); peak 13 / 64
+    assert s["mean_kv_utilization"] == exact(672.5 / 5798.4)
+    assert s["peak_kv_utilization"] == 13 / 64
     assert s["num_preemptions"] == 0
 
 
