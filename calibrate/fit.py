@@ -21,7 +21,11 @@ afterwards by the curves' running maximum. We solve
     s.t. x = C u, u >= 0                        goes to `linear`, not attention
 
 by Lawson-Hanson non-negative least squares in u, re-weighted (Huber)
-against outlying points. The curvature term only matters where data are
+against outlying points. A measured time may also span several steps (a
+black-box server's time to first token covers every chunk of a prompt): its
+row is then the sum of the steps' rows. Optional extra non-negative unknowns
+(say a per-request overhead that only times to first token contain) enter
+through their coefficients per point. The curvature term only matters where data are
 thin: nodes no measurement reaches (a decode node with more context than
 its sequences can hold, a corner past the model's context) follow their
 neighbours linearly. The gauge term fixes the one direction data cannot
@@ -63,6 +67,7 @@ class FittedCurves:
     attn_prefill_s: list[list[float]]         # [chunk node][context node]
     attn_decode_s: list[list[float]]          # [seq node][context node]
     num_downweighted: int                     # points the robust fit weighted < 0.5
+    extra_s: tuple[float, ...] = ()           # the extra unknowns, if any were asked for
 
 
 def _interp_weights(nodes: Sequence[int], x: float) -> tuple[tuple[int, float], tuple[int, float]]:
@@ -213,10 +218,16 @@ def _cumulative(grid: CurveGrid) -> np.ndarray:
     return out
 
 
-def fit_curves(shapes: Sequence[Shape], times_s: Sequence[float], grid: CurveGrid, *,
+def fit_curves(shapes: Sequence[Shape | Sequence[Shape]], times_s: Sequence[float], grid: CurveGrid, *,
                curvature_weight: float = 0.03, gauge_weight: float = 1e-3,
-               num_robust_iters: int = 3) -> FittedCurves:
+               num_robust_iters: int = 3,
+               extra_columns: Sequence[Sequence[float]] | None = None) -> FittedCurves:
     """Node values that best predict ``times_s`` (relative error), see module doc.
+
+    ``shapes[i]``: one step's Shape, or a sequence of Shapes whose steps
+    together took ``times_s[i]``. ``extra_columns``: per point, the
+    coefficients of extra non-negative unknowns (all rows the same length);
+    their values come back in ``FittedCurves.extra_s``.
 
     Robust: after each solve, points whose relative residual exceeds 3 robust
     standard deviations (1.4826 MAD) get Huber weights, so a step disturbed
@@ -229,7 +240,15 @@ def fit_curves(shapes: Sequence[Shape], times_s: Sequence[float], grid: CurveGri
     if np.any(~np.isfinite(y)) or np.any(y <= 0):
         raise ValueError("measured times must be finite and > 0")
     y_ref = float(np.median(y))
-    design = np.stack([design_row(s, grid) for s in shapes])
+    design = np.stack([design_row(s, grid) if isinstance(s, Shape)
+                       else np.sum([design_row(x, grid) for x in s], axis=0) for s in shapes])
+    num_extra = 0
+    if extra_columns is not None:
+        extra = np.asarray(extra_columns, dtype=float)
+        if extra.ndim != 2 or len(extra) != len(y) or np.any(~np.isfinite(extra)):
+            raise ValueError(f"extra_columns must be one finite row per point ({len(y)}), "
+                             f"got shape {extra.shape}")
+        num_extra = extra.shape[1]
     reg = [r * (curvature_weight / y_ref) for r in _curvature_rows(grid)]
     for j in range(1 + len(grid.token_nodes), grid.num_unknowns):
         r = np.zeros(grid.num_unknowns)
@@ -239,8 +258,14 @@ def fit_curves(shapes: Sequence[Shape], times_s: Sequence[float], grid: CurveGri
     # increments (x = cum @ inc, inc >= 0), so the curves never fall as work grows.
     cum = _cumulative(grid)
     design_inc, reg_inc = design @ cum, np.stack(reg) @ cum
+    if num_extra:                                 # extra unknowns: their own columns, >= 0 as they are
+        n = grid.num_unknowns
+        cum = np.block([[cum, np.zeros((n, num_extra))], [np.zeros((num_extra, n)), np.eye(num_extra)]])
+        design = np.hstack([design, extra])
+        design_inc = np.hstack([design_inc, extra])
+        reg_inc = np.hstack([reg_inc, np.zeros((len(reg_inc), num_extra))])
     weights = np.ones(len(y))
-    inc = np.ones(grid.num_unknowns)              # first guess: every increment positive
+    inc = np.ones(grid.num_unknowns + num_extra)  # first guess: every increment positive
     x = cum @ inc
     for it in range(num_robust_iters + 1):
         if it:                                    # Huber weights from the last solve's residuals
@@ -254,6 +279,7 @@ def fit_curves(shapes: Sequence[Shape], times_s: Sequence[float], grid: CurveGri
     nt, nc, nk = len(grid.token_nodes), len(grid.chunk_nodes), len(grid.chunk_context_nodes)
     ns, nn = len(grid.seq_nodes), len(grid.decode_context_nodes)
     p = x[1 + nt: 1 + nt + nc * nk].reshape(nc, nk)
-    d = x[1 + nt + nc * nk:].reshape(ns, nn)
+    d = x[1 + nt + nc * nk: grid.num_unknowns].reshape(ns, nn)
     return FittedCurves(float(x[0]), x[1:1 + nt].tolist(), p.tolist(), d.tolist(),
-                        int(np.count_nonzero(weights < 0.5)))
+                        int(np.count_nonzero(weights < 0.5)),
+                        tuple(float(v) for v in x[grid.num_unknowns:]))
