@@ -124,6 +124,8 @@ def plan_candidate(task: CandidateTask) -> dict[str, Any]:
         "search_note": note, "trials": trials, "profile_source": probe.summary.get("profile_source"),
         "profile_name": probe.meta.get("profile_name"), "profile_provenance": probe.meta.get("profile_provenance"),
         "profile_efficiency": probe.meta.get("profile_efficiency"), "num_blocks": probe.meta.get("num_blocks"),
+        "profile_error_pct": (probe.summary.get("profile_trust") or {}).get("error_pct"),
+        "profile_trust": (probe.summary.get("profile_trust") or {}).get("basis"),
         "replicas_estimate": replicas_for(task.target_rate, capacity), "attempts": [], "verified": False,
         "run_dir": str(run_dir)}
     if out["replicas_estimate"] is None:
@@ -152,7 +154,8 @@ def ranked_table(results: list[dict[str, Any]]) -> pd.DataFrame:
         last = (r.get("attempts") or [{}])[-1]
         oor = sum(int(t.get("num_out_of_range_lookups") or 0) for t in [*r.get("trials", []), *r.get("attempts", [])])
         rows.append({"candidate": r["name"], "hardware": r.get("hardware"), "policy": r.get("policy"),
-                     "capacity_rps": r.get("capacity_rps"), "replicas_estimate": r.get("replicas_estimate"),
+                     "capacity_rps": r.get("capacity_rps"), "profile_error_pct": r.get("profile_error_pct"),
+                     "replicas_estimate": r.get("replicas_estimate"),
                      "replicas": r.get("replicas"), "gpus": (r.get("replicas") or 0) * r.get("gpus_per_replica", 1),
                      "meets_slo": bool(r.get("verified")), "cost_per_hour": r.get("cost_per_hour"),
                      "cost_per_mtok": r.get("cost_per_mtok"), "fleet_p99_ttft_ms": last.get("p99_ttft_ms"),

@@ -13,7 +13,8 @@ from reports import plots
 from reports.render import Bullets, Callout, Document, Heading, Para, Table, write_document
 from reports.report import Figures, provenance_lines, read_runs, run_figures
 
-RANKED_COLUMNS = {"candidate": "candidate", "capacity_rps": "capacity / replica (req/s)", "replicas": "replicas",
+RANKED_COLUMNS = {"candidate": "candidate", "capacity_rps": "capacity / replica (req/s)",
+                  "capacity_band": "capacity band (profile error)", "replicas": "replicas",
                   "gpus": "GPUs", "meets_slo": "fleet meets SLO", "cost_per_hour": "$ / hour",
                   "cost_per_mtok": "$ / M output tokens", "fleet_p99_ttft_ms": "fleet p99 TTFT (ms)",
                   "fleet_p99_itl_ms": "fleet p99 ITL (ms)", "profile_source": "profile"}
@@ -42,6 +43,35 @@ def _definitions(plan: dict[str, Any]) -> list[str]:
     ]
 
 
+def capacity_band(capacity_rps: float | None, error_pct: float | None) -> str:
+    """Capacity with the profile's step-cost error as a band (a step cost off
+    by e% moves capacity by about e% too); "unchecked" where no error is known."""
+    if not capacity_rps:
+        return ""
+    if error_pct is None or error_pct != error_pct:
+        return "unchecked profile"
+    e = error_pct / 100
+    return f"{capacity_rps * (1 - e):.3g}-{capacity_rps * (1 + e):.3g} (±{error_pct:.0f}%)"
+
+
+def close_calls(ranked: pd.DataFrame) -> list[str]:
+    """Verified candidates whose cost per hour differs by less than their
+    profiles' error bands together: their order is within the models' error."""
+    ok = ranked[ranked["meets_slo"] & ranked["cost_per_hour"].notna()].reset_index(drop=True)
+    out = []
+    for i in range(len(ok) - 1):
+        a, b = ok.iloc[i], ok.iloc[i + 1]
+        ea, eb = a.get("profile_error_pct"), b.get("profile_error_pct")
+        if ea is None or eb is None or ea != ea or eb != eb:
+            continue
+        gap_pct = (b["cost_per_hour"] - a["cost_per_hour"]) / a["cost_per_hour"] * 100
+        if gap_pct < ea + eb:
+            out.append(f"{a['candidate']} and {b['candidate']} differ by {gap_pct:.0f}% in cost per hour, less "
+                       f"than their profiles' errors together (±{ea:.0f}% and ±{eb:.0f}%): the order between them "
+                       f"is within the step-cost models' error; calibrate both before choosing.")
+    return out
+
+
 def _warnings(results: list[dict[str, Any]]) -> list[str]:
     out = []
     for r in results:
@@ -56,6 +86,8 @@ def _warnings(results: list[dict[str, Any]]) -> list[str]:
             out.append(f"{r['name']}: no rate met the SLOs ({r.get('search_note')}).")
         elif "capped" in (r.get("search_note") or ""):
             out.append(f"{r['name']}: {r['search_note']}; capacity may be higher.")
+        if r.get("profile_trust") and r.get("profile_error_pct") is None:
+            out.append(f"{r['name']}: {r['profile_trust']}: its capacity has no stated error.")
         if r.get("replicas") and not r.get("verified"):
             out.append(f"{r['name']}: the fleet still missed the SLOs with {r['replicas']} replicas.")
     return out
@@ -115,8 +147,10 @@ def plan_report(d: Path) -> list[Path]:
                  f"`{Path(plan['base']).name}` within **{plan['slo_text']}**, among {len(plan['candidates'])} "
                  f"candidate (hardware, policy) options."),
             Heading("Recommendation"), _recommendation(ranked, plan))
-    for w in _warnings(results):
+    for w in _warnings(results) + close_calls(ranked):
         doc.add(Callout(w))
+    ranked = ranked.assign(capacity_band=[capacity_band(c, e) for c, e in
+                                          zip(ranked["capacity_rps"], ranked.get("profile_error_pct", [None] * len(ranked)))])
     shown = ranked[[c for c in RANKED_COLUMNS if c in ranked.columns]].rename(columns=RANKED_COLUMNS)
     doc.add(Heading("Candidates, ranked"), Table(shown, caption="fleet-verified first, then by cost per hour"))
     ok = ranked[ranked["capacity_rps"].fillna(0) > 0]

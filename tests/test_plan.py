@@ -106,6 +106,9 @@ def test_plan_writes_a_ranked_self_contained_report(tmp_path: Path) -> None:
     assert "Recommendation" in html and "Candidates, ranked" in html and "<table>" in html
     assert html.count("data:image/png;base64,") >= 3 and "src=\"figures" not in html
     assert "analytic-roofline" in html and "Definitions" in html
+    # every candidate states its profile's error: a preset's held-out error on its GPU (h100-sxm TP1
+    # in the public vLLM table), as a capacity band in the ranked table
+    assert ranked["profile_error_pct"].notna().any() and "capacity band (profile error)" in html
     md = (out / "report.md").read_text()
     images = [line.split("](")[1].split(")")[0] for line in md.splitlines() if line.startswith("![")]
     assert images and all((out / rel).is_file() for rel in images)
@@ -163,3 +166,17 @@ def test_example_files_parse() -> None:
     from reports.spec import expand, parse_sweep
     assert len(expand(parse_sweep(root / "sweep_sarathi_knee.yaml"))) == 6 * 5
 
+
+
+def test_capacity_band_and_close_calls_by_hand() -> None:
+    """Capacity 10 req/s from a profile 6% off: 9.4-10.6. Two verified fleets at
+    $9.00 and $9.90 per hour differ by 10%, less than 6% + 6% = 12%: a close
+    call; at $9.00 and $11.00 (22%) they do not."""
+    from reports.planreport import capacity_band, close_calls
+    assert capacity_band(10.0, 6.0) == "9.4-10.6 (±6%)"
+    assert capacity_band(10.0, None) == "unchecked profile"
+    ranked = pd.DataFrame({"candidate": ["a", "b"], "meets_slo": [True, True], "cost_per_hour": [9.0, 9.9],
+                           "profile_error_pct": [6.0, 6.0]})
+    (warning,) = close_calls(ranked)
+    assert warning.startswith("a and b differ by 10% in cost per hour")
+    assert close_calls(ranked.assign(cost_per_hour=[9.0, 11.0])) == []
