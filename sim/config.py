@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import yaml
 
 from policies import POLICIES
-from sim.strict import ConfigError, _positive, _require, build
+from sim.strict import ConfigError, _positive, _require, build, did_you_mean
 
 __all__ = ["ConfigError", "WorkloadConfig", "load_workload", "load_yaml_mapping", "parse_override",
            "set_dotted", "workload_from_dict"]
@@ -182,7 +182,8 @@ def _build_policy(data: Any, src: str) -> Any:
         raise ConfigError(f"{src}: field 'policy' needs a 'kind' ({', '.join(POLICIES)})")
     kind = data["kind"]
     if not isinstance(kind, str) or kind not in POLICIES:
-        raise ConfigError(f"{src}: field 'policy.kind' must be one of {', '.join(POLICIES)}, got {kind!r}")
+        raise ConfigError(f"{src}: field 'policy.kind' must be one of {', '.join(POLICIES)}, got {kind!r}"
+                          + did_you_mean(kind, list(POLICIES)))
     cls = POLICIES[kind][0]
     own = {f.name for f in dataclasses.fields(cls)}
     knobs = {k: v for k, v in data.items() if k != "kind"}
@@ -214,8 +215,13 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
                           f"got {type(data).__name__}")
     allowed = [f.name for f in dataclasses.fields(WorkloadConfig) if f.name not in ("source", "base_dir", "raw")]
     for key in data:
+        if key in ("base", "vary", "candidates", "target_rate"):
+            what = "plan" if {"candidates", "target_rate"} & set(data) else "sweep"
+            raise ConfigError(f"{source}: field '{key}' belongs to a {what} file; run it with "
+                              f"`sim {what} {source}`")
         if key not in allowed:
-            raise ConfigError(f"{source}: unknown field '{key}'; allowed: {', '.join(allowed)}")
+            raise ConfigError(f"{source}: unknown field '{key}'{did_you_mean(key, allowed)}; "
+                              f"allowed: {', '.join(allowed)}")
     top = {k: v for k, v in data.items() if k not in SECTIONS and k != "policy"}
     if "name" in top and not isinstance(top["name"], str):
         raise ConfigError(f"{source}: field 'name' must be a string (or left out: the file's name), "

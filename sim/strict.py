@@ -8,6 +8,7 @@ against the field's type hint; ``null`` means "the default". Every error is a
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -67,8 +68,9 @@ def build(cls: type, data: Any, where: str, source: str, **extra: Any) -> Any:
         if value is None and key in names and not _type_ok(None, hints[key])[0]:
             continue                      # null means "the default"
         if key not in names:
+            allowed = [n for n in names if n not in extra]
             raise ConfigError(f"{source}: unknown field '{where}.{key}'".replace("'.", "'")
-                              + f"; allowed: {', '.join(n for n in names if n not in extra)}")
+                              + did_you_mean(key, allowed) + f"; allowed: {', '.join(allowed)}")
         ok, value = _type_ok(value, hints[key])
         if not ok and isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{source}: field '{where}.{key}'".replace("'.", "'")
@@ -78,6 +80,12 @@ def build(cls: type, data: Any, where: str, source: str, **extra: Any) -> Any:
                               + f" expected {_describe(hints[key])}, got {value!r}")
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def did_you_mean(word: Any, choices: list[str]) -> str:
+    """' (did you mean 'x'?)' for the closest of ``choices``, or ''."""
+    close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _positive(source: str, name: str, value: float | None, allow_zero: bool = False) -> None:

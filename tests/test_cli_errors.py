@@ -151,3 +151,15 @@ def test_rejections_are_counted_per_reason(tmp_path, capsys):
     assert "20 of 20 requests were rejected (20 with more KV blocks than the pool holds above the watermark)" in err
     s = json.loads((outdir / "summary.json").read_text())
     assert s["failed_by_reason"] == {"kv_pool": 20}
+
+
+@pytest.mark.parametrize("text, expect", [
+    (GOOD + "polcy: {kind: vllm}\n", "unknown field 'polcy' (did you mean 'policy'?)"),
+    (GOOD.replace("{kind: vllm}", "{kind: vllm, max_num_seq: 4}"), "(did you mean 'max_num_seqs'?)"),
+    (GOOD.replace("{kind: vllm}", "{kind: sarathy}"), "got 'sarathy' (did you mean 'sarathi'?)"),
+    ("base: azure_conv.yaml\nvary: {arrivals.rate: [1, 2]}\n", "field 'base' belongs to a sweep file; run it with `sim sweep"),
+    ("base: azure_conv.yaml\ntarget_rate: 5\n", "field 'base' belongs to a plan file; run it with `sim plan"),
+])
+def test_did_you_mean_and_the_right_command(tmp_path, capsys, text, expect):
+    rc, out, err, _ = run_cli(tmp_path, text, capsys=capsys)
+    assert rc == 2 and expect in err and "Traceback" not in err, err
