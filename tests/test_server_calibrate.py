@@ -20,7 +20,7 @@ import pytest
 
 from calibrate.fit import CurveGrid, fit_curves
 from calibrate.schema import Shape
-from calibrate.serving.calibrate_server import calibrate_server, main, random_workload
+from calibrate.serving.calibrate_server import calibrate_server, main, traffic
 from calibrate.serving.client import ServerInfo
 from calibrate.serving.probes import Knobs, Sent, SimTransport, align, analyse, combine
 from sim.batch import Batch, BatchItem
@@ -167,7 +167,7 @@ def test_calibration_recovers_the_profile_of_a_simulated_server():
     # step costs of the batches a realistic workload forms (time-weighted)
     knobs = Knobs(16, 256, 2048, 512, 128, False, 4096)
     rng = np.random.default_rng(5)
-    batches = _batches(true, random_workload(200, 12.0, knobs, rng), knobs)
+    batches = _batches(true, traffic(200, 10.0, knobs, rng), knobs)
     t = np.array([true.step_time_s(b) for b in batches])
     p = np.array([prof.step_time_s(b) for b in batches])
     assert abs(p.sum() - t.sum()) / t.sum() < 0.02

@@ -22,6 +22,11 @@ with an exact ``max_tokens`` and ``ignore_eos``:
   many sizes (``max_tokens`` 1): each join is a mixed step (k decodes + a
   chunk), a long prompt a run of chunk steps, a group several chunks in one
   step (a long prompt's last chunk beside a new one, too).
+- ``D``: random traffic (``traffic``: Poisson arrivals, log-uniform lengths)
+  at 60% and 85% of the capacity a first fit predicts: busy batches of every
+  size whose requests join and leave all the time, so the costs a real
+  workload meets (a request's first decode, finishing, the front end busy
+  with arrivals) enter the fit where the steps' composition is certain.
 
 ``probes.analyse`` turns the token timelines into equations (one step's gap,
 a window of decode gaps, or a whole time to first token); repeats of a design
@@ -34,9 +39,9 @@ each request by it before the server sees it. The same overhead bounded from
 prompts that joined a busy engine is stored beside it
 (``request_overhead_busy_s``, for information).
 
-Self-check (held out, after the fit): random workloads at about 50% and 80%
-of the capacity the fitted profile predicts (Poisson arrivals, random prompt
-and output lengths) are replayed against the server and simulated with
+Self-check (held out, after the fit): fresh random traffic of the same kind,
+at about 50% and 80% of the capacity the fitted profile predicts, is
+replayed against the server and simulated with
 ``sim.runner.run_workload`` (policy ``vllm_v1``, the server's knobs); the
 errors of throughput and of TTFT and ITL p50 / p99 are printed and stored in
 the profile's ``fit_error``. The whole run, self-check included, stays within
@@ -204,7 +209,8 @@ def calibrate_server(url: str, *, budget_s: float, seed: int = 0, progress: Prog
             t0 = clock()
             ses = transport(sents)
             took = clock() - t0
-            costs.scale = float(np.clip(costs.scale * (took / est) ** 0.3, 0.3, 10))
+            if not name.startswith("D"):       # traffic's duration follows its arrivals, not costs
+                costs.scale = float(np.clip(costs.scale * (took / est) ** 0.3, 0.3, 10))
             num_sessions += 1
             num_requests += len(sents)
             ran += 1
@@ -236,9 +242,12 @@ def calibrate_server(url: str, *, budget_s: float, seed: int = 0, progress: Prog
         "date_utc": _utc_now(), "budget_s": budget_s, "seed": seed, "num_probe_sessions": num_sessions,
         "num_probe_requests": num_requests, "num_equations": len(cal.equations),
         "model_shape_from": facts.source,
-        "machine": {"cpus": os.cpu_count(), "load_1min_min": min(loads), "load_1min_max": max(loads)},
-        "method": "black-box probes (lone prompts, decode batches, joins of decoding batches); "
-                  "steps from token bursts; joint robust fit (calibrate.serving.calibrate_server)",
+        "machine": {"cpus": os.cpu_count(), "load_1min_min": min(loads), "load_1min_max": max(loads),
+                    "load_note": "1-min load average of the client's machine, calibration included"},
+        "method": "black-box probes (lone prompts, decode batches, joins of decoding batches, random "
+                  "traffic); steps from token bursts; joint robust fit of the step curves and the "
+                  "per-request overhead (calibrate.serving.calibrate_server)",
+        "statistic": f"{STATISTIC} of step gaps (windows and repeats)",
     })
     fe = prof.fit_error
     say(f"fit: MAPE {fe['fit_mape_pct']:.1f}% (p90 {fe['fit_p90_abs_pct']:.1f}%) on {fe['fit_num_points']} "
@@ -315,6 +324,10 @@ def fit_profile(equations: list[Equation], knobs: Knobs, facts: Any,
         if sel:
             prof.fit_error[f"fit_{kind}_mape_pct"] = float(np.mean(sel))
             prof.fit_error[f"fit_{kind}_num_points"] = len(sel)
+    for family in "ABCD":                           # probe families (module doc); D: random traffic
+        sel = [x for x, e in zip(err, equations) if str(e.key[0]).startswith(family)]
+        if sel:
+            prof.fit_error[f"fit_{family}_mape_pct"] = float(np.mean(sel))
     return ServerCalibration(prof, equations, pred, knobs=knobs, overhead_bounds=list(bounds))
 
 
@@ -349,16 +362,6 @@ def _capacity(prof: Profile, knobs: Knobs, rng: np.random.Generator) -> float | 
         except ConfigError:
             return None
     return len(probe) / max(ts[-1] for ts in toks)
-
-
-def random_workload(n: int, rate: float, knobs: Knobs, rng: np.random.Generator) -> list[Sent]:
-    """Poisson arrivals; prompts log-uniform on [4, min(L/2, 2 x budget)]; outputs uniform on [8, 96]."""
-    L, B = knobs.max_model_len, knobs.max_num_batched_tokens
-    hi_p = max(8, min(L // 2, 2 * B))
-    prompts = np.exp(rng.uniform(np.log(4), np.log(hi_p), n)).astype(int)
-    outs = rng.integers(8, max(9, min(96, L - hi_p - 1)) + 1, n)
-    t = np.concatenate([[0.0], np.cumsum(rng.exponential(1.0 / rate, n - 1))]) if rate > 0 else np.zeros(n)
-    return [Sent(float(a), int(p), int(o), "self-check") for a, p, o in zip(t, prompts, outs)]
 
 
 def simulate(profile_path: Path, arrivals: list[float], prompts: list[int], outputs: list[int],
@@ -414,20 +417,18 @@ def self_check(prof: Profile, transport: Transport, knobs: Knobs, time_left_s: f
         tmp = Path(d)
         path = tmp / "profile.yaml"
         prof.save(path)
-        probe = random_workload(200, 0.0, knobs, rng)
-        _, toks = simulate(path, [0.0] * len(probe), [s.prompt_tokens for s in probe],
-                           [s.max_tokens for s in probe], tmp)
-        capacity = len(probe) / max(ts[-1] for ts in toks)                  # requests/s, all at once
+        capacity = _capacity(prof, knobs, rng) or 1.0                     # requests/s, all at once
         out["selfcheck_capacity_req_s"] = round(capacity, 3)
         worst: list[float] = []
         for i, load in enumerate(LOADS):
-            share = max(0.0, time_left_s - 1.0) / (len(LOADS) - i)
+            share = time_left_s / (len(LOADS) - i) - 1.0                   # 1 s for the slowest request
             rate = load * capacity
-            n = int(np.clip(0.6 * share * rate, 12, 60))
-            if n / rate > share and i > 0:
+            n = int(np.clip(0.8 * share * rate, 16, 100))
+            if n / rate > share + 1.0 and i > 0:
                 continue
             start = clock()
-            sents = random_workload(n, rate, knobs, rng)
+            sents = [Sent(s.offset_s, s.prompt_tokens, s.max_tokens, "self-check")
+                     for s in traffic(n, rate, knobs, rng)]
             ses = transport(sents)
             ok = [j for j, e in enumerate(ses.errors) if e is None]
             measured = latency_stats([ses.send_s[j] for j in ok], [ses.token_times[j] for j in ok])
