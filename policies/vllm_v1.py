@@ -86,7 +86,6 @@ class VllmV1Policy:
         self.max_model_len = max_model_len
         self.token_budget = config.max_num_batched_tokens or defaults[0]
         self.max_num_seqs = config.max_num_seqs or min(defaults[1], self.token_budget)
-        self._watermark_blocks: int | None = None
         # vLLM's start-up checks (SchedulerConfig.verify_max_model_len).
         check_budget(self.token_budget, self.max_num_seqs)
         if config.long_prefill_token_threshold > max_model_len:
@@ -106,8 +105,6 @@ class VllmV1Policy:
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         kv = state.kv
-        if self._watermark_blocks is None:   # vLLM: int(watermark x num_gpu_blocks, null block included)
-            self._watermark_blocks = int(self.config.watermark * (kv.num_blocks + self.num_reserved_blocks))
         running = state.running
         budget = self.token_budget
         threshold = self.config.long_prefill_token_threshold
@@ -151,13 +148,15 @@ class VllmV1Policy:
         """Step 3 of the module doc: FCFS admission, stopping at the first misfit."""
         kv = state.kv
         waiting, running = state.waiting, state.running
+        # vLLM: int(watermark x num_gpu_blocks), the null block included
+        watermark_blocks = int(self.config.watermark * (kv.num_blocks + self.num_reserved_blocks))
         while budget > 0 and waiting and len(running) < self.max_num_seqs:
             r = waiting[0]
             n = r.num_prompt_tokens + r.num_output_tokens     # a preempted request recomputes its outputs too
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget)
-            free = kv.num_free_blocks - (self._watermark_blocks if running else 0)
+            free = kv.num_free_blocks - (watermark_blocks if running else 0)
             if self.config.reserve_full_prompt:
                 whole = min(r.num_prompt_tokens + r.num_output_tokens, self.max_model_len)
                 if kv.num_blocks_for(whole) > free:
