@@ -103,7 +103,10 @@ class Profile:
     # sizes its profiling run by max_num_batched_tokens, so the KV pool is what is
     # left after activation_bytes_per_gpu + this x the policy's budget (0: fixed).
     activation_bytes_per_token_per_gpu: int = 0
-    _linear_memo: dict[int, tuple[float, bool]] = field(default_factory=dict, repr=False, compare=False)
+    # Not an init field: dataclasses.replace(profile, linear=...) must start a
+    # fresh memo, not reuse the old curve's costs.
+    _linear_memo: dict[int, tuple[float, bool]] = field(default_factory=dict, init=False, repr=False,
+                                                        compare=False)
 
     # ---- costs --------------------------------------------------------------
     def step_time_s(self, batch: Batch) -> float:

@@ -358,3 +358,18 @@ def test_ridge_law_is_a_smooth_maximum_that_moves_with_the_gpu() -> None:
         assert excess[tokens == 8][0] < 1.001 and excess[tokens == 4096][0] < 1.02
     assert preset_profile("llama-2-7b", "h100-sxm").efficiency["pipeline_stages"] == 3
     assert "c^(S+1)" in preset_profile("llama-2-7b", "h100-sxm").efficiency["ridge_law"]
+
+
+def test_replaced_linear_curve_is_not_served_from_the_old_memo() -> None:
+    """step_time_s memoizes linear(tokens); a profile made with dataclasses.replace and a
+    new linear curve must price with the new curve, not the memo of the old one."""
+    import dataclasses
+
+    from sim.batch import Batch, BatchItem
+    from sim.curves import Curve1D
+    base = preset_profile("llama-2-7b", "a100-80gb")
+    batch = Batch((BatchItem(0, 1, 100),))
+    before = base.step_time_s(batch)                 # fills the memo for 1 token
+    doubled = dataclasses.replace(base, linear=Curve1D(base.linear.xs, [2 * y for y in base.linear.ys]))
+    # The only change is linear(1), so the step grows by exactly linear(1).
+    assert doubled.step_time_s(batch) == pytest.approx(before + base.linear(1), rel=1e-12)
