@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pandas as pd
 import torch
 
 from calibrate.engine import LiveEngine
@@ -27,6 +29,7 @@ from calibrate.live import run_live, run_sim
 from calibrate.model import ModelConfig, get_model_config
 from calibrate.grid import GridSpec
 from calibrate.runner import DTYPES, CalibrationResult, calibrate
+from calibrate.serving.validate_server import output_dir
 from reports import validation as rv
 from sim.config import ConfigError, WorkloadConfig, load_workload, parse_override
 from sim.profile import Profile, load_profile
@@ -167,6 +170,7 @@ def main(args: argparse.Namespace) -> int:
     """``sim validate WORKLOAD``: calibrate if needed, run both, write the report, print the table."""
     overrides = dict(parse_override(t) for t in (getattr(args, "set", None) or []))
     cfg = load_workload(args.workload, overrides)
+    targets = rv.parse_targets(getattr(args, "targets", None))       # before the work: a bad item fails now
     model_cfg, dev, dtype = resolve_target(args.model, args.device, args.dtype)
     calibration = None
     if args.profile:
@@ -177,11 +181,12 @@ def main(args: argparse.Namespace) -> int:
     else:
         calibration, note = _calibrate_first(cfg, args)
         profile = calibration.profile
-    out = Path(args.out) if args.out else Path("runs") / f"validate-{cfg.name}"
+    out = output_dir(args.out, cfg.name, None)
     result = validate(cfg, profile, model=args.model, device=args.device, dtype=dtype,
                       num_threads=args.threads, notes=[note], progress=True)
     result.calibration = calibration
-    paths = _write_report(result, out)
+    verdict = rv.verdict(pd.DataFrame(result.comparison["table"]), targets)
+    paths = _write_report(result, verdict, out)
     print(f"{cfg.name}: policy {cfg.policy.kind}, {len(result.live.requests)} requests")
     for n in result.notes:
         print(n)
@@ -190,14 +195,17 @@ def main(args: argparse.Namespace) -> int:
     print(f"per-step cost error: median |err| {s['all']['median_abs_pct']:.1f}%, p90 "
           f"{s['all']['p90_abs_pct']:.1f}% over {s['num_steps']} live steps; identical batches "
           f"{100 * d['identical_fraction']:.1f}% of steps")
+    print(rv.format_verdict(verdict))
     print(f"wrote {out}/ ({', '.join(p.name for p in paths)})")
-    return 0
+    return 0 if bool(verdict["met"].all()) or not getattr(args, "check", False) else 1
 
 
-def _write_report(v: Validation, out: Path) -> list[Path]:
-    """Write the report directory (for ``main`` only): live/ and sim/ run dirs, report.md, report.json,
-    cdf.png and step_error.png (+ SVG), and the profile if it was calibrated here."""
+def _write_report(v: Validation, verdict: pd.DataFrame, out: Path) -> list[Path]:
+    """Write the report directory (for ``main`` only): live/ and sim/ run dirs, report.json,
+    report.md, report.html, cdf.png and step_error.png (+ SVG), and the profile if it was
+    calibrated here."""
     from reports.plots import save_figure
+    from reports.render import write_document
     from sim.io import write_json, write_run
 
     out.mkdir(parents=True, exist_ok=True)
@@ -209,9 +217,11 @@ def _write_report(v: Validation, out: Path) -> list[Path]:
     paths += save_figure(rv.step_error_figure(v.live.steps, title), out / "step_error")
     body = {"workload": v.cfg.name, "policy": dataclasses.asdict(v.cfg.policy), "profile": v.profile.name,
             "calibrated_here": v.calibration is not None, "notes": v.notes,
-            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **v.comparison}
+            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "targets_pct": dict(zip(verdict["target"], verdict["limit_pct"])),
+            "passed": bool(verdict["met"].all()),
+            "verdict": verdict.replace({np.nan: None}).to_dict("records"), **v.comparison}
     write_json(out / "report.json", body)
-    (out / "report.md").write_text(rv.render_markdown(v.comparison, title, v.notes))
-    paths += [out / "report.json", out / "report.md"]
+    paths.append(out / "report.json")
+    paths += write_document(rv.live_report(body, title, out), out)
     return paths
-

@@ -294,41 +294,76 @@ def _short(batch: str | None, max_items: int = 8) -> str:
     return " ".join(items[:max_items]) + more if batch is not None else "(run ended)"
 
 
-def render_markdown(comparison: Mapping[str, Any], title: str, notes: list[str]) -> str:
-    """report.md: notes, the error table, step errors, decisions, figures."""
-    s, d = comparison["steps"], comparison["decisions"]
-    lines = [f"# {title}", "", *(f"- {n}" for n in notes), "",
-             "## Sim vs live", "", "err % = (sim - live) / live. Attribution by measured-time replay "
-             "(the live batches re-timed with the profile): cost-curve % + policy % = err %.", "",
-             format_table(comparison["table"], markdown=True), "",
-             "## Per-step cost error (live batches: predicted vs measured forward time)", "",
-             "| steps | n | median abs % | p90 abs % | mean signed % |", "|---|---|---|---|---|"]
-    lines += [f"| {kind} | {k['num_steps']} | {k['median_abs_pct']:.1f} | {k['p90_abs_pct']:.1f} | "
-              f"{k['mean_pct']:+.1f} |" for kind in ("all", "prefill", "decode", "mixed") if (k := s.get(kind))]
+COLUMN_LEGEND = (
+    "**live**: measured on the engine, in wall-clock time",
+    "**sim**: the simulator on the same requests, with the profile's step costs",
+    "**err %** = (sim - live) / live; a target is met when |err %| <= its limit",
+    "**replay**: the live run's own batches, in the live order, re-timed with the profile's step "
+    "costs (same decisions, predicted durations)",
+    "**cost-curve %** = (replay - live) / live: the error the cost curves alone make",
+    "**policy %** = err % - cost-curve %: the rest, from decisions that drift apart once the times "
+    "differ, and the host time between steps that the simulator does not have",
+)
+
+
+def live_report(body: Mapping[str, Any], title: str, figures_dir: Path | None = None) -> Document:
+    """report.md / report.html of a validation on batchsim's own engine, from report.json's ``body``:
+    the verdict, the error table with its column legend, step errors, decisions, and the
+    cdf.png / step_error.png figures found in ``figures_dir``."""
+    from reports.render import Bullets, Callout, Document, Heading, Image, Para, Table
+
+    doc = Document(title)
+    v = pd.DataFrame(body["verdict"])
+    missed = v.loc[~v["met"].astype(bool), "target"].tolist()
+    doc.add(Callout("every accuracy target met" if body["passed"] else
+                    f"{len(missed)} of {len(v)} accuracy targets missed: {', '.join(missed)}",
+                    "ok" if body["passed"] else "warning"))
+    if body["notes"]:
+        doc.add(Bullets(list(body["notes"])))
+    shown = v.assign(limit_pct=[f"±{x:g}%" for x in v["limit_pct"]], err_pct=[_num(x, True) for x in v["err_pct"]],
+                     met=["met" if x else "MISSED" for x in v["met"]])
+    doc.add(Heading("Verdict"), Table(shown.rename(columns={"limit_pct": "limit", "err_pct": "err %"})))
+    t = pd.DataFrame(body["table"])
+    cols = {"live": "live", "sim": "sim", "err_pct": "err %", "replay": "replay", "cost_pct": "cost-curve %",
+            "policy_pct": "policy %"}
+    shown_t = pd.DataFrame({"metric": [f"{r.metric} ({r.unit})" for r in t.itertuples()],
+                            **{label: [_num(x, c.endswith("pct")) for x in t[c]] for c, label in cols.items()
+                               if c in t}})
+    doc.add(Heading("Sim vs live"), Table(shown_t), Para("Columns:"), Bullets(list(COLUMN_LEGEND)))
+    s, d = body["steps"], body["decisions"]
+    step_rows = pd.DataFrame([{"steps": kind, "n": k["num_steps"], "median |err| %": round(k["median_abs_pct"], 1),
+                               "p90 |err| %": round(k["p90_abs_pct"], 1), "mean signed %": round(k["mean_pct"], 1)}
+                              for kind in ("all", "prefill", "decode", "mixed") if (k := s.get(kind))])
     b, h = s["busy_s"], s["host_ms"]
-    lines += ["", f"Busy time: live {b['live_duration']:.2f} s of which forward {b['live_forward']:.2f} s; "
-              f"the profile predicts {b['replay_predicted']:.2f} s for the same batches. Host time outside "
-              f"the forward pass (scheduling, bookkeeping, clock catch-up): mean {h['mean']:.2f} ms, p99 "
-              f"{h['p99']:.2f} ms per step ({h['share_pct']:.1f}% of busy time; the simulator has none)."
-              + ("" if s.get("cpu_per_forward_s") is None else
-                 f" CPU seconds per forward-pass second: {s['cpu_per_forward_s']:.2f} (about the thread "
-                 f"count when the cores were not shared with other processes); on the "
-                 f"{s['unstarved']['num_steps']} steps that were not starved of CPU the median |error| is "
-                 f"{s['unstarved']['median_abs_pct']:.1f}% (p90 {s['unstarved']['p90_abs_pct']:.1f}%)."), "",
-              "## Decisions", "", f"{d['num_live_steps']} live steps, {d['num_sim_steps']} simulated; "
-              f"{100 * d['identical_fraction']:.1f}% of step pairs (step i vs step i) have identical batches."]
+    busy = (f"Busy time: live {b['live_duration']:.2f} s of which forward {b['live_forward']:.2f} s; the profile "
+            f"predicts {b['replay_predicted']:.2f} s for the same batches. Host time outside the forward pass "
+            f"(scheduling, bookkeeping, clock catch-up): mean {h['mean']:.2f} ms, p99 {h['p99']:.2f} ms per step "
+            f"({h['share_pct']:.1f}% of busy time; the simulator has none).")
+    if s.get("cpu_per_forward_s") is not None:
+        busy += (f" CPU seconds per forward-pass second: {s['cpu_per_forward_s']:.2f} (about the thread count "
+                 f"when the cores were not shared); on the {s['unstarved']['num_steps']} steps not starved of "
+                 f"CPU the median |error| is {s['unstarved']['median_abs_pct']:.1f}% (p90 "
+                 f"{s['unstarved']['p90_abs_pct']:.1f}%).")
+    doc.add(Heading("Per-step cost error (live batches: predicted vs measured forward time)"),
+            Table(step_rows), Para(busy))
+    doc.add(Heading("Decisions"), Para(f"{d['num_live_steps']} live steps, {d['num_sim_steps']} simulated; "
+                                       f"{100 * d['identical_fraction']:.1f}% of step pairs (step i vs step i) "
+                                       f"have identical batches."))
     f = d["first_divergence"]
     if f is None:
-        lines.append("The two runs made identical decisions at every step.")
+        doc.add(Para("The two runs made identical decisions at every step."))
     else:
-        t = lambda v: "-" if v is None else f"{v:.4f} s"   # noqa: E731
-        lines += [f"First divergence at step {f['step']} (live t = {t(f['live_t_s'])}, sim t = "
-                  f"{t(f['sim_t_s'])}); items are req:new_tokens:context.", "",
-                  f"- live: `{_short(f['live_batch'])}`", f"- sim:  `{_short(f['sim_batch'])}`"]
-    pre = comparison["preemptions"]
-    lines += ["", f"Preemptions: live {pre['live']}, sim {pre['sim']}.", "", "## Figures", "",
-              "![TTFT and ITL CDFs](cdf.png)", "", "![per-step error](step_error.png)", ""]
-    return "\n".join(lines)
+        at = lambda v: "-" if v is None else f"{v:.4f} s"   # noqa: E731
+        doc.add(Para(f"First divergence at step {f['step']} (live t = {at(f['live_t_s'])}, sim t = "
+                     f"{at(f['sim_t_s'])}); items are req:new_tokens:context."),
+                Bullets([f"live: `{_short(f['live_batch'])}`", f"sim: `{_short(f['sim_batch'])}`"]))
+    pre = body["preemptions"]
+    doc.add(Para(f"Preemptions: live {pre['live']}, sim {pre['sim']}."))
+    for name, caption in (("cdf", "TTFT and ITL CDFs, live and simulated"),
+                          ("step_error", "Per-step cost error, by step kind and over the run")):
+        if figures_dir is not None and (figures_dir / f"{name}.png").is_file():
+            doc.add(Image(figures_dir / f"{name}.png", caption))
+    return doc
 
 
 # ---- figures -----------------------------------------------------------------------------------

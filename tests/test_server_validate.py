@@ -253,15 +253,18 @@ def test_output_dir_never_reuses_a_non_empty_folder(tmp_path):
     (tmp_path / "runs" / "v-2" / "f").write_text("old")
     assert output_dir(str(base), "w", "x") == tmp_path / "runs" / "v-3"
     assert output_dir(None, "w", "127.0.0.1:8000") == Path("runs") / "validate-w-127.0.0.1_8000"
+    # a workload already named validate-... is not prefixed twice
+    assert output_dir(None, "validate-tiny", None) == Path("runs") / "validate-tiny"
 
 
 def test_validate_measured_end_to_end_without_torch(tmp_path):
-    """--measured on a hand-written file: exit 0/1 by the verdict, report files, no torch import."""
+    """--measured on a hand-written file: with --check exit 0/1 by the verdict, report files, no torch
+    import; without --check the verdict is printed and the exit status is 0."""
     wl = write(tmp_path, WORKLOAD, "w.yaml")
     bench = write(tmp_path, bench_dict())
     out = tmp_path / "out"
     code = (f"import sys; from sim.cli import main; rc = main(['validate', r'{wl}', '--measured', r'{bench}', "
-            f"'--profile', r'{PROFILE}', '--out', r'{out}']); "
+            f"'--profile', r'{PROFILE}', '--out', r'{out}', '--check']); "
             f"assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode in (0, 1), res.stderr
@@ -275,6 +278,10 @@ def test_validate_measured_end_to_end_without_torch(tmp_path):
     assert "data:image/png;base64," in (out / "report.html").read_text()
     sim_req = pd.read_csv(out / "sim" / "requests.csv")
     assert list(sim_req["prompt_tokens"]) == [10, 20]                # the file's requests, not the workload's
+    plain = subprocess.run([sys.executable, "-m", "sim.cli", "validate", str(wl), "--measured", str(bench),
+                            "--profile", str(PROFILE), "--out", str(tmp_path / "plain")],
+                           capture_output=True, text=True, cwd=ROOT)
+    assert plain.returncode == 0 and "verdict: " in plain.stdout, plain.stderr
 
 
 def test_calibrate_server_flag_dispatches_to_the_server_calibration(monkeypatch):
@@ -300,7 +307,7 @@ def test_validate_bad_inputs_exit_2(tmp_path, capsys):
              ["--measured", str(tmp_path / "ok.json"), "--profile", str(PROFILE), "--targets", "ttft=3"],
              ["--server", "http://127.0.0.1:9", "--profile", str(PROFILE)],                   # nobody there
              ["--server", "localhost:8000", "--profile", str(PROFILE)],                       # not a URL
-             ["--targets", "ttft_p50=5"]]                                     # targets without a server
+             ["--targets", "ttft_p50=fast"]]                    # torch engine: refused before calibrating
     for extra in cases:
         assert main(["validate", str(wl), "--out", str(tmp_path / "o"), *extra]) == 2
         err = capsys.readouterr().err
@@ -339,7 +346,8 @@ def test_validate_against_a_real_vllm_server(tmp_path, vllm_server, capsys):
     url = getattr(vllm_server, "url", vllm_server)
     wl = write(tmp_path, SERVER_WORKLOAD, "w.yaml")
     out = tmp_path / "report"
-    rc = main(["validate", str(wl), "--server", url, "--profile", str(PROFILE), "--out", str(out), "--quiet"])
+    rc = main(["validate", str(wl), "--server", url, "--profile", str(PROFILE), "--out", str(out), "--quiet",
+               "--check"])
     printed = capsys.readouterr().out
     assert rc in (0, 1)
     assert ("verdict: PASS" in printed) == (rc == 0) and ("verdict: FAIL" in printed) == (rc == 1)
@@ -355,3 +363,33 @@ def test_validate_against_a_real_vllm_server(tmp_path, vllm_server, capsys):
     assert len(load["before_1_5_15min"]) == 3 and len(load["after_1_5_15min"]) == 3
     measured = pd.read_csv(out / "measured" / "requests.csv")
     assert (measured["status"] == "finished").all() and (measured["send_lag_s"] >= -1e-9).all()
+
+
+def max_in_flight(requests: pd.DataFrame) -> int:
+    """Most requests between send (arrival_s) and last token (finished_s) at any instant."""
+    events = sorted([(t, 1) for t in requests["arrival_s"]] + [(t, -1) for t in requests["finished_s"]],
+                    key=lambda e: (e[0], e[1]))                  # a finish at t frees its slot before a send at t
+    level = peak = 0
+    for _, step in events:
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
+@needs_vllm
+def test_validate_closed_loop_against_a_real_vllm_server(tmp_path, vllm_server):
+    """arrivals.kind concurrency replays as vllm bench serve --max-concurrency: never more than N in flight
+    on the server, and the simulated twin is a closed loop of the same N clients."""
+    url = getattr(vllm_server, "url", vllm_server)
+    wl = write(tmp_path, SERVER_WORKLOAD.replace("arrivals: {kind: gamma, rate: 4, cv: 2}",
+                                                 "arrivals: {kind: concurrency, max_concurrency: 3}")
+               .replace("num_requests: 40", "num_requests: 12"), "w.yaml")
+    out = tmp_path / "report"
+    assert main(["validate", str(wl), "--server", url, "--profile", str(PROFILE), "--out", str(out),
+                 "--quiet"]) == 0                                 # no --check: 0 whatever the verdict
+    measured = pd.read_csv(out / "measured" / "requests.csv")
+    simulated = pd.read_csv(out / "sim" / "requests.csv")
+    assert len(measured) == len(simulated) == 12 and (measured["status"] == "finished").all()
+    assert max_in_flight(measured) == 3 and max_in_flight(simulated) == 3
+    body = json.loads((out / "report.json").read_text())
+    assert any("at most 3 requests in flight" in n for n in body["notes"])

@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -44,6 +45,7 @@ from calibrate.model import MODEL_PRESETS  # noqa: E402
 from calibrate.runner import calibrate  # noqa: E402
 from calibrate.validate import Validation, calibration_grid, main, validate  # noqa: E402
 from reports import validation as rv  # noqa: E402
+from reports.render import to_markdown  # noqa: E402
 from sim.config import ConfigError, workload_from_dict  # noqa: E402
 from sim.curves import Curve1D, Curve2D  # noqa: E402
 from sim.io import read_run  # noqa: E402
@@ -128,8 +130,11 @@ def test_validation_within_tolerances(calibrated, policy: str, load: str) -> Non
     assert v.live.summary["completed"] == v.sim.summary["completed"] == n
     assert len(v.live.tokens) == len(v.sim.tokens) == int(v.live.requests["output_tokens"].sum())
     assert v.live.steps["batch"].str.len().min() > 0 and v.live.steps["forward_s"].gt(0).all()
-    report = rv.render_markdown(v.comparison, "t", v.notes)
-    assert "| p50_itl_ms (ms) |" in report
+    verdict = rv.verdict(pd.DataFrame(v.comparison["table"]), rv.parse_targets(None))
+    body = {**v.comparison, "notes": v.notes, "verdict": verdict.to_dict("records"),
+            "passed": bool(verdict["met"].all())}
+    report = to_markdown(rv.live_report(body, "t"), Path("."))
+    assert "| p50_itl_ms (ms) |" in report and "**cost-curve %** = (replay - live) / live" in report
     assert "First divergence" in report or "identical decisions" in report
     misses = rv.check(rv.error_table(v.live.summary, v.sim.summary), TOLERANCES_PCT)
     step_err = v.comparison["steps"]["all"]["median_abs_pct"]
@@ -210,14 +215,22 @@ def test_main_writes_report(calibrated, tmp_path: Path, capsys) -> None:
     prof = tmp_path / "p.json"
     calibrated[0].save(prof)
     out = tmp_path / "report"
-    assert main(_args(wl, out, profile=str(prof), set=["policy.kind=sarathi"])) == 0
+    assert main(_args(wl, out, profile=str(prof), set=["policy.kind=sarathi"])) == 0     # no --check: 0
     printed = capsys.readouterr().out
-    assert "p50_ttft_ms" in printed and "err %" in printed
-    for name in ("report.md", "report.json", "cdf.png", "step_error.png", "live/summary.json",
+    assert "p50_ttft_ms" in printed and "err %" in printed and "verdict: " in printed
+    for name in ("report.md", "report.html", "report.json", "cdf.png", "step_error.png", "live/summary.json",
                  "sim/summary.json", "live/steps.csv"):
         assert (out / name).is_file(), name
     body = json.loads((out / "report.json").read_text())
     assert body["policy"]["kind"] == "sarathi" and body["calibrated_here"] is False
+    assert [r["target"] for r in body["verdict"]] == list(rv.TARGETS)
+    assert body["passed"] == all(r["met"] for r in body["verdict"])
+    assert ("verdict: PASS" in printed) == body["passed"]
+    html = (out / "report.html").read_text()
+    assert "data:image/png;base64," in html and "cost-curve %" in html
+    # --check with a target no run can meet (0% on throughput) exits 1; the folder is not reused
+    assert main(_args(wl, out, profile=str(prof), targets="throughput=0,ttft_p50=0", check=True)) == 1
+    assert "verdict: FAIL" in capsys.readouterr().out and (tmp_path / "report-2" / "report.json").is_file()
     assert {r["metric"] for r in body["table"]} >= set(TOLERANCES_PCT)
     again = rv.compare(read_run(out / "live"), read_run(out / "sim"))     # from the run dirs alone
     assert again["decisions"] == body["decisions"]
