@@ -16,84 +16,130 @@ from typing import Any, Sequence
 EXIT_BAD_INPUT = 2
 
 
-def _fmt(v: Any, width: int = 10) -> str:
-    if v is None:
-        return f"{'-':>{width}}"
-    if isinstance(v, float):
-        if abs(v) >= 10000:
-            return f"{v:>{width}.0f}"
-        return f"{v:>{width}.1f}" if abs(v) >= 100 else f"{v:>{width}.2f}"
-    return f"{v:>{width}}"
+def _num(v: Any, decimals: int) -> str:
+    """Fixed decimals and thousands separators, never scientific notation; "-" for no value."""
+    return "-" if v is None else f"{v:,.{decimals}f}"
 
 
-def format_summary(summary: dict[str, Any], title: str = "") -> str:
-    """A readable terminal table of a run's summary."""
+def _load_text(load: Any) -> str:
+    """The offered traffic beside the achieved throughput (``load``: a ``sim.vllm_result.Load``)."""
+    if load.closed_loop:
+        return f"closed loop, at most {load.max_concurrency:,} in flight"
+    if load.offered_rps is None:
+        return "offered: all at t=0"
+    capped = f", at most {load.max_concurrency:,} in flight" if load.max_concurrency is not None else ""
+    return f"offered {_num(load.offered_rps, 3)} req/s{capped}"
+
+
+def format_summary(summary: dict[str, Any], title: str = "", *, load: Any = None, num_replicas: int = 1,
+                   router: str = "") -> str:
+    """A readable terminal table of a run's summary; ``load`` (a ``sim.vllm_result.Load``)
+    adds the offered rate and an "overload:" line when the server fell behind it."""
     s = summary
     lines = []
     if title:
         lines.append(title)
-    lines.append(f"requests    completed {s['completed']}   failed {s['failed']}   "
-                 f"duration {s['duration_s']:.1f} s   steps {s['num_steps']}")
-    lines.append(f"throughput  {s['request_throughput']:.3f} req/s   {s['output_throughput']:.1f} output tok/s   "
-                 f"{s['total_token_throughput']:.1f} total tok/s")
+    if num_replicas > 1:
+        lines.append(f"replicas    {num_replicas:,} behind router {router}")
+    lines.append(f"requests    completed {s['completed']:,}   failed {s['failed']:,}   "
+                 f"duration {_num(s['duration_s'], 1)} s   steps {s['num_steps']:,}")
+    offered = f" ({_load_text(load)})" if load is not None else ""
+    lines.append(f"throughput  {_num(s['request_throughput'], 3)} req/s{offered}   "
+                 f"{_num(s['output_throughput'], 1)} output tok/s   {_num(s['total_token_throughput'], 1)} total tok/s")
+    if load is not None and load.overloaded:
+        lines.append(f"overload:   {_num(load.offered_rps, 2)} req/s offered, about {_num(load.sustained_rps, 2)} "
+                     f"sustained: TTFT grows {_num(load.ttft_growth, 2)} s per second of arrivals, so latencies "
+                     f"depend on the run's length (lower the rate or add replicas)")
     if s.get("request_goodput") is not None:
-        lines.append(f"goodput     {s['request_goodput']:.3f} req/s meeting the SLOs "
+        lines.append(f"goodput     {_num(s['request_goodput'], 3)} req/s meeting the SLOs "
                      f"({100 * (s.get('slo_attainment') or 0):.1f}% of requests)")
-    head = f"{'(ms)':<8}" + "".join(f"{h:>10}" for h in ("mean", "p50", "p90", "p95", "p99")) + f"{'count':>10}"
-    lines.append(head)
-    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E"),
-                        ("queue", "queue")):
-        row = [s.get(f"{k}_{name}_ms") for k in ("mean", "p50", "p90", "p95", "p99")]
-        lines.append(f"{label:<8}" + "".join(_fmt(v) for v in row) + f"{s.get(f'count_{name}', 0):>10}")
+    cols = ("mean", "p50", "p90", "p95", "p99")
+    rows = [(label, [_num(s.get(f"{k}_{name}_ms"), 2) for k in cols], f"{s.get(f'count_{name}', 0):,}")
+            for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E"),
+                                ("queue", "queue"))]
+    width = max(10, 2 + max(len(c) for _, cells, count in rows for c in (*cells, count)))
+    lines.append(f"{'(ms)':<8}" + "".join(f"{h:>{width}}" for h in (*cols, "count")))
+    for label, cells, count in rows:
+        lines.append(f"{label:<8}" + "".join(f"{c:>{width}}" for c in cells) + f"{count:>{width}}")
     lines.append(f"batch       mean size {s.get('mean_batch_size', 0):.1f}   busy {100 * s.get('busy_fraction', 0):.1f}%   "
                  f"KV use mean {100 * (s.get('mean_kv_utilization') or 0):.1f}% peak "
-                 f"{100 * (s.get('peak_kv_utilization') or 0):.1f}%   preemptions {s['num_preemptions']}")
+                 f"{100 * (s.get('peak_kv_utilization') or 0):.1f}%   preemptions {s['num_preemptions']:,}")
     return "\n".join(lines)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from sim.chrome_trace import first_steps, trace_chunks
     from sim.config import load_workload, parse_override
-    from sim.io import ensure_writable, write_run
+    from sim.io import prepare_run_dir, write_run
     from sim.runner import run_workload
+    from sim.vllm_result import DEFAULT_PERCENTILES, bench_result, offered_load, parse_percentiles
 
+    percentiles = parse_percentiles(args.metric_percentiles or DEFAULT_PERCENTILES)
     overrides = dict(parse_override(t) for t in args.set or [])
     if args.seed is not None:
         overrides["seed"] = args.seed
     cfg = load_workload(args.workload, overrides)
-    out = ensure_writable(Path(args.out) if args.out else Path("runs") / cfg.name)   # before the work
+    out, taken = prepare_run_dir(args.out, Path("runs") / cfg.name, overwrite=args.overwrite)   # before the work
     result = run_workload(cfg, num_replicas=args.replicas, router=args.router,
                           progress=not args.quiet and sys.stderr.isatty(), strict=args.strict)
-    write_run(result, out)
-    title = (f"{cfg.name}: policy {cfg.policy.kind}, profile {result.meta['profile_name']} "
-             f"({result.summary['profile_source']}), {result.meta['num_blocks']} KV blocks x "
-             f"{result.meta['kv_block_size']} tokens")
-    print(format_summary(result.summary, title))
+    traced = first_steps(result.steps) if args.trace else None
+    write_run(result, out, bench=bench_result(result, percentiles, detailed=args.save_detailed),
+              trace=trace_chunks(traced) if traced is not None else None)
+    meta = result.meta
+    title = (f"{cfg.name}: policy {cfg.policy.kind}, profile {meta['profile_name']} "
+             f"({result.summary['profile_source']}), {meta['num_blocks']:,} KV blocks x "
+             f"{meta['kv_block_size']} tokens")
+    print(format_summary(result.summary, title, load=offered_load(result.requests, meta["config"]["arrivals"]),
+                         num_replicas=meta["num_replicas"], router=meta["router"]))
     trust = result.summary.get("profile_trust") or {}
     if trust:
         err = trust.get("error_pct")
         print(f"profile     {'step-cost error ~' + format(err, '.1f') + '%' if err is not None else 'unchecked'}"
               f" ({trust['basis']})")
     if result.summary.get("num_out_of_range_lookups"):
-        print(f"note: {result.summary['num_out_of_range_lookups']} cost lookups fell outside the "
+        print(f"note: {result.summary['num_out_of_range_lookups']:,} cost lookups fell outside the "
               f"profile's measured grid and were extrapolated")
-    print(f"wrote {out}/ (requests.csv, steps.csv, tokens.npz, summary.json, meta.json) "
-          f"in {result.meta['wall_s']:.2f} s")
+    files = ["requests.csv", "steps.csv", "tokens.npz", "meta.json", "vllm_bench.json"]
+    if traced is not None:
+        files.append("trace.json")
+    print(f"wrote {out}/ ({', '.join(files + ['summary.json'])}) in {meta['wall_s']:.2f} s")
+    if taken is not None:
+        print(f"note: {taken}/ already holds a run, so this one went to {out}/ (--out DIR to choose, "
+              f"--overwrite to replace)")
+    if traced is not None and len(traced) < len(result.steps):
+        print(f"note: trace.json holds the first {len(traced):,} of {len(result.steps):,} steps "
+              f"(up to t = {traced['t_s'].max():,.1f} s); a longer trace would not load in a browser")
+    if args.report:
+        from reports.report import regenerate
+        for path in regenerate(out):
+            print(f"wrote {path}")
     return 0
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from reports.sweep import run_sweep_file
-    table = run_sweep_file(args.sweep, jobs=args.jobs, cluster=args.cluster,
-                           out=Path(args.out) if args.out else None, progress=not args.quiet)
-    print(f"wrote {table}")
+    from reports.spec import cli_overrides
+    from reports.sweep import SweepFailed, run_sweep_file
+    from reports.terminal import print_sweep
+    try:
+        table = run_sweep_file(args.sweep, jobs=args.jobs, cluster=args.cluster, out=Path(args.out) if args.out
+                               else None, progress=not args.quiet and sys.stderr.isatty(),
+                               overrides=cli_overrides(args.set, args.seed))
+    except SweepFailed as exc:          # print the runs that finished, then the error
+        if exc.table.is_file():
+            print_sweep(exc.table.parent)
+        raise
+    print_sweep(table.parent)
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from reports.plan import run_plan_file
+    from reports.spec import cli_overrides
+    from reports.terminal import print_plan
     out = run_plan_file(args.plan, out=Path(args.out) if args.out else None, jobs=args.jobs,
-                        cluster=args.cluster, progress=not args.quiet)
-    print(f"wrote {out}")
+                        cluster=args.cluster, progress=not args.quiet and sys.stderr.isatty(),
+                        overrides=cli_overrides(args.set, args.seed))
+    print_plan(out)
     return 0
 
 
@@ -124,9 +170,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.server or args.measured:    # a real vLLM server, live or from a saved benchmark (no torch)
         from calibrate.serving.validate_server import main as validate_server_main
         return validate_server_main(args)
-    if args.targets:
-        from sim.config import ConfigError
-        raise ConfigError("--targets applies to --server and --measured validations only")
     from calibrate.validate import main as validate_main
     return validate_main(args)
 
@@ -137,7 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="simulate one workload file")
     r.add_argument("workload", help="workload YAML (see workloads/)")
-    r.add_argument("--out", help="output directory (default runs/<name>)")
+    r.add_argument("--out", help="output directory (default runs/<name>, or runs/<name>-2, -3, ... when "
+                                 "that already holds a run); refused if it holds a run, unless --overwrite")
+    r.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in the output directory (removes only files batchsim wrote)")
     r.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a field, e.g. --set policy.kind=sarathi (repeatable)")
     r.add_argument("--seed", type=int, help="override the workload's seed")
@@ -146,6 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="round_robin | least_requests | least_tokens")
     r.add_argument("--strict", action="store_true", help="fail if any request is rejected")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--report", action="store_true", help="also build the run's figures and report.html")
+    r.add_argument("--trace", action="store_true",
+                   help="also write trace.json, one event per step and replica (open in ui.perfetto.dev)")
+    r.add_argument("--metric-percentiles", metavar="P,P,...",
+                   help="percentiles in vllm_bench.json, as vllm bench serve's flag (default 99, as vLLM), "
+                        "e.g. 50,90,99.9")
+    r.add_argument("--save-detailed", action="store_true",
+                   help="add per-request arrays to vllm_bench.json, as vllm bench serve --save-detailed")
     r.set_defaults(func=cmd_run)
 
     s = sub.add_parser("sweep", help="run a grid of workload variants")
@@ -153,15 +207,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-j", "--jobs", type=int, help="local worker processes (default: all cores)")
     s.add_argument("--cluster", help="tcp://HOST:PORT of a Dask scheduler, or 'local'")
     s.add_argument("--out", help="output directory")
-    s.add_argument("--quiet", action="store_true")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a sweep setting (repetitions=3) or a field of every run's workload "
+                        "(policy.max_num_seqs=64); not a varied key (repeatable)")
+    s.add_argument("--seed", type=int, help="override the base workload's seed")
+    s.add_argument("--quiet", action="store_true", help="no progress bar (shown only on a terminal); the results "
+                   "table still prints")
     s.set_defaults(func=cmd_sweep)
 
     pl = sub.add_parser("plan", help="capacity planning under SLOs")
     pl.add_argument("plan")
-    pl.add_argument("-j", "--jobs", type=int)
-    pl.add_argument("--cluster")
-    pl.add_argument("--out")
-    pl.add_argument("--quiet", action="store_true")
+    pl.add_argument("-j", "--jobs", type=int, help="local worker processes (default: all cores)")
+    pl.add_argument("--cluster", help="tcp://HOST:PORT of a Dask scheduler, or 'local'")
+    pl.add_argument("--out", help="output directory")
+    pl.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="override a plan setting (target_rate=80, target_utilization=0.7) or a field of the "
+                         "base traffic (server.max_model_len=8192) (repeatable)")
+    pl.add_argument("--seed", type=int, help="override the base traffic's seed")
+    pl.add_argument("--quiet", action="store_true", help="no progress bar (shown only on a terminal); the "
+                    "recommendation still prints")
     pl.set_defaults(func=cmd_plan)
 
     rp = sub.add_parser("report", help="regenerate plots and reports from saved results")
@@ -195,8 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "(no torch)")
     src.add_argument("--measured", metavar="FILE", help="compare with a `vllm bench serve --save-result "
                      "--save-detailed` JSON instead of measuring (no torch)")
-    v.add_argument("--targets", metavar="NAME=PCT,...", help="--server/--measured accuracy targets, max |err %%| "
-                   "(default throughput=5,ttft_p50=10,itl_p50=10,ttft_p99=20,itl_p99=20)")
+    v.add_argument("--targets", metavar="NAME=PCT,...", help="accuracy targets, max |err %%| of the simulator "
+                   "against the measurement (default throughput=5,ttft_p50=10,itl_p50=10,ttft_p99=20,itl_p99=20)")
+    v.add_argument("--check", action="store_true", help="exit status 1 when any target is missed (for CI); "
+                   "without it the verdict is printed and the exit status is 0")
     v.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     v.add_argument("--model", default="tiny-llama")
     v.add_argument("--dtype")

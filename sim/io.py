@@ -1,9 +1,13 @@
 """Run directories: the only place the simulator writes files.
 
 A run directory holds requests.csv, steps.csv, tokens.npz (every output
-token: req_id, t_s), summary.json and meta.json. Files are written to a
-temporary name and renamed, and summary.json is written last, so a directory
-with a summary.json is complete.
+token: req_id, t_s), meta.json, vllm_bench.json (``vllm bench serve``'s
+result format), optionally trace.json (a Perfetto trace), summary.json, and,
+once a report is built, report.md, report.html and figures/. Files are
+written to a temporary name and renamed, and summary.json is written last, so
+a directory with a summary.json is complete. A run never lands on top of
+another by accident: ``prepare_run_dir`` picks a fresh folder or refuses, and
+``write_run`` first removes what an earlier run wrote there.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import os
 import platform
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import pandas as pd
@@ -23,7 +27,13 @@ from sim.runner import RunResult
 
 
 class OutputError(ConfigError):
-    """An output that cannot be written (no permission, disk full); one line."""
+    """An output that cannot be written (no permission, disk full, a run already there); one line."""
+
+
+# What batchsim writes into a run directory: its files and, under figures/, the reports' images.
+RUN_FILES = ("summary.json", "requests.csv", "steps.csv", "tokens.npz", "meta.json", "vllm_bench.json",
+             "trace.json", "report.md", "report.html")
+FIGURE_SUFFIXES = (".png", ".svg")
 
 
 def _atomic(path: Path, write) -> None:
@@ -52,6 +62,43 @@ def ensure_writable(out_dir: str | Path) -> Path:
     return out
 
 
+def holds_run(out_dir: Path) -> bool:
+    """Whether ``out_dir`` already holds (part of) a run or its report."""
+    return any((out_dir / name).exists() for name in RUN_FILES) or (out_dir / "figures").is_dir()
+
+
+def prepare_run_dir(out: str | Path | None, default: Path, *, overwrite: bool = False) -> tuple[Path, Path | None]:
+    """The folder a run goes to, checked writable before any work, and the
+    folder it was kept out of (None if none). ``out`` holding a run is refused
+    unless ``overwrite``; without ``out``, ``default`` is used if free (or with
+    ``overwrite``), else the first free of DEFAULT-2, DEFAULT-3, ..."""
+    if out is not None:
+        if holds_run(Path(out)) and not overwrite:
+            raise OutputError(f"--out {out}: already holds a run; pass --overwrite to replace it, or choose "
+                              f"another --out")
+        return ensure_writable(out), None
+    path, k = default, 1
+    while holds_run(path) and not overwrite:
+        k += 1
+        path = default.with_name(f"{default.name}-{k}")
+    return ensure_writable(path), (default if path != default else None)
+
+
+def clear_run(out_dir: Path) -> None:
+    """Remove what batchsim wrote into ``out_dir`` (summary.json first, so the
+    folder stops looking complete at once); files it did not write stay."""
+    for name in RUN_FILES:
+        for path in (out_dir / name, out_dir / f"{name}.tmp"):
+            path.unlink(missing_ok=True)
+    figures = out_dir / "figures"
+    if figures.is_dir():
+        for path in figures.iterdir():
+            if path.is_file() and path.suffix in FIGURE_SUFFIXES:
+                path.unlink()
+        if not any(figures.iterdir()):
+            figures.rmdir()
+
+
 def git_revision() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
@@ -72,15 +119,27 @@ def versions() -> dict[str, str]:
             "pandas": pd.__version__, "simpy": simpy.__version__}
 
 
-def write_json(path: Path, data: Any) -> None:
-    _atomic(path, lambda p: p.write_text(json.dumps(data, indent=2, default=str) + "\n"))
+def write_json(path: Path, data: Any, indent: int | None = 2) -> None:
+    _atomic(path, lambda p: p.write_text(json.dumps(data, indent=indent, default=str) + "\n"))
 
 
-def write_run(result: RunResult, out_dir: str | Path) -> Path:
+def write_text_chunks(path: Path, chunks: Iterable[str]) -> None:
+    def write(p: Path) -> None:
+        with open(p, "w", encoding="utf-8") as f:
+            f.writelines(chunks)
+    _atomic(path, write)
+
+
+def write_run(result: RunResult, out_dir: str | Path, *, bench: dict[str, Any] | None = None,
+              trace: Iterable[str] | None = None) -> Path:
+    """Write ``result`` into ``out_dir`` over whatever an earlier run left there,
+    with ``bench`` as vllm_bench.json (compact, as vLLM writes it) and the
+    ``trace`` chunks as trace.json."""
     out = ensure_writable(out_dir)
-    stale = out / "summary.json"
-    if stale.exists():
-        stale.unlink()                     # a half-rewritten directory must not look complete
+    try:
+        clear_run(out)                     # a half-rewritten directory must not look complete
+    except OSError as exc:
+        raise OutputError(f"{out}: cannot remove the earlier run's files ({exc.strerror or exc})") from None
     _atomic(out / "requests.csv", lambda p: result.requests.to_csv(p, index=False))
     _atomic(out / "steps.csv", lambda p: result.steps.to_csv(p, index=False))
 
@@ -93,6 +152,10 @@ def write_run(result: RunResult, out_dir: str | Path) -> Path:
     meta.setdefault("git_revision", git_revision())
     meta.setdefault("versions", versions())
     write_json(out / "meta.json", meta)
+    if bench is not None:
+        write_json(out / "vllm_bench.json", bench, indent=None)
+    if trace is not None:
+        write_text_chunks(out / "trace.json", trace)
     write_json(out / "summary.json", result.summary)
     return out
 

@@ -117,7 +117,7 @@ def test_over_context_requests_are_rejected_and_counted(tmp_path, capsys):
     assert "20 of 20 requests were rejected" in err and "max_model_len 2048" in err
     s = json.loads((outdir / "summary.json").read_text())
     assert s["failed"] == 20 and s["completed"] == 0
-    rc, out, err, _ = run_cli(tmp_path, text, "--strict", capsys=capsys)
+    rc, out, err, _ = run_cli(tmp_path, text, "--strict", "--overwrite", capsys=capsys)
     assert rc == 2 and "--strict" in err
 
 

@@ -1,0 +1,246 @@
+"""A run in the vocabulary of ``vllm bench serve``: its result file, the offered load, the knobs that ran.
+
+``bench_result`` builds the JSON that ``vllm bench serve --save-result`` (vLLM
+0.32, ``vllm/benchmarks/serve.py``) writes, with its key names and units:
+latencies in ms as ``mean_/median_/std_/p{P}_{metric}_ms`` for ttft, tpot,
+itl and e2el; ``duration`` in s; ``request_rate`` "inf" for all-at-once
+traffic; with ``detailed`` (``--save-detailed``) the per-request arrays, in
+seconds. The metrics are defined as in ``sim.metrics`` (vLLM's definitions),
+so the file agrees with summary.json wherever both name a number. As vLLM
+does, a metric with no values reports 0.0 and std is the population std.
+Extra top-level keys (``policy``, ``policy_knobs``, ...) are what vLLM's
+``--metadata KEY=VALUE`` would add; readers ignore them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import pandas as pd
+
+from sim.config import ConfigError
+from sim.metrics import inter_token_latencies
+
+if TYPE_CHECKING:
+    from sim.runner import RunResult
+
+DEFAULT_PERCENTILES = "99"                  # vLLM's --metric-percentiles default
+BENCH_METRICS = ("ttft", "tpot", "itl", "e2el")
+OVERLOAD_RATIO = 0.9                        # sustained below this share of the offered rate: overload
+# A policy knob left to its default (None) is read back from the policy object under this name.
+RESOLVED_AS = {"max_num_batched_tokens": "token_budget"}
+
+
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    """``--metric-percentiles`` ("50,90,99.9") as floats in (0, 100], in the order given, once each."""
+    values: list[float] = []
+    for part in text.split(","):
+        item = part.strip()
+        try:
+            p = float(item)
+        except ValueError:
+            raise ConfigError(f"--metric-percentiles: {item!r} is not a number; expected comma-separated "
+                              f"percentiles in (0, 100], e.g. 50,90,99") from None
+        if not 0 < p <= 100:                # NaN fails this too
+            raise ConfigError(f"--metric-percentiles: {item} is outside (0, 100]; expected comma-separated "
+                              f"percentiles in (0, 100], e.g. 50,90,99")
+        if p not in values:
+            values.append(p)
+    return tuple(values)
+
+
+def percentile_label(p: float) -> str:
+    """The key's spelling, as vLLM's: 99.0 -> "99", 99.9 -> "99.9"."""
+    return str(int(p)) if p == int(p) else str(p)
+
+
+def policy_knobs(config: Any, policy: Any) -> dict[str, Any]:
+    """The policy config with every knob left to a default (None) replaced by
+    the value the policy object resolved (vLLM v0's token budget of
+    max(max_model_len, 2048), vLLM v1's device defaults), so a result records
+    what ran rather than "default"."""
+    knobs = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        knobs[f.name] = getattr(policy, RESOLVED_AS.get(f.name, f.name), None) if value is None else value
+    return knobs
+
+
+# ---- offered load ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Load:
+    """How fast requests came, and how fast the server kept up.
+
+    ``offered_rps``: (requests - 1) / arrival span, the mean gap's inverse
+    (None when every request arrived at once or clients sent in a closed
+    loop); with a concurrency cap, the workload's rate. ``ttft_growth``: the
+    least-squares slope of TTFT over arrival time. A server that keeps up has
+    a flat TTFT; one that serves mu req/s of lambda offered makes the request
+    arriving at t wait t (lambda/mu - 1) longer, so it sustains
+    lambda / (1 + slope). Under a cap the excess waits at the client, before
+    the send TTFT counts from, so the slope is not taken (None)."""
+
+    offered_rps: float | None
+    ttft_growth: float | None
+    max_concurrency: int | None = None
+    closed_loop: bool = False
+
+    @property
+    def sustained_rps(self) -> float | None:
+        if self.offered_rps is None or self.ttft_growth is None:
+            return None
+        return self.offered_rps / (1.0 + max(self.ttft_growth, 0.0))
+
+    @property
+    def overloaded(self) -> bool:
+        sustained = self.sustained_rps
+        return sustained is not None and sustained < OVERLOAD_RATIO * self.offered_rps
+
+
+def offered_load(requests: pd.DataFrame, arrivals: dict[str, Any] | None = None) -> Load:
+    """The run's ``Load`` from its requests table (arrival_s; ttft_s of finished
+    requests) and the workload's ``arrivals`` section (as meta.json's config has it)."""
+    a = arrivals or {}
+    cap = a.get("max_concurrency")
+    if a.get("kind") == "concurrency":
+        return Load(None, None, cap, closed_loop=True)
+    arrival = requests["arrival_s"].to_numpy(dtype=np.float64)
+    span_s = float(arrival.max() - arrival.min()) if len(arrival) else 0.0
+    measured_rps = (len(arrival) - 1) / span_s if span_s > 0 else None
+    if cap is not None:                 # the sends follow the replies: the asked rate is the workload's
+        rate = a.get("rate")
+        return Load(float(rate) if rate is not None else measured_rps, None, cap)
+    if measured_rps is None:
+        return Load(None, None)
+    done = requests[requests["status"] == "finished"]
+    x, y = done["arrival_s"].to_numpy(dtype=np.float64), done["ttft_s"].to_numpy(dtype=np.float64)
+    growth = float(np.polyfit(x, y, 1)[0]) if len(done) >= 3 and np.ptp(x) > 0 else None
+    return Load(measured_rps, growth)
+
+
+# ---- the result file -------------------------------------------------------------------------------
+def latency_series_s(requests: pd.DataFrame, tokens: pd.DataFrame) -> dict[str, np.ndarray]:
+    """The seconds behind each metric, selected as ``sim.metrics.summarize`` selects them:
+    finished requests; TPOT of those with more than one output token; ITL over all token gaps."""
+    done = requests[requests["status"] == "finished"]
+    return {"ttft": done["ttft_s"].to_numpy(dtype=np.float64),
+            "tpot": done.loc[done["output_tokens"] > 1, "tpot_s"].to_numpy(dtype=np.float64),
+            "itl": inter_token_latencies(tokens["req_id"].to_numpy(), tokens["t_s"].to_numpy()),
+            "e2el": done["e2e_s"].to_numpy(dtype=np.float64)}
+
+
+def distribution_ms(name: str, values_s: np.ndarray, percentiles: Sequence[float]) -> dict[str, float]:
+    """mean/median/std/p{P} of ``values_s`` in ms under vLLM's key names (0.0 each when empty, as vLLM)."""
+    v = np.asarray(values_s, dtype=np.float64) * 1e3
+    if v.size == 0:
+        v = np.zeros(1)
+    out = {f"mean_{name}_ms": float(v.mean()), f"median_{name}_ms": float(np.median(v)),
+           f"std_{name}_ms": float(v.std())}
+    for p, q in zip(percentiles, np.percentile(v, list(percentiles))):
+        out[f"p{percentile_label(p)}_{name}_ms"] = float(q)
+    return out
+
+
+def peak_second(requests: pd.DataFrame, tokens: pd.DataFrame) -> tuple[float, int]:
+    """vLLM's (max_output_tokens_per_s, max_concurrent_requests) over one-second buckets counted
+    from the first finished request's arrival: output tokens landing in a bucket, and finished
+    requests in flight in it (from the bucket of the arrival to that of the finish, both
+    counted); each is its own maximum, not necessarily in the same bucket."""
+    done = requests[requests["status"] == "finished"]
+    if done.empty:
+        return 0.0, 0
+    t0_s = float(done["arrival_s"].min())
+    num_buckets = int(math.ceil(float(done["finished_s"].max()) - t0_s)) + 1
+    done_tokens = tokens[np.isin(tokens["req_id"].to_numpy(), done["req_id"].to_numpy())]
+    bucket = np.floor(done_tokens["t_s"].to_numpy() - t0_s).astype(np.int64)
+    per_s = np.bincount(bucket[(bucket >= 0) & (bucket < num_buckets)], minlength=num_buckets)
+    first = np.floor(done["arrival_s"].to_numpy() - t0_s).astype(np.int64)
+    last = np.floor(done["finished_s"].to_numpy() - t0_s).astype(np.int64)
+    delta = np.zeros(num_buckets + 1, dtype=np.int64)
+    np.add.at(delta, first, 1)
+    np.add.at(delta, last + 1, -1)
+    return float(per_s.max()), int(np.cumsum(delta)[:num_buckets].max())
+
+
+def traffic(arrivals: dict[str, Any], load: Load) -> dict[str, Any]:
+    """vLLM's request_rate / burstiness / max_concurrency for the workload's arrivals:
+    a Poisson rate has burstiness 1, gamma gaps of CV c have shape 1/c^2, constant gaps
+    infinite burstiness; a trace reports its measured mean rate (burstiness unknown)."""
+    kind, rate = arrivals.get("kind"), arrivals.get("rate")
+    out: dict[str, Any] = {"request_rate": "inf", "burstiness": 1.0,
+                           "max_concurrency": arrivals.get("max_concurrency")}
+    if kind in ("poisson", "gamma", "constant") and rate is not None:
+        out["request_rate"] = float(rate)
+        if kind == "gamma":
+            out["burstiness"] = 1.0 / float(arrivals.get("cv", 1.0)) ** 2
+        elif kind == "constant":
+            out["burstiness"] = "inf"
+    elif kind not in ("all_at_once", "concurrency"):
+        out["request_rate"] = load.offered_rps if load.offered_rps is not None else "inf"
+        out["burstiness"] = None
+    return out
+
+
+def per_request_itls_s(requests: pd.DataFrame, tokens: pd.DataFrame) -> list[list[float]]:
+    """Each request's gaps between consecutive output tokens (s), in request order; [] for a failed one."""
+    order = np.argsort(tokens["req_id"].to_numpy(), kind="stable")     # the log is in time order
+    ids, times = tokens["req_id"].to_numpy()[order], tokens["t_s"].to_numpy()[order]
+    req_ids = requests["req_id"].to_numpy()
+    lo, hi = np.searchsorted(ids, req_ids, "left"), np.searchsorted(ids, req_ids, "right")
+    ok = (requests["status"] == "finished").to_numpy()
+    return [np.diff(times[a:b]).tolist() if good else [] for a, b, good in zip(lo, hi, ok)]
+
+
+def detailed_arrays(requests: pd.DataFrame, tokens: pd.DataFrame) -> dict[str, list[Any]]:
+    """``--save-detailed``'s per-request arrays, a failed request's as vLLM fills
+    them: output 0, ttft and latency 0.0, no gaps, "rejected: REASON" in errors
+    (a ``sim.request.REJECT_REASONS`` key). start_times are the arrivals (s)."""
+    ok = (requests["status"] == "finished").to_numpy()
+
+    def seconds(col: str) -> list[float]:
+        return np.where(ok, requests[col].to_numpy(dtype=np.float64), 0.0).tolist()
+    reasons = (requests["reject_reason"].fillna("").astype(str) if "reject_reason" in requests
+               else pd.Series("", index=requests.index))
+    return {
+        "input_lens": requests["prompt_tokens"].astype(int).tolist(),
+        "output_lens": np.where(ok, requests["output_tokens"].to_numpy(), 0).astype(int).tolist(),
+        "ttfts": seconds("ttft_s"),
+        "itls": per_request_itls_s(requests, tokens),
+        "latencies": seconds("e2e_s"),
+        "start_times": requests["arrival_s"].astype(float).tolist(),
+        "errors": ["" if good else f"rejected: {reason or 'unknown'}" for good, reason in zip(ok, reasons)],
+    }
+
+
+def bench_result(run: RunResult, percentiles: Sequence[float], *, detailed: bool = False,
+                 date: str | None = None) -> dict[str, Any]:
+    """``run`` as the JSON ``vllm bench serve --save-result [--save-detailed]`` writes.
+    Throughputs, counts and goodput are summary.json's numbers; latencies come from the
+    same series summary.json's come from, at ``percentiles``."""
+    s, meta = run.summary, run.meta
+    cfg = meta.get("config") or {}
+    model = (meta.get("profile_provenance") or {}).get("model") or meta.get("profile_name")
+    max_tok_s, max_conc = peak_second(run.requests, run.tokens)
+    out: dict[str, Any] = {
+        "date": date or datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": "batchsim", "backend": "batchsim", "label": cfg.get("name"),
+        "model_id": model, "tokenizer_id": model, "num_prompts": int(len(run.requests)),
+        **traffic(cfg.get("arrivals") or {}, offered_load(run.requests, cfg.get("arrivals"))),
+        "duration": s["duration_s"], "completed": s["completed"], "failed": s["failed"],
+        "total_input_tokens": s["total_input_tokens"], "total_output_tokens": s["total_output_tokens"],
+        "request_throughput": s["request_throughput"], "request_goodput": s.get("request_goodput"),
+        "output_throughput": s["output_throughput"], "total_token_throughput": s["total_token_throughput"],
+        "max_output_tokens_per_s": max_tok_s, "max_concurrent_requests": max_conc,
+    }
+    if detailed:
+        out.update(detailed_arrays(run.requests, run.tokens))
+    for name, values in latency_series_s(run.requests, run.tokens).items():
+        out.update(distribution_ms(name, values, percentiles))
+    out.update(policy=(cfg.get("policy") or {}).get("kind"), policy_knobs=meta.get("policy_knobs"),
+               num_replicas=meta.get("num_replicas", 1), router=meta.get("router"), simulated=True)
+    return out
