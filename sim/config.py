@@ -25,7 +25,7 @@ __all__ = ["ConfigError", "WorkloadConfig", "load_workload", "load_yaml_mapping"
 
 @dataclass(frozen=True, slots=True)
 class ArrivalsConfig:
-    kind: str = "poisson"          # poisson | gamma | constant | all_at_once | trace
+    kind: str = "poisson"          # poisson | gamma | constant | all_at_once | trace | concurrency
     rate: float | None = None      # req/s; for a trace: rescale its mean rate to this
     cv: float = 1.0                # gamma: coefficient of variation of the gaps (burstiness)
     path: str | None = None        # trace file (CSV/JSONL); relative to the workload file
@@ -35,6 +35,14 @@ class ArrivalsConfig:
     columns: dict[str, str] | None = None  # trace: {arrival, prompt, output} column names
     time_unit: str | None = None   # trace: s | ms | us | datetime (guessed when omitted)
     repeat: int = 1                # trace: replay the trace this many times back to back
+    # A closed-loop client population (vllm bench serve --max-concurrency):
+    # at most this many requests in flight; each client sends its next request
+    # when its last one finished or was refused (plus think_time_s), never
+    # before the request's drawn arrival. Required by kind concurrency (a pure
+    # closed loop); with another kind it caps that kind's arrivals.
+    max_concurrency: int | None = None
+    think_time_s: float = 0.0      # with max_concurrency: a client's pause between reply and next send
+    num_requests: int | None = None  # the top-level num_requests, spelled inside arrivals
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +138,7 @@ SECTIONS: dict[str, type] = {
 # ---- the workload ------------------------------------------------------------
 ALL_POLICY_KNOBS = frozenset(f.name for cfg_cls, _ in POLICIES.values()
                              for f in dataclasses.fields(cfg_cls)) - {"kind"}
-ARRIVAL_KINDS = ("poisson", "gamma", "constant", "all_at_once", "trace")
+ARRIVAL_KINDS = ("poisson", "gamma", "constant", "all_at_once", "trace", "concurrency")
 LENGTH_KINDS = ("trace", "fixed", "uniform", "lognormal", "zipf", "empirical")
 
 
@@ -142,6 +150,19 @@ def _check_arrivals(a: ArrivalsConfig, src: str) -> None:
         _require(src, "arrivals.rate", a.rate, f"for arrivals.kind {a.kind} (requests per second)")
     if a.kind == "trace":
         _require(src, "arrivals.path", a.path, "for arrivals.kind trace (a CSV or JSONL file)")
+    if a.kind == "concurrency":
+        _require(src, "arrivals.max_concurrency", a.max_concurrency,
+                 "for arrivals.kind concurrency (how many clients send at once, e.g. 8)")
+        if a.rate is not None:
+            raise ConfigError(f"{src}: field 'arrivals.rate' does not apply to arrivals.kind concurrency "
+                              f"(its clients send as fast as replies come back); to cap a request rate use "
+                              f"arrivals: {{kind: poisson, rate: R, max_concurrency: N}} (vllm bench serve "
+                              f"--request-rate R --max-concurrency N)")
+    _positive(src, "arrivals.max_concurrency", a.max_concurrency)
+    _positive(src, "arrivals.think_time_s", a.think_time_s, allow_zero=True)
+    if a.think_time_s > 0 and a.max_concurrency is None:
+        raise ConfigError(f"{src}: field 'arrivals.think_time_s' needs arrivals.max_concurrency (it is a "
+                          f"closed-loop client's pause; open-loop arrivals have no clients)")
     for name in ("rate", "cv", "time_scale", "rate_scale"):
         _positive(src, f"arrivals.{name}", getattr(a, name))
     _positive(src, "arrivals.start_s", a.start_s, allow_zero=True)
@@ -173,6 +194,62 @@ def _check_lengths(ln: LengthsConfig, src: str) -> None:
         raise ConfigError(f"{src}: field 'lengths.sample' must be random or sequential, got {ln.sample!r}")
 
 
+def _fold_num_requests(cfg: WorkloadConfig, src: str) -> WorkloadConfig:
+    """``arrivals.num_requests`` is another spelling of the top-level
+    ``num_requests`` (the one everything downstream reads): keep one."""
+    n = cfg.arrivals.num_requests
+    if n is None:
+        return cfg
+    _positive(src, "arrivals.num_requests", n)
+    if cfg.num_requests is not None and cfg.num_requests != n:
+        raise ConfigError(f"{src}: fields 'num_requests' ({cfg.num_requests}) and 'arrivals.num_requests' "
+                          f"({n}) disagree; keep one of them")
+    return dataclasses.replace(cfg, num_requests=n, arrivals=dataclasses.replace(cfg.arrivals, num_requests=None))
+
+
+def _check_closed_loop(cfg: WorkloadConfig, src: str) -> None:
+    """A closed loop's send times follow the replies, so only a count bounds it."""
+    if cfg.arrivals.kind != "concurrency":
+        return
+    if cfg.num_requests is None:
+        raise ConfigError(f"{src}: field 'num_requests' is required for arrivals.kind concurrency (how many "
+                          f"requests the clients send in all); set num_requests or arrivals.num_requests")
+    if cfg.duration_s is not None:
+        raise ConfigError(f"{src}: field 'duration_s' cannot bound arrivals.kind concurrency (its send times "
+                          f"follow the replies); remove it and set num_requests")
+
+
+def _chunked_prefill_alias(data: dict[str, Any], src: str) -> dict[str, Any]:
+    """vLLM's ``enable_chunked_prefill`` flag, mapped onto the batchsim policy
+    that models the scheduler it selects, with a note. vLLM v0 with chunked
+    prefill is the ``sarathi`` policy (decode-first, then partial prefills,
+    then new prompts under one token budget); without it, ``vllm``. vLLM v1
+    and Sarathi always chunk here; v1's --no-enable-chunked-prefill (no
+    partial prefill of a new request, budget raised to max_model_len) is not
+    modelled, so it is refused."""
+    kind = data.get("kind")
+    if "enable_chunked_prefill" not in data or not isinstance(kind, str) or kind not in POLICIES:
+        return data                       # (an unknown kind is reported by the caller)
+    rest = {k: v for k, v in data.items() if k != "enable_chunked_prefill"}
+    flag = data["enable_chunked_prefill"]
+    if not isinstance(flag, bool):
+        raise ConfigError(f"{src}: field 'policy.enable_chunked_prefill' expected true or false, got {flag!r}")
+    if kind == "vllm":
+        if flag:
+            warnings.warn(f"{src}: policy.kind vllm with enable_chunked_prefill true is vLLM v0's chunked-"
+                          f"prefill scheduler: simulated as policy.kind sarathi", stacklevel=4)
+            return {**rest, "kind": "sarathi"}
+        return rest
+    if kind in ("vllm_v1", "sarathi") and flag:
+        return rest                       # they always chunk
+    if kind in ("vllm_v1", "sarathi"):
+        raise ConfigError(f"{src}: field 'policy.enable_chunked_prefill' false is not modelled for policy "
+                          f"{kind}, which always chunks prefills; for a scheduler without chunked prefill "
+                          f"use policy.kind vllm (vLLM v0)")
+    raise ConfigError(f"{src}: field 'policy.enable_chunked_prefill' applies to policy.kind vllm, vllm_v1 or "
+                      f"sarathi, not {kind!r}; remove it")
+
+
 def _build_policy(data: Any, src: str) -> Any:
     if data is None:
         data = {"kind": "vllm"}
@@ -180,6 +257,7 @@ def _build_policy(data: Any, src: str) -> Any:
         data = {"kind": data}
     if not isinstance(data, dict) or "kind" not in data:
         raise ConfigError(f"{src}: field 'policy' needs a 'kind' ({', '.join(POLICIES)})")
+    data = _chunked_prefill_alias(data, src)
     kind = data["kind"]
     if not isinstance(kind, str) or kind not in POLICIES:
         raise ConfigError(f"{src}: field 'policy.kind' must be one of {', '.join(POLICIES)}, got {kind!r}"
@@ -232,11 +310,18 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
     cfg = build(WorkloadConfig, top, "", source, **sections, slo=slo,
                 policy=_build_policy(data.get("policy"), source))
     cfg = dataclasses.replace(cfg, source=str(source), base_dir=str(base_dir), raw=data)
+    cfg = _fold_num_requests(cfg, source)
     _check_arrivals(cfg.arrivals, source)
     _check_lengths(cfg.lengths, source)
+    if cfg.lengths.kind == "trace" and cfg.arrivals.kind == "concurrency":
+        raise ConfigError(f"{source}: field 'lengths.kind' is trace but arrivals.kind concurrency has no trace "
+                          f"file; take a file's lengths in order with lengths: {{kind: empirical, path: FILE, "
+                          f"sample: sequential}}, or replay its timestamps under a cap with arrivals: "
+                          f"{{kind: trace, path: FILE, max_concurrency: N}}")
     if cfg.lengths.kind == "trace" and cfg.arrivals.kind != "trace":
         raise ConfigError(f"{source}: field 'lengths.kind' is trace but arrivals.kind is "
                           f"{cfg.arrivals.kind}; use lengths.kind empirical with a length file")
+    _check_closed_loop(cfg, source)
     if cfg.arrivals.kind != "trace" and cfg.num_requests is None and cfg.duration_s is None:
         raise ConfigError(f"{source}: set 'num_requests' or 'duration_s' for synthetic arrivals")
     _positive(source, "seed", cfg.seed, allow_zero=True)

@@ -5,13 +5,16 @@ and a ``StepLog``. It never polls: when the policy has nothing to run, the
 server waits on an arrival event (and the policy's own deadline, if any).
 The executor is the only thing that differs between simulation (predicted
 duration) and a live run (measured duration). A ``Router`` spreads arrivals
-over several servers for fleet simulation.
+over several servers for fleet simulation. ``feed`` releases open-loop
+arrivals at their times; ``feed_capped`` runs a closed-loop client
+population, whose send times follow the servers' replies.
 """
 
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from heapq import heappop, heappush
+from typing import TYPE_CHECKING, Callable, Generator, Protocol, Sequence
 
 import simpy
 import simpy.rt
@@ -73,7 +76,12 @@ class StepLog:
 
 
 class Server:
-    """One replica driven by SimPy. ``submit`` hands it an arrived request."""
+    """One replica driven by SimPy. ``submit`` hands it an arrived request.
+
+    ``on_finish(end_s, num_finished)``, if set, is called after each step that
+    finished requests, with the step's end time (which may lie ahead of
+    ``env.now``: see ``_serve``) and how many it finished.
+    """
 
     def __init__(self, env: simpy.Environment, policy: Policy, state: SchedulerState,
                  executor: Executor, replica: int = 0,
@@ -85,6 +93,7 @@ class Server:
         self.replica = replica
         self.log = StepLog()
         self.on_step = on_step
+        self.on_finish: Callable[[float, int], None] | None = None
         self._wake: simpy.Event | None = None
         self.process = env.process(self._serve())
 
@@ -109,7 +118,7 @@ class Server:
 
     def _serve(self):  # SimPy process
         env, state, policy, executor, log = self.env, self.state, self.policy, self.executor, self.log
-        on_step = self.on_step
+        on_step, on_finish = self.on_step, self.on_finish
         # Steps that end before the next scheduled event (an arrival, another
         # replica's step, a deadline) cannot be interleaved with anything, so
         # they run back to back on a local clock without a SimPy timeout each;
@@ -142,9 +151,12 @@ class Server:
                 end_s = env.now
             now_s = end_s
             log.record(start_s, decision, result, state)     # the queues and KV the step ran with
+            num_finished = state.num_finished
             state.commit(decision, end_s)
             if on_step is not None:
                 on_step(start_s, decision, result)
+            if on_finish is not None and state.num_finished > num_finished:
+                on_finish(end_s, state.num_finished - num_finished)
 
 
 ROUTERS = ("round_robin", "least_requests", "least_tokens")
@@ -175,6 +187,78 @@ def feed(env: simpy.Environment, servers: Sequence[Server], requests: Sequence[R
         if delay > 0:
             yield env.timeout(delay)
         pick_replica(router, servers, i).submit(req, true_output_tokens[i])
+    for s in servers:
+        s.state.all_arrived = True
+        s.wake()
+
+
+class ClientPool:
+    """``num_clients`` closed-loop clients: each sends one request, waits for
+    its reply, pauses ``think_time_s`` and may send again.
+
+    ``ready_s`` is a heap of the times at which idle clients may send; a
+    client that gets its reply at ``t`` (``release``) is ready at
+    ``t + think_time_s``.
+    """
+
+    def __init__(self, env: simpy.Environment, num_clients: int, think_time_s: float = 0.0) -> None:
+        self.env = env
+        self.think_time_s = think_time_s
+        self.ready_s = [0.0] * num_clients
+        self._released: simpy.Event | None = None
+
+    def release(self, reply_s: float, num_clients: int = 1) -> None:
+        """``num_clients`` got their reply at ``reply_s``."""
+        for _ in range(num_clients):
+            heappush(self.ready_s, reply_s + self.think_time_s)
+        if self._released is not None and not self._released.triggered:
+            self._released.succeed()
+
+    def acquire(self):  # SimPy process fragment, use with ``yield from``
+        """Wait until some client is idle; return the time it may send."""
+        while not self.ready_s:
+            self._released = self.env.event()
+            yield self._released
+        return heappop(self.ready_s)
+
+
+def feed_capped(env: simpy.Environment, servers: Sequence[Server], requests: Sequence[Request],
+                true_output_tokens: Sequence[int], max_concurrency: int, think_time_s: float = 0.0,
+                router: str = "round_robin", lag_s: float = 0.0) -> Generator:
+    """The SimPy process that releases ``requests`` in order with at most
+    ``max_concurrency`` in flight over all ``servers``: a closed-loop client
+    population (``vllm bench serve --max-concurrency``, GuideLLM's concurrent
+    mode). Hooks the servers' ``on_finish`` now, before the run starts.
+
+    On entry a request's ``arrival_s`` is the earliest it may be sent (0 in a
+    closed loop; its drawn arrival when a rate is capped, as vLLM's benchmark
+    holds each drawn request on a semaphore). It is sent, in order, at the
+    later of that and the time the first client is free (the reply to its
+    last request, a finish or a refusal, plus ``think_time_s``), and its
+    ``arrival_s`` becomes that send time: TTFT counts from the send, as in
+    vLLM's benchmark. ``lag_s`` as in ``feed``.
+
+    A request sent at the very end of a step misses the step that starts
+    then: the server picks its next batch before the client has its reply.
+    """
+    clients = ClientPool(env, min(max_concurrency, len(requests)), think_time_s)
+    for s in servers:
+        s.on_finish = clients.release
+    return _release_capped(env, servers, requests, true_output_tokens, clients, router, lag_s)
+
+
+def _release_capped(env: simpy.Environment, servers: Sequence[Server], requests: Sequence[Request],
+                    true_output_tokens: Sequence[int], clients: ClientPool, router: str,
+                    lag_s: float):  # SimPy process
+    for i, req in enumerate(requests):
+        ready_s = yield from clients.acquire()
+        send_s = max(ready_s, req.arrival_s)
+        delay = send_s + lag_s - env.now
+        if delay > 0:
+            yield env.timeout(delay)
+        req.arrival_s = send_s
+        if not pick_replica(router, servers, i).submit(req, true_output_tokens[i]):
+            clients.release(env.now)          # refused at once: the client has its reply
     for s in servers:
         s.state.all_arrived = True
         s.wake()

@@ -23,12 +23,13 @@ import simpy.rt
 from policies import make_policy
 from sim.batch import Batch, StepResult
 from sim.config import ConfigError, WorkloadConfig
-from sim.engine import ROUTERS, Executor, Server, SimExecutor, StepLog, feed
+from sim.engine import ROUTERS, Executor, Server, SimExecutor, StepLog, feed, feed_capped
 from sim.kv import BlockManager
 from sim.metrics import summarize
 from sim.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
 from sim.request import REJECT_REASONS, Request, Status
 from sim.state import SchedulerState
+from sim.vllm_result import policy_knobs
 from workloads.generate import RequestSpecs, generate
 
 
@@ -163,7 +164,12 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
         servers.append(server)
     # A measured server's per-request overhead delays arrivals in simulation; live, it happens.
     lag_s = float(profile.engine.get("request_overhead_s") or 0.0) if isinstance(executor, SimExecutor) else 0.0
-    env.process(feed(env, servers, requests, true_out, router, lag_s))
+    a = cfg.arrivals
+    if a.max_concurrency is None:
+        env.process(feed(env, servers, requests, true_out, router, lag_s))
+    else:                                   # clients over the whole fleet, not per replica
+        env.process(feed_capped(env, servers, requests, true_out, a.max_concurrency, a.think_time_s,
+                                router, lag_s))
     profile.reset_counters()
     if isinstance(env, simpy.rt.RealtimeEnvironment):
         env.sync()                          # t = 0 is now, not when the env was built
@@ -182,6 +188,15 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
         raise ConfigError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
     if num_replicas < 1:
         raise ConfigError(f"num_replicas must be >= 1, got {num_replicas}")
+    cap = cfg.arrivals.max_concurrency
+    if cap is not None and cfg.policy.kind == "static" and cap < cfg.policy.batch_size * num_replicas:
+        # Static batching waits for a full batch; a closed loop never has more than ``cap`` requests
+        # out, so every replica starting a batch needs batch_size x replicas of them.
+        raise ConfigError(f"{cfg.source}: field 'arrivals.max_concurrency': static batching waits for "
+                          f"batch_size {cfg.policy.batch_size} requests per replica, but at most {cap} are "
+                          f"ever in flight over {num_replicas} replica(s), so a batch would never fill; raise "
+                          f"max_concurrency to >= {cfg.policy.batch_size * num_replicas}, lower "
+                          f"policy.batch_size, or use policy dynamic (it launches after max_queue_delay_s)")
     wall0 = time.perf_counter()
     profile = build_profile(cfg)
     cfg = resolve_server(cfg, profile)
@@ -319,7 +334,7 @@ def collect(cfg: WorkloadConfig, servers: list[Server], requests: list[Request],
             for s in servers]
     meta = {"config": cfg.to_dict(), "seed": cfg.seed, "profile_name": profile.name,
             "profile_provenance": profile.provenance, "profile_efficiency": profile.efficiency,
-            "kv_block_size": cfg.server.block_size}
+            "kv_block_size": cfg.server.block_size, "policy_knobs": policy_knobs(cfg.policy, servers[0].policy)}
     return RunResult(req_df, steps, tokens, summary, meta)
 
 

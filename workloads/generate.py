@@ -32,7 +32,9 @@ class RequestSpecs:
 def _synthetic_arrivals(cfg: WorkloadConfig, rng: np.random.Generator, n_max: int) -> np.ndarray:
     a = cfg.arrivals
     n = n_max
-    if a.kind == "all_at_once":
+    if a.kind in ("all_at_once", "concurrency"):
+        # A closed loop's times are only the earliest each request may go:
+        # the driver sends it when a client is free (sim.engine.feed_capped).
         return np.zeros(n)
     assert a.rate is not None, "validated: synthetic arrivals have a rate"
     mean_gap = 1.0 / a.rate
