@@ -4,9 +4,10 @@ For each candidate (one worker task each, on the process pool or Dask):
 1. probe the saturation throughput (every request at once, nearly);
 2. bisect the highest rate one replica sustains within the SLOs (see
    ``reports.capacity`` for the definitions);
-3. replicas = ceil(target / capacity); simulate the whole fleet behind the
-   router at the target rate, adding a replica while the SLOs fail (up to
-   ``verify.max_extra_replicas``);
+3. replicas = ceil(target / (capacity x target_utilization)); simulate the
+   whole fleet behind the router at the target rate on the plan's
+   verification traffic (``Verify``), adding a replica while it fails the
+   SLOs or its queue grows (up to ``verify.max_extra_replicas``);
 4. cost per hour = replicas x GPUs per replica x price, and per million
    output tokens at the fleet's simulated output throughput.
 
@@ -27,7 +28,8 @@ from typing import Any
 
 import pandas as pd
 
-from reports.capacity import SearchSettings, Slo, find_capacity, fleet_cost, judge, replicas_for
+from reports.capacity import (SearchSettings, Slo, find_capacity, fleet_cost, judge, queue_trend, replicas_for,
+                               utilization)
 from reports.planspec import Candidate, PlanSpec, Verify, parse_plan, spec_summary
 from reports.pool import run_tasks
 from reports.render import write_text_atomic
@@ -35,8 +37,9 @@ from reports.sweep import offered_rate, scalar_summary
 from sim.config import ConfigError, set_dotted, workload_from_dict
 
 SATURATION_RATE_FACTOR = 100.0      # the probe offers 100x max_rate: effectively all at once
-TRIAL_COLUMNS = ("p99_ttft_ms", "p99_itl_ms", "p99_tpot_ms", "request_throughput", "output_throughput",
-                 "num_out_of_range_lookups", "num_preemptions", "mean_batch_size", "peak_kv_utilization")
+TRIAL_COLUMNS = ("p99_ttft_ms", "p99_itl_ms", "p99_tpot_ms", "p99_e2el_ms", "request_throughput",
+                 "output_throughput", "num_out_of_range_lookups", "num_preemptions", "mean_batch_size",
+                 "peak_kv_utilization")
 
 
 class PlanFailed(ConfigError):
@@ -54,6 +57,7 @@ class CandidateTask:
     search: SearchSettings
     verify: Verify
     run_dir: str
+    target_utilization: float
 
 
 def slug(name: str) -> str:
@@ -94,9 +98,21 @@ def simulate(task: CandidateTask, rate_rps: float, num_requests: int, num_replic
         result = run_workload(cfg, num_replicas=num_replicas, router=task.router)
     verdict = judge(result.requests, result.tokens, task.slo, max_backlog_fraction=task.search.max_backlog_fraction)
     verdict.update({k: result.summary.get(k) for k in TRIAL_COLUMNS})
-    verdict.update(rate_rps=rate_rps, offered_rate=offered_rate(result.requests["arrival_s"]),
-                   num_replicas=num_replicas, wall_s=time.perf_counter() - t0)
+    arrival_s = result.requests["arrival_s"]
+    verdict.update(rate_rps=rate_rps, offered_rate=offered_rate(arrival_s), num_replicas=num_replicas,
+                   num_requests=len(arrival_s), arrival_span_s=float(arrival_s.max() - arrival_s.min()),
+                   wall_s=time.perf_counter() - t0)
     return result, verdict
+
+
+def check_queue(verdict: dict[str, Any], requests: Any, max_slope: float) -> dict[str, Any]:
+    """``verdict`` plus the queue-delay trend; a slope above ``max_slope`` fails it (the queue is growing)."""
+    trend = queue_trend(requests["arrival_s"].to_numpy(), requests["queue_s"].to_numpy())
+    slope = trend["queue_slope"]
+    stable = slope is None or slope <= max_slope
+    reasons = list(verdict["reasons"]) + ([] if stable else [
+        f"queue growing: the wait rises {1e3 * slope:.0f} ms per s of traffic (> {1e3 * max_slope:g})"])
+    return {**verdict, **trend, "queue_stable": stable, "passed": verdict["passed"] and stable, "reasons": reasons}
 
 
 def plan_candidate(task: CandidateTask) -> dict[str, Any]:
@@ -126,14 +142,15 @@ def plan_candidate(task: CandidateTask) -> dict[str, Any]:
         "profile_efficiency": probe.meta.get("profile_efficiency"), "num_blocks": probe.meta.get("num_blocks"),
         "profile_error_pct": (probe.summary.get("profile_trust") or {}).get("error_pct"),
         "profile_trust": (probe.summary.get("profile_trust") or {}).get("basis"),
-        "replicas_estimate": replicas_for(task.target_rate, capacity), "attempts": [], "verified": False,
-        "run_dir": str(run_dir)}
+        "replicas_estimate": replicas_for(task.target_rate, capacity, task.target_utilization),
+        "target_utilization": task.target_utilization, "attempts": [], "verified": False, "run_dir": str(run_dir)}
     if out["replicas_estimate"] is None:
-        out.update(replicas=None, cost_per_hour=None, cost_per_mtok=None)
+        out.update(replicas=None, cost_per_hour=None, cost_per_mtok=None, utilization=None)
         return out
     first = out["replicas_estimate"]
     for n in range(first, first + task.verify.max_extra_replicas + 1):
-        fleet, verdict = simulate(task, task.target_rate, task.verify.num_requests_per_replica * n, num_replicas=n)
+        fleet, verdict = simulate(task, task.target_rate, task.verify.num_requests(task.target_rate), num_replicas=n)
+        verdict = check_queue(verdict, fleet.requests, task.verify.max_queue_slope)
         verdict["replicas"] = [scalar_summary(r) for r in fleet.summary.get("replicas", [fleet.summary])]
         out["attempts"].append(verdict)
         if verdict["passed"]:
@@ -142,8 +159,8 @@ def plan_candidate(task: CandidateTask) -> dict[str, Any]:
     write_run(fleet, run_dir / "fleet")
     per_hour, per_mtok = fleet_cost(n, cand.gpus_per_replica, cand.price_per_gpu_hour,
                                     float(fleet.summary["output_throughput"]))
-    out.update(replicas=n, cost_per_hour=per_hour, cost_per_mtok=per_mtok,
-               fleet_output_throughput=fleet.summary["output_throughput"])
+    out.update(replicas=n, cost_per_hour=per_hour, cost_per_mtok=per_mtok, utilization=utilization(
+               task.target_rate, capacity, n), fleet_output_throughput=fleet.summary["output_throughput"])
     return out
 
 
@@ -157,9 +174,13 @@ def ranked_table(results: list[dict[str, Any]]) -> pd.DataFrame:
                      "capacity_rps": r.get("capacity_rps"), "profile_error_pct": r.get("profile_error_pct"),
                      "replicas_estimate": r.get("replicas_estimate"),
                      "replicas": r.get("replicas"), "gpus": (r.get("replicas") or 0) * r.get("gpus_per_replica", 1),
-                     "meets_slo": bool(r.get("verified")), "cost_per_hour": r.get("cost_per_hour"),
+                     "utilization": r.get("utilization"), "meets_slo": bool(r.get("verified")),
+                     "cost_per_hour": r.get("cost_per_hour"),
                      "cost_per_mtok": r.get("cost_per_mtok"), "fleet_p99_ttft_ms": last.get("p99_ttft_ms"),
                      "fleet_p99_itl_ms": last.get("p99_itl_ms"), "fleet_p99_tpot_ms": last.get("p99_tpot_ms"),
+                     **{f"{m}_attainment": last.get(f"{m}_attainment") for m in ("ttft", "itl", "tpot")},
+                     "queue_stable": last.get("queue_stable"), "queue_slope": last.get("queue_slope"),
+                     "verify_span_s": last.get("arrival_span_s"),
                      "profile_source": r.get("profile_source"), "out_of_range_lookups": oor,
                      "error": r.get("error")})
     df = pd.DataFrame(rows)
@@ -182,7 +203,8 @@ def run_plan(spec: PlanSpec, *, jobs: int | None = None, cluster: Any = None, pr
     out = spec.out
     out.mkdir(parents=True, exist_ok=True)
     tasks = [CandidateTask(c, str(spec.base_path), str(spec.base_path.parent), spec.target_rate, spec.slo, spec.router,
-                           spec.search, spec.verify, str(out / "runs" / slug(c.name))) for c in spec.candidates]
+                           spec.search, spec.verify, str(out / "runs" / slug(c.name)), spec.target_utilization)
+             for c in spec.candidates]
     results: list[dict[str, Any]] = []
     for outcome in run_tasks(plan_candidate, tasks, jobs=jobs, cluster=cluster, progress=progress,
                              desc=f"plan {spec.name}"):
@@ -207,6 +229,8 @@ def run_plan(spec: PlanSpec, *, jobs: int | None = None, cluster: Any = None, pr
 
 
 def run_plan_file(path: str | Path, *, out: Path | None = None, jobs: int | None = None,
-                  cluster: str | None = None, progress: bool = True) -> Path:
-    """`sim plan FILE`: validate the plan, evaluate every candidate, write the report; return its directory."""
-    return run_plan(parse_plan(path, out), jobs=jobs, cluster=cluster, progress=progress)
+                  cluster: str | None = None, progress: bool = True, overrides: dict[str, Any] | None = None) -> Path:
+    """`sim plan FILE`: validate the plan, evaluate every candidate, write the report; return its directory.
+
+    ``overrides``: ``--set``/``--seed`` pairs (``reports.planspec``)."""
+    return run_plan(parse_plan(path, out, overrides), jobs=jobs, cluster=cluster, progress=progress)

@@ -12,16 +12,19 @@ import pandas as pd
 from reports import plots
 from reports.render import Bullets, Callout, Document, Heading, Para, Table, write_document
 from reports.report import Figures, provenance_lines, read_runs, run_figures
+from sim.config import ConfigError
 
 RANKED_COLUMNS = {"candidate": "candidate", "capacity_rps": "capacity / replica (req/s)",
                   "capacity_band": "capacity band (profile error)", "replicas": "replicas",
-                  "gpus": "GPUs", "meets_slo": "fleet meets SLO", "cost_per_hour": "$ / hour",
+                  "gpus": "GPUs", "utilization": "utilisation at target", "meets_slo": "fleet meets SLO",
+                  "queue_stable": "queue stable", "cost_per_hour": "$ / hour",
                   "cost_per_mtok": "$ / M output tokens", "fleet_p99_ttft_ms": "fleet p99 TTFT (ms)",
                   "fleet_p99_itl_ms": "fleet p99 ITL (ms)", "profile_source": "profile"}
 
 
 def _definitions(plan: dict[str, Any]) -> list[str]:
-    s = plan["search"]
+    s, u = plan["search"], plan["target_utilization"]
+    v = {**plan["verify"], "min_requests_used": plan["verify_requests"]}
     return [
         f"SLO: {plan['slo_text']}. A TTFT or TPOT target is met when at least "
         f"{100 * plan['slo']['attainment']:g}% of all offered requests meet it (rejected requests count as misses); "
@@ -33,9 +36,20 @@ def _definitions(plan: dict[str, Any]) -> list[str]:
         f"doubling/halving from half the saturation throughput, then geometric bisection to {100 * s['rel_tol']:g}% "
         f"({s['num_requests']} requests per trial, at most {s['max_runs']} runs per candidate). Every trial is "
         f"measured over the whole run, warm-up and drain included.",
-        f"Replicas: ceil(target / capacity), then the whole fleet is simulated behind the `{plan['router']}` router at "
-        f"{plan['target_rate']:g} req/s ({plan['verify']['num_requests_per_replica']} requests per replica); while "
-        f"the SLOs fail a replica is added, at most {plan['verify']['max_extra_replicas']} times.",
+        f"Target utilisation {100 * u:g}%: replicas = ceil(target / (capacity x {u:g})), so the fleet runs at "
+        f"target / (replicas x capacity) <= {100 * u:g}% of its capacity (the utilisation at target). The reason "
+        f"is headroom: a queue's wait grows as rho / (1 - rho) at utilisation rho (M/G/1), 4 at 80% against 19 "
+        f"at 95%, so a fleet sized at its capacity has nothing left for bursts, a traffic ramp or the step-cost "
+        f"model's error, and its p99 latencies sit on the steep part of the curve. 70-80% is common practice.",
+        f"Verification: the whole fleet is simulated behind the `{plan['router']}` router at "
+        f"{plan['target_rate']:g} req/s on the same traffic for every candidate and replica count: the first "
+        f"{v['min_requests_used']:,} requests (at least {v['min_duration_s']:g} s of traffic and "
+        f"{v['min_requests']:,} requests). It passes when it meets the SLOs, is stable as above, and its queue "
+        f"is not growing when the arrivals stop: the least-squares slope of each request's queue delay on its "
+        f"arrival time, over the last third of the arrivals, is at most {v['max_queue_slope']:g} s per s. A "
+        f"fleet offered rho > 1 times what it serves makes each later arrival wait (rho - 1) s longer per s, "
+        f"so the limit means it falls at most {100 * v['max_queue_slope']:g}% behind. While it fails a replica "
+        f"is added, at most {v['max_extra_replicas']} times.",
         "Cost per hour = replicas x GPUs per replica x price per GPU-hour; cost per million output tokens = cost per "
         "hour / (fleet output tokens per second x 3600) x 1e6, at the simulated fleet throughput.",
         "Offered rates are the realized mean rate of the simulated requests ((n - 1) / arrival span); the traffic "
@@ -72,7 +86,8 @@ def close_calls(ranked: pd.DataFrame) -> list[str]:
     return out
 
 
-def _warnings(results: list[dict[str, Any]]) -> list[str]:
+def plan_warnings(results: list[dict[str, Any]], plan: dict[str, Any]) -> list[str]:
+    """Everything a reader should doubt before acting on the ranking (the report and `sim plan` print these)."""
     out = []
     for r in results:
         if r.get("error"):
@@ -86,10 +101,40 @@ def _warnings(results: list[dict[str, Any]]) -> list[str]:
             out.append(f"{r['name']}: no rate met the SLOs ({r.get('search_note')}).")
         elif "capped" in (r.get("search_note") or ""):
             out.append(f"{r['name']}: {r['search_note']}; capacity may be higher.")
-        if r.get("profile_trust") and r.get("profile_error_pct") is None:
-            out.append(f"{r['name']}: {r['profile_trust']}: its capacity has no stated error.")
         if r.get("replicas") and not r.get("verified"):
-            out.append(f"{r['name']}: the fleet still missed the SLOs with {r['replicas']} replicas.")
+            out.append(f"{r['name']}: the fleet still failed with {r['replicas']} replicas "
+                       f"({'; '.join(r['attempts'][-1].get('reasons') or [])}).")
+        elif r.get("replicas") and r["replicas"] > r["replicas_estimate"]:
+            out.append(f"{r['name']}: the {r['replicas_estimate']} replicas sized for "
+                       f"{100 * plan['target_utilization']:g}% utilisation failed verification "
+                       f"({'; '.join(r['attempts'][0].get('reasons') or [])}) and it took {r['replicas']}: "
+                       f"its capacity estimate is optimistic for this traffic.")
+        out += _short_window(r, plan["verify_requests"])
+    return out + _unchecked_profiles(results)
+
+
+def _unchecked_profiles(results: list[dict[str, Any]]) -> list[str]:
+    """One line per hardware whose profile states no error (its candidates share the profile)."""
+    by_hardware: dict[str, list[str]] = {}
+    for r in results:
+        if not r.get("error") and r.get("profile_trust") and r.get("profile_error_pct") is None:
+            by_hardware.setdefault(f"{r['hardware']}: {r['profile_trust']}", []).append(r["policy"])
+    return [f"{what}: the capacity of its {len(policies)} candidate(s) has no stated error."
+            for what, policies in by_hardware.items()]
+
+
+def _short_window(r: dict[str, Any], num_asked: int) -> list[str]:
+    """A verification cut short by the trace's end, or shorter than 5 p99 request
+    durations, cannot show a queue building up."""
+    last = (r.get("attempts") or [{}])[-1]
+    span, e2e_ms, num = last.get("arrival_span_s"), last.get("p99_e2el_ms"), last.get("num_requests")
+    out = []
+    if num and num < num_asked:
+        out.append(f"{r['name']}: the base traffic holds {num:,} of the {num_asked:,} verification requests "
+                   f"asked for: the fleet was verified on {span:.0f} s of traffic.")
+    if span and e2e_ms and span < 5 * e2e_ms / 1e3:
+        out.append(f"{r['name']}: verified on {span:.0f} s of traffic, under 5x the fleet's p99 E2E latency "
+                   f"({e2e_ms / 1e3:.0f} s): too short to show a growing queue; raise verify.min_duration_s.")
     return out
 
 
@@ -101,17 +146,28 @@ def _recommendation(ranked: pd.DataFrame, plan: dict[str, Any]) -> Callout:
     best = ok.iloc[0]
     return Callout(
         f"**{best['candidate']}**: {int(best['replicas'])} replica(s), {int(best['gpus'])} GPU(s), "
-        f"${best['cost_per_hour']:,.2f} per hour, ${best['cost_per_mtok']:,.3f} per million output tokens. "
-        f"The simulated fleet at {plan['target_rate']:g} req/s had p99 TTFT {best['fleet_p99_ttft_ms']:,.0f} ms and "
-        f"p99 ITL {best['fleet_p99_itl_ms']:,.1f} ms (SLO: {plan['slo_text']}).", kind="ok")
+        f"${best['cost_per_hour']:,.2f} per hour, ${best['cost_per_mtok']:,.3f} per million output tokens, "
+        f"{100 * best['utilization']:.0f}% utilisation at the target (aim: at most "
+        f"{100 * plan['target_utilization']:g}%). The simulated fleet at {plan['target_rate']:g} req/s "
+        f"({best['verify_span_s']:.0f} s of traffic) had p99 TTFT {best['fleet_p99_ttft_ms']:,.0f} ms and p99 ITL "
+        f"{best['fleet_p99_itl_ms']:,.1f} ms (SLO: {plan['slo_text']}); its queue was stable (queue delay trend "
+        f"{1e3 * best['queue_slope']:+.1f} ms per s).", kind="ok")
 
 
 def _attempts_table(results: list[dict[str, Any]]) -> pd.DataFrame:
     rows = [{"candidate": r["name"], "replicas": a.get("num_replicas"), "offered (req/s)": a.get("offered_rate"),
              "passed": a.get("passed"), "p99 TTFT (ms)": a.get("p99_ttft_ms"), "p99 ITL (ms)": a.get("p99_itl_ms"),
              "TTFT attained": a.get("ttft_attainment"), "ITL attained": a.get("itl_attainment"),
+             "traffic (s)": a.get("arrival_span_s"), "queue stable": a.get("queue_stable"),
+             "queue trend (ms/s)": None if a.get("queue_slope") is None else 1e3 * a["queue_slope"],
+             "queue middle / last third (ms)": _thirds(a),
              "why not": "; ".join(a.get("reasons") or [])} for r in results for a in r.get("attempts", [])]
     return pd.DataFrame(rows)
+
+
+def _thirds(attempt: dict[str, Any]) -> str:
+    middle, last = attempt.get("queue_middle_ms"), attempt.get("queue_last_ms")
+    return "" if middle is None or last is None else f"{middle:,.0f} / {last:,.0f}"
 
 
 def _provenance(results: list[dict[str, Any]]) -> list[str]:
@@ -137,6 +193,9 @@ def plan_report(d: Path) -> list[Path]:
     """Write DIR/figures/* and DIR/report.{md,html} from a plan directory."""
     data = json.loads((d / "plan.json").read_text())
     plan, results = data["plan"], data["results"]
+    if "target_utilization" not in plan:
+        raise ConfigError(f"{d}: plan.json was written before plans had a target utilisation and a queue check; "
+                          f"fix: rerun `sim plan` for this plan")
     ranked = pd.read_csv(d / "ranked.csv")
     ranked["meets_slo"] = ranked["meets_slo"].astype(bool)
     trials = pd.read_csv(d / "trials.csv") if (d / "trials.csv").stat().st_size > 1 else pd.DataFrame()
@@ -147,21 +206,25 @@ def plan_report(d: Path) -> list[Path]:
                  f"`{Path(plan['base']).name}` within **{plan['slo_text']}**, among {len(plan['candidates'])} "
                  f"candidate (hardware, policy) options."),
             Heading("Recommendation"), _recommendation(ranked, plan))
-    for w in _warnings(results) + close_calls(ranked):
+    for w in plan_warnings(results, plan) + close_calls(ranked):
         doc.add(Callout(w))
-    ranked = ranked.assign(capacity_band=[capacity_band(c, e) for c, e in
-                                          zip(ranked["capacity_rps"], ranked.get("profile_error_pct", [None] * len(ranked)))])
+    errors = ranked.get("profile_error_pct", [None] * len(ranked))
+    ranked = ranked.assign(capacity_band=[capacity_band(c, e) for c, e in zip(ranked["capacity_rps"], errors)],
+                           utilization=[f"{100 * u:.0f}%" if u == u else "" for u in ranked["utilization"]])
     shown = ranked[[c for c in RANKED_COLUMNS if c in ranked.columns]].rename(columns=RANKED_COLUMNS)
     doc.add(Heading("Candidates, ranked"), Table(shown, caption="fleet-verified first, then by cost per hour"))
+    # Plan figures compare candidates, so their line names the question, not one model/GPU.
+    subtitle = (f"{plan['name']} · traffic {Path(plan['base']).name} · target {plan['target_rate']:g} req/s · "
+                f"{plan['slo_text']} · {len(plan['candidates'])} candidates")
     ok = ranked[ranked["capacity_rps"].fillna(0) > 0]
     if not ok.empty:
-        doc.add(figs.save(plots.capacity_bars(ok, target_rate=plan["target_rate"]), "capacity",
+        doc.add(figs.save(plots.capacity_bars(ok, target_rate=plan["target_rate"], subtitle=subtitle), "capacity",
                           "Capacity of one replica, replicas needed and fleet cost per candidate"))
     if not trials.empty and (trials["phase"] == "search").any():
         search = trials[trials["phase"] == "search"]
         doc.add(Heading("Capacity search"),
                 figs.save(plots.search_curves(search, slo_ttft_ms=slo.get("ttft_ms"), slo_itl_ms=slo.get("itl_ms"),
-                                              slo_tpot_ms=slo.get("tpot_ms")), "search",
+                                              slo_tpot_ms=slo.get("tpot_ms"), subtitle=subtitle), "search",
                           "p99 latencies at every rate the bisection tried (hollow markers failed)"),
                 Bullets([f"{r['name']}: saturation {r.get('saturation_rps', 0):.3g} req/s; capacity "
                          f"{r.get('capacity_rps', 0):.3g} req/s; {r.get('search_note')}" for r in results
@@ -176,7 +239,10 @@ def plan_report(d: Path) -> list[Path]:
         top_name, top = next(iter(fleets.items()))
         reps = pd.DataFrame([{"replica": i, **r} for i, r in enumerate(top.summary.get("replicas") or [top.summary])])
         doc.add(Heading("Fleets at the target rate"),
-                figs.save(plots.replica_balance(reps, title=f"Load across the replicas of {top_name}"), "replicas",
+                figs.save(plots.replica_balance(
+                    reps, title=f"Load across the replicas of {top_name}",
+                    subtitle=plots.describe(top.meta.get("config") or {}, profile_name=top.meta.get("profile_name"),
+                                            num_replicas=len(reps), rates_rps=[plan["target_rate"]])), "replicas",
                           f"Per-replica load of {top_name}"),
                 Table(reps[[c for c in ("replica", "completed", "request_throughput", "output_throughput",
                                         "p99_ttft_ms", "p99_itl_ms", "mean_batch_size", "peak_kv_utilization")

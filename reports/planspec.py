@@ -9,8 +9,9 @@ directory, like ``--out``)::
     target_rate: 50                     # req/s the fleet must serve
     slo: {ttft_ms: 2000, itl_ms: 100, attainment: 0.99}   # tpot_ms too; see reports.capacity
     router: least_requests              # round_robin | least_requests | least_tokens
+    target_utilization: 0.8             # size fleets to run at <= 80% of capacity (headroom)
     search: {num_requests: 400, rel_tol: 0.05, max_runs: 14}
-    verify: {num_requests_per_replica: 300, max_extra_replicas: 3}
+    verify: {min_duration_s: 180, min_requests: 2000, max_extra_replicas: 3, max_queue_slope: 0.01}
     policies: [vllm, {kind: sarathi, max_num_batched_tokens: 512}]   # default for candidates
     candidates:
       - name: h100
@@ -21,30 +22,69 @@ directory, like ``--out``)::
         gpus_per_replica: 1             # default: profile.tensor_parallel
     assumptions: ["prices are on-demand list prices, May 2025"]
     out: runs/plan_azure_conv
+
+``sim plan --set KEY=VALUE`` (repeatable) edits the plan when KEY is one of
+its own keys (``--set target_rate=80``, ``--set verify.min_duration_s=300``)
+and otherwise the base traffic, after the file's ``set``. Keys the plan
+itself decides (the candidates' policy and profile, the rate and the run
+lengths) are refused there and in ``set``, where they would be overwritten.
+``--seed N`` is ``--set seed=N``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from reports.capacity import SearchSettings, Slo
-from reports.spec import apply_set, check_keys, check_runnable, fail, load_base, positive_int, validate_run_settings
-from sim.config import load_yaml_mapping, set_dotted, workload_from_dict
+from reports.spec import (apply_set, check_keys, check_runnable, fail, load_base, positive_int,
+                          split_overrides, validate_run_settings, within)
+from sim.config import ConfigError, load_yaml_mapping, set_dotted, workload_from_dict
 
-PLAN_KEYS = ("name", "description", "base", "set", "target_rate", "slo", "router", "search", "verify", "policies",
-             "candidates", "assumptions", "out")
+PLAN_KEYS = ("name", "description", "base", "set", "target_rate", "target_utilization", "slo", "router", "search",
+             "verify", "policies", "candidates", "assumptions", "out")
 CANDIDATE_KEYS = ("name", "profile", "price_per_gpu_hour", "policies", "server", "gpus_per_replica")
 SLO_KEYS = ("ttft_ms", "itl_ms", "tpot_ms", "attainment")
-VERIFY_KEYS = ("num_requests_per_replica", "max_extra_replicas")
+# NOTE: 0.8 because the wait of an M/G/1-like queue grows as rho / (1 - rho): 4 at 80% utilisation, 19 at
+# 95%. A fleet sized at its measured capacity has no room for bursts, for a traffic ramp, or for the
+# step-cost model's own error, and its p99 latencies sit on the steep part of that curve; capacity planners
+# commonly aim at 70-80%.
+DEFAULT_TARGET_UTILIZATION = 0.8
+# Workload fields the plan decides itself: a `set` or --set of them would be overwritten.
+PLAN_OWNED = {"policy": "the candidates choose it: edit 'policies' (or --set policies=[...])",
+              "profile": "the candidates choose it: edit 'candidates'",
+              "arrivals.rate": "the plan rescales it to each trial and to the target: --set target_rate=N",
+              "num_requests": "the plan sizes its runs: --set search.num_requests=N or verify.min_requests=N",
+              "duration_s": "the plan sizes its runs: --set verify.min_duration_s=N",
+              "slo": "the plan's 'slo' sets it: --set slo.ttft_ms=N"}
 
 
 @dataclass(frozen=True)
 class Verify:
-    num_requests_per_replica: int = 300
+    """How a fleet is checked at the target rate.
+
+    Every candidate and every replica count is simulated on the same traffic:
+    the first max(min_requests, min_duration_s x target_rate) requests. The
+    duration lets a queue that falls behind show it (the p99 E2E latency of
+    one replica at capacity is 8-40 s in the shipped plan, so 180 s holds
+    several of the longest requests in each third of the window); the request
+    floor keeps a p99 at a low target rate resting on 20+ samples. A fleet
+    passes when it meets the SLOs, holds no backlog at the last arrival, and
+    its queue delay over the last third of the arrivals trends up by at most
+    ``max_queue_slope`` (``reports.capacity.queue_trend``): 0.01 s per s, the
+    trend of a fleet falling 1% behind.
+    """
+
+    min_duration_s: float = 180.0
+    min_requests: int = 2000
     max_extra_replicas: int = 3
+    max_queue_slope: float = 0.01
+
+    def num_requests(self, target_rate: float) -> int:
+        return max(self.min_requests, math.ceil(self.min_duration_s * target_rate - 1e-9))
 
 
 @dataclass(frozen=True)
@@ -69,6 +109,7 @@ class PlanSpec:
     router: str
     search: SearchSettings
     verify: Verify
+    target_utilization: float
     candidates: list[Candidate]
     assumptions: list[str]
     out: Path
@@ -159,13 +200,37 @@ def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Pa
     return out
 
 
-def parse_plan(path: str | Path, out: Path | None = None) -> PlanSpec:
-    """Read, check and validate a plan file; every candidate is validated like a workload."""
+def _check_not_owned(source: Path, overrides: dict[str, Any] | None, label: str) -> None:
+    """Refuse overrides of fields the plan sets itself; ``label`` names where they came from ("--set {}")."""
+    for key in overrides or {}:
+        for owned, why in PLAN_OWNED.items():
+            if within(str(key), owned):
+                raise ConfigError(f"{source}: {label.format(key)}: the plan sets '{owned}' itself and would "
+                                  f"overwrite it; fix: {why}")
+
+
+def _target_utilization(source: Path, value: Any) -> float:
+    u = _number(source, "target_utilization", value)
+    if u > 1:
+        raise fail(source, "target_utilization", f"must be in (0, 1], got {u:g}",
+                   f"target_utilization: {DEFAULT_TARGET_UTILIZATION} (size fleets to run at 80% of capacity)")
+    return u
+
+
+def parse_plan(path: str | Path, out: Path | None = None, overrides: dict[str, Any] | None = None) -> PlanSpec:
+    """Read, check and validate a plan file; every candidate is validated like a workload.
+
+    ``overrides``: ``--set`` pairs (see the module docstring).
+    """
     source = Path(path)
-    data = load_yaml_mapping(source)
+    own, traffic = split_overrides(source, overrides, PLAN_KEYS, file_only=("set", "candidates"))
+    data = apply_set(source, load_yaml_mapping(source), own, "--set")
     check_keys(source, "", data, PLAN_KEYS, required=("base", "target_rate", "slo", "candidates"))
     base_path, base_raw = load_base(source, data["base"])
-    base_raw = apply_set(source, base_raw, data.get("set"))
+    if isinstance(data.get("set"), dict):
+        _check_not_owned(source, data["set"], "field 'set.{}'")
+    _check_not_owned(source, traffic, "--set {}")
+    base_raw = apply_set(source, apply_set(source, base_raw, data.get("set")), traffic, "--set")
     kind = (base_raw.get("arrivals") or {}).get("kind", "poisson")
     if kind == "all_at_once":
         raise fail(source, "base", "has arrivals.kind all_at_once, which has no rate to rescale",
@@ -180,12 +245,13 @@ def parse_plan(path: str | Path, out: Path | None = None) -> PlanSpec:
     assumptions = data.get("assumptions") or []
     if not isinstance(assumptions, list) or not all(isinstance(a, str) for a in assumptions):
         raise fail(source, "assumptions", "must be a list of strings", 'assumptions: ["prices: on-demand, 2025"]')
-    # Runs are sized by request count (search.num_requests, verify.num_requests_per_replica), not duration.
+    # Runs are sized by request count (search.num_requests, verify.num_requests()), not duration.
     base_raw = set_dotted({k: v for k, v in base_raw.items() if k != "duration_s"}, "num_requests", search.num_requests)
     return PlanSpec(
         source=source, name=str(data.get("name") or source.stem), base_path=base_path,
         target_rate=_number(source, "target_rate", data["target_rate"]), slo=slo, router=router, search=search,
         verify=_section(source, "verify", data.get("verify"), Verify),
+        target_utilization=_target_utilization(source, data.get("target_utilization", DEFAULT_TARGET_UTILIZATION)),
         candidates=_candidates(source, data, base_raw, slo, base_path.parent), assumptions=list(assumptions),
         out=out or (Path(data["out"]) if data.get("out") else Path("runs") / source.stem))
 
@@ -195,7 +261,8 @@ def spec_summary(spec: PlanSpec) -> dict[str, Any]:
     return json.loads(json.dumps({
         "name": spec.name, "source": str(spec.source), "base": str(spec.base_path), "target_rate": spec.target_rate,
         "slo": spec.slo.__dict__, "slo_text": spec.slo.describe(), "router": spec.router,
-        "search": spec.search.to_dict(), "verify": spec.verify.__dict__, "assumptions": spec.assumptions,
+        "search": spec.search.to_dict(), "verify": spec.verify.__dict__, "target_utilization": spec.target_utilization,
+        "verify_requests": spec.verify.num_requests(spec.target_rate), "assumptions": spec.assumptions,
         "candidates": [{"name": c.name, "hardware": c.hardware, "policy": c.policy,
                         "gpus_per_replica": c.gpus_per_replica, "price_per_gpu_hour": c.price_per_gpu_hour,
                         "profile": c.raw.get("profile"), "policy_config": c.raw.get("policy")}

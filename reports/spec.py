@@ -15,6 +15,13 @@ like ``--out`` is relative to the working directory)::
     save_runs: false                 # keep each run's files under OUT/runs/<run_id>/
     out: runs/my_sweep               # default runs/<sweep file stem>
 
+``sim sweep --set KEY=VALUE`` (repeatable) edits the sweep file when KEY is
+one of its own keys (``--set repetitions=3``, ``--set num_replicas=2``) and
+otherwise the base workload of every run, after the file's ``set``
+(``--set policy.max_num_seqs=64``). A KEY the grid varies (or
+a field inside it) is refused: the grid would overwrite it. ``--seed N`` is
+``--set seed=N``.
+
 Seeds: repetition 0 uses the workload's own seed (so one repetition
 reproduces ``sim run``); repetition r > 0 uses
 ``SeedSequence(seed, spawn_key=(r,))``. Grid points share the seed of a
@@ -93,6 +100,36 @@ def apply_set(source: Path, raw: dict[str, Any], overrides: Any, field: str = "s
     return raw
 
 
+def cli_overrides(pairs: list[str] | None, seed: int | None = None) -> dict[str, Any]:
+    """``--set KEY=VALUE`` texts (YAML values) and ``--seed`` as one mapping of dotted key -> value."""
+    from sim.config import parse_override
+    overrides = dict(parse_override(text) for text in pairs or [])
+    if seed is not None:
+        overrides["seed"] = seed
+    return overrides
+
+
+def split_overrides(source: Path, overrides: dict[str, Any] | None, file_keys: tuple[str, ...],
+                    file_only: tuple[str, ...]) -> tuple[dict, dict]:
+    """(overrides of the sweep or plan file's own keys, overrides of the base workload).
+
+    Keys under ``file_only`` (mappings with dotted or list keys of their own,
+    such as a sweep's ``vary``) are refused: a dotted --set cannot address them.
+    """
+    own = {k: v for k, v in (overrides or {}).items() if k.split(".")[0] in file_keys}
+    for key in own:
+        if key.split(".")[0] in file_only:
+            raise ConfigError(f"{source}: --set {key}: '{key.split('.')[0]}' can only be edited in the file; "
+                              f"fix: edit it in {source.name}, or --set a workload field (e.g. --set "
+                              f"policy.max_num_seqs=64)")
+    return own, {k: v for k, v in (overrides or {}).items() if k not in own}
+
+
+def within(key: str, other: str) -> bool:
+    """Whether dotted ``key`` is ``other`` or a field inside it (so that setting ``other`` replaces it)."""
+    return key == other or key.startswith(other + ".")
+
+
 def flatten(key: str, value: Any) -> dict[str, Any]:
     """Columns for one varied value: scalars stay, mappings flatten to dotted keys."""
     if key == "policy" and isinstance(value, str):
@@ -158,10 +195,14 @@ class SweepSpec:
         return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def parse_sweep(path: str | Path, out: Path | None = None) -> SweepSpec:
-    """Read and check a sweep file (structure only; ``expand`` validates the runs)."""
+def parse_sweep(path: str | Path, out: Path | None = None, overrides: dict[str, Any] | None = None) -> SweepSpec:
+    """Read and check a sweep file (structure only; ``expand`` validates the runs).
+
+    ``overrides``: ``--set`` pairs (see the module docstring).
+    """
     source = Path(path)
-    data = load_yaml_mapping(source)
+    own, workload = split_overrides(source, overrides, SWEEP_KEYS, file_only=("vary", "set"))
+    data = apply_set(source, load_yaml_mapping(source), own, "--set")
     check_keys(source, "", data, SWEEP_KEYS, required=("base", "vary"))
     base_path, base_raw = load_base(source, data["base"])
     base_raw = apply_set(source, base_raw, data.get("set"))
@@ -177,6 +218,12 @@ def parse_sweep(path: str | Path, out: Path | None = None) -> SweepSpec:
             raise fail(source, f"vary.{key}", "cannot be varied", "use 'repetitions: N' for independent seeds")
         if len({json.dumps(v, sort_keys=True, default=str) for v in values}) != len(values):
             raise fail(source, f"vary.{key}", f"lists a value twice: {values!r}", "remove the duplicate")
+    for key in overrides or {}:
+        for varied in vary:
+            if within(key, str(varied)):
+                raise ConfigError(f"{source}: --set {key}: the sweep varies '{varied}', which would overwrite it in "
+                                  f"every run; fix: drop --set {key}, or change vary.{varied} in the file")
+    base_raw = apply_set(source, base_raw, workload, "--set")
     out_dir = out or (Path(data["out"]) if data.get("out") else Path("runs") / source.stem)
     return SweepSpec(
         source=source, name=str(data.get("name") or source.stem), base_path=base_path, base_raw=base_raw,

@@ -39,6 +39,10 @@ class SweepFailed(ConfigError):
     """Some runs raised; the others are in the table. Reported like bad input (one
     line, exit status 2); the tracebacks are in failed.jsonl."""
 
+    def __init__(self, message: str, table: Path) -> None:
+        super().__init__(message)
+        self.table = table
+
 
 def scalar_summary(summary: dict[str, Any]) -> dict[str, Any]:
     """The summary's scalar entries (drops the per-replica list and other nesting)."""
@@ -197,17 +201,18 @@ def run_sweep(spec: SweepSpec, tasks: Sequence[RunTask], *, jobs: int | None = N
         msg = (f"{len(failures)} of {len(todo)} runs failed (details in {failed_path}); the other runs are in "
                f"{table_path}; rerun the same command to retry only the failed ones. First: run {task.run_id} "
                f"{task.values}: {exc}")
-        raise SweepFailed(msg)
+        raise SweepFailed(msg, table_path)
     return table_path
 
 
 def run_sweep_file(path: str | Path, *, jobs: int | None = None, cluster: str | None = None,
-                   out: Path | None = None, progress: bool = True) -> Path:
+                   out: Path | None = None, progress: bool = True, overrides: dict[str, Any] | None = None) -> Path:
     """`sim sweep FILE`: parse, validate every run, run the missing ones, write the report.
 
-    Returns the results table's path. Bad files raise ConfigError before any run.
+    Returns the results table's path. Bad files raise ConfigError before any
+    run. ``overrides``: ``--set``/``--seed`` pairs (``reports.spec``).
     """
-    spec = parse_sweep(path, out)
+    spec = parse_sweep(path, out, overrides)
     tasks = expand(spec)
     from reports.report import regenerate
     try:

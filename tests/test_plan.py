@@ -12,10 +12,12 @@ import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
 
-from reports.capacity import SearchSettings, Slo, find_capacity, judge, replicas_for, sweep_capacity
-from reports.plan import CandidateTask, run_plan_file, simulate
+from reports.capacity import (SearchSettings, Slo, find_capacity, judge, queue_trend, replicas_for, sweep_capacity,
+                               utilization)
+from reports.plan import CandidateTask, check_queue, plan_candidate, run_plan_file, simulate
 from reports.planspec import Verify, parse_plan
 from reports.report import regenerate
+from sim.cli import main
 from sim.config import ConfigError
 
 WORKLOAD = {"name": "tiny", "seed": 5, "num_requests": 80, "arrivals": {"kind": "poisson", "rate": 4.0},
@@ -25,7 +27,7 @@ CANDIDATES = [{"name": "h100", "profile": {"gpu": "h100-sxm"}, "price_per_gpu_ho
               {"name": "a100", "profile": {"gpu": "a100-80gb"}, "price_per_gpu_hour": 1.8}]
 PLAN = {"base": "tiny.yaml", "target_rate": 60, "slo": {"ttft_ms": 500, "itl_ms": 60},
         "search": {"num_requests": 80, "max_runs": 9, "rel_tol": 0.1},
-        "verify": {"num_requests_per_replica": 40, "max_extra_replicas": 2},
+        "verify": {"min_duration_s": 1, "min_requests": 120, "max_extra_replicas": 2},
         "policies": ["vllm", {"kind": "sarathi", "max_num_batched_tokens": 512}], "candidates": CANDIDATES}
 
 
@@ -62,12 +64,79 @@ def test_bisection_on_a_monotone_system(threshold: float, tighter: float, start:
     assert tight <= cap + 1e-9                        # a tighter SLO never raises capacity
 
 
-@given(capacity=st.floats(0.01, 100.0), target=st.floats(0.1, 1000.0), more=st.floats(0.0, 1000.0))
-def test_replicas_cover_the_target_and_never_shrink_as_it_grows(capacity: float, target: float, more: float) -> None:
-    n = replicas_for(target, capacity)
-    assert n * capacity >= target * (1 - 1e-9) and (n - 1) * capacity < target
-    assert replicas_for(target + more, capacity) >= n
+@given(capacity=st.floats(0.01, 100.0), target=st.floats(0.1, 1000.0), more=st.floats(0.0, 1000.0),
+       u=st.floats(0.3, 1.0))
+def test_replicas_cover_the_target_and_never_shrink_as_it_grows(capacity: float, target: float, more: float,
+                                                                 u: float) -> None:
+    n = replicas_for(target, capacity, u)
+    assert n * capacity * u >= target * (1 - 1e-9) and (n - 1) * capacity * u < target
+    assert utilization(target, capacity, n) <= u * (1 + 1e-9)
+    assert replicas_for(target + more, capacity, u) >= n and replicas_for(target, capacity) <= n
     assert replicas_for(target, 0.0) is None
+
+
+def test_headroom_by_hand() -> None:
+    # capacity 10 req/s per replica, target 19 req/s. At 100%: ceil(19 / 10) = 2 replicas running at
+    # 19 / (2 x 10) = 95%. At 80%: ceil(19 / (10 x 0.8)) = ceil(2.375) = 3 replicas at 19 / 30 = 63.3%.
+    assert replicas_for(19, 10) == 2 and utilization(19, 10, 2) == pytest.approx(0.95)
+    assert replicas_for(19, 10, 0.8) == 3 and utilization(19, 10, 3) == pytest.approx(19 / 30)
+    # target 16: 16 / (10 x 0.8) = 2.0 exactly: 2 replicas at exactly 80% (the target is inclusive).
+    assert replicas_for(16, 10, 0.8) == 2 and utilization(16, 10, 2) == pytest.approx(0.8)
+
+
+def test_queue_trend_by_hand() -> None:
+    """Arrivals at t = 0..9 s: the span is 9 s, so the middle third is 3 <= t < 6 and the last 6 <= t <= 9."""
+    t = [0.0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    # Growing: every arrival waits 0.1 s longer per s -- a fleet offered 1.1x what it serves.
+    growing = queue_trend(t, [0.1 * x for x in t])
+    assert growing["queue_slope"] == pytest.approx(0.1)
+    assert growing["queue_middle_ms"] == pytest.approx(400)        # (0.3 + 0.4 + 0.5) / 3 s
+    assert growing["queue_last_ms"] == pytest.approx(750)          # (0.6 + 0.7 + 0.8 + 0.9) / 4 s
+    # Flat once warm: a warm-up climb in the first third, then high, low, low, high in the last third:
+    # deviations from t = 7.5 are -1.5, -0.5, 0.5, 1.5 and from the mean 0.2 s are +0.1, -0.1, -0.1, +0.1:
+    # sum of products -0.15 + 0.05 - 0.05 + 0.15 = 0, so the slope is 0.
+    flat = queue_trend(t, [0.0, 0.1, 0.2, 0.3, 0.1, 0.3, 0.3, 0.1, 0.1, 0.3])
+    assert flat["queue_slope"] == pytest.approx(0.0, abs=1e-12)
+    assert flat["queue_middle_ms"] == pytest.approx(700 / 3) and flat["queue_last_ms"] == pytest.approx(200)
+    # A rejected request has no queue delay: it is left out (of the last third here: 0.6, 0.8, 0.9 remain).
+    partial = queue_trend(t, [0.1 * x for x in t[:7]] + [float("nan"), 0.8, 0.9])
+    assert partial["queue_slope"] == pytest.approx(0.1) and partial["queue_last_ms"] == pytest.approx(2300 / 3)
+
+
+def test_a_growing_queue_fails_verification() -> None:
+    t = [0.0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    requests = pd.DataFrame({"arrival_s": t, "queue_s": [0.011 * x for x in t]})   # slope 11 ms per s
+    ok = {"passed": True, "reasons": []}
+    failed = check_queue(ok, requests, max_slope=0.01)
+    assert not failed["passed"] and not failed["queue_stable"]
+    assert failed["reasons"] == ["queue growing: the wait rises 11 ms per s of traffic (> 10)"]
+    assert check_queue(ok, requests, max_slope=0.012)["passed"]
+    assert not check_queue({"passed": False, "reasons": ["TTFT"]}, requests, max_slope=0.012)["passed"]
+
+
+def test_default_headroom_adds_replicas_where_capacity_sizing_runs_at_95_percent(tmp_path: Path) -> None:
+    """Measure one replica's capacity c on the tiny workload, then ask for 0.95 x 2 x c req/s.
+    Sized at capacity: ceil(1.9 c / c) = 2 replicas at 1.9 / 2 = 95%. With the default target
+    utilisation 0.8: ceil(1.9 c / 0.8 c) = ceil(2.375) = 3 replicas at 1.9 / 3 = 63.3%."""
+    spec = parse_plan(write_plan(tmp_path, candidates=CANDIDATES[:1], policies=["vllm"]), out=tmp_path / "out")
+    assert spec.target_utilization == 0.8                            # the default
+
+    def plan_at(target_rate: float, target_utilization: float) -> dict:
+        verify = Verify(min_duration_s=0.01, min_requests=40, max_extra_replicas=0)   # 40 requests
+        return plan_candidate(CandidateTask(spec.candidates[0], str(spec.base_path), str(spec.base_path.parent),
+                                            target_rate, spec.slo, spec.router, spec.search, verify,
+                                            str(tmp_path / "runs"), target_utilization))
+
+    c = plan_at(1.0, 1.0)["capacity_rps"]
+    assert c > 1.0
+    today = plan_at(0.95 * 2 * c, 1.0)
+    assert today["capacity_rps"] == c and today["replicas_estimate"] == 2
+    assert today["utilization"] == pytest.approx(0.95)
+    headroom = plan_at(0.95 * 2 * c, spec.target_utilization)
+    assert headroom["replicas_estimate"] == headroom["replicas"] == 3
+    assert headroom["utilization"] == pytest.approx(1.9 / 3)
+    attempt = headroom["attempts"][0]
+    assert attempt["num_requests"] == 40 and {"queue_slope", "queue_stable", "queue_last_ms"} <= set(attempt)
 
 
 def test_sweep_capacity_needs_every_lower_rate_to_pass() -> None:
@@ -86,14 +155,17 @@ def test_tighter_slos_never_raise_simulated_capacity(tmp_path: Path) -> None:
     caps = []
     for slo in (Slo(ttft_ms=2000, itl_ms=200), Slo(ttft_ms=500, itl_ms=60), Slo(ttft_ms=150, itl_ms=30)):
         task = CandidateTask(cand, str(spec.base_path), str(spec.base_path.parent), 10.0, slo, "round_robin", s,
-                             Verify(), str(tmp_path / "runs"))
+                             Verify(), str(tmp_path / "runs"), 1.0)
         cap, _, _ = find_capacity(lambda r, t=task: simulate(t, r, s.num_requests)[1], s, start_rate=8.0)
         caps.append(cap)
     assert caps == sorted(caps, reverse=True) and caps[0] > 0, caps
 
 
-def test_plan_writes_a_ranked_self_contained_report(tmp_path: Path) -> None:
-    out = run_plan_file(write_plan(tmp_path), out=tmp_path / "out", jobs=1, progress=False)
+def test_plan_writes_a_ranked_self_contained_report(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("FORCE_COLOR", "1")          # a pipe gets plain text even where colour is forced
+    out = tmp_path / "out"
+    assert main(["plan", str(write_plan(tmp_path)), "--out", str(out), "-j", "1", "--quiet"]) == 0
+    printed = capsys.readouterr().out
     ranked = pd.read_csv(out / "ranked.csv")
     assert len(ranked) == 4 and ranked["meets_slo"].any()
     ok = ranked[ranked["meets_slo"]]
@@ -105,6 +177,14 @@ def test_plan_writes_a_ranked_self_contained_report(tmp_path: Path) -> None:
     html = (out / "report.html").read_text()
     assert "Recommendation" in html and "Candidates, ranked" in html and "<table>" in html
     assert html.count("data:image/png;base64,") >= 3 and "src=\"figures" not in html
+    assert "Target utilisation 80%" in html and "queue stable" in html
+    # The terminal: the answer first, then the ranked table as a Markdown table, then the files.
+    best = ranked[ranked["meets_slo"]].iloc[0]
+    assert printed.splitlines()[1].startswith(f"Recommended: {best.replicas} x {best.hardware} running "
+                                              f"{best.policy}: ${best.cost_per_hour:,.2f}/h")
+    assert f"at {100 * 60 / (best.replicas * best.capacity_rps):.0f}% utilisation" in printed
+    assert "| # | candidate" in printed and f"report: {out / 'report.html'}" in printed
+    assert "\x1b" not in printed and not any("\u2500" <= ch <= "\u257f" for ch in printed)   # no escapes, frames
     assert "analytic-roofline" in html and "Definitions" in html
     # every candidate states its profile's error: a preset's held-out error on its GPU (h100-sxm TP1
     # in the public vLLM table), as a capacity band in the ranked table
@@ -159,10 +239,40 @@ def test_bad_plan_files_name_the_field(tmp_path: Path, changes: dict, message: s
     assert "plan.yaml" in str(info.value)
 
 
+def test_set_overrides_the_plan_and_the_base_traffic(tmp_path: Path) -> None:
+    spec = parse_plan(write_plan(tmp_path), overrides={"target_rate": 80, "target_utilization": 0.7, "seed": 9,
+                                                       "verify.min_duration_s": 30, "server.max_model_len": 4096})
+    assert spec.target_rate == 80 and spec.target_utilization == 0.7 and spec.verify.min_duration_s == 30
+    assert all(c.raw["server"]["max_model_len"] == 4096 and c.raw["seed"] == 9 for c in spec.candidates)
+    # Verification traffic: max(min_requests 120, ceil(30 s x 80 req/s) = 2400) = 2400 requests.
+    assert spec.verify.num_requests(spec.target_rate) == 2400
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"policy.max_num_seqs": 64}, "--set policy.max_num_seqs: the plan sets 'policy' itself"),
+    ({"arrivals.rate": 5}, "--set arrivals.rate: the plan sets 'arrivals.rate' itself.*--set target_rate=N"),
+    ({"num_requests": 5}, "--set num_requests: the plan sets 'num_requests' itself"),
+    ({"candidates": []}, "--set candidates: 'candidates' can only be edited in the file"),
+    ({"target_utilization": 1.2}, "field 'target_utilization' must be in \\(0, 1\\], got 1.2"),
+    ({"target_utilization": 0}, "field 'target_utilization' must be a number > 0"),
+    ({"verify.num_requests_per_replica": 400}, "field 'verify.num_requests_per_replica' is unknown; fix: use one "
+                                               "of: min_duration_s, min_requests"),
+])
+def test_bad_overrides_of_a_plan_name_the_fix(tmp_path: Path, overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_plan(write_plan(tmp_path), overrides=overrides)
+
+
+def test_a_plans_own_set_cannot_touch_what_the_plan_decides(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="field 'set.policy': the plan sets 'policy' itself"):
+        parse_plan(write_plan(tmp_path, set={"policy": "sarathi"}))
+
+
 def test_example_files_parse() -> None:
     root = Path(__file__).resolve().parent.parent / "workloads"
     spec = parse_plan(root / "plan_azure_conv.yaml")
-    assert spec.target_rate == 50 and len(spec.candidates) == 8
+    assert spec.target_rate == 50 and len(spec.candidates) == 8 and spec.target_utilization == 0.8
+    assert spec.verify.num_requests(50) == 9000                    # max(2000, 180 s x 50 req/s)
     from reports.spec import expand, parse_sweep
     assert len(expand(parse_sweep(root / "sweep_sarathi_knee.yaml"))) == 6 * 5
 
@@ -180,3 +290,20 @@ def test_capacity_band_and_close_calls_by_hand() -> None:
     (warning,) = close_calls(ranked)
     assert warning.startswith("a and b differ by 10% in cost per hour")
     assert close_calls(ranked.assign(cost_per_hour=[9.0, 11.0])) == []
+
+
+def test_plan_warnings_by_hand() -> None:
+    """A fleet verified on 10 s of traffic with p99 E2E 5 s: 10 < 5 x 5 = 25 s, too short; the trace held
+    100 of the 200 requests asked for; and the 2 replicas sized for 80% failed, so it took 3."""
+    from reports.planreport import plan_warnings
+    first = {"reasons": ["TTFT within 500 ms for 90.0% < 99%"]}
+    last = {"reasons": [], "num_requests": 100, "arrival_span_s": 10.0, "p99_e2el_ms": 5000.0}
+    result = {"name": "x", "hardware": "h", "policy": "vllm", "capacity_rps": 4.0, "replicas_estimate": 2,
+              "replicas": 3, "verified": True, "attempts": [first, last]}
+    assert plan_warnings([result], {"target_utilization": 0.8, "verify_requests": 200}) == [
+        "x: the 2 replicas sized for 80% utilisation failed verification (TTFT within 500 ms for 90.0% < 99%) "
+        "and it took 3: its capacity estimate is optimistic for this traffic.",
+        "x: the base traffic holds 100 of the 200 verification requests asked for: the fleet was verified on "
+        "10 s of traffic.",
+        "x: verified on 10 s of traffic, under 5x the fleet's p99 E2E latency (5 s): too short to show a growing "
+        "queue; raise verify.min_duration_s."]

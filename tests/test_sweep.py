@@ -10,6 +10,8 @@ import yaml
 
 from reports.spec import expand, parse_sweep, repetition_seed, run_id_of
 from reports.sweep import read_table_ids, run_sweep, run_sweep_file, run_task
+from reports.terminal import slo_met
+from sim.cli import main
 from sim.config import ConfigError
 
 WORKLOAD = {"name": "tiny", "seed": 3, "num_requests": 40, "arrivals": {"kind": "poisson", "rate": 4.0},
@@ -161,3 +163,58 @@ def test_dask_cluster_gives_the_same_table_as_the_local_pool(tmp_path: Path) -> 
     assert (tmp_path / "pool" / "report.html").is_file()
     assert (tmp_path / "pool" / "figures" / "latency_throughput.png").is_file()
     assert len(list((tmp_path / "pool" / "runs").glob("*/summary.json"))) == 8
+
+
+def test_sweep_prints_its_table_sorted_by_the_varied_values(tmp_path: Path, capsys) -> None:
+    workload = {**WORKLOAD, "slo": {"ttft_ms": 1000}}
+    path = write_files(tmp_path, {"vary": {"policy.kind": ["vllm", "sarathi"], "arrivals.rate": [6, 2, 10]}},
+                       workload)
+    out = tmp_path / "out"
+    assert main(["sweep", str(path), "--out", str(out), "-j", "1", "--quiet",
+                 "--set", "num_requests=20", "--seed", "4"]) == 0
+    printed = capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in printed.splitlines()
+            if line.startswith("| ") and "completed" not in line]
+    # Knob columns in the file's vary order (safe_dump sorted it: arrivals.rate, policy.kind); rows by
+    # their values: numbers in numeric order (as text, "10" would sort before "2"), words alphabetically.
+    assert [r[:2] for r in rows] == [["2", "sarathi"], ["2", "vllm"], ["6", "sarathi"], ["6", "vllm"],
+                                     ["10", "sarathi"], ["10", "vllm"]]
+    table = pd.read_csv(out / "results.csv")
+    assert set(table["seed"]) == {4} and set(table["completed"] + table["failed"]) == {20}   # --seed, --set
+    by_key = table.set_index(["arrivals.rate", "policy.kind"])
+    for r in rows:
+        run = by_key.loc[(int(r[0]), r[1])]
+        assert r[2] == str(run["completed"]) and r[-1] == ("yes" if slo_met(run, {"ttft_ms": 1000}) else "no")
+    assert f"results: {out / 'results.csv'}" in printed and "SLO met: p99 TTFT <= 1000 ms" in printed
+    assert "\x1b" not in printed and not any("\u2500" <= ch <= "\u257f" for ch in printed)
+
+
+def test_slo_met_by_hand() -> None:
+    run = pd.Series({"p99_ttft_ms": 900.0, "p99_tpot_ms": 60.0, "failed": 0})
+    assert slo_met(run, {"ttft_ms": 1000})                       # 900 <= 1000
+    assert not slo_met(run, {"ttft_ms": 1000, "tpot_ms": 50})    # 60 > 50
+    assert not slo_met(run.replace(0, 1), {"ttft_ms": 1000})      # one request rejected
+    assert not slo_met(run, {"e2el_ms": 5000})                   # no p99 E2E measured: not met
+
+
+def test_set_overrides_the_sweep_and_the_base_workload(tmp_path: Path) -> None:
+    path = write_files(tmp_path, {"vary": {"policy.kind": ["vllm", "sarathi"]}})
+    spec = parse_sweep(path, overrides={"repetitions": 2, "policy.max_num_seqs": 64, "num_requests": 10})
+    assert spec.repetitions == 2 and spec.base_raw["num_requests"] == 10
+    tasks = expand(spec)
+    assert [t.raw["policy"] for t in tasks[::2]] == [{"kind": "vllm", "max_num_seqs": 64},
+                                                     {"kind": "sarathi", "max_num_seqs": 64}]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--set", "arrivals.rate=3"], "--set arrivals.rate: the sweep varies 'arrivals.rate'"),
+    (["--set", "policy={kind: orca}"], "--set policy: the sweep varies 'policy'"),
+    (["--set", "vary.arrivals.rate=[1]"], "--set vary.arrivals.rate: 'vary' can only be edited in the file"),
+    (["--set", "rate"], "--set 'rate': expected key=value"),
+    (["--set", "arrivals.rat=3"], "unknown field 'arrivals.rat'"),
+])
+def test_bad_set_on_a_sweep_is_one_line(tmp_path: Path, capsys, extra: list[str], message: str) -> None:
+    path = write_files(tmp_path, {"vary": {"arrivals.rate": [2.0], "policy": ["vllm"]}})
+    assert main(["sweep", str(path), "--out", str(tmp_path / "out"), "--quiet", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
