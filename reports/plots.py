@@ -1,15 +1,19 @@
-"""Figures from sweep and plan tables: functions take DataFrames, return Figures.
+"""Shared figure machinery (saving, titles, legends, series order and colours) and the plan figures.
 
-Every figure has a title, axis labels with units and a legend; latencies use
-log axes because they span decades between an idle and a saturated server.
-Nothing here writes a file except ``save_figure``.
+Every figure has a title naming what it shows (``describe``), axis labels
+with units and a legend outside the data area; latencies use log axes
+because they span decades between an idle and a saturated server. Series
+follow a fixed order (numbers ascending, other values as first listed) and
+series i always gets colour and marker i, so a value keeps its colour in
+every figure of a report. Nothing here writes a file except ``save_figure``.
 """
 
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import matplotlib
 
@@ -23,6 +27,10 @@ from matplotlib.ticker import LogFormatter  # noqa: E402
 FIG_WIDTH_IN = 11.0
 DPI = 110
 _MARKERS = "osD^vP*Xh<>"
+PALETTE = list(plt.get_cmap("tab10").colors) + list(plt.get_cmap("Dark2").colors)
+RATE_KEYS = ("arrivals.rate", "arrivals.rate_scale", "arrivals.time_scale")   # shown as the offered rate
+REFERENCE = "reference"      # gid of thresholds and guides: listed after the data series in legends
+SLO_COLORS = {"ttft": "crimson", "itl": "darkorange", "tpot": "darkorange", "e2el": "purple"}
 
 
 def save_figure(fig: Figure, stem: Path, *, close: bool = True) -> list[Path]:
@@ -58,157 +66,189 @@ def plain_log_ticks(fig: Figure) -> Figure:
     return fig
 
 
-def label_of(values: dict, keys: Sequence[str]) -> str:
+# ----------------------------------------------------------------------------- what a figure shows
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and np.isnan(value))
+
+
+def fmt_value(value: Any) -> str:
+    """16.0 -> "16", 0.1 -> "0.1", "vllm" -> "vllm"."""
+    if isinstance(value, (float, np.floating)):
+        return f"{float(value):.4g}"
+    return str(value)
+
+
+def value_range(values: Iterable[Any]) -> str:
+    """Distinct values as text: more than 3 numbers as "lo–hi", else listed (numbers ascending)."""
+    distinct = list(dict.fromkeys(v for v in values if not _missing(v)))
+    if distinct and all(isinstance(v, (int, float, np.number)) for v in distinct):
+        distinct = sorted(distinct)
+        if len(distinct) > 3:
+            return f"{fmt_value(distinct[0])}–{fmt_value(distinct[-1])}"
+    return ", ".join(fmt_value(v) for v in distinct) or "?"
+
+
+def _hardware(profile: Mapping[str, Any], profile_name: str | None, varied: Mapping[str, Sequence]) -> str:
+    """"llama-3.1-8b on h100-sxm, TP 2", or "profile: NAME" for a measured profile file."""
+    swept = {k.split(".", 1)[1]: v for k, v in varied.items() if k.startswith("profile.")}
+    if swept:
+        return "hardware: " + "; ".join(f"{k} {value_range(v)}" for k, v in swept.items())
+    if profile.get("path"):
+        text = f"profile: {profile_name or Path(str(profile['path'])).stem}"
+    else:
+        model = profile.get("model", "?")
+        model = model.get("name", "custom model") if isinstance(model, Mapping) else model
+        text = f"{model} on {profile.get('gpu', '?')}"
+    tp = int(profile.get("tensor_parallel") or 1)
+    return text + (f", TP {tp}" if tp > 1 else "")
+
+
+def _policy(policy: Mapping[str, Any], varied: Mapping[str, Sequence]) -> str:
+    """"policy sarathi (max_num_seqs=256)"; a swept kind lists the kinds (the legend names their knobs)."""
+    swept = {k.split(".", 1)[1]: v for k, v in varied.items() if k.startswith("policy.")}
+    if "kind" in swept:
+        return "policies " + value_range(swept["kind"])
+    fixed = [f"{k}={fmt_value(v)}" for k, v in policy.items() if k != "kind" and not _missing(v) and k not in swept]
+    text = f"policy {policy.get('kind', '?')}" + (f" ({', '.join(fixed)})" if fixed else "")
+    return "; ".join([text] + [f"{k} {value_range(v)}" for k, v in swept.items()])
+
+
+def describe(config: Mapping[str, Any], *, profile_name: str | None = None, num_replicas: int = 1,
+             rates_rps: Iterable[float] = (), varied: Mapping[str, Sequence] | None = None) -> str:
+    """One line naming what a figure shows: workload · model on GPU · replicas · policy · offered rate.
+
+    ``config`` is a run's resolved workload (meta.json "config"); ``varied``
+    maps a dotted key to the values it takes among the runs drawn, shown
+    instead of the config's value; ``rates_rps`` are the offered (realized)
+    rates, one for a run, the swept ones for a sweep.
+    """
+    varied = {k: v for k, v in (varied or {}).items() if k not in RATE_KEYS}
+    parts = [str(config.get("name") or "?"), _hardware(config.get("profile") or {}, profile_name, varied)]
+    if num_replicas > 1:
+        parts.append(f"{num_replicas} replicas")
+    parts.append(_policy(config.get("policy") or {}, varied))
+    parts += [f"{k.rsplit('.', 1)[-1]} {value_range(v)}" for k, v in varied.items()
+              if not k.startswith(("profile.", "policy."))]
+    rates = [r for r in rates_rps if not _missing(r)]
+    if rates:
+        parts.append(f"offered {value_range([float(f'{r:.3g}') for r in rates])} req/s")
+    return " · ".join(parts)
+
+
+def _wrap_parts(text: str, width: int) -> list[str]:
+    """Lines of at most ``width`` characters, broken between the " · " parts of ``describe`` first."""
+    lines: list[str] = []
+    for part in text.split(" · "):
+        if lines and len(lines[-1]) + 3 + len(part) <= width:
+            lines[-1] += " · " + part
+        else:
+            lines.append(part)
+    return [piece for line in lines for piece in textwrap.wrap(line, width)]
+
+
+def set_titles(fig: Figure, title: str, subtitle: str = "", *, fontsize: float = 11.5) -> None:
+    """Figure title plus the wrapped lines saying what the data is (``describe``)."""
+    width = int(fig.get_figwidth() * 12)
+    fig.suptitle("\n".join([title] + (_wrap_parts(subtitle, width) if subtitle else [])), fontsize=fontsize)
+
+
+# ----------------------------------------------------------------------------- series order, colours, legends
+
+def label_of(values: Mapping[str, Any], keys: Sequence[str]) -> str:
     """``{"policy.kind": "vllm", "policy.max_num_seqs": 64}`` -> ``"vllm, max_num_seqs=64"``."""
     parts = []
     for key in keys:
         short = key.rsplit(".", 1)[-1]
         value = values[key]
-        if value is None or (isinstance(value, float) and np.isnan(value)):
+        if _missing(value):
             continue                          # the key does not apply here (e.g. a static policy's token budget)
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        parts.append(str(value) if short in ("kind", "gpu", "model", "router") else f"{short}={value}")
+        parts.append(fmt_value(value) if short in ("kind", "gpu", "model", "router") else f"{short}={fmt_value(value)}")
     return ", ".join(parts) if parts else "all runs"
 
 
-def _groups(table: pd.DataFrame, group_cols: Sequence[str]):
-    """Yield (label, sub-table) per distinct combination of ``group_cols``, in table order."""
+def _column_rank(column: pd.Series):
+    """Sort key of one column's values: numbers ascending (missing last), others by first appearance."""
+    if pd.api.types.is_numeric_dtype(column):
+        return lambda v: (1, 0.0) if _missing(v) else (0, float(v))
+    first = {("<missing>" if _missing(v) else v): i for i, v in reversed(list(enumerate(column)))}
+    return lambda v: (0, first["<missing>" if _missing(v) else v])
+
+
+def ordered_groups(table: pd.DataFrame, group_cols: Sequence[str]) -> list[tuple[dict[str, Any], pd.DataFrame]]:
+    """(values, rows) per distinct combination of ``group_cols``, in series order (see module doc)."""
     if not group_cols:
-        yield "all runs", table
-        return
+        return [({}, table)]
+    ranks = [_column_rank(table[c]) for c in group_cols]
+    groups = []
     for key, sub in table.groupby(list(group_cols), sort=False, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
-        if len(group_cols) == 1:             # the legend title names the key; the label is the value
-            value = key[0]
-            yield (f"{int(value)}" if isinstance(value, float) and value.is_integer() else str(value)), sub
-        else:
-            yield label_of(dict(zip(group_cols, key)), group_cols), sub
+        groups.append((dict(zip(group_cols, key)), sub))
+    return sorted(groups, key=lambda g: tuple(rank(g[0][c]) for rank, c in zip(ranks, group_cols)))
 
 
-def _mean_over_reps(sub: pd.DataFrame, by: str, cols: Sequence[str]) -> pd.DataFrame:
-    """Mean, min and max of ``cols`` over repetitions at each value of ``by``, sorted by ``by``."""
-    agg = sub.groupby(by, sort=True)[list(cols)].agg(["mean", "min", "max"])
-    return agg
+def series_label(values: Mapping[str, Any], group_cols: Sequence[str]) -> str:
+    """The legend entry: the bare value for one key (the legend title names it), else ``label_of``."""
+    if len(group_cols) == 1:
+        return fmt_value(values[group_cols[0]])
+    return label_of(values, group_cols)
+
+
+def series_style(i: int) -> dict[str, Any]:
+    return {"color": PALETTE[i % len(PALETTE)], "marker": _MARKERS[i % len(_MARKERS)]}
+
+
+def series_colors(table: pd.DataFrame, group_cols: Sequence[str]) -> dict[str, Any]:
+    """``label_of`` text -> colour of each series, as the sweep figures colour it (for the run figures)."""
+    return {label_of(values, group_cols): series_style(i)["color"]
+            for i, (values, _) in enumerate(ordered_groups(table, group_cols))}
 
 
 def legend_title(group_cols: Sequence[str]) -> str | None:
-    return ", ".join(c.rsplit(".", 1)[-1] for c in group_cols) or None
+    """"rate (req/s)", "max_num_batched_tokens", or the section ("policy") when every key is in one."""
+    sections = {c.rsplit(".", 1)[0] for c in group_cols if "." in c}
+    if len(group_cols) > 1 and len(sections) == 1 and all("." in c for c in group_cols):
+        return sections.pop()
+    return ", ".join("rate (req/s)" if c == "arrivals.rate" else c.rsplit(".", 1)[-1] for c in group_cols) or None
 
 
-def _slo_line(ax, value_ms: float | None, label: str) -> None:
+def slo_line(ax, value_ms: float | None, metric: str, *, vertical: bool = False) -> None:
+    """A dashed line at an SLO threshold, labelled "TTFT SLO 2000 ms"."""
     if value_ms:
-        ax.axhline(value_ms, color="crimson", linestyle="--", linewidth=1.2, label=label)
+        draw = ax.axvline if vertical else ax.axhline
+        draw(value_ms, color=SLO_COLORS.get(metric, "crimson"), linestyle="--", linewidth=1.2,
+             label=f"{metric.upper()} SLO {value_ms:g} ms", gid=REFERENCE)
 
 
-def legend_below(fig: Figure, ax, *, exclude: Sequence[str] = ("SLO", "p99"), ncol: int = 2) -> None:
-    """Series legend under the panels (long labels would hide the data); reference lines keep
-    a small legend on each axis."""
-    handles, labels = ax.get_legend_handles_labels()
-    series = [(h, lab) for h, lab in zip(handles, labels) if not lab.startswith(tuple(exclude))]
-    fig.legend([h for h, _ in series], [lab for _, lab in series], loc="outside lower center", ncol=ncol, fontsize=8)
-    for a in fig.axes:
-        refs = [(h, lab) for h, lab in zip(*a.get_legend_handles_labels()) if lab.startswith(tuple(exclude))]
-        if refs:
-            a.legend([h for h, _ in refs], [lab for _, lab in refs], fontsize=8, loc="upper left")
+def legend_outside(fig: Figure, *, title: str | None = None, ncol: int | None = None) -> None:
+    """One legend under the panels for every labelled artist of every axis (data series, then
+    artists with gid ``REFERENCE``; each label once), so no legend covers data."""
+    series: dict[str, Any] = {}
+    refs: dict[str, Any] = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if not label.startswith("_"):
+                is_ref = getattr(handle, "get_gid", lambda: None)() == REFERENCE      # containers have no gid
+                (refs if is_ref else series).setdefault(label, handle)
+    entries = {**series, **{k: v for k, v in refs.items() if k not in series}}
+    if not entries:
+        return
+    longest = max(map(len, entries)) + (len(title) // 3 if title else 0)
+    ncol = ncol or max(1, min(len(entries), int(fig.get_figwidth() * 13) // (longest + 6)))
+    fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncol=ncol, fontsize=8,
+               title=title, title_fontsize=8)
 
 
-def latency_throughput(table: pd.DataFrame, *, rate_col: str, group_cols: Sequence[str],
-                       slo_ttft_ms: float | None = None, slo_itl_ms: float | None = None,
-                       title: str = "Latency vs achieved throughput") -> Figure:
-    """p99 TTFT and p99 ITL (ms, log) against achieved output throughput (tok/s).
+# ----------------------------------------------------------------------------- plan figures
 
-    One line per combination of ``group_cols``; points follow ``rate_col``
-    (the offered load) upwards; repetitions are averaged, whiskers show their
-    range. A curve bending up vertically is the saturation knee.
-    """
-    fig, axes = plt.subplots(1, 2, figsize=(FIG_WIDTH_IN, 4.4), constrained_layout=True)
-    metrics = [("p99_ttft_ms", "p99 TTFT (ms)", slo_ttft_ms), ("p99_itl_ms", "p99 ITL (ms)", slo_itl_ms)]
-    for ax, (metric, ylabel, slo) in zip(axes, metrics):
-        for i, (label, sub) in enumerate(_groups(table, group_cols)):
-            agg = _mean_over_reps(sub, rate_col, ["output_throughput", metric])
-            x, y = agg[("output_throughput", "mean")], agg[(metric, "mean")]
-            yerr = np.vstack([y - agg[(metric, "min")], agg[(metric, "max")] - y])
-            ax.errorbar(x, y, yerr=yerr if yerr.any() else None, marker=_MARKERS[i % len(_MARKERS)],
-                        markersize=5, capsize=2, label=label)
-        _slo_line(ax, slo, f"SLO {slo:g} ms" if slo else "")
-        ax.set_yscale("log")
-        ax.set_xlabel("achieved output throughput (tokens/s)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(ylabel.split(" (")[0] + f" as {rate_col.rsplit('.', 1)[-1]} rises")
-        ax.grid(True, which="both", alpha=0.3)
-    if len(group_cols) > 1 or len(axes[0].get_lines()) > 4:
-        legend_below(fig, axes[0], ncol=3)       # many or long labels would hide the curves
-    else:
-        axes[0].legend(fontsize=8, title=legend_title(group_cols), title_fontsize=8)
-    fig.suptitle(title, fontsize=13)
-    return plain_log_ticks(fig)
-
-
-def ttft_itl_tradeoff(table: pd.DataFrame, *, budget_col: str, group_cols: Sequence[str],
-                      slo_ttft_ms: float | None = None, slo_itl_ms: float | None = None,
-                      title: str = "TTFT vs ITL trade-off across the token budget") -> Figure:
-    """p99 TTFT (y) against p99 ITL (x), both ms and log, one point per budget value.
-
-    Each line joins the budgets of one group (e.g. one offered rate); points are
-    annotated with the budget. Small budgets sit left/up (short stalls, slow
-    prefill), large ones right/down; the knee is where the line turns.
-    """
-    fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN * 0.75, 5.2), constrained_layout=True)
-    for i, (label, sub) in enumerate(_groups(table, group_cols)):
-        agg = _mean_over_reps(sub, budget_col, ["p99_itl_ms", "p99_ttft_ms"])
-        x, y = agg[("p99_itl_ms", "mean")], agg[("p99_ttft_ms", "mean")]
-        line, = ax.plot(x, y, marker=_MARKERS[i % len(_MARKERS)], label=label)
-        for budget, xi, yi in zip(agg.index, x, y):
-            ax.annotate(f"{budget:g}" if isinstance(budget, (int, float)) else str(budget), (xi, yi),
-                        textcoords="offset points", xytext=(4, 4), fontsize=7, color=line.get_color())
-    if slo_ttft_ms:
-        ax.axhline(slo_ttft_ms, color="crimson", linestyle="--", linewidth=1.2, label=f"TTFT SLO {slo_ttft_ms:g} ms")
-    if slo_itl_ms:
-        ax.axvline(slo_itl_ms, color="darkorange", linestyle="--", linewidth=1.2, label=f"ITL SLO {slo_itl_ms:g} ms")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("p99 inter-token latency (ms)")
-    ax.set_ylabel("p99 time to first token (ms)")
-    ax.set_title(f"{title}\n(labels: {budget_col.rsplit('.', 1)[-1]})", fontsize=11)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, title=legend_title(group_cols), title_fontsize=8)
-    return plain_log_ticks(fig)
-
-
-def metric_vs_param(table: pd.DataFrame, *, param_col: str, group_cols: Sequence[str],
-                    metrics: Sequence[tuple[str, str]] = (("p99_ttft_ms", "p99 TTFT (ms)"),
-                                                          ("p99_itl_ms", "p99 ITL (ms)"),
-                                                          ("output_throughput", "output throughput (tokens/s)")),
-                    title: str | None = None) -> Figure:
-    """One panel per metric against ``param_col`` (log2 x when the values are powers of two)."""
-    fig, axes = plt.subplots(1, len(metrics), figsize=(FIG_WIDTH_IN, 4.0), constrained_layout=True, squeeze=False)
-    values = pd.to_numeric(table[param_col], errors="coerce").dropna()
-    log2 = len(values) > 0 and bool((values > 0).all()) and values.nunique() > 2 and values.max() / values.min() >= 8
-    for ax, (metric, ylabel) in zip(axes[0], metrics):
-        for i, (label, sub) in enumerate(_groups(table, group_cols)):
-            agg = _mean_over_reps(sub, param_col, [metric])
-            ax.plot(agg.index, agg[(metric, "mean")], marker=_MARKERS[i % len(_MARKERS)], label=label)
-        if log2:
-            ax.set_xscale("log", base=2)
-        if metric.endswith("_ms"):
-            ax.set_yscale("log")
-        ax.set_xlabel(param_col.rsplit(".", 1)[-1])
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=8, title=legend_title(group_cols), title_fontsize=8)
-    fig.suptitle(title or f"Metrics vs {param_col.rsplit('.', 1)[-1]}", fontsize=13)
-    return plain_log_ticks(fig)
-
-
-def capacity_bars(ranked: pd.DataFrame, *, target_rate: float) -> Figure:
+def capacity_bars(ranked: pd.DataFrame, *, target_rate: float, subtitle: str = "") -> Figure:
     """Per candidate: capacity of one replica (req/s), replicas needed, and cost per hour ($).
 
     ``ranked`` needs columns candidate, capacity_rps, replicas, cost_per_hour,
     meets_slo (bool, from the fleet check).
     """
     n = len(ranked)
-    fig, axes = plt.subplots(1, 3, figsize=(FIG_WIDTH_IN, 0.45 * n + 2.2), constrained_layout=True, sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(FIG_WIDTH_IN, 0.45 * n + 2.4), layout="constrained", sharey=True)
     y = np.arange(n)
     colors = ["tab:green" if ok else "tab:gray" for ok in ranked["meets_slo"]]
     panels = [("capacity_rps", "capacity of one replica (req/s)"), ("replicas", f"replicas for {target_rate:g} req/s"),
@@ -224,47 +264,47 @@ def capacity_bars(ranked: pd.DataFrame, *, target_rate: float) -> Figure:
         ax.margins(x=0.18)
     axes[0].set_yticks(y, ranked["candidate"], fontsize=8)
     axes[0].invert_yaxis()
-    fig.suptitle("Candidates, cheapest first (green: fleet verified within SLO)", fontsize=12)
+    set_titles(fig, "Candidates, cheapest first (green: fleet verified within SLO)", subtitle)
     return plain_log_ticks(fig)
 
 
 def search_curves(evals: pd.DataFrame, *, slo_ttft_ms: float | None, slo_itl_ms: float | None,
-                  slo_tpot_ms: float | None = None) -> Figure:
+                  slo_tpot_ms: float | None = None, subtitle: str = "") -> Figure:
     """p99 TTFT and p99 ITL (ms, log) against offered rate for every rate the bisection tried.
 
     ``evals`` needs candidate, rate_rps, passed, p99_ttft_ms, p99_itl_ms.
     Filled markers passed every check, hollow ones failed one (SLO or stability).
     """
-    second = ("p99_tpot_ms", "p99 TPOT (ms)", slo_tpot_ms) if slo_tpot_ms and not slo_itl_ms else \
-        ("p99_itl_ms", "p99 ITL (ms)", slo_itl_ms)
+    second = ("p99_tpot_ms", "p99 TPOT (ms)", "tpot", slo_tpot_ms) if slo_tpot_ms and not slo_itl_ms else \
+        ("p99_itl_ms", "p99 ITL (ms)", "itl", slo_itl_ms)
     num_rows = (evals["candidate"].nunique() + 2) // 2
-    fig, axes = plt.subplots(1, 2, figsize=(FIG_WIDTH_IN, 4.2 + 0.2 * num_rows), layout="constrained")
-    for ax, (metric, ylabel, slo) in zip(axes, [("p99_ttft_ms", "p99 TTFT (ms)", slo_ttft_ms), second]):
-        for i, (name, sub) in enumerate(evals.groupby("candidate", sort=False)):
+    fig, axes = plt.subplots(1, 2, figsize=(FIG_WIDTH_IN, 4.4 + 0.2 * num_rows), layout="constrained")
+    for ax, (metric, ylabel, name, slo) in zip(axes, [("p99_ttft_ms", "p99 TTFT (ms)", "ttft", slo_ttft_ms), second]):
+        for i, (values, sub) in enumerate(ordered_groups(evals, ["candidate"])):
             sub = sub.sort_values("rate_rps")
-            m = _MARKERS[i % len(_MARKERS)]
-            line, = ax.plot(sub["rate_rps"], sub[metric], linewidth=1, alpha=0.8, label=name, marker=m,
-                            markersize=5.5, markerfacecolor="none")       # every trial hollow ...
+            style = series_style(i)
+            ax.plot(sub["rate_rps"], sub[metric], linewidth=1, alpha=0.8, label=values["candidate"],
+                    markersize=5.5, markerfacecolor="none", **style)               # every trial hollow ...
             ok = sub["passed"].astype(bool)
-            ax.scatter(sub.loc[ok, "rate_rps"], sub.loc[ok, metric], marker=m, color=line.get_color(),
-                       s=28)                                             # ... passes filled
-        _slo_line(ax, slo, f"SLO {slo:g} ms" if slo else "")
+            ax.scatter(sub.loc[ok, "rate_rps"], sub.loc[ok, metric], marker=style["marker"], color=style["color"],
+                       s=28)                                                       # ... passes filled
+        slo_line(ax, slo, name)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("offered rate, one replica (req/s)")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
-    legend_below(fig, axes[0])
-    fig.suptitle("Capacity search: every rate tried (hollow = failed SLO or unstable)", fontsize=12)
+    legend_outside(fig)
+    set_titles(fig, "Capacity search: every rate tried (hollow = failed SLO or unstable)", subtitle)
     return plain_log_ticks(fig)
 
 
-def replica_balance(replicas: pd.DataFrame, *, title: str) -> Figure:
+def replica_balance(replicas: pd.DataFrame, *, title: str, subtitle: str = "") -> Figure:
     """Per-replica completed requests, output throughput and p99 TTFT of a fleet run.
 
     ``replicas`` needs replica, completed, output_throughput, p99_ttft_ms.
     """
-    fig, axes = plt.subplots(1, 3, figsize=(FIG_WIDTH_IN, 3.4), constrained_layout=True)
+    fig, axes = plt.subplots(1, 3, figsize=(FIG_WIDTH_IN, 3.6), layout="constrained")
     panels = [("completed", "completed requests"), ("output_throughput", "output throughput (tokens/s)"),
               ("p99_ttft_ms", "p99 TTFT (ms)")]
     x = replicas["replica"].astype(str)
@@ -275,5 +315,5 @@ def replica_balance(replicas: pd.DataFrame, *, title: str) -> Figure:
         ax.grid(True, axis="y", alpha=0.3)
         if len(x) > 16:
             ax.tick_params(axis="x", labelsize=6, rotation=90)
-    fig.suptitle(title, fontsize=12)
+    set_titles(fig, title, subtitle)
     return plain_log_ticks(fig)

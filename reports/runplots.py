@@ -7,17 +7,22 @@ Inputs are the DataFrames of a ``RunResult`` (``requests``, ``steps``,
 from __future__ import annotations
 
 import heapq
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from reports.plots import FIG_WIDTH_IN, legend_below, plain_log_ticks, plt
+from reports.plots import (FIG_WIDTH_IN, REFERENCE, legend_outside, plain_log_ticks, plt, series_style, set_titles,
+                           slo_line)
 
 BATCH_HOLDING_POLICIES = frozenset({"static", "dynamic"})   # a slot is held until the batch's last request ends
-MAX_TIMELINE_POINTS = 4000
+NUM_TIME_BINS = 240
+TOKEN_COLUMNS = ("num_decode_tokens", "num_prefill_tokens", "num_pad_tokens")
+STATE_COLUMNS = ("num_running", "num_waiting", "batch_size", "kv_used_blocks", "kv_total_blocks")
+STACK = [("num_decode_tokens", "tab:blue", "decode"), ("num_prefill_tokens", "tab:orange", "prefill"),
+         ("num_pad_tokens", "tab:gray", "padding (computed, thrown away)")]
 
 
 def itl_s(tokens: pd.DataFrame) -> np.ndarray:
@@ -30,82 +35,132 @@ def itl_s(tokens: pd.DataFrame) -> np.ndarray:
     return np.diff(t)[same]
 
 
-def _ecdf(ax, values_ms: np.ndarray, label: str) -> None:
+def _ecdf(ax, values_ms: np.ndarray, label: str, color: Any) -> int:
+    """Draw the empirical CDF; return how many values it holds."""
     values_ms = np.sort(values_ms[np.isfinite(values_ms)])
-    if len(values_ms) == 0:
-        return
-    frac = np.arange(1, len(values_ms) + 1) / len(values_ms)
-    ax.plot(np.maximum(values_ms, 1e-3), frac, drawstyle="steps-post", label=f"{label} (n={len(values_ms):,})")
+    if len(values_ms):
+        frac = np.arange(1, len(values_ms) + 1) / len(values_ms)
+        ax.plot(np.maximum(values_ms, 1e-3), frac, drawstyle="steps-post", color=color, label=label)
+    return len(values_ms)
 
 
 def latency_cdfs(runs: Mapping[str, tuple[pd.DataFrame, pd.DataFrame]], *, slo_ttft_ms: float | None = None,
-                 slo_itl_ms: float | None = None, title: str = "Latency distributions") -> Figure:
+                 slo_itl_ms: float | None = None, title: str = "Latency distributions", subtitle: str = "",
+                 colors: Mapping[str, Any] | None = None) -> Figure:
     """CDFs of TTFT (per finished request) and ITL (per token gap), ms on log x.
 
-    ``runs`` maps a label to ``(requests, tokens)``.
+    ``runs`` maps a label to ``(requests, tokens)``, drawn in that order;
+    ``colors`` maps a label to its colour (default: series i gets colour i).
     """
-    fig, axes = plt.subplots(1, 2, figsize=(FIG_WIDTH_IN, 4.2 + 0.2 * len(runs)), layout="constrained")
-    for label, (requests, tokens) in runs.items():
+    colors = colors or {}
+    fig, axes = plt.subplots(1, 2, figsize=(FIG_WIDTH_IN, 4.6 + 0.15 * len(runs)), layout="constrained")
+    counts: list[list[int]] = [[], []]
+    for i, (label, (requests, tokens)) in enumerate(runs.items()):
+        color = colors.get(label, series_style(i)["color"])
         finished = requests[requests["status"] == "finished"]
-        _ecdf(axes[0], finished["ttft_s"].to_numpy(dtype=float) * 1e3, label)
-        _ecdf(axes[1], itl_s(tokens) * 1e3, label)
-    for ax, name, slo in [(axes[0], "time to first token", slo_ttft_ms), (axes[1], "inter-token latency", slo_itl_ms)]:
-        ax.axhline(0.99, color="gray", linestyle=":", linewidth=1, label="p99")
-        if slo:
-            ax.axvline(slo, color="crimson", linestyle="--", linewidth=1.2, label=f"SLO {slo:g} ms")
+        counts[0].append(_ecdf(axes[0], finished["ttft_s"].to_numpy(dtype=float) * 1e3, label, color))
+        counts[1].append(_ecdf(axes[1], itl_s(tokens) * 1e3, label, color))
+    for ax, name, metric, slo, n, unit in [(axes[0], "time to first token", "ttft", slo_ttft_ms, counts[0], "requests"),
+                                           (axes[1], "inter-token latency", "itl", slo_itl_ms, counts[1], "gaps")]:
+        ax.axhline(0.99, color="gray", linestyle=":", linewidth=1, label="p99", gid=REFERENCE)
+        slo_line(ax, slo, metric, vertical=True)
         ax.set_xscale("log")
         ax.set_ylim(0, 1.01)
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("fraction ≤ x")
-        ax.set_title(f"CDF of {name}")
+        count = f"{min(n):,}" if min(n) == max(n) else f"{min(n):,}–{max(n):,}"
+        ax.set_title(f"CDF of {name} ({count} {unit}" + (" per run)" if len(n) > 1 else ")"), fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-    legend_below(fig, axes[0], ncol=1 if max(map(len, runs), default=0) > 40 else 2)
-    fig.suptitle(title, fontsize=13)
+    legend_outside(fig)
+    set_titles(fig, title, subtitle)
     return plain_log_ticks(fig)
 
 
-def _binned(steps: pd.DataFrame) -> tuple[pd.DataFrame, bool]:
-    """Average the step table into at most MAX_TIMELINE_POINTS time bins (mean per step in a bin)."""
-    if len(steps) <= MAX_TIMELINE_POINTS:
-        return steps, False
-    bins = pd.cut(steps["t_s"], MAX_TIMELINE_POINTS, labels=False)
-    return steps.groupby(bins).mean(numeric_only=True), True
+def _spread(t: np.ndarray, end: np.ndarray, counts: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Per bin, the part of ``counts`` computed inside it: each step's count spread evenly over
+    its [t, end) (steps of one replica follow each other, so the running total rises
+    piecewise linearly and is flat while the server idles)."""
+    done = np.cumsum(counts)
+    knots_t = np.column_stack([t, end]).ravel()
+    knots_done = np.column_stack([done - counts, done]).ravel()
+    return np.diff(np.interp(edges, knots_t, knots_done))
 
 
-def run_timeline(steps: pd.DataFrame, *, replica: int | None = None, title: str = "Run time line") -> Figure:
-    """Four panels over simulated time: batch size, running/waiting requests,
-    KV-cache use (% of blocks), prefill/decode/pad tokens per step.
+def timeline_bins(steps: pd.DataFrame, num_bins: int) -> tuple[pd.DataFrame, float]:
+    """The step table of one replica (sorted by time) in ``num_bins`` equal time bins; returns
+    (bins, bin width s).
 
-    ``replica``: which replica to draw (default: the first in the table).
+    Token columns become rates: the tokens computed inside a bin (a step's
+    tokens spread over its duration) divided by the bin width. State columns
+    (running, waiting, batch size, KV blocks) are the mean over the steps
+    that start in a bin, carried through bins that a longer step still
+    covers, and NaN (a gap) in bins where the server idles.
     """
+    t = steps["t_s"].to_numpy(dtype=float)
+    end = t + steps["duration_s"].to_numpy(dtype=float)
+    t0, t1 = float(t.min()), float(end.max())
+    width = max(t1 - t0, 1e-9) / num_bins
+    edges = t0 + width * np.arange(num_bins + 1)
+    rates = pd.DataFrame({c: _spread(t, end, steps[c].to_numpy(dtype=float), edges) / width
+                          for c in TOKEN_COLUMNS if c in steps.columns})
+    first = np.minimum(((t - t0) / width).astype(int), num_bins - 1)
+    last = np.minimum(((end - t0) / width).astype(int), num_bins - 1)
+    cover = np.zeros(num_bins + 1, int)               # +1 at a step's first bin, -1 after its last
+    np.add.at(cover, first, 1)
+    np.add.at(cover, last + 1, -1)
+    state = [c for c in STATE_COLUMNS if c in steps.columns]
+    means = steps.assign(bin=first).groupby("bin")[state].mean().reindex(range(num_bins)).ffill()
+    means.loc[np.cumsum(cover[:-1]) == 0] = np.nan
+    return pd.concat([rates, means], axis=1).assign(t_s=edges[:-1]), width
+
+
+def run_timeline(steps: pd.DataFrame, *, replica: int | None = None, title: str = "Run time line",
+                 subtitle: str = "", num_bins: int = NUM_TIME_BINS) -> Figure:
+    """Three panels over simulated time, binned (``timeline_bins``): tokens computed per
+    second stacked decode / prefill / padding, request counts (running, waiting, batch size),
+    and KV-cache use (% of blocks).
+
+    Decode sits at the bottom of the stack, so its steady rate stays visible
+    under the spikes of prefill that dominate token counts. ``replica``: which
+    replica to draw (default: the first in the table).
+    """
+    num_replicas = steps["replica"].nunique() if "replica" in steps.columns else 1
     if "replica" in steps.columns and len(steps):
-        replica = int(steps["replica"].iloc[0]) if replica is None else replica
+        replica = int(steps["replica"].min()) if replica is None else replica
         steps = steps[steps["replica"] == replica]
-        title = f"{title} (replica {replica})" if steps["replica"].nunique() == 1 else title
-    data, binned = _binned(steps.sort_values("t_s"))
-    t = data["t_s"].to_numpy()
-    fig, axes = plt.subplots(4, 1, figsize=(FIG_WIDTH_IN, 9.0), sharex=True, constrained_layout=True)
-    axes[0].plot(t, data["batch_size"], drawstyle="steps-post", color="tab:blue")
-    axes[0].set_ylabel("batch size\n(requests)")
-    axes[1].plot(t, data["num_running"], drawstyle="steps-post", label="running", color="tab:green")
-    axes[1].plot(t, data["num_waiting"], drawstyle="steps-post", label="waiting", color="tab:red")
-    axes[1].set_ylabel("requests")
-    axes[1].legend(fontsize=8, loc="upper left")
-    total = data["kv_total_blocks"].replace(0, np.nan)
-    axes[2].plot(t, 100.0 * data["kv_used_blocks"] / total, drawstyle="steps-post", color="tab:purple")
+    bins, width = timeline_bins(steps.sort_values("t_s"), max(1, min(num_bins, len(steps) // 4)))
+    edges = np.append(bins["t_s"].to_numpy(), bins["t_s"].iloc[-1] + width)
+    fig, axes = plt.subplots(3, 1, figsize=(FIG_WIDTH_IN, 8.4), sharex=True, layout="constrained",
+                             gridspec_kw={"height_ratios": [2.2, 1.3, 1.0]})
+    below = np.zeros(len(bins))
+    for col, color, label in STACK:
+        if col in bins.columns and bins[col].any():
+            top = below + bins[col].to_numpy()
+            axes[0].fill_between(edges, np.append(below, below[-1]), np.append(top, top[-1]), step="post",
+                                 color=color, alpha=0.85, linewidth=0, label=label)
+            below = top
+    axes[0].set_ylabel("tokens computed\nper second")
+    axes[1].plot(edges[:-1], bins["num_running"], drawstyle="steps-post", color="tab:green", label="running")
+    axes[1].plot(edges[:-1], bins["num_waiting"], drawstyle="steps-post", color="tab:red", label="waiting")
+    axes[1].plot(edges[:-1], bins["batch_size"], drawstyle="steps-post", color="black", linewidth=0.8,
+                 linestyle="--", label="batch size (requests per step)")
+    axes[1].set_ylabel("requests\n(mean over steps)")
+    kv_pct = 100.0 * bins["kv_used_blocks"] / bins["kv_total_blocks"].replace(0, np.nan)
+    axes[2].fill_between(edges[:-1], 0, kv_pct, step="post", color="tab:purple", alpha=0.5,
+                         label=f"KV cache used (peak {kv_pct.max():.0f}% of {int(bins['kv_total_blocks'].max()):,} "
+                               f"blocks)")
+    axes[2].set_ylim(0, min(100.0, max(5.0, 1.2 * float(kv_pct.max() or 0))))
     axes[2].set_ylabel("KV cache used\n(% of blocks)")
-    axes[2].set_ylim(0, 105)
-    for col, color, label in [("num_prefill_tokens", "tab:orange", "prefill"),
-                              ("num_decode_tokens", "tab:blue", "decode"), ("num_pad_tokens", "tab:gray", "padding")]:
-        if col in data.columns and data[col].any():
-            axes[3].plot(t, data[col], drawstyle="steps-post", color=color, label=label, linewidth=1)
-    axes[3].set_ylabel("tokens per step")
-    axes[3].legend(fontsize=8, loc="upper left")
-    axes[3].set_xlabel("simulated time (s)")
+    axes[2].set_xlabel("simulated time (s)")
     for ax in axes:
         ax.grid(True, alpha=0.3)
-    note = " — each point is the mean over the steps of a time bin" if binned else ""
-    fig.suptitle(title + note, fontsize=12)
+        ax.set_ylim(bottom=0)
+    axes[0].set_xlim(edges[0], edges[-1])
+    legend_outside(fig)
+    where = f"replica {replica} of {num_replicas}; " if num_replicas > 1 else ""
+    set_titles(fig, title, subtitle)
+    axes[0].set_title(f"{where}{width:.3g} s bins: tokens computed in a bin / bin width; counts and KV use: "
+                      f"mean over the steps starting in it (gaps: server idle)", fontsize=9)
     return fig
 
 
@@ -191,15 +246,15 @@ def _window_end_s(iv: pd.DataFrame, max_requests: int) -> float:
 
 
 def slot_occupancy(runs: Mapping[str, tuple[pd.DataFrame, pd.DataFrame | None, str]], *, max_requests: int = 60,
-                   title: str = "Batch-slot occupancy") -> Figure:
+                   title: str = "Batch-slot occupancy (colour = request)", subtitle: str = "") -> Figure:
     """One lane chart per run, on a shared time axis: which request occupies each batch slot.
 
-    ``runs`` maps a label to ``(requests, tokens, policy_kind)``; only the
-    first replica is drawn. Hatched: scheduled, prefilling (until its first
-    token); solid: decoding; dotted grey: slot held by a request that has
-    produced all its tokens, until its result returns (static/dynamic batching
-    return a batch together). The window ends when the run with the fastest
-    turnover has started ``max_requests`` requests.
+    ``runs`` maps a label to ``(requests, tokens, policy_kind)``; every run is
+    drawn, first replica only. Hatched: scheduled, prefilling (until its
+    first token); solid: decoding; dotted grey: slot held by a request that
+    has produced all its tokens, until its result returns (static/dynamic
+    batching return a batch together). The window ends when the run with the
+    fastest turnover has started ``max_requests`` requests.
     """
     intervals = {}
     for label, (requests, tokens, kind) in runs.items():
@@ -208,10 +263,11 @@ def slot_occupancy(runs: Mapping[str, tuple[pd.DataFrame, pd.DataFrame | None, s
             requests = requests[requests["replica"] == first]
         intervals[label] = slot_intervals(requests, tokens, holds_until_batch_end=kind in BATCH_HOLDING_POLICIES)
     t_end_s = min(_window_end_s(iv, max_requests) for iv in intervals.values())
-    fig, axes = plt.subplots(len(runs), 1, figsize=(FIG_WIDTH_IN, 2.6 * len(runs) + 1.0), sharex=True,
-                             constrained_layout=True, squeeze=False)
+    lane_in = 2.6 if len(runs) <= 2 else 1.9
+    fig, axes = plt.subplots(len(runs), 1, figsize=(FIG_WIDTH_IN, lane_in * len(runs) + 1.4), sharex=True,
+                             layout="constrained", squeeze=False)
     for ax, (label, iv) in zip(axes[:, 0], intervals.items()):
-        ax.set_title(f"{label}: {_draw_slots(ax, iv, t_end_s)}", fontsize=10)
+        ax.set_title(f"{label}: {_draw_slots(ax, iv, t_end_s)}", fontsize=9)
     axes[-1, 0].set_xlabel("simulated time (s)")
     handles = [Patch(facecolor="lightsteelblue", hatch="////", edgecolor="black", label="scheduled, prefilling"),
                Patch(facecolor="lightsteelblue", edgecolor="black", label="decoding"),
@@ -219,5 +275,5 @@ def slot_occupancy(runs: Mapping[str, tuple[pd.DataFrame, pd.DataFrame | None, s
                      label="done, slot held until its batch returns"),
                Patch(facecolor="white", edgecolor="lightgray", label="empty slot")]
     fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=8)
-    fig.suptitle(f"{title} (colour = request)", fontsize=12)
+    set_titles(fig, title, subtitle)
     return fig

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from reports import plots, runplots
+from reports import plots, runplots, sweepplots
 from reports.report import regenerate
 from sim.config import ConfigError
 
@@ -41,9 +41,9 @@ def texts(fig) -> str:
 
 def test_sweep_figures_have_titles_units_and_legends(tmp_path: Path) -> None:
     table = sweep_table()
-    fig = plots.latency_throughput(table, rate_col="arrivals.rate",
-                                   group_cols=["policy.kind", "policy.max_num_batched_tokens"],
-                                   slo_ttft_ms=200, slo_itl_ms=50)
+    fig = sweepplots.latency_throughput(table, rate_col="arrivals.rate",
+                                        group_cols=["policy.kind", "policy.max_num_batched_tokens"],
+                                        limits={"p99_ttft_ms": 200, "p99_itl_ms": 50})
     t = texts(fig)
     assert "tokens/s" in t and "p99 TTFT (ms)" in t and "sarathi, max_num_batched_tokens=1024" in t
     assert fig.axes[0].get_yscale() == "log"
@@ -51,10 +51,10 @@ def test_sweep_figures_have_titles_units_and_legends(tmp_path: Path) -> None:
     assert [p.suffix for p in paths] == [".png", ".svg"] and all(p.stat().st_size > 1000 for p in paths)
     assert not list(tmp_path.glob(".*tmp"))                  # written atomically, nothing left behind
 
-    fig = plots.ttft_itl_tradeoff(table, budget_col="policy.max_num_batched_tokens", group_cols=["arrivals.rate"])
+    fig = sweepplots.ttft_itl_tradeoff(table, budget_col="policy.max_num_batched_tokens", group_cols=["arrivals.rate"])
     assert "p99 inter-token latency (ms)" in texts(fig)
     assert len(fig.axes[0].texts) == 3 * 3                   # every (rate, budget) point is annotated
-    fig = plots.metric_vs_param(table, param_col="policy.max_num_batched_tokens", group_cols=["policy.kind"])
+    fig = sweepplots.metric_vs_param(table, param_col="policy.max_num_batched_tokens", group_cols=["policy.kind"])
     assert fig.axes[0].get_xscale() == "log"                 # 256..4096: powers of two on a log2 axis
 
 
@@ -121,8 +121,8 @@ def test_run_figures_on_real_runs(tmp_path: Path) -> None:
     assert "of held slot-time is idle" in fig.axes[0].get_title()        # static keeps finished slots
     assert "idle" not in fig.axes[1].get_title()                         # continuous batching refills them
     fig = runplots.run_timeline(vllm.steps, title="t")
-    assert [ax.get_ylabel() for ax in fig.axes] == ["batch size\n(requests)", "requests",
-                                                    "KV cache used\n(% of blocks)", "tokens per step"]
+    assert [ax.get_ylabel() for ax in fig.axes] == ["tokens computed\nper second", "requests\n(mean over steps)",
+                                                    "KV cache used\n(% of blocks)"]
     fig = runplots.latency_cdfs({"a": (vllm.requests, vllm.tokens)}, slo_ttft_ms=500)
     assert "time to first token (ms)" in texts(fig)
 
