@@ -106,3 +106,16 @@ def test_checks_catch_a_broken_page(chromium: str, tmp_path: Path) -> None:
     with pytest.raises(AssertionError):
         dom, pixels = load_in_chromium(chromium, page, tmp_path)
         assert_figures_rendered(dom, pixels, page)
+
+
+def test_validation_report_in_chromium(chromium: str, tmp_path: Path) -> None:
+    """`sim validate --measured` (no torch, no server): its report.html in the browser."""
+    from test_server_validate import PROFILE, WORKLOAD, bench_dict, write
+    wl = write(tmp_path, WORKLOAD, "w.yaml")
+    bench = write(tmp_path, bench_dict())
+    out = tmp_path / "validation"
+    assert sim_main(["validate", str(wl), "--measured", str(bench), "--profile", str(PROFILE),
+                     "--out", str(out)]) == 0
+    dom, pixels = load_in_chromium(chromium, out / "report.html", tmp_path)
+    assert "Verdict" in dom and "against a vLLM server" in dom
+    assert_figures_rendered(dom, pixels, out / "report.html")

@@ -199,6 +199,8 @@ def test_plan_writes_a_ranked_self_contained_report(tmp_path: Path, capsys, monk
 def test_plan_report_opens_in_headless_chromium(tmp_path: Path) -> None:
     chromium = next((p for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser") if os.path.exists(p)), None)
     if chromium is None:
+        if os.environ.get("BATCHSIM_REQUIRE_CHROMIUM") == "1":      # .ci/run: a real dependency
+            pytest.fail("BATCHSIM_REQUIRE_CHROMIUM=1 but /usr/bin/chromium is not installed")
         pytest.skip("/usr/bin/chromium is not installed")
     out = run_plan_file(write_plan(tmp_path, candidates=CANDIDATES[:1], policies=["vllm"]), out=tmp_path / "out",
                         jobs=1, progress=False)
