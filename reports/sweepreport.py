@@ -21,11 +21,11 @@ MAX_TABLE_ROWS = 200
 MAX_COMPARED_RUNS = 6
 
 
-def _nonconstant(table: pd.DataFrame, cols: list[str]) -> list[str]:
+def nonconstant(table: pd.DataFrame, cols: list[str]) -> list[str]:
     return [c for c in cols if c in table.columns and table[c].nunique(dropna=False) > 1]
 
 
-def _in_sweep_order(table: pd.DataFrame, grid: list[str], vary: dict[str, list[Any]]) -> pd.DataFrame:
+def in_sweep_order(table: pd.DataFrame, grid: list[str], vary: dict[str, list[Any]]) -> pd.DataFrame:
     """Rows sorted by the grid columns: numbers ascending, other values in the order the sweep file
     lists them (workers append rows as they finish, so the table's own order changes run to run)."""
     listed: dict[str, list[Any]] = {}
@@ -61,6 +61,29 @@ def _sweep_config(d: Path, meta: dict[str, Any]) -> tuple[dict[str, Any], str | 
 def _rate_text(rate_col: str):
     short = rate_col.rsplit(".", 1)[-1]
     return (lambda v: f"{v:g} req/s") if rate_col == "arrivals.rate" else (lambda v: f"{short} {v:g}")
+
+
+def knee_of_sweep(table: pd.DataFrame, grid: list[str], slo: dict[str, Any]) -> tuple | None:
+    """(cells, knee table, budget column, rate column, limits) when the sweep crosses the token
+    budget with a rate and has an SLO, else None: the one place report and terminal find the knee."""
+    limits = knee.slo_limits(slo, table.columns)
+    rate_col = next((c for c in RATE_COLUMNS if c in grid and table[c].nunique() > 1), None)
+    budget_col = BUDGET_COLUMN if BUDGET_COLUMN in grid and table[BUDGET_COLUMN].nunique() > 1 else None
+    if not (budget_col and rate_col and limits):
+        return None
+    cells = knee.knee_cells(table.dropna(subset=[budget_col]), budget_col=budget_col, rate_col=rate_col,
+                            limits=limits)
+    return cells, knee.knee_table(cells, budget_col=budget_col, rate_col=rate_col), budget_col, rate_col, limits
+
+
+def knee_line(table: pd.DataFrame, grid: list[str], slo: dict[str, Any]) -> str | None:
+    """The knee headline for the terminal (None when the sweep has no knee to name)."""
+    found = knee_of_sweep(table, grid, slo)
+    if found is None:
+        return None
+    _, kt, budget_col, rate_col, _ = found
+    return knee.knee_headline(kt, budget_name=budget_col.rsplit(".", 1)[-1], rate_text=_rate_text(rate_col)) + \
+        f" ({knee.RULE})"
 
 
 def knee_section(figs: Figures, cells: pd.DataFrame, kt: pd.DataFrame, *, budget_col: str, rate_col: str,
@@ -131,7 +154,7 @@ def sweep_figures(figs: Figures, table: pd.DataFrame, *, grid: list[str], rate_c
     if budget_col:
         rows = table.dropna(subset=[budget_col])
         fig = sweepplots.ttft_itl_tradeoff(
-            rows, budget_col=budget_col, group_cols=_nonconstant(rows, [c for c in grid if c != budget_col]),
+            rows, budget_col=budget_col, group_cols=nonconstant(rows, [c for c in grid if c != budget_col]),
             limits=limits, rate_col=rate_col, subtitle=subtitle,
             recommended=dict(zip(kt["rate"], kt["recommended"])) if kt is not None else None,
             knee_rate=knee.knee_rate(kt) if kt is not None else None)
@@ -144,7 +167,7 @@ def sweep_figures(figs: Figures, table: pd.DataFrame, *, grid: list[str], rate_c
         rows = table.dropna(subset=[param])
         fig = sweepplots.metric_vs_param(rows, param_col=param, limits=limits, subtitle=subtitle,
                                          metrics=("p99_ttft_ms", sweepplots.decode_metric(limits), "output_throughput"),
-                                         group_cols=_nonconstant(rows, [c for c in grid if c != param]))
+                                         group_cols=nonconstant(rows, [c for c in grid if c != param]))
         images.append(figs.save(fig, f"metrics_vs_{param.rsplit('.', 1)[-1]}", f"Key metrics against {param}"))
     return images
 
@@ -168,8 +191,8 @@ def sweep_report(d: Path) -> list[Path]:
     """Report of a sweep directory: tables and figures chosen from what the grid varies."""
     meta = json.loads((d / "sweep.json").read_text()) if (d / "sweep.json").is_file() else {}
     table = pd.read_csv(d / "results.csv")
-    grid = _nonconstant(table, meta.get("grid_columns") or [c for c in table.columns if "." in c])
-    table = _in_sweep_order(table, grid, meta.get("vary") or {})
+    grid = nonconstant(table, meta.get("grid_columns") or [c for c in table.columns if "." in c])
+    table = in_sweep_order(table, grid, meta.get("vary") or {})
     slo = meta.get("slo") or {}
     limits = knee.slo_limits(slo, table.columns)
     rate_col = next((c for c in RATE_COLUMNS if c in grid and table[c].nunique() > 1), None)
@@ -193,10 +216,8 @@ def sweep_report(d: Path) -> list[Path]:
         doc.add(Callout("Some runs rejected requests (longer than the model context or the policy's limit); "
                         "see the 'failed' column.", kind="note"))
     kt = None
-    if budget_col and rate_col and limits:
-        cells = knee.knee_cells(table.dropna(subset=[budget_col]), budget_col=budget_col, rate_col=rate_col,
-                                limits=limits)
-        kt = knee.knee_table(cells, budget_col=budget_col, rate_col=rate_col)
+    if (found := knee_of_sweep(table, grid, slo)) is not None:
+        cells, kt = found[0], found[1]
         doc.add(*knee_section(figs, cells, kt, budget_col=budget_col, rate_col=rate_col, limits=limits,
                               subtitle=subtitle))
     elif budget_col:

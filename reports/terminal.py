@@ -140,6 +140,11 @@ def print_sweep(out_dir: Path, console: Console | None = None) -> None:
     if slo:
         console.print("SLO met: " + " and ".join(f"p99 {k[:-3].upper()} <= {v:g} ms" for k, v in slo.items())
                       + ", no request rejected")
+    from reports.sweepreport import in_sweep_order, nonconstant, knee_line
+    grid = nonconstant(table, meta.get("grid_columns") or [c for c in table.columns if "." in c])
+    line = knee_line(in_sweep_order(table, grid, meta.get("vary") or {}), grid, meta.get("slo") or {})
+    if line:
+        console.print(line)
     report = out_dir / "report.html"
     console.print(f"results: {out_dir / 'results.csv'}" + (f"; report: {report}" if report.is_file() else ""))
 

@@ -218,3 +218,24 @@ def test_bad_set_on_a_sweep_is_one_line(tmp_path: Path, capsys, extra: list[str]
     assert main(["sweep", str(path), "--out", str(tmp_path / "out"), "--quiet", *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_terminal_names_the_knee_of_a_budget_sweep() -> None:
+    """The knee line `sim sweep` prints, on a hand-made 2 x 2 grid with SLO p99 TTFT <= 1000 ms,
+    p99 TPOT <= 50 ms:
+      8 req/s:  budget 256 (TTFT 300, TPOT 20) and 1024 (TTFT 200, TPOT 40) both meet; the lower TTFT wins: 1024
+      16 req/s: budget 256 (TTFT 5000) misses; 1024 (TTFT 900, TPOT 45) meets -> the knee is at 16 req/s
+    and with a third rate, 32 req/s, where both miss, the line says none does there."""
+    import pandas as pd
+
+    from reports.sweepreport import knee_line
+    grid = ["policy.max_num_batched_tokens", "arrivals.rate"]
+    table = pd.DataFrame({"policy.max_num_batched_tokens": [256, 1024, 256, 1024, 256, 1024],
+                          "arrivals.rate": [8, 8, 16, 16, 32, 32],
+                          "p99_ttft_ms": [300, 200, 5000, 900, 9000, 4000],
+                          "p99_tpot_ms": [20, 40, 25, 45, 30, 70],
+                          "output_throughput": [1.0] * 6})
+    line = knee_line(table, grid, {"ttft_ms": 1000, "tpot_ms": 50})
+    assert line.startswith("Knee at 16 req/s: max_num_batched_tokens 1024 meets the SLO there, recommended 1024; "
+                           "none does at 32 req/s and above"), line
+    assert knee_line(table, grid, {}) is None                    # no SLO: no knee to name
