@@ -79,8 +79,25 @@ def _inline(fn: Callable[[T], Any], tasks: Sequence[T]) -> Iterator[Outcome[T]]:
             yield Outcome(task, result=result)
 
 
+PARENT_POLL_S = 0.5
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Pool-worker initializer: exit as soon as the sweep's main process is gone. A ``kill -9`` of
+    the main process runs no clean-up, and idle spawned workers would wait on their queue forever."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="batchsim-parent-watch").start()
+
+
 def _process_pool(fn: Callable[[T], Any], tasks: Sequence[T], n_jobs: int) -> Iterator[Outcome[T]]:
-    pool = ProcessPoolExecutor(max_workers=n_jobs, mp_context=multiprocessing.get_context("spawn"))
+    pool = ProcessPoolExecutor(max_workers=n_jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_watch_parent, initargs=(os.getpid(),))
     try:
         pending: dict[Future, T] = {pool.submit(fn, t): t for t in tasks}
         while pending:
