@@ -160,6 +160,38 @@ def _check_same_sweep(spec: SweepSpec, meta_path: Path, table: Path) -> None:
                           f"or delete {table} to start over")
 
 
+LOCK = ".sweep.lock"
+
+
+def lock_folder(out: Path):
+    """Hold an exclusive lock on ``out`` for this process's lifetime (the OS drops it when the
+    process dies, kill -9 included): two sweeps on one folder would interleave their rows."""
+    import fcntl
+
+    handle = open(out / LOCK, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ConfigError(f"--out {out}: another sweep is writing there ({holder}); wait for it to finish, or "
+                          f"choose another --out") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    return handle
+
+
+def _remove_stale_tmp(out: Path) -> None:
+    """Temporary files an interrupted sweep left (written through a .tmp name and renamed)."""
+    for tmp in out.glob("*.tmp"):
+        tmp.unlink(missing_ok=True)
+    for tmp in out.glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
 def run_sweep(spec: SweepSpec, tasks: Sequence[RunTask], *, jobs: int | None = None, cluster: Any = None,
               progress: bool = True, runner: Callable[[RunTask], dict[str, Any]] = run_task) -> Path:
     """Run the tasks not yet in ``spec.out/results.csv``, appending each as it finishes.
@@ -169,6 +201,16 @@ def run_sweep(spec: SweepSpec, tasks: Sequence[RunTask], *, jobs: int | None = N
     """
     out = spec.out
     out.mkdir(parents=True, exist_ok=True)
+    lock = lock_folder(out)
+    try:
+        return _run_locked(spec, tasks, out, jobs=jobs, cluster=cluster, progress=progress, runner=runner)
+    finally:
+        lock.close()
+
+
+def _run_locked(spec: SweepSpec, tasks: Sequence[RunTask], out: Path, *, jobs: int | None, cluster: Any,
+                progress: bool, runner: Callable[[RunTask], dict[str, Any]]) -> Path:
+    _remove_stale_tmp(out)
     table_path, meta_path, failed_path = out / TABLE, out / "sweep.json", out / "failed.jsonl"
     _check_same_sweep(spec, meta_path, table_path)
     grid_cols = grid_columns_of(tasks)
