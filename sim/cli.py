@@ -174,6 +174,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return validate_main(args)
 
 
+def _add_pool_options(parser: argparse.ArgumentParser) -> None:
+    """Where the runs of a sweep or plan execute, and where their files go."""
+    parser.add_argument("-j", "--jobs", type=int, help="local worker processes (default: all cores)")
+    parser.add_argument("--cluster", help="tcp://HOST:PORT of a Dask scheduler, or 'local'")
+    parser.add_argument("--out", help="output directory")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sim", description="batchsim: simulate LLM-serving schedulers")
     sub = p.add_subparsers(dest="command", required=True)
@@ -204,9 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sweep", help="run a grid of workload variants")
     s.add_argument("sweep")
-    s.add_argument("-j", "--jobs", type=int, help="local worker processes (default: all cores)")
-    s.add_argument("--cluster", help="tcp://HOST:PORT of a Dask scheduler, or 'local'")
-    s.add_argument("--out", help="output directory")
+    _add_pool_options(s)
     s.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a sweep setting (repetitions=3) or a field of every run's workload "
                         "(policy.max_num_seqs=64); not a varied key (repeatable)")
@@ -217,9 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="capacity planning under SLOs")
     pl.add_argument("plan")
-    pl.add_argument("-j", "--jobs", type=int, help="local worker processes (default: all cores)")
-    pl.add_argument("--cluster", help="tcp://HOST:PORT of a Dask scheduler, or 'local'")
-    pl.add_argument("--out", help="output directory")
+    _add_pool_options(pl)
     pl.add_argument("--set", action="append", metavar="KEY=VALUE",
                     help="override a plan setting (target_rate=80, target_utilization=0.7) or a field of the "
                          "base traffic (server.max_model_len=8192) (repeatable)")

@@ -151,7 +151,7 @@ class Server:
                 end_s = env.now
             now_s = end_s
             log.record(start_s, decision, result, state)     # the queues and KV the step ran with
-            num_finished = state.num_finished
+            num_finished = state.num_finished if on_finish is not None else 0   # closed loops only
             state.commit(decision, end_s)
             if on_step is not None:
                 on_step(start_s, decision, result)
