@@ -11,22 +11,26 @@ Output directory::
     figures/, report.md, report.html   written when the sweep ends
 
 Rerunning the same sweep skips every run_id already in results.csv, so an
-interrupted sweep resumes where it stopped and a grid can be extended.
+interrupted sweep resumes where it stopped and a grid can be extended. A
+damaged row (cut short, garbage bytes, wrong field count, a non-number where
+a number belongs, a run_id or grid values that are not one of the sweep's
+runs, a repeated run_id) is named in one line on stderr, moved to
+dropped_rows.txt, and its run is redone (``reports.table``).
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 from reports.pool import run_tasks
 from reports.spec import RunTask, SweepSpec, expand, parse_sweep
+from reports.table import ResultsTable, drop_damaged, grid_columns_of, scan_table, table_row
 from sim.config import ConfigError
 from sim.io import write_json
 
@@ -76,77 +80,6 @@ def run_task(task: RunTask) -> dict[str, Any]:
     row["sim_wall_s"] = result.meta.get("wall_s")
     row["wall_s"] = time.perf_counter() - t0
     return row
-
-
-# ---- the table ----------------------------------------------------------------
-def _repair_tail(path: Path) -> None:
-    """Drop a half-written last line (a run killed mid-write) so appends stay aligned."""
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        path.write_bytes(data[: data.rfind(b"\n") + 1])
-
-
-def read_table_ids(path: Path) -> tuple[list[str], set[str]]:
-    """(header, run ids) of an existing table; ([], set()) when there is none."""
-    if not path.is_file() or path.stat().st_size == 0:
-        return [], set()
-    _repair_tail(path)
-    with path.open(newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, [])
-        ids = {row[0] for row in reader if row and len(row) == len(header)}
-    return header, ids
-
-
-def _rewrite_with_header(path: Path, header: list[str]) -> None:
-    """Re-write the table under a wider header (new columns empty in old rows), atomically."""
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=header)
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, path)
-
-
-class ResultsTable:
-    """Append-only CSV: one row per run, flushed as written; widens its header if needed."""
-
-    def __init__(self, path: Path, header: list[str]) -> None:
-        self.path = path
-        self.header = header
-
-    def append(self, row: dict[str, Any]) -> None:
-        missing = [k for k in row if k not in self.header]
-        if missing or not self.header:
-            if self.header:
-                self.header = self.header[:-1] + missing + self.header[-1:]   # wall_s stays last
-                _rewrite_with_header(self.path, self.header)
-            else:
-                self.header = list(row)
-                with self.path.open("w", newline="") as f:
-                    csv.writer(f).writerow(self.header)
-        with self.path.open("a", newline="") as f:
-            csv.DictWriter(f, fieldnames=self.header).writerow({k: "" if v is None else v for k, v in row.items()})
-            f.flush()
-
-
-def table_row(task: RunTask, metrics: dict[str, Any], grid_columns: Sequence[str]) -> dict[str, Any]:
-    row: dict[str, Any] = {"run_id": task.run_id}
-    row.update({c: task.columns.get(c) for c in grid_columns})
-    row.update(repetition=task.repetition, seed=task.seed)
-    wall = metrics.get("wall_s")
-    row.update({k: v for k, v in metrics.items() if k != "wall_s"})
-    row["wall_s"] = wall
-    return row
-
-
-def grid_columns_of(tasks: Iterable[RunTask]) -> list[str]:
-    cols: dict[str, None] = {}
-    for t in tasks:
-        cols.update(dict.fromkeys(t.columns))
-    return list(cols)
 
 
 # ---- the sweep -------------------------------------------------------------------
@@ -218,7 +151,11 @@ def _run_locked(spec: SweepSpec, tasks: Sequence[RunTask], out: Path, *, jobs: i
                             "fingerprint": spec.fingerprint(), "vary": spec.vary, "grid_columns": grid_cols,
                             "repetitions": spec.repetitions, "num_replicas": spec.num_replicas,
                             "router": spec.router, "slo": spec.base_raw.get("slo"), "num_runs": len(tasks)})
-    header, done = read_table_ids(table_path)
+    scan = scan_table(table_path, {t.run_id: t for t in tasks})
+    if scan.damaged:
+        for line in drop_damaged(table_path, scan):
+            print(line, file=sys.stderr)
+    header, done = scan.header, scan.ids
     todo = [t for t in tasks if t.run_id not in done]
     if progress:
         where = f"Dask cluster {cluster}" if cluster is not None else f"{jobs or 'all'} local worker(s)"

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from reports.spec import expand, parse_sweep, repetition_seed, run_id_of
-from reports.sweep import read_table_ids, run_sweep, run_sweep_file, run_task
+from reports.sweep import run_sweep, run_sweep_file, run_task
+from reports.table import read_table_ids
 from reports.terminal import slo_met
 from sim.cli import main
 from sim.config import ConfigError
