@@ -98,7 +98,7 @@ class StepRecorder:
     def __call__(self, start_s: float, batch: Batch, result: StepResult) -> None:
         self.batches.append(format_batch(batch))
         self.forward_s.append(math.nan if result.device_s is None else result.device_s)
-        self.tok_end.append(len(self.state.token_req_ids))
+        self.tok_end.append(len(self.state.tokens))
         if self.engine is not None:
             requests = self.state.requests
             for it in batch.items:

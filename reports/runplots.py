@@ -16,6 +16,7 @@ from matplotlib.patches import Patch
 
 from reports.plots import (FIG_WIDTH_IN, REFERENCE, legend_outside, plain_log_ticks, plt, series_style, set_titles,
                            slo_line)
+from sim.metrics import inter_token_latencies
 
 BATCH_HOLDING_POLICIES = frozenset({"static", "dynamic"})   # a slot is held until the batch's last request ends
 NUM_TIME_BINS = 240
@@ -26,13 +27,9 @@ STACK = [("num_decode_tokens", "tab:blue", "decode"), ("num_prefill_tokens", "ta
 
 
 def itl_s(tokens: pd.DataFrame) -> np.ndarray:
-    """Every gap (s) between consecutive output tokens of the same request."""
-    req = tokens["req_id"].to_numpy()
-    t = tokens["t_s"].to_numpy(dtype=float)
-    order = np.lexsort((t, req))
-    req, t = req[order], t[order]
-    same = req[1:] == req[:-1]
-    return np.diff(t)[same]
+    """Every gap (s) between consecutive output tokens of the same request
+    (``sim.metrics``' ITL; each request's tokens in time order, as logged)."""
+    return inter_token_latencies(tokens["req_id"].to_numpy(), tokens["t_s"].to_numpy(dtype=float))
 
 
 def _ecdf(ax, values_ms: np.ndarray, label: str, color: Any) -> int:

@@ -80,8 +80,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides["seed"] = args.seed
     cfg = load_workload(args.workload, overrides)
     out, taken = prepare_run_dir(args.out, Path("runs") / cfg.name, overwrite=args.overwrite)   # before the work
-    result = run_workload(cfg, num_replicas=args.replicas, router=args.router,
-                          progress=not args.quiet and sys.stderr.isatty(), strict=args.strict)
+    result = run_workload(cfg, num_replicas=args.replicas, router=args.router, progress=not args.quiet,
+                          strict=args.strict)
     traced = first_steps(result.steps) if args.trace else None
     write_run(result, out, bench=bench_result(result, percentiles, detailed=args.save_detailed),
               trace=trace_chunks(traced) if traced is not None else None)
@@ -198,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--router", default="round_robin",
                    help="round_robin | least_requests | least_tokens")
     r.add_argument("--strict", action="store_true", help="fail if any request is rejected")
-    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--quiet", action="store_true",
+                   help="no progress (a bar on a terminal, else a line every 10 s on stderr)")
     r.add_argument("--report", action="store_true", help="also build the run's figures and report.html")
     r.add_argument("--trace", action="store_true",
                    help="also write trace.json, one event per step and replica (open in ui.perfetto.dev)")

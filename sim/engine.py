@@ -12,7 +12,6 @@ population, whose send times follow the servers' replies.
 
 from __future__ import annotations
 
-from array import array
 from heapq import heappop, heappush
 from typing import TYPE_CHECKING, Callable, Generator, Protocol, Sequence
 
@@ -20,6 +19,7 @@ import simpy
 import simpy.rt
 
 from sim.batch import Batch, Idle, StepResult
+from sim.logs import StepLog
 from sim.request import Request
 
 if TYPE_CHECKING:
@@ -48,31 +48,6 @@ class SimExecutor:
     def execute(self, batch: Batch, state: SchedulerState) -> StepResult:
         t = self.profile.step_time_s(batch)
         return StepResult(duration_s=t, predicted_s=t)
-
-
-class StepLog:
-    """Per-step records in compact arrays (one row per iteration)."""
-
-    COLUMNS = ("t_s", "duration_s", "predicted_s", "batch_size", "num_prefill_tokens",
-               "num_decode_tokens", "num_pad_tokens", "num_prefill_seqs", "num_waiting",
-               "num_running", "kv_used_blocks")
-
-    def __init__(self) -> None:
-        self.t_s = array("d")
-        self.duration_s = array("d")
-        self.predicted_s = array("d")
-        self.ints = array("q")          # 8 integer columns per step, row-major
-
-    def record(self, t_s: float, batch: Batch, result: StepResult, state: SchedulerState) -> None:
-        self.t_s.append(t_s)
-        self.duration_s.append(result.duration_s)
-        self.predicted_s.append(result.predicted_s if result.predicted_s is not None else float("nan"))
-        self.ints.extend((len(batch.items), batch.num_prefill_tokens, batch.num_decode_tokens,
-                          batch.num_pad_tokens, batch.num_prefill_seqs, len(state.waiting),
-                          len(state.running), state.kv.num_used_blocks))
-
-    def __len__(self) -> int:
-        return len(self.t_s)
 
 
 class Server:

@@ -16,8 +16,9 @@ import json
 import os
 import platform
 import subprocess
+import zipfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import pandas as pd
@@ -130,6 +131,36 @@ def write_text_chunks(path: Path, chunks: Iterable[str]) -> None:
     _atomic(path, write)
 
 
+def write_csv_chunks(path: Path, frames: Iterable[pd.DataFrame]) -> None:
+    """One CSV of ``frames`` (same columns) written one after the other: the
+    header once, no index; the bytes ``to_csv`` writes for their concatenation."""
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        for k, frame in enumerate(frames):
+            frame.to_csv(f, index=False, header=k == 0)
+
+
+def write_tokens_npz(path: Path, chunks: Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]],
+                     num_tokens: int) -> None:
+    """tokens.npz (arrays req_id int64 and t_s float64, as ``np.savez_compressed``
+    writes them) streamed from ``chunks()`` (read once per array), never all in
+    memory. Members carry a fixed date, so equal tokens give equal bytes."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED, allowZip64=True) as zf:
+        for column, (name, dtype) in enumerate((("req_id", np.int64), ("t_s", np.float64))):
+            info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = 0o600 << 16
+            with zf.open(info, "w", force_zip64=True) as member:
+                np.lib.format.write_array_header_1_0(member, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                                              "fortran_order": False, "shape": (num_tokens,)})
+                written = 0
+                for chunk in chunks():
+                    values = np.ascontiguousarray(chunk[column], dtype=dtype)
+                    member.write(values)
+                    written += len(values)
+            if written != num_tokens:
+                raise RuntimeError(f"{path}: {written} tokens written, {num_tokens} announced")
+
+
 def write_run(result: RunResult, out_dir: str | Path, *, bench: dict[str, Any] | None = None,
               trace: Iterable[str] | None = None) -> Path:
     """Write ``result`` into ``out_dir`` over whatever an earlier run left there,
@@ -141,13 +172,8 @@ def write_run(result: RunResult, out_dir: str | Path, *, bench: dict[str, Any] |
     except OSError as exc:
         raise OutputError(f"{out}: cannot remove the earlier run's files ({exc.strerror or exc})") from None
     _atomic(out / "requests.csv", lambda p: result.requests.to_csv(p, index=False))
-    _atomic(out / "steps.csv", lambda p: result.steps.to_csv(p, index=False))
-
-    def tokens(p: Path) -> None:
-        with open(p, "wb") as f:
-            np.savez_compressed(f, req_id=result.tokens["req_id"].to_numpy(),
-                                t_s=result.tokens["t_s"].to_numpy())
-    _atomic(out / "tokens.npz", tokens)
+    _atomic(out / "steps.csv", lambda p: write_csv_chunks(p, result.step_frames()))
+    _atomic(out / "tokens.npz", lambda p: write_tokens_npz(p, result.token_chunks, result.num_tokens))
     meta = dict(result.meta)
     meta.setdefault("git_revision", git_revision())
     meta.setdefault("versions", versions())

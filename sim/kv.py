@@ -27,7 +27,7 @@ class BlockManager:
     before anything must be preempted.
     """
 
-    __slots__ = ("num_blocks", "block_size", "watermark_blocks", "_free_ids")
+    __slots__ = ("num_blocks", "block_size", "watermark_blocks", "_free_ids", "_next_fresh")
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -35,16 +35,22 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.watermark_blocks = int(watermark * num_blocks)
-        # Popped from the end: blocks are handed out as 0, 1, 2, ... on a fresh pool.
-        self._free_ids = list(range(num_blocks - 1, -1, -1))
+        # The free blocks are a stack: on top the freed ones (``_free_ids``, popped
+        # from the end: the request freed last gives its blocks back first, in
+        # block-table order), below them the never-used ids _next_fresh,
+        # _next_fresh + 1, ..., num_blocks - 1, in that order from the top. A
+        # fresh pool thus hands out 0, 1, 2, ...; nothing is built per block,
+        # so a pool of any size costs O(1) to make.
+        self._free_ids: list[int] = []
+        self._next_fresh = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_ids)
+        return len(self._free_ids) + self.num_blocks - self._next_fresh
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free_ids)
+        return self._next_fresh - len(self._free_ids)
 
     @property
     def capacity_tokens(self) -> int:
@@ -58,7 +64,7 @@ class BlockManager:
         """Whether ``req`` can grow to hold ``num_tokens`` tokens now."""
         missing = max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
         reserve = self.watermark_blocks if use_watermark else 0
-        return missing <= len(self._free_ids) - reserve
+        return missing <= len(self._free_ids) + self.num_blocks - self._next_fresh - reserve
 
     def allocate(self, req: Request, num_tokens: int) -> None:
         """Grow ``req``'s block table to hold ``num_tokens`` tokens.
@@ -68,19 +74,30 @@ class BlockManager:
         missing = -(-num_tokens // self.block_size) - len(req.block_ids)
         if missing <= 0:
             return
-        if missing > len(self._free_ids):
+        if missing > self.num_free_blocks:
             raise RuntimeError(
                 f"KV pool exhausted: request {req.req_id} needs {missing} blocks, "
-                f"{len(self._free_ids)} free (policy must call can_allocate first)"
+                f"{self.num_free_blocks} free (policy must call can_allocate first)"
             )
-        free = self._free_ids
-        req.block_ids.extend(free.pop() for _ in range(missing))
+        freed = self._free_ids
+        reused = min(missing, len(freed))
+        if reused:
+            req.block_ids.extend(reversed(freed[-reused:]))
+            del freed[-reused:]
+        if missing > reused:
+            fresh = self._next_fresh
+            self._next_fresh = fresh + missing - reused
+            req.block_ids.extend(range(fresh, self._next_fresh))
 
     def append_block(self, req: Request) -> bool:
         """Give ``req`` one more block if one is free; False if the pool is dry."""
-        if not self._free_ids:
+        if self._free_ids:
+            req.block_ids.append(self._free_ids.pop())
+        elif self._next_fresh < self.num_blocks:
+            req.block_ids.append(self._next_fresh)
+            self._next_fresh += 1
+        else:
             return False
-        req.block_ids.append(self._free_ids.pop())
         return True
 
     def free(self, req: Request) -> None:

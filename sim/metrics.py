@@ -12,52 +12,296 @@ with its count. Throughputs divide by ``duration_s``: first arrival to last
 completion. Goodput counts completed requests meeting every SLO (<=).
 KV utilisation is weighted by step duration over busy time; busy fraction is
 the busy time per replica over ``duration_s``.
+
+Long runs do not fit in memory: token and step logs arrive in chunks
+(``sim.logs``). ITL is computed chunk by chunk, carrying each request's last
+token time across chunks. Up to ``MAX_IN_MEMORY_VALUES`` tokens (and
+``MAX_IN_MEMORY_STEPS`` steps) the numbers are computed in memory exactly as
+numpy computes them on one array; beyond, the ITL values are spilled to disk,
+percentiles are the same exact order statistics (radix selection over the
+spilled chunks) with numpy's linear interpolation, and mean, std and step
+sums are accumulated chunk by chunk (equal up to float rounding).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
 
+from sim.logs import SpillFolder
+
 PERCENTILES = (50, 90, 95, 99)
 METRICS = ("ttft", "tpot", "itl", "e2el", "queue")
+MAX_IN_MEMORY_VALUES = 16_000_000   # ITL of more tokens than this is spilled (128 MB of float64)
+MAX_IN_MEMORY_STEPS = 4_000_000     # more steps than this are summed chunk by chunk
+MAX_GATHER = 200_000                # radix selection sorts a bucket once it holds at most this many
+SERIES_COLUMNS = ("ttft_s", "tpot_s", "e2e_s", "queue_s")
 
 
-def distribution(name: str, values_s: np.ndarray) -> dict[str, Any]:
-    """mean/median/std/p50/p90/p95/p99 in ms plus the count (NaN-free input)."""
-    v = np.asarray(values_s, dtype=np.float64) * 1e3
-    out: dict[str, Any] = {f"count_{name}": int(v.size)}
-    if v.size == 0:
-        for key in ("mean", "median", "std", *(f"p{p}" for p in PERCENTILES)):
+class SpilledValues:
+    """A float64 sample too large for memory, written to a temporary folder
+    chunk by chunk; ``chunks()`` reads it back, as often as needed."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._spill = SpillFolder()
+
+    def add(self, values: np.ndarray) -> None:
+        if len(values):
+            self._spill.write(np.asarray(values, dtype=np.float64))
+            self._count += len(values)
+
+    def chunks(self) -> Iterator[np.ndarray]:
+        for (values,) in self._spill.read(1):
+            yield values
+
+    def __len__(self) -> int:
+        return self._count
+
+    def close(self) -> None:
+        self._spill.close()
+
+
+Values = np.ndarray | SpilledValues
+
+
+def distribution(name: str, values_s: Values, percentiles: Sequence[float] = PERCENTILES) -> dict[str, Any]:
+    """mean/median/std/p{P} in ms plus the count (NaN-free input)."""
+    out: dict[str, Any] = {f"count_{name}": len(values_s)}
+    if len(values_s) == 0:
+        for key in ("mean", "median", "std", *(f"p{p}" for p in percentiles)):
             out[f"{key}_{name}_ms"] = None
         return out
-    out[f"mean_{name}_ms"] = float(v.mean())
-    out[f"median_{name}_ms"] = float(np.median(v))
-    out[f"std_{name}_ms"] = float(v.std())
-    for p, q in zip(PERCENTILES, np.percentile(v, PERCENTILES)):
-        out[f"p{p}_{name}_ms"] = float(q)
+    mean, median, std, quantiles = stats_ms(values_s, percentiles)
+    out[f"mean_{name}_ms"] = mean
+    out[f"median_{name}_ms"] = median
+    out[f"std_{name}_ms"] = std
+    for p, q in zip(percentiles, quantiles):
+        out[f"p{p}_{name}_ms"] = q
     return out
 
 
+def stats_ms(values_s: Values, percentiles: Sequence[float]) -> tuple[float, float, float, list[float]]:
+    """(mean, median, std, percentiles) of a non-empty sample, in ms: numpy's
+    mean, median, population std and linear percentiles of ``values_s * 1e3``."""
+    if not isinstance(values_s, SpilledValues):
+        v = np.asarray(values_s, dtype=np.float64) * 1e3
+        return (float(v.mean()), float(np.median(v)), float(v.std()),
+                [float(q) for q in np.percentile(v, list(percentiles))])
+    n = len(values_s)
+    mean = math.fsum(float((c * 1e3).sum()) for c in values_s.chunks()) / n
+    std = math.sqrt(math.fsum(float(np.square(c * 1e3 - mean).sum()) for c in values_s.chunks()) / n)
+    # Scaling by 1e3 rounds monotonically: the ms value at a rank is the seconds value there x 1e3.
+    mid = [n // 2] if n % 2 else [n // 2 - 1, n // 2]      # np.median: the mean of these
+    index, weight, last = _linear_indexes(n, percentiles)
+    ranks = {*mid, *index.tolist(), *(index + 1)[~last].tolist(), n - 1}
+    at = {r: v * 1e3 for r, v in order_statistics(values_s.chunks, ranks).items()}
+    median = float(np.mean(np.array([at[r] for r in mid])))
+    return mean, median, std, _linear_percentiles(at, index, weight, last, n)
+
+
+def _linear_indexes(n: int, percentiles: Sequence[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """numpy's 'linear' method: the lower index, the weight of the upper one, and
+    whether the percentile is the maximum (virtual index (n - 1) p / 100 at its end)."""
+    virtual = (n - 1) * np.true_divide(np.asarray(percentiles), np.float64(100))
+    last = virtual >= n - 1
+    lower = np.floor(virtual)
+    return np.where(last, n - 1, lower).astype(np.int64), virtual - lower, last
+
+
+def _linear_percentiles(at: dict[int, float], index: np.ndarray, weight: np.ndarray, last: np.ndarray,
+                        n: int) -> list[float]:
+    """numpy's interpolation between the order statistics ``at`` (its ``_lerp``,
+    which subtracts from the upper value when the weight is >= 0.5)."""
+    a = np.array([at[i] for i in index.tolist()])
+    b = np.array([at[n - 1] if top else at[i + 1] for i, top in zip(index.tolist(), last.tolist())])
+    diff = b - a
+    out = np.where(weight >= 0.5, b - diff * (1 - weight), a + diff * weight)
+    return [at[n - 1] if top else float(q) for q, top in zip(out, last.tolist())]
+
+
+_SIGN = np.uint64(1 << 63)
+
+
+def _sort_keys(values: np.ndarray) -> np.ndarray:
+    """uint64 keys that order as the float64 ``values`` do (NaN-free)."""
+    bits = np.ascontiguousarray(values, dtype=np.float64).view(np.uint64)
+    return np.where(bits & _SIGN, ~bits, bits | _SIGN)
+
+
+def _key_value(key: int) -> float:
+    bits = key ^ (1 << 63) if key >> 63 else key ^ ((1 << 64) - 1)
+    return float(np.array([bits], dtype=np.uint64).view(np.float64)[0])
+
+
+def order_statistics(chunks: Callable[[], Iterable[np.ndarray]], ranks: Iterable[int]) -> dict[int, float]:
+    """The values at 0-based ``ranks`` of the sorted sample, exactly, from a
+    sample read chunk by chunk (``chunks()`` starts a new read).
+
+    Radix selection on sort keys: each read histograms the next 16 bits of
+    the keys in every target's bucket (all values sharing the bits found so
+    far) and moves the target into the bin holding its rank. A bucket of at
+    most ``MAX_GATHER`` values is then read into memory and sorted; a bucket of
+    more, however many equal values it holds, ends as one key after 64 bits.
+    """
+    # rank -> [bits known, key prefix, values below the bucket, values in the bucket]
+    todo = {r: [0, 0, 0, -1] for r in ranks}
+    found: dict[int, float] = {}
+    while todo:
+        for r, (bits, prefix, _, _) in list(todo.items()):
+            if bits == 64:
+                found[r] = _key_value(prefix)
+                del todo[r]
+        if not todo:
+            break
+        gather = {(t[0], t[1]) for t in todo.values() if 0 <= t[3] <= MAX_GATHER}
+        refine = {(t[0], t[1]) for t in todo.values()} - gather
+        hists = {b: np.zeros(1 << 16, dtype=np.int64) for b in refine}
+        held: dict[tuple[int, int], list[np.ndarray]] = {b: [] for b in gather}
+        for chunk in chunks():
+            keys = _sort_keys(chunk)
+            for bits, prefix in refine | gather:
+                inside = keys if bits == 0 else keys[(keys >> np.uint64(64 - bits)) == np.uint64(prefix)]
+                if (bits, prefix) in gather:
+                    held[(bits, prefix)].append(inside)
+                else:
+                    digits = (inside >> np.uint64(48 - bits)) & np.uint64(0xFFFF)
+                    hists[(bits, prefix)] += np.bincount(digits.astype(np.intp), minlength=1 << 16)
+        for r, t in list(todo.items()):
+            bits, prefix, below, _ = t
+            if (bits, prefix) in gather:
+                keys = np.sort(np.concatenate(held[(bits, prefix)]))
+                found[r] = _key_value(int(keys[r - below]))
+                del todo[r]
+                continue
+            cum = np.cumsum(hists[(bits, prefix)])
+            digit = int(np.searchsorted(cum, r - below, side="right"))
+            before = int(cum[digit - 1]) if digit else 0
+            todo[r] = [bits + 16, (prefix << 16) | digit, below + before, int(cum[digit]) - before]
+    return found
+
+
+# ---- inter-token latency ---------------------------------------------------------------------------
+def token_gaps(token_chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(request id, gap in s) for every token but a request's first, chunk by chunk.
+
+    ``token_chunks``: (request ids, times) with each request's tokens in time
+    order. Each request's last token time is carried from chunk to chunk.
+    Within a chunk the gaps come by request id, each request's in time order.
+    """
+    last_s = np.empty(0)                  # per request id: its latest token time, NaN before any
+    for ids, times in token_chunks:
+        if len(ids) == 0:
+            continue
+        top = int(ids.max()) + 1
+        if top > len(last_s):
+            last_s = np.concatenate([last_s, np.full(top - len(last_s), np.nan)])
+        order = np.argsort(ids, kind="stable")
+        ids, times = ids[order], np.asarray(times, dtype=np.float64)[order]
+        first = np.empty(len(ids), dtype=bool)          # a request's first token in this chunk
+        first[0] = True
+        np.not_equal(ids[1:], ids[:-1], out=first[1:])
+        prev = np.empty_like(times)
+        prev[1:] = times[:-1]
+        prev[first] = last_s[ids[first]]
+        final = np.append(first[1:], True)              # a request's last token in this chunk
+        last_s[ids[final]] = times[final]
+        keep = ~np.isnan(prev)
+        yield ids[keep], (times - prev)[keep]
+
+
+def itl_values(token_chunks: Iterable[tuple[np.ndarray, np.ndarray]], num_tokens: int) -> Values:
+    """Every ITL (s) of ``num_tokens`` tokens given in chunks. Up to
+    ``MAX_IN_MEMORY_VALUES`` tokens: an array in ``inter_token_latencies``'
+    order; beyond, ``SpilledValues``, written as the chunks come."""
+    gaps = token_gaps(token_chunks)
+    if num_tokens <= MAX_IN_MEMORY_VALUES:
+        return _by_request(gaps)
+    spilled = SpilledValues()
+    for _, values in gaps:
+        spilled.add(values)
+    return spilled
+
+
 def inter_token_latencies(token_req_ids: np.ndarray, token_times_s: np.ndarray) -> np.ndarray:
-    """All gaps between consecutive tokens of the same request (seconds)."""
-    if token_req_ids.size < 2:
+    """All gaps between consecutive tokens of the same request (seconds), by
+    request, then time; the tokens in time order within each request."""
+    return _by_request(token_gaps([(np.asarray(token_req_ids), np.asarray(token_times_s))]))
+
+
+def _by_request(gaps: Iterable[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """The gaps of ``token_gaps`` in one array, by request, then time."""
+    parts = list(gaps)
+    if not parts:
         return np.empty(0)
-    order = np.argsort(token_req_ids, kind="stable")    # the log is already in time order
-    ids, times = token_req_ids[order], token_times_s[order]
-    same = ids[1:] == ids[:-1]
-    return (times[1:] - times[:-1])[same]
+    order = np.argsort(np.concatenate([p[0] for p in parts]), kind="stable")
+    return np.concatenate([p[1] for p in parts])[order]
+
+
+# ---- the summary -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepTotals:
+    """What the summary needs from the step log."""
+
+    num_steps: int
+    num_replicas: int                      # replicas that ran at least one step
+    batch_size_sum: int
+    busy_s: float                          # summed step durations (over replicas)
+    kv_busy_s: float | None = None         # sum of KV utilisation x step duration (None: pool unknown)
+    peak_kv_utilization: float | None = None
+
+
+def step_totals(columns: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray | None]], num_steps: int,
+                num_replicas: int, kv_total_blocks: int | None) -> StepTotals:
+    """``StepTotals`` from chunks of (duration_s, batch_size, kv_used_blocks or None)."""
+    kv_busy_s = peak_kv = None
+    if num_steps <= MAX_IN_MEMORY_STEPS:
+        parts = list(columns)
+        if not parts:
+            return StepTotals(0, num_replicas, 0, 0.0)
+        dur = np.concatenate([p[0] for p in parts])
+        busy_s = float(dur.sum())
+        batch_sum = int(np.concatenate([p[1] for p in parts]).sum())
+        if kv_total_blocks:
+            kv = np.concatenate([p[2] for p in parts]) / kv_total_blocks
+            kv_busy_s, peak_kv = float((kv * dur).sum()), float(kv.max())
+        return StepTotals(num_steps, num_replicas, batch_sum, busy_s, kv_busy_s, peak_kv)
+    busy, weighted, batch_sum, peak_used = [], [], 0, 0
+    for dur, batch, used in columns:
+        busy.append(float(dur.sum()))
+        batch_sum += int(batch.sum())
+        if kv_total_blocks:
+            weighted.append(float((used / kv_total_blocks * dur).sum()))
+            peak_used = max(peak_used, int(used.max()))
+    if kv_total_blocks:
+        kv_busy_s, peak_kv = math.fsum(weighted), peak_used / kv_total_blocks
+    return StepTotals(num_steps, num_replicas, batch_sum, math.fsum(busy), kv_busy_s, peak_kv)
 
 
 def summarize(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.DataFrame,
               slo: dict[str, float | None] | None = None,
               kv_total_blocks: int | None = None) -> dict[str, Any]:
-    """The run's summary.json (vLLM serving-benchmark key names plus extras)."""
-    done = requests[requests["status"] == "finished"]
-    failed = int((requests["status"] != "finished").sum())
+    """The run's summary.json (vLLM serving-benchmark key names plus extras)
+    from its tables; ``steps`` has one row per step (and replica)."""
+    num_replicas = int(steps["replica"].nunique()) if "replica" in steps else 1
+    columns = [(steps["duration_s"].to_numpy(), steps["batch_size"].to_numpy(),
+                steps["kv_used_blocks"].to_numpy() if kv_total_blocks else None)] if len(steps) else []
+    itl = itl_values([(tokens["req_id"].to_numpy(), tokens["t_s"].to_numpy())], len(tokens))
+    return summarize_logs(requests, itl, step_totals(columns, len(steps), num_replicas, kv_total_blocks), slo)
+
+
+def summarize_logs(requests: pd.DataFrame, itl_s: Values, steps: StepTotals,
+                   slo: dict[str, float | None] | None = None) -> dict[str, Any]:
+    """The summary from the requests table, the run's ITL values (``itl_values``)
+    and its ``step_totals``."""
+    finished = requests["status"] == "finished"
+    # Only the columns used: a copy of every column costs a requests table's memory again.
+    done = requests.loc[finished, ["prompt_tokens", "output_tokens", "finished_s", *SERIES_COLUMNS]]
+    failed = int((~finished).sum())
     start_s = float(requests["arrival_s"].min()) if len(requests) else 0.0
     end_s = float(done["finished_s"].max()) if len(done) else start_s
     duration_s = max(end_s - start_s, 1e-12)
@@ -74,11 +318,10 @@ def summarize(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.DataFrame,
         "total_token_throughput": (total_in + total_out) / duration_s,
     }
     multi = done["output_tokens"] > 1
-    itl = inter_token_latencies(tokens["req_id"].to_numpy(), tokens["t_s"].to_numpy())
     series = {
         "ttft": done["ttft_s"].to_numpy(),
         "tpot": done.loc[multi, "tpot_s"].to_numpy(),
-        "itl": itl,
+        "itl": itl_s,
         "e2el": done["e2e_s"].to_numpy(),
         "queue": done["queue_s"].to_numpy(),
     }
@@ -97,18 +340,14 @@ def summarize(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.DataFrame,
         s["request_goodput"] = int(ok.sum()) / duration_s
         s["slo_attainment"] = float(ok.mean()) if len(ok) else None
     s["num_preemptions"] = int(requests["num_preemptions"].sum())
-    s["num_steps"] = int(len(steps))
-    if len(steps):
-        dur = steps["duration_s"].to_numpy()
-        busy_s = float(dur.sum())
+    s["num_steps"] = steps.num_steps
+    if steps.num_steps:
         # Steps of several replicas overlap in time: busy is per replica, averaged over the fleet.
-        num_replicas = int(steps["replica"].nunique()) if "replica" in steps else 1
-        s["mean_batch_size"] = float(steps["batch_size"].mean())
-        s["busy_fraction"] = min(1.0, busy_s / (num_replicas * duration_s))
-        if kv_total_blocks:
-            kv = steps["kv_used_blocks"].to_numpy() / kv_total_blocks
-            s["mean_kv_utilization"] = float((kv * dur).sum() / busy_s) if busy_s > 0 else 0.0
-            s["peak_kv_utilization"] = float(kv.max())
+        s["mean_batch_size"] = steps.batch_size_sum / steps.num_steps
+        s["busy_fraction"] = min(1.0, steps.busy_s / (steps.num_replicas * duration_s))
+        if steps.kv_busy_s is not None:
+            s["mean_kv_utilization"] = steps.kv_busy_s / steps.busy_s if steps.busy_s > 0 else 0.0
+            s["peak_kv_utilization"] = steps.peak_kv_utilization
     else:
         s.update(mean_batch_size=0.0, busy_fraction=0.0, mean_kv_utilization=0.0, peak_kv_utilization=0.0)
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in s.items()}

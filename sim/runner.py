@@ -12,8 +12,8 @@ import sys
 import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, TextIO
 
 import numpy as np
 import pandas as pd
@@ -23,9 +23,10 @@ import simpy.rt
 from policies import make_policy
 from sim.batch import Batch, StepResult
 from sim.config import ConfigError, WorkloadConfig
-from sim.engine import ROUTERS, Executor, Server, SimExecutor, StepLog, feed, feed_capped
+from sim.engine import ROUTERS, Executor, Server, SimExecutor, feed, feed_capped
 from sim.kv import BlockManager
-from sim.metrics import summarize
+from sim.logs import StepLog, TokenLog
+from sim.metrics import itl_values, step_totals, summarize_logs
 from sim.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
 from sim.request import REJECT_REASONS, Request, Status
 from sim.state import SchedulerState
@@ -36,13 +37,86 @@ from workloads.generate import RequestSpecs, generate
 OnStep = Callable[[Server], Callable[[float, Batch, StepResult], None] | None]
 
 
+EMPTY_STEPS = (np.empty(0), np.empty(0), np.empty(0), np.empty((0, StepLog.NUM_INTS), dtype=np.int64))
+
+
 @dataclass
+class RunLogs:
+    """Each replica's step and token logs (``sim.logs``), in replica order;
+    ``kv_total_blocks`` is every replica's pool size."""
+
+    replicas: list[int]
+    steps: list[StepLog]
+    tokens: list[TokenLog]
+    kv_total_blocks: int
+
+    def step_frames(self) -> Iterator[pd.DataFrame]:
+        """The step table (as steps.csv), chunk by chunk, replica after replica."""
+        for replica, log in zip(self.replicas, self.steps):
+            for chunk in log.chunks():
+                yield step_frame(replica, *chunk, kv_total_blocks=self.kv_total_blocks)
+
+    def token_chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(req_id, t_s) of the tokens, chunk by chunk, replica after replica."""
+        for log in self.tokens:
+            yield from log.chunks()
+
+
 class RunResult:
-    requests: pd.DataFrame
-    steps: pd.DataFrame
-    tokens: pd.DataFrame
-    summary: dict[str, Any]
-    meta: dict[str, Any] = field(default_factory=dict)
+    """A run's tables, summary and metadata.
+
+    ``steps`` and ``tokens`` of a simulated run are built from its logs on
+    first use; writers read ``step_frames()`` and ``token_chunks()`` instead,
+    which stream the logs of a run too large to hold as tables.
+    """
+
+    def __init__(self, requests: pd.DataFrame, steps: pd.DataFrame | None, tokens: pd.DataFrame | None,
+                 summary: dict[str, Any], meta: dict[str, Any] | None = None, logs: RunLogs | None = None) -> None:
+        if logs is None and (steps is None or tokens is None):
+            raise ValueError("RunResult needs the steps and tokens tables or the logs they come from")
+        self.requests = requests
+        self.summary = summary
+        self.meta = {} if meta is None else meta
+        self.logs = logs
+        self._steps = steps
+        self._tokens = tokens
+
+    @property
+    def steps(self) -> pd.DataFrame:
+        if self._steps is None:
+            assert self.logs is not None, "checked in __init__"
+            frames = (list(self.logs.step_frames()) or
+                      [step_frame(0, *EMPTY_STEPS, kv_total_blocks=self.logs.kv_total_blocks)])
+            self._steps = pd.concat(frames, ignore_index=True)
+        return self._steps
+
+    @property
+    def tokens(self) -> pd.DataFrame:
+        if self._tokens is None:
+            parts = list(self.token_chunks()) or [(np.empty(0, np.int64), np.empty(0))]
+            self._tokens = pd.DataFrame({"req_id": np.concatenate([p[0] for p in parts]),
+                                         "t_s": np.concatenate([p[1] for p in parts])})
+        return self._tokens
+
+    def step_frames(self) -> Iterator[pd.DataFrame]:
+        """The step table in chunks: from the logs unless the table was built."""
+        if self._steps is None and self.logs is not None and any(len(log) for log in self.logs.steps):
+            yield from self.logs.step_frames()
+        else:
+            yield self.steps                # as built (a caller may have added columns), or empty
+
+    def token_chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(req_id int64, t_s float64) of every token in chunks, from the table if built, else the logs."""
+        if self._tokens is not None or self.logs is None:
+            yield self.tokens["req_id"].to_numpy(dtype=np.int64), self.tokens["t_s"].to_numpy(dtype=np.float64)
+        else:
+            yield from self.logs.token_chunks()
+
+    @property
+    def num_tokens(self) -> int:
+        if self._tokens is not None or self.logs is None:
+            return len(self.tokens)
+        return sum(len(log) for log in self.logs.tokens)
 
 
 def build_profile(cfg: WorkloadConfig) -> Profile:
@@ -242,19 +316,62 @@ def _run_env_inner(env: simpy.Environment, servers: list[Server], num_requests: 
     if not progress:
         env.run()
         return
-    from tqdm import tqdm
-    bar = tqdm(total=num_requests, unit="req", desc="simulating", file=sys.stderr, leave=False)
-    env.process(_progress_ticker(env, servers, bar))
+    shown: ProgressBar | ProgressLines = (ProgressBar(num_requests) if sys.stderr.isatty()
+                                          else ProgressLines(num_requests, sys.stderr))
+    env.process(_progress_ticker(env, servers, shown))
     env.run()
-    bar.close()
+    shown.close()
 
 
-def _progress_ticker(env: simpy.Environment, servers: list[Server], bar, every_s: float = 5.0):
-    """A SimPy process that refreshes the progress bar every ``every_s``
-    simulated seconds, and leaves once nothing else is left to happen."""
+class ProgressBar:
+    """Progress on a terminal: a tqdm bar of finished requests."""
+
+    def __init__(self, num_requests: int) -> None:
+        from tqdm import tqdm
+        self.bar = tqdm(total=num_requests, unit="req", desc="simulating", file=sys.stderr, leave=False)
+
+    def update(self, now_s: float, num_done: int) -> None:
+        self.bar.n = num_done
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class ProgressLines:
+    """Progress where there is no terminal (a log file, CI): one plain line
+    every ``every_wall_s`` wall seconds, never a bar's redrawn frames."""
+
+    def __init__(self, num_requests: int, out: TextIO, every_wall_s: float = 10.0) -> None:
+        self.num_requests = num_requests
+        self.out = out
+        self.every_wall_s = every_wall_s
+        self.start_wall_s = self.last_wall_s = time.perf_counter()
+
+    def update(self, now_s: float, num_done: int) -> None:
+        wall_s = time.perf_counter()
+        if wall_s - self.last_wall_s >= self.every_wall_s:
+            self.last_wall_s = wall_s
+            print(progress_line(now_s, num_done, self.num_requests, wall_s - self.start_wall_s),
+                  file=self.out, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def progress_line(now_s: float, num_done: int, num_requests: int, wall_s: float) -> str:
+    """'simulated 1,234.5 s: 12,345/100,000 requests done, 456.7 requests per wall second'."""
+    rate = num_done / wall_s if wall_s > 0 else 0.0
+    return (f"simulated {now_s:,.1f} s: {num_done:,}/{num_requests:,} requests done, "
+            f"{rate:,.1f} requests per wall second")
+
+
+def _progress_ticker(env: simpy.Environment, servers: list[Server], shown: ProgressBar | ProgressLines,
+                     every_s: float = 5.0):
+    """A SimPy process that reports progress every ``every_s`` simulated
+    seconds, and leaves once nothing else is left to happen."""
     while True:
-        bar.n = sum(s.state.num_finished + s.state.num_rejected for s in servers)
-        bar.refresh()
+        shown.update(env.now, sum(s.state.num_finished + s.state.num_rejected for s in servers))
         if all(s.process.triggered for s in servers) or env.peek() == float("inf"):
             return
         yield env.timeout(every_s)
@@ -282,25 +399,37 @@ def profile_trust(profile: Profile) -> dict[str, Any]:
     return {"error_pct": None, "basis": f"{profile.provenance.get('source', 'unknown')}: no held-out check recorded"}
 
 
-def collect(cfg: WorkloadConfig, servers: list[Server], requests: list[Request], num_blocks: int,
-            profile: Profile) -> RunResult:
-    owner = {rid: s for s in servers for rid in s.state.requests}   # every request reached a server
-    rows = {
-        "req_id": [r.req_id for r in requests],
-        "replica": [owner[r.req_id].replica for r in requests],
-        "arrival_s": [r.arrival_s for r in requests],
-        "prompt_tokens": [r.num_prompt_tokens for r in requests],
-        "output_tokens": [owner[r.req_id].state.oracle_output_tokens(r) for r in requests],
-        "max_tokens": [r.max_output_tokens for r in requests],
+def requests_frame(servers: list[Server], requests: list[Request]) -> pd.DataFrame:
+    """One row per request (``requests[i].req_id == i``, as ``make_requests``
+    numbers them), built column by column from the Request objects."""
+    n = len(requests)
+
+    def column(get: Callable[[Request], Any], dtype: Any) -> np.ndarray:
+        return np.fromiter((get(r) for r in requests), dtype=dtype, count=n)
+
+    def seconds(get: Callable[[Request], float | None]) -> np.ndarray:
+        return column(lambda r: np.nan if get(r) is None else get(r), np.float64)
+
+    replica = np.empty(n, dtype=np.int64)
+    output_tokens = np.empty(n, dtype=np.int64)
+    for s in servers:                  # every request reached a server
+        for req_id, r in s.state.requests.items():
+            replica[req_id] = s.replica
+            output_tokens[req_id] = s.state.oracle_output_tokens(r)
+    req_df = pd.DataFrame({
+        "req_id": column(lambda r: r.req_id, np.int64),
+        "replica": replica,
+        "arrival_s": column(lambda r: r.arrival_s, np.float64),
+        "prompt_tokens": column(lambda r: r.num_prompt_tokens, np.int64),
+        "output_tokens": output_tokens,
+        "max_tokens": column(lambda r: r.max_output_tokens, np.int64),
         "status": ["finished" if r.status == Status.FINISHED else "rejected" for r in requests],
         "reject_reason": [r.reject_reason or "" for r in requests],
-        "first_scheduled_s": [r.first_scheduled_s for r in requests],
-        "first_token_s": [r.first_token_s for r in requests],
-        "finished_s": [r.finished_s for r in requests],
-        "num_preemptions": [r.num_preemptions for r in requests],
-    }
-    req_df = pd.DataFrame(rows).astype({"first_scheduled_s": float, "first_token_s": float,
-                                        "finished_s": float})
+        "first_scheduled_s": seconds(lambda r: r.first_scheduled_s),
+        "first_token_s": seconds(lambda r: r.first_token_s),
+        "finished_s": seconds(lambda r: r.finished_s),
+        "num_preemptions": column(lambda r: r.num_preemptions, np.int64),
+    })
     req_df["queue_s"] = req_df["first_scheduled_s"] - req_df["arrival_s"]
     req_df["ttft_s"] = req_df["first_token_s"] - req_df["arrival_s"]
     req_df["e2e_s"] = req_df["finished_s"] - req_df["arrival_s"]
@@ -308,18 +437,26 @@ def collect(cfg: WorkloadConfig, servers: list[Server], requests: list[Request],
     req_df["tpot_s"] = (req_df["e2e_s"] - req_df["ttft_s"]) / (n_out - 1)
     rejected = req_df["status"] == "rejected"
     req_df.loc[rejected, ["queue_s", "ttft_s", "e2e_s", "tpot_s"]] = np.nan
+    return req_df
 
-    step_frames, tok_ids, tok_times = [], [], []
-    for s in servers:
-        step_frames.append(steps_frame(s.log, s.replica))
-        ids, times = s.state.token_log()
-        tok_ids.append(ids)
-        tok_times.append(times)
-    steps = pd.concat(step_frames, ignore_index=True)
-    steps["kv_total_blocks"] = num_blocks
-    tokens = pd.DataFrame({"req_id": np.concatenate(tok_ids), "t_s": np.concatenate(tok_times)})
+
+def log_summary(requests: pd.DataFrame, steps: list[StepLog], tokens: list[TokenLog],
+                slo: dict[str, Any] | None, kv_total_blocks: int) -> dict[str, Any]:
+    """``sim.metrics.summarize_logs`` of these requests and these replicas' logs, read chunk by chunk."""
+    columns = ((dur, ints[:, 0], ints[:, 7]) for log in steps for _, dur, _, ints in log.chunks())
+    totals = step_totals(columns, sum(len(log) for log in steps), sum(1 for log in steps if len(log)),
+                         kv_total_blocks)
+    itl = itl_values((chunk for log in tokens for chunk in log.chunks()), sum(len(log) for log in tokens))
+    return summarize_logs(requests, itl, totals, slo)
+
+
+def collect(cfg: WorkloadConfig, servers: list[Server], requests: list[Request], num_blocks: int,
+            profile: Profile) -> RunResult:
+    req_df = requests_frame(servers, requests)
+    logs = RunLogs([s.replica for s in servers], [s.log for s in servers], [s.state.tokens for s in servers],
+                   num_blocks)
     slo = dataclasses.asdict(cfg.slo) if cfg.slo else None
-    summary = summarize(req_df, tokens, steps, slo, num_blocks)   # each step row is one replica's
+    summary = log_summary(req_df, logs.steps, logs.tokens, slo, num_blocks)   # each step row is one replica's
     summary["num_out_of_range_lookups"] = profile.num_out_of_range
     summary["profile_source"] = profile.provenance.get("source", "unknown")
     summary["profile_trust"] = profile_trust(profile)
@@ -327,22 +464,23 @@ def collect(cfg: WorkloadConfig, servers: list[Server], requests: list[Request],
     summary["failed_by_reason"] = {k: int(v) for k, v in
                                    req_df.loc[req_df["status"] == "rejected", "reject_reason"].value_counts().items()}
     if len(servers) > 1:
-        summary["replicas"] = [
-            summarize(req_df[req_df["replica"] == s.replica],
-                      tokens[np.isin(tokens["req_id"].to_numpy(), req_df.loc[req_df["replica"] == s.replica, "req_id"])],
-                      steps[steps["replica"] == s.replica], slo, num_blocks)
-            for s in servers]
+        rows = req_df.groupby("replica").indices            # grouped once: O(requests), not O(replicas x requests)
+        none = np.empty(0, dtype=np.int64)
+        summary["replicas"] = [log_summary(req_df.iloc[rows.get(s.replica, none)], [s.log], [s.state.tokens], slo,
+                                           num_blocks) for s in servers]
     meta = {"config": cfg.to_dict(), "seed": cfg.seed, "profile_name": profile.name,
             "profile_provenance": profile.provenance, "profile_efficiency": profile.efficiency,
             "kv_block_size": cfg.server.block_size, "policy_knobs": policy_knobs(cfg.policy, servers[0].policy)}
-    return RunResult(req_df, steps, tokens, summary, meta)
+    return RunResult(req_df, None, None, summary, meta, logs)
 
 
-def steps_frame(log: StepLog, replica: int) -> pd.DataFrame:
-    ints = np.frombuffer(log.ints, dtype=np.int64).reshape(-1, 8)
+def step_frame(replica: int, t_s: np.ndarray, duration_s: np.ndarray, predicted_s: np.ndarray, ints: np.ndarray,
+               *, kv_total_blocks: int) -> pd.DataFrame:
+    """Steps of one replica as rows of steps.csv: replica, ``StepLog.COLUMNS``, kv_total_blocks."""
     df = pd.DataFrame(ints, columns=list(StepLog.COLUMNS[3:]))
-    df.insert(0, "predicted_s", np.frombuffer(log.predicted_s, dtype=np.float64))
-    df.insert(0, "duration_s", np.frombuffer(log.duration_s, dtype=np.float64))
-    df.insert(0, "t_s", np.frombuffer(log.t_s, dtype=np.float64))
+    df.insert(0, "predicted_s", predicted_s)
+    df.insert(0, "duration_s", duration_s)
+    df.insert(0, "t_s", t_s)
     df.insert(0, "replica", replica)
+    df["kv_total_blocks"] = kv_total_blocks
     return df

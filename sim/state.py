@@ -8,7 +8,6 @@ re-implements token accounting.
 
 from __future__ import annotations
 
-from array import array
 from collections import deque
 from typing import Iterable
 
@@ -16,6 +15,7 @@ import numpy as np
 
 from sim.batch import Batch
 from sim.kv import BlockManager
+from sim.logs import TokenLog
 from sim.request import Request, Status
 
 
@@ -40,11 +40,8 @@ class SchedulerState:
         self.num_preemptions = 0
         self._true_output: dict[int, int] = {}
         self._group_of: dict[int, list[Request]] = {}
-        # Token log, in time order: the request of every sampled output token,
-        # and per step that sampled any, its end time and how many it sampled.
-        self.token_req_ids = array("q")
-        self._token_step_times_s = array("d")
-        self._token_step_counts = array("q")
+        # The request of every sampled output token, in time order (sim.logs).
+        self.tokens = TokenLog()
 
     # ---- arrivals -----------------------------------------------------------
     def add_arrival(self, req: Request, true_output_tokens: int, now_s: float) -> bool:
@@ -124,7 +121,8 @@ class SchedulerState:
         """
         requests = self.requests
         true_output = self._true_output
-        tok_ids = self.token_req_ids
+        tokens = self.tokens
+        tok_ids = tokens.ids
         tok_ids_append = tok_ids.append
         num_logged = len(tok_ids)
         finished: list[Request] | None = None
@@ -152,8 +150,7 @@ class SchedulerState:
                     finished = []
                 finished.append(r)
         if len(tok_ids) > num_logged:
-            self._token_step_times_s.append(now_s)
-            self._token_step_counts.append(len(tok_ids) - num_logged)
+            tokens.end_step(now_s, len(tok_ids) - num_logged)
         if finished:
             for r in finished:
                 self._finish(r, now_s)
@@ -177,7 +174,4 @@ class SchedulerState:
 
     def token_log(self) -> tuple[np.ndarray, np.ndarray]:
         """(request id, time in s) of every output token so far, in time order."""
-        ids = np.frombuffer(self.token_req_ids, dtype=np.int64).copy()
-        times = np.repeat(np.frombuffer(self._token_step_times_s, dtype=np.float64),
-                          np.frombuffer(self._token_step_counts, dtype=np.int64))
-        return ids, times
+        return self.tokens.arrays()

@@ -18,13 +18,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
 
 from sim.config import ConfigError
-from sim.metrics import inter_token_latencies
+from sim.metrics import Values, itl_values, stats_ms
 
 if TYPE_CHECKING:
     from sim.runner import RunResult
@@ -124,41 +124,43 @@ def offered_load(requests: pd.DataFrame, arrivals: dict[str, Any] | None = None)
 
 
 # ---- the result file -------------------------------------------------------------------------------
-def latency_series_s(requests: pd.DataFrame, tokens: pd.DataFrame) -> dict[str, np.ndarray]:
+def latency_series_s(requests: pd.DataFrame, token_chunks: Iterable[tuple[np.ndarray, np.ndarray]],
+                     num_tokens: int) -> dict[str, Values]:
     """The seconds behind each metric, selected as ``sim.metrics.summarize`` selects them:
-    finished requests; TPOT of those with more than one output token; ITL over all token gaps."""
+    finished requests; TPOT of those with more than one output token; ITL over all token gaps
+    (of ``num_tokens`` tokens in (req_id, t_s) chunks; spilled to disk when too many for memory)."""
     done = requests[requests["status"] == "finished"]
     return {"ttft": done["ttft_s"].to_numpy(dtype=np.float64),
             "tpot": done.loc[done["output_tokens"] > 1, "tpot_s"].to_numpy(dtype=np.float64),
-            "itl": inter_token_latencies(tokens["req_id"].to_numpy(), tokens["t_s"].to_numpy()),
+            "itl": itl_values(token_chunks, num_tokens),
             "e2el": done["e2e_s"].to_numpy(dtype=np.float64)}
 
 
-def distribution_ms(name: str, values_s: np.ndarray, percentiles: Sequence[float]) -> dict[str, float]:
+def distribution_ms(name: str, values_s: Values, percentiles: Sequence[float]) -> dict[str, float]:
     """mean/median/std/p{P} of ``values_s`` in ms under vLLM's key names (0.0 each when empty, as vLLM)."""
-    v = np.asarray(values_s, dtype=np.float64) * 1e3
-    if v.size == 0:
-        v = np.zeros(1)
-    out = {f"mean_{name}_ms": float(v.mean()), f"median_{name}_ms": float(np.median(v)),
-           f"std_{name}_ms": float(v.std())}
-    for p, q in zip(percentiles, np.percentile(v, list(percentiles))):
-        out[f"p{percentile_label(p)}_{name}_ms"] = float(q)
+    mean, median, std, quantiles = stats_ms(values_s if len(values_s) else np.zeros(1), percentiles)
+    out = {f"mean_{name}_ms": mean, f"median_{name}_ms": median, f"std_{name}_ms": std}
+    for p, q in zip(percentiles, quantiles):
+        out[f"p{percentile_label(p)}_{name}_ms"] = q
     return out
 
 
-def peak_second(requests: pd.DataFrame, tokens: pd.DataFrame) -> tuple[float, int]:
+def peak_second(requests: pd.DataFrame, token_chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> tuple[float, int]:
     """vLLM's (max_output_tokens_per_s, max_concurrent_requests) over one-second buckets counted
     from the first finished request's arrival: output tokens landing in a bucket, and finished
     requests in flight in it (from the bucket of the arrival to that of the finish, both
-    counted); each is its own maximum, not necessarily in the same bucket."""
+    counted); each is its own maximum, not necessarily in the same bucket. ``token_chunks``:
+    (req_id, t_s) of the tokens, chunk by chunk."""
     done = requests[requests["status"] == "finished"]
     if done.empty:
         return 0.0, 0
     t0_s = float(done["arrival_s"].min())
     num_buckets = int(math.ceil(float(done["finished_s"].max()) - t0_s)) + 1
-    done_tokens = tokens[np.isin(tokens["req_id"].to_numpy(), done["req_id"].to_numpy())]
-    bucket = np.floor(done_tokens["t_s"].to_numpy() - t0_s).astype(np.int64)
-    per_s = np.bincount(bucket[(bucket >= 0) & (bucket < num_buckets)], minlength=num_buckets)
+    done_ids = done["req_id"].to_numpy()
+    per_s = np.zeros(num_buckets, dtype=np.int64)
+    for ids, times in token_chunks:
+        bucket = np.floor(times[np.isin(ids, done_ids)] - t0_s).astype(np.int64)
+        per_s += np.bincount(bucket[(bucket >= 0) & (bucket < num_buckets)], minlength=num_buckets)
     first = np.floor(done["arrival_s"].to_numpy() - t0_s).astype(np.int64)
     last = np.floor(done["finished_s"].to_numpy() - t0_s).astype(np.int64)
     delta = np.zeros(num_buckets + 1, dtype=np.int64)
@@ -225,7 +227,7 @@ def bench_result(run: RunResult, percentiles: Sequence[float], *, detailed: bool
     s, meta = run.summary, run.meta
     cfg = meta.get("config") or {}
     model = (meta.get("profile_provenance") or {}).get("model") or meta.get("profile_name")
-    max_tok_s, max_conc = peak_second(run.requests, run.tokens)
+    max_tok_s, max_conc = peak_second(run.requests, run.token_chunks())
     out: dict[str, Any] = {
         "date": date or datetime.now().strftime("%Y%m%d-%H%M%S"),
         "endpoint_type": "batchsim", "backend": "batchsim", "label": cfg.get("name"),
@@ -239,7 +241,7 @@ def bench_result(run: RunResult, percentiles: Sequence[float], *, detailed: bool
     }
     if detailed:
         out.update(detailed_arrays(run.requests, run.tokens))
-    for name, values in latency_series_s(run.requests, run.tokens).items():
+    for name, values in latency_series_s(run.requests, run.token_chunks(), run.num_tokens).items():
         out.update(distribution_ms(name, values, percentiles))
     out.update(policy=(cfg.get("policy") or {}).get("kind"), policy_knobs=meta.get("policy_knobs"),
                num_replicas=meta.get("num_replicas", 1), router=meta.get("router"), simulated=True)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 from conftest import ROOT
 
+import sim.io
 from sim.cli import main
 
 GOOD = {
@@ -181,7 +181,7 @@ def test_unwritable_out_is_refused_before_the_run(tmp_path, capsys, monkeypatch)
 def test_full_disk_leaves_no_tmp_and_no_summary(tmp_path, capsys, monkeypatch):
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(np, "savez_compressed", no_space)
+    monkeypatch.setattr(sim.io, "write_tokens_npz", no_space)
     rc, err, out = run(tmp_path, GOOD, capsys)
     assert rc == 2 and "tokens.npz: cannot write (No space left on device)" in err, err
     assert not list(out.glob("*.tmp")) and not (out / "summary.json").exists()

@@ -85,9 +85,11 @@ def _lengths(cfg: WorkloadConfig, streams: list[np.random.Generator], n: int) ->
     return data.prompt_tokens[idx], data.output_tokens[idx]
 
 
-# Peak memory of a simulation per request (100k ShareGPT-length requests
-# peaked at 3.9 GB, ~39 KB each): what the size estimate below refuses on.
-BYTES_PER_REQUEST = 40_000
+# Peak memory of a simulation per request, with a margin: the token and step
+# logs spill to disk (sim.logs), so what grows is ~0.6 KB per request (request
+# objects and the requests table; 1M ShareGPT-length requests peaked at
+# 0.87 GB, 100k at 0.27 GB): what the size estimate below refuses on.
+BYTES_PER_REQUEST = 2_000
 
 
 def _physical_memory_bytes() -> int:

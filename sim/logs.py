@@ -1,0 +1,219 @@
+"""A run's two logs that grow with its length: every output token and every step.
+
+Both keep their newest rows in ``array``s (an append costs what a list's
+does) and, once those hold a chunk, write them to a temporary folder as one
+columnar chunk file (``np.save`` of each column, one after the other) and
+start again. Readers get the chunks in time order, the rows still in memory
+last, so a million-request run needs memory for one chunk, not for its
+hundreds of millions of tokens. The folder is made at the first spill and
+removed by ``close()``, when the log is garbage-collected, or at interpreter
+exit (``weakref.finalize``), so a run that fails half-way leaves nothing.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import weakref
+from array import array
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+
+from sim.strict import ConfigError
+
+if TYPE_CHECKING:
+    from sim.batch import Batch, StepResult
+    from sim.state import SchedulerState
+
+TOKEN_CHUNK = 1_000_000     # tokens held in memory before a spill (8 MB of ids)
+STEP_CHUNK = 250_000        # steps held in memory before a spill (22 MB)
+INT32_MAX = 2 ** 31 - 1
+
+
+class SpillError(ConfigError):
+    """The temporary folder cannot take a run's spilled logs (disk full, no permission); one line."""
+
+
+class SpillFolder:
+    """Chunk files in a temporary folder made on the first write.
+
+    Each chunk is one file holding a fixed number of arrays written by
+    ``np.save`` in order; ``read`` yields them back chunk by chunk.
+    """
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self.num_chunks = 0
+        self._remove: weakref.finalize | None = None
+
+    def write(self, *arrays: np.ndarray) -> None:
+        try:
+            if self.path is None:
+                self.path = Path(tempfile.mkdtemp(prefix="batchsim-spill-"))
+                self._remove = weakref.finalize(self, shutil.rmtree, self.path, ignore_errors=True)
+            with open(self.path / f"{self.num_chunks:06d}.npy", "wb") as f:
+                for a in arrays:
+                    np.save(f, a, allow_pickle=False)
+        except OSError as exc:
+            raise SpillError(f"{self.path or tempfile.gettempdir()}: cannot spill the run's logs to disk "
+                             f"({exc.strerror or exc}); free space there or set TMPDIR to a larger disk") from None
+        self.num_chunks += 1
+
+    def read(self, num_arrays: int) -> Iterator[tuple[np.ndarray, ...]]:
+        for k in range(self.num_chunks):
+            assert self.path is not None, "chunks counted but no folder"
+            with open(self.path / f"{k:06d}.npy", "rb") as f:
+                yield tuple(np.load(f, allow_pickle=False) for _ in range(num_arrays))
+
+    def close(self) -> None:
+        """Remove the folder and its chunks now (idempotent)."""
+        if self._remove is not None:
+            self._remove()
+
+
+def compact_ids(ids: np.ndarray) -> np.ndarray:
+    """``ids`` as int32 when every one fits (halves the bytes spilled), else as they are."""
+    if len(ids) and 0 <= int(ids.min()) and int(ids.max()) <= INT32_MAX:
+        return ids.astype(np.int32)
+    return ids
+
+
+class TokenLog:
+    """The request id of every sampled output token, in time order, and per
+    step that sampled any, its end time and how many it sampled.
+
+    Per step, ``SchedulerState.commit`` appends each token's request id to
+    ``ids`` (through its bound ``append``) and then calls ``end_step`` once;
+    ``add_stretch`` logs many identical steps at once. Chunks end on step
+    boundaries.
+    """
+
+    def __init__(self) -> None:
+        self.ids = array("q")
+        self._step_end_s = array("d")
+        self._step_counts = array("q")
+        self._chunk_tokens = TOKEN_CHUNK
+        self._num_spilled = 0
+        self._spill = SpillFolder()
+
+    def end_step(self, end_s: float, num_tokens: int) -> None:
+        """The step that appended the last ``num_tokens`` ids (> 0) ended at ``end_s``."""
+        self._step_end_s.append(end_s)
+        self._step_counts.append(num_tokens)
+        if len(self.ids) >= self._chunk_tokens:
+            self._flush()
+
+    def add_stretch(self, end_times_s: np.ndarray, req_ids: np.ndarray) -> None:
+        """``len(end_times_s)`` consecutive steps, ending at those times, each
+        sampling one token for every id in ``req_ids``, in that order."""
+        num_steps, num_reqs = len(end_times_s), len(req_ids)
+        if num_steps == 0 or num_reqs == 0:
+            return
+        self.ids.frombytes(np.tile(np.asarray(req_ids, dtype=np.int64), num_steps).tobytes())
+        self._step_end_s.frombytes(np.asarray(end_times_s, dtype=np.float64).tobytes())
+        self._step_counts.frombytes(np.full(num_steps, num_reqs, dtype=np.int64).tobytes())
+        if len(self.ids) >= self._chunk_tokens:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Write the rows in memory as one chunk and empty the arrays (in place:
+        a bound ``ids.append`` stays valid)."""
+        self._spill.write(compact_ids(np.frombuffer(self.ids, dtype=np.int64)),
+                          np.frombuffer(self._step_end_s, dtype=np.float64),
+                          compact_ids(np.frombuffer(self._step_counts, dtype=np.int64)))
+        self._num_spilled += len(self.ids)
+        del self.ids[:], self._step_end_s[:], self._step_counts[:]
+
+    def __len__(self) -> int:
+        return self._num_spilled + len(self.ids)
+
+    def chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(request ids int64, times float64) of the tokens, chunk by chunk in time order."""
+        for ids, end_s, counts in self._spill.read(3):
+            yield ids.astype(np.int64), np.repeat(end_s, counts)
+        if len(self.ids):
+            yield (np.frombuffer(self.ids, dtype=np.int64).copy(),
+                   np.repeat(np.frombuffer(self._step_end_s, dtype=np.float64),
+                             np.frombuffer(self._step_counts, dtype=np.int64)))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(request id, time in s) of every token so far, in time order, in memory."""
+        parts = list(self.chunks())
+        if not parts:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float64)
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    def close(self) -> None:
+        """Remove the spilled chunks now (else when the log is collected)."""
+        self._spill.close()
+
+
+class StepLog:
+    """Per-step records (one row per iteration), chunked like ``TokenLog``."""
+
+    COLUMNS = ("t_s", "duration_s", "predicted_s", "batch_size", "num_prefill_tokens",
+               "num_decode_tokens", "num_pad_tokens", "num_prefill_seqs", "num_waiting",
+               "num_running", "kv_used_blocks")
+    NUM_INTS = 8                        # COLUMNS[3:]
+
+    def __init__(self) -> None:
+        self.t_s = array("d")
+        self.duration_s = array("d")
+        self.predicted_s = array("d")
+        self.ints = array("q")          # 8 integer columns per step, row-major
+        self._chunk_steps = STEP_CHUNK
+        self._num_spilled = 0
+        self._spill = SpillFolder()
+
+    def record(self, t_s: float, batch: Batch, result: StepResult, state: SchedulerState) -> None:
+        self.t_s.append(t_s)
+        self.duration_s.append(result.duration_s)
+        self.predicted_s.append(result.predicted_s if result.predicted_s is not None else float("nan"))
+        self.ints.extend((len(batch.items), batch.num_prefill_tokens, batch.num_decode_tokens,
+                          batch.num_pad_tokens, batch.num_prefill_seqs, len(state.waiting),
+                          len(state.running), state.kv.num_used_blocks))
+        if len(self.t_s) >= self._chunk_steps:
+            self._flush()
+
+    def record_stretch(self, t_s: np.ndarray, duration_s: np.ndarray, predicted_s: np.ndarray,
+                       ints: np.ndarray) -> None:
+        """K steps at once: three float64 arrays (K,) and the integer columns
+        (K, 8) in ``COLUMNS[3:]`` order."""
+        self.t_s.frombytes(np.asarray(t_s, dtype=np.float64).tobytes())
+        self.duration_s.frombytes(np.asarray(duration_s, dtype=np.float64).tobytes())
+        self.predicted_s.frombytes(np.asarray(predicted_s, dtype=np.float64).tobytes())
+        self.ints.frombytes(np.ascontiguousarray(ints, dtype=np.int64).tobytes())
+        if len(self.t_s) >= self._chunk_steps:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Write the rows in memory as one chunk (integers as int32 when they
+        fit) and empty the arrays."""
+        ints = np.frombuffer(self.ints, dtype=np.int64)
+        if len(ints) and -INT32_MAX <= int(ints.min()) and int(ints.max()) <= INT32_MAX:
+            ints = ints.astype(np.int32)
+        self._spill.write(np.frombuffer(self.t_s, dtype=np.float64),
+                          np.frombuffer(self.duration_s, dtype=np.float64),
+                          np.frombuffer(self.predicted_s, dtype=np.float64), ints)
+        del ints                        # no view may outlive the arrays' resize
+        self._num_spilled += len(self.t_s)
+        del self.t_s[:], self.duration_s[:], self.predicted_s[:], self.ints[:]
+
+    def __len__(self) -> int:
+        return self._num_spilled + len(self.t_s)
+
+    def chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """(t_s, duration_s, predicted_s, ints (k, 8) int64), chunk by chunk in time order."""
+        for t_s, duration_s, predicted_s, ints in self._spill.read(4):
+            yield t_s, duration_s, predicted_s, ints.astype(np.int64).reshape(-1, self.NUM_INTS)
+        if len(self.t_s):
+            yield (np.frombuffer(self.t_s, dtype=np.float64).copy(),
+                   np.frombuffer(self.duration_s, dtype=np.float64).copy(),
+                   np.frombuffer(self.predicted_s, dtype=np.float64).copy(),
+                   np.frombuffer(self.ints, dtype=np.int64).reshape(-1, self.NUM_INTS).copy())
+
+    def close(self) -> None:
+        """Remove the spilled chunks now (else when the log is collected)."""
+        self._spill.close()
