@@ -29,10 +29,16 @@ class Policy(Protocol):
     (None: no limit beyond the model's context). ``token_budget``: the most
     tokens one step computes, which sizes the activation reserve as vLLM's
     profiling run does (None: no budget; ``DEFAULT_ACTIVATION_TOKENS``).
+    ``decode_stretch``: True if the policy keeps the invariant of the loop's
+    fast path (``sim.stretch``): after a decode-only step that admitted and
+    preempted nobody, it returns the same requests again, one token further
+    on, until something arrives, finishes or fails to get a block. Say why
+    beside the flag; False (or absent) steps every iteration.
     """
 
     max_prompt_tokens: int | None
     token_budget: int | None      # most tokens one step computes (None: no budget, e.g. static)
+    decode_stretch: bool
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle: ...
 

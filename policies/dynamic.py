@@ -25,6 +25,8 @@ class DynamicConfig:
 
 
 class DynamicPolicy:
+    # Fast path (sim.stretch): a running group is stepped to its end, whatever arrives.
+    decode_stretch = True
     max_prompt_tokens: int | None = None
     token_budget: int | None = None
 

@@ -29,6 +29,9 @@ class OrcaConfig:
 
 
 class OrcaPolicy:
+    # Fast path (sim.stretch): decodes use reserved blocks, so the free pool and the free slots
+    # that refused admission stay as they are while the same requests decode.
+    decode_stretch = True
     max_prompt_tokens: int | None = None
     token_budget: int | None = None
 

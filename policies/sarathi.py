@@ -33,6 +33,10 @@ class SarathiConfig:
 
 
 class SarathiPolicy:
+    # Fast path (sim.stretch): with nothing prefilling, a decode-only step means admission failed
+    # for want of slots, budget left after the decodes or free blocks; none of them grows while
+    # the same requests decode.
+    decode_stretch = True
     max_prompt_tokens: int | None = None
 
     def __init__(self, config: SarathiConfig) -> None:

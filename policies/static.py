@@ -51,6 +51,8 @@ def launch_group(state: SchedulerState, now_s: float, reserve: str, max_size: in
 
 
 class StaticPolicy:
+    # Fast path (sim.stretch): a running group is stepped to its end, whatever arrives.
+    decode_stretch = True
     max_prompt_tokens: int | None = None
     token_budget: int | None = None
 

@@ -65,6 +65,10 @@ def admit_prefills(state: SchedulerState, now_s: float, max_num_seqs: int,
 
 
 class VllmPolicy:
+    # Fast path (sim.stretch): a decode-only step means admission failed for want of sequence
+    # slots or free blocks above the watermark; slots stay, free blocks only shrink while decoding.
+    decode_stretch = True
+
     def __init__(self, config: VllmConfig, max_model_len: int) -> None:
         self.config = config
         self.token_budget = config.max_num_batched_tokens or max(max_model_len, 2048)

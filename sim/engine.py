@@ -12,6 +12,7 @@ population, whose send times follow the servers' replies.
 
 from __future__ import annotations
 
+import os
 from heapq import heappop, heappush
 from typing import TYPE_CHECKING, Callable, Generator, Protocol, Sequence
 
@@ -21,11 +22,17 @@ import simpy.rt
 from sim.batch import Batch, Idle, StepResult
 from sim.logs import StepLog
 from sim.request import Request
+from sim.stretch import run_decode_stretch
 
 if TYPE_CHECKING:
     from policies.base import Policy
     from sim.profile import Profile
     from sim.state import SchedulerState
+
+
+# Decode-only stretches between events run in one go (sim.stretch) when the policy allows it.
+# False steps every iteration: same results, used by tests/test_fast_path.py to prove it.
+FAST_PATH = os.environ.get("BATCHSIM_FAST_PATH", "1") != "0"
 
 
 class Executor(Protocol):
@@ -101,8 +108,12 @@ class Server:
         # results, a fraction of the events. Off in real time: there the clock
         # is the wall clock.
         coalesce = not isinstance(env, simpy.rt.RealtimeEnvironment)
+        # The fast path (sim.stretch): decode-only stretches up to the next event in one go.
+        stretch = (coalesce and FAST_PATH and on_step is None and type(executor) is SimExecutor
+                   and getattr(policy, "decode_stretch", False))
         now_s = env.now
         while True:
+            num_preempted = state.num_preemptions
             decision = policy.schedule(state, now_s)
             if type(decision) is Idle:
                 if now_s > env.now:
@@ -121,7 +132,8 @@ class Server:
             start_s = now_s
             result = executor.execute(decision, state)
             end_s = start_s + result.duration_s
-            if not (coalesce and end_s < env.peek()):
+            coalesced = coalesce and end_s < env.peek()
+            if not coalesced:
                 yield env.timeout(end_s - env.now)
                 end_s = env.now
             now_s = end_s
@@ -132,6 +144,10 @@ class Server:
                 on_step(start_s, decision, result)
             if on_finish is not None and state.num_finished > num_finished:
                 on_finish(end_s, state.num_finished - num_finished)
+            # (Only after a step that did not yield: nothing has arrived since it was chosen.)
+            if (stretch and coalesced and decision.decode_seqs == len(decision.items)
+                    and state.num_preemptions == num_preempted):
+                now_s = run_decode_stretch(self, decision, result.duration_s, now_s, env.peek())
 
 
 ROUTERS = ("round_robin", "least_requests", "least_tokens")

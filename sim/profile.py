@@ -132,6 +132,28 @@ class Profile:
             t += self.attn_decode(batch.decode_seqs, batch.decode_context)
         return t
 
+    def decode_steps_s(self, num_seqs: int, contexts: np.ndarray) -> tuple[np.ndarray, bool, np.ndarray]:
+        """``step_time_s`` of decode-only batches of ``num_seqs`` one-token items
+        whose summed context is each of ``contexts``: the same floats, as a vector
+        (the loop's decode-stretch fast path, ``sim.stretch``). Also whether the
+        linear lookup and which attention lookups lie outside the curves' grids;
+        nothing is counted until ``count_decode_lookups`` says how many were used."""
+        hit = self._linear_memo.get(num_seqs)
+        if hit is None:
+            before = self.linear.num_out_of_range
+            hit = (self.linear(num_seqs), self.linear.num_out_of_range > before)
+            self.linear.num_out_of_range = before        # counted per use, below
+            self._linear_memo[num_seqs] = hit
+        attn, attn_out = self.attn_decode.along_y(num_seqs, contexts)
+        return (self.overhead_s + hit[0]) + attn, hit[1], attn_out
+
+    def count_decode_lookups(self, num_steps: int, linear_out: bool, attn_out: np.ndarray) -> None:
+        """Count the out-of-range lookups of ``num_steps`` steps priced by
+        ``decode_steps_s``, as ``step_time_s`` would have, one step at a time."""
+        if linear_out:
+            self.linear.num_out_of_range += num_steps
+        self.attn_decode.num_out_of_range += int(attn_out.sum())
+
     @property
     def num_out_of_range(self) -> int:
         """Curve lookups outside the measured grid so far (extrapolated)."""

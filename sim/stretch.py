@@ -1,0 +1,141 @@
+"""The step loop's one fast path: a stretch of decode-only steps, computed at once.
+
+Between two events (an arrival, a request's last token, a failed block
+allocation) a server whose every running request decodes does the same thing
+step after step: the same requests, each one token further on, at a cost that
+depends only on how many they are and on their summed context. The loop
+(``sim.engine.Server._serve``) then needs no policy call, no Batch and no
+per-request commit per step: ``run_decode_stretch`` computes the steps' costs
+as one vector, their end times as one running sum, hands out the blocks the
+requests grow into in the order stepping would, and writes the steps and
+their tokens to the logs in bulk. Results are those of stepping one iteration
+at a time (``tests/test_fast_path.py`` compares every policy with the fast
+path on and off).
+
+The invariant it relies on is the policy's, declared by ``decode_stretch =
+True`` on the policy class: *if schedule() returned a batch in which every
+running request computes exactly one token (a decode, or a finished static
+slot's padding) and nobody was admitted, then as long as nothing arrives, no
+request finishes and no block allocation fails, schedule() returns the same
+requests again, each one token further on.* Each policy states its reason
+beside the flag. (Admission was refused for lack of sequence slots, budget or
+free blocks; slots and budget do not change within a stretch and free blocks
+only shrink.)
+
+A stretch holds only steps that end strictly before the next scheduled
+SimPy event (``horizon_s``), as coalesced steps do, and before the step that
+would finish a request or find the pool dry; that step runs through the
+normal path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sim.batch import Batch
+from sim.request import Status
+
+if TYPE_CHECKING:
+    from sim.engine import Server
+
+MIN_STEPS = 3       # shorter stretches are cheaper stepped one at a time
+
+
+def run_decode_stretch(server: Server, batch: Batch, step_s: float, now_s: float, horizon_s: float) -> float:
+    """Run the decode steps that follow ``batch`` (already committed; it took
+    ``step_s`` and ended at ``now_s``) up to the next event; return the time
+    the last of them ends (``now_s`` if none ran)."""
+    state = server.state
+    running = state.running
+    num_seqs = len(running)
+    if batch.decode_seqs != len(batch.items) or num_seqs != len(batch.items) or step_s <= 0.0:
+        return now_s                       # not decode-only, or a request finished and left
+    # Steps only grow longer as contexts grow (monotone curves): an upper bound on how many fit.
+    max_steps = (horizon_s - now_s) / step_s
+    max_steps = int(max_steps) if max_steps < 1e9 else 10**9     # horizon inf: nothing else scheduled
+    if max_steps < MIN_STEPS:
+        return now_s
+    # Live requests decode; a static group's finished members (still running) burn a padded token.
+    live = []
+    context = 0
+    to_last = max_steps + 1
+    oracle = state.oracle_output_tokens
+    for r in running:
+        context += r.num_computed_tokens
+        if r.status == Status.RUNNING:
+            if r.num_output_tokens < 2:
+                return now_s               # admitted in this very step (a one-token prompt)
+            # The step that samples a request's last token finishes it: stop before it.
+            left = oracle(r) - r.num_output_tokens
+            if left < to_last:
+                to_last = left
+            live.append(r)
+    max_steps = min(max_steps, to_last - 1)
+    if max_steps < MIN_STEPS:
+        return now_s
+    num_live = len(live)
+    profile = server.executor.profile
+    contexts = context + num_live * np.arange(max_steps, dtype=np.int64)
+    durations, linear_out, attn_out = profile.decode_steps_s(num_seqs, contexts)
+    ends = np.add.accumulate(np.concatenate(([now_s], durations)))[1:]
+    num_steps = int(np.searchsorted(ends, horizon_s, side="left"))    # ends strictly before it
+    kv = state.kv
+    kv_used = np.full(num_steps, kv.num_used_blocks, dtype=np.int64)
+    grow = _block_growth(kv, live, num_steps)
+    if grow is not None:
+        num_steps, allocations = grow
+        if num_steps < 1:
+            return now_s
+        kv_used = kv_used[:num_steps]
+        for _, k in allocations:
+            kv.append_block(live[k])
+        kv_used += np.cumsum(np.bincount([j for j, _ in allocations], minlength=num_steps))
+    elif num_steps < 1:
+        return now_s
+    for r in live:
+        r.num_computed_tokens += num_steps
+        r.num_output_tokens += num_steps
+    durations = durations[:num_steps]
+    ends = ends[:num_steps]
+    starts = np.concatenate(([now_s], ends[:-1]))
+    ints = np.empty((num_steps, 8), dtype=np.int64)
+    ints[:, 0] = num_seqs                      # batch_size
+    ints[:, 1] = 0                             # num_prefill_tokens
+    ints[:, 2] = num_live                      # num_decode_tokens
+    ints[:, 3] = num_seqs - num_live           # num_pad_tokens
+    ints[:, 4] = 0                             # num_prefill_seqs
+    ints[:, 5] = len(state.waiting)
+    ints[:, 6] = num_seqs                      # num_running
+    ints[:, 7] = kv_used
+    server.log.record_stretch(starts, durations, durations, ints)
+    if live:
+        state.tokens.add_stretch(ends, np.fromiter((r.req_id for r in live), dtype=np.int64, count=num_live))
+    profile.count_decode_lookups(num_steps, int(linear_out), attn_out[:num_steps])
+    return float(ends[-1])
+
+
+def _block_growth(kv, live: list, num_steps: int) -> tuple[int, list[tuple[int, int]]] | None:
+    """The blocks the live requests grow into over ``num_steps`` stretch steps:
+    None if none, else how many steps fit before the pool runs dry and the
+    allocations of those steps as (step, index in ``live``), in the order
+    stepping makes them (by step, then running order)."""
+    bs = kv.block_size
+    allocations = []
+    for k, r in enumerate(live):
+        # Stretch step j computes the token at position computed + j: it needs a new block
+        # when that reaches the capacity of the blocks held, first at j = capacity - computed.
+        j = len(r.block_ids) * bs - r.num_computed_tokens
+        while j < num_steps:
+            allocations.append((j, k))
+            j += bs
+    if not allocations:
+        return None
+    allocations.sort()
+    free = kv.num_free_blocks
+    if len(allocations) > free:
+        # Stepping finds the pool dry at allocation number free + 1: stop before its step.
+        num_steps = allocations[free][0]
+        allocations = [a for a in allocations if a[0] < num_steps]
+    return num_steps, allocations
