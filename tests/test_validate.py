@@ -168,8 +168,11 @@ def test_optimistic_profile_fails_tolerances(calibrated, load: str) -> None:
     fast = run_sim(workload("vllm", load), scaled(v.profile, 1 / 3), v.live.meta["num_blocks"],
                    v.live.meta["max_model_len"])
     misses = rv.check(rv.error_table(v.live.summary, fast.summary), TOLERANCES_PCT)
-    # Light load: ITL ~ step cost, so about -67%; saturated: throughput about x3 (+200%).
-    assert any(m.startswith("p50_itl_ms" if load == "light" else "request_throughput") for m in misses), misses
+    # Light load: TTFT and ITL ~ step costs, so about -67% each against a 60% limit (which of
+    # the two misses depends on how fast the live steps ran that day); saturated: throughput
+    # about x3 (+200%).
+    light = ("p50_itl_ms", "p50_ttft_ms")
+    assert any(m.startswith(light if load == "light" else "request_throughput") for m in misses), misses
 
 
 def test_sim_twin_equals_run_workload(calibrated, tmp_path: Path) -> None:
