@@ -145,9 +145,9 @@ class Server:
             if on_finish is not None and state.num_finished > num_finished:
                 on_finish(end_s, state.num_finished - num_finished)
             # (Only after a step that did not yield: nothing has arrived since it was chosen.)
-            if (stretch and coalesced and decision.decode_seqs == len(decision.items)
-                    and state.num_preemptions == num_preempted):
-                now_s = run_decode_stretch(self, decision, result.duration_s, now_s, env.peek())
+            if stretch and coalesced:
+                now_s = run_decode_stretch(self, decision, state.num_preemptions != num_preempted,
+                                           now_s, env.peek())
 
 
 ROUTERS = ("round_robin", "least_requests", "least_tokens")

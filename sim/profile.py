@@ -138,14 +138,26 @@ class Profile:
         (the loop's decode-stretch fast path, ``sim.stretch``). Also whether the
         linear lookup and which attention lookups lie outside the curves' grids;
         nothing is counted until ``count_decode_lookups`` says how many were used."""
-        hit = self._linear_memo.get(num_seqs)
-        if hit is None:
-            before = self.linear.num_out_of_range
-            hit = (self.linear(num_seqs), self.linear.num_out_of_range > before)
-            self.linear.num_out_of_range = before        # counted per use, below
-            self._linear_memo[num_seqs] = hit
+        hit = self._linear_uncounted(num_seqs)
         attn, attn_out = self.attn_decode.along_y(num_seqs, contexts)
         return (self.overhead_s + hit[0]) + attn, hit[1], attn_out
+
+    def decode_floor_s(self, num_seqs: int) -> float:
+        """What every decode-only step of ``num_seqs`` sequences costs at least:
+        the fixed overhead and the token-parallel layers (attention only adds).
+        Counts nothing."""
+        return max(self.overhead_s + self._linear_uncounted(num_seqs)[0], 1e-12)
+
+    def _linear_uncounted(self, num_tokens: int) -> tuple[float, bool]:
+        """The memo entry of linear(num_tokens): (cost, out of range), filled
+        without counting the lookup (the fast path counts the steps it uses)."""
+        hit = self._linear_memo.get(num_tokens)
+        if hit is None:
+            before = self.linear.num_out_of_range
+            hit = (self.linear(num_tokens), self.linear.num_out_of_range > before)
+            self.linear.num_out_of_range = before
+            self._linear_memo[num_tokens] = hit
+        return hit
 
     def count_decode_lookups(self, num_steps: int, linear_out: bool, attn_out: np.ndarray) -> None:
         """Count the out-of-range lookups of ``num_steps`` steps priced by

@@ -13,14 +13,20 @@ at a time (``tests/test_fast_path.py`` compares every policy with the fast
 path on and off).
 
 The invariant it relies on is the policy's, declared by ``decode_stretch =
-True`` on the policy class: *if schedule() returned a batch in which every
-running request computes exactly one token (a decode, or a finished static
-slot's padding) and nobody was admitted, then as long as nothing arrives, no
-request finishes and no block allocation fails, schedule() returns the same
-requests again, each one token further on.* Each policy states its reason
-beside the flag. (Admission was refused for lack of sequence slots, budget or
-free blocks; slots and budget do not change within a stretch and free blocks
-only shrink.)
+True`` on the policy class. As long as nothing arrives, no request finishes
+and no block allocation fails:
+
+(a) with nothing waiting and every running request caught up (its next step
+    computes exactly one token and samples one), schedule() returns every
+    running request, each computing one token (a static group's finished
+    slots: one padded token);
+(b) after a batch of that shape that admitted, preempted and finished nobody
+    while requests were waiting, schedule() returns it again, each request one
+    token further on: admission was refused for lack of sequence slots, token
+    budget or free blocks, and within a stretch slots and budget stay as they
+    are and free blocks only shrink.
+
+Each policy states its reason beside the flag.
 
 A stretch holds only steps that end strictly before the next scheduled
 SimPy event (``horizon_s``), as coalesced steps do, and before the step that
@@ -43,17 +49,23 @@ if TYPE_CHECKING:
 MIN_STEPS = 3       # shorter stretches are cheaper stepped one at a time
 
 
-def run_decode_stretch(server: Server, batch: Batch, step_s: float, now_s: float, horizon_s: float) -> float:
-    """Run the decode steps that follow ``batch`` (already committed; it took
-    ``step_s`` and ended at ``now_s``) up to the next event; return the time
-    the last of them ends (``now_s`` if none ran)."""
+def run_decode_stretch(server: Server, batch: Batch, preempted: bool, now_s: float, horizon_s: float) -> float:
+    """Run the decode steps that follow the committed step of ``batch`` (it
+    ended at ``now_s``; ``preempted``: it preempted someone) up to the next
+    event; return the time the last of them ends (``now_s`` if none ran)."""
     state = server.state
     running = state.running
     num_seqs = len(running)
-    if batch.decode_seqs != len(batch.items) or num_seqs != len(batch.items) or step_s <= 0.0:
-        return now_s                       # not decode-only, or a request finished and left
-    # Steps only grow longer as contexts grow (monotone curves): an upper bound on how many fit.
-    max_steps = (horizon_s - now_s) / step_s
+    if not num_seqs:
+        return now_s
+    min_outputs = 1                        # sampled before: first_token_s is set
+    if state.waiting:                      # case (b) of the module doc
+        if (preempted or batch.decode_seqs != len(batch.items) or num_seqs != len(batch.items)):
+            return now_s
+        min_outputs = 2                    # none admitted in this very step (a one-token prompt)
+    profile = server.executor.profile
+    # Every stretch step costs at least the fixed part of a decode step of num_seqs sequences.
+    max_steps = (horizon_s - now_s) / profile.decode_floor_s(num_seqs)
     max_steps = int(max_steps) if max_steps < 1e9 else 10**9     # horizon inf: nothing else scheduled
     if max_steps < MIN_STEPS:
         return now_s
@@ -63,12 +75,14 @@ def run_decode_stretch(server: Server, batch: Batch, step_s: float, now_s: float
     to_last = max_steps + 1
     oracle = state.oracle_output_tokens
     for r in running:
-        context += r.num_computed_tokens
+        computed = r.num_computed_tokens
+        context += computed
         if r.status == Status.RUNNING:
-            if r.num_output_tokens < 2:
-                return now_s               # admitted in this very step (a one-token prompt)
+            outputs = r.num_output_tokens
+            if r.num_prompt_tokens + outputs - computed != 1 or outputs < min_outputs:
+                return now_s               # not caught up, or caught up this very step
             # The step that samples a request's last token finishes it: stop before it.
-            left = oracle(r) - r.num_output_tokens
+            left = oracle(r) - outputs
             if left < to_last:
                 to_last = left
             live.append(r)
@@ -76,7 +90,6 @@ def run_decode_stretch(server: Server, batch: Batch, step_s: float, now_s: float
     if max_steps < MIN_STEPS:
         return now_s
     num_live = len(live)
-    profile = server.executor.profile
     contexts = context + num_live * np.arange(max_steps, dtype=np.int64)
     durations, linear_out, attn_out = profile.decode_steps_s(num_seqs, contexts)
     ends = np.add.accumulate(np.concatenate(([now_s], durations)))[1:]
