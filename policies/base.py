@@ -30,10 +30,12 @@ class Policy(Protocol):
     tokens one step computes, which sizes the activation reserve as vLLM's
     profiling run does (None: no budget; ``DEFAULT_ACTIVATION_TOKENS``).
     ``decode_stretch``: True if the policy keeps the invariant of the loop's
-    fast path (``sim.stretch``): after a decode-only step that admitted and
-    preempted nobody, it returns the same requests again, one token further
-    on, until something arrives, finishes or fails to get a block. Say why
-    beside the flag; False (or absent) steps every iteration.
+    fast path (``sim.stretch``, cases (a) and (b)): with nothing waiting and
+    every running request caught up it decodes them all; after a decode-only
+    step that admitted, preempted and finished nobody it returns the same
+    requests again, one token further on; both until something arrives,
+    finishes or fails to get a block. Say why beside the flag; False (or
+    absent) steps every iteration.
     """
 
     max_prompt_tokens: int | None
