@@ -61,6 +61,7 @@ from sim.batch import Batch, BatchItem
 from sim.curves import Curve1D, Curve2D
 from sim.kv import BlockManager
 from sim.profile import ModelShape, Profile
+from sim.provenance import git_revision, utc_now_iso
 from sim.request import Request
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -234,7 +235,7 @@ def calibrate(model: str | Mapping[str, Any], device: str = "cpu", dtype: str | 
         "device_name": _device_name(dev), "device": str(dev), "platform": platform.platform(),
         "torch_version": str(torch.__version__), "cuda_version": torch.version.cuda,
         "dtype": dtype, "model": dataclasses.asdict(cfg), "num_threads": threads,
-        "date_utc": schema.utc_now_iso(), "git_revision": schema.git_revision(),
+        "date_utc": utc_now_iso(), "git_revision": git_revision(),
         "num_warmup_per_pass": NUM_WARMUP, "num_repeats_per_pass": fit_reps, "num_passes": f"{NUM_PASSES}-{MAX_PASSES}",
         "statistic": "median_s: median of all timed calls (host seconds)", "budget_s": budget_s,
         "seed": seed, "grid": dataclasses.asdict(spec), "num_blocks": num_blocks,

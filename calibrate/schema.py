@@ -15,11 +15,9 @@ Format history (``FORMAT_VERSION``):
 from __future__ import annotations
 
 import csv
-import datetime as dt
 import hashlib
 import json
 import platform
-import subprocess
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -222,21 +220,6 @@ def check_same_metadata(a: Mapping[str, Any], b: Mapping[str, Any], source: str)
 
 
 # ---- provenance ---------------------------------------------------------------
-def utc_now_iso() -> str:
-    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
-
-
-def git_revision(repo_dir: str | Path | None = None) -> str:
-    """``git rev-parse HEAD`` of the repository holding this file; "unknown" if none."""
-    cwd = Path(repo_dir) if repo_dir is not None else Path(__file__).resolve().parent
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
-                             text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
-
-
 def cpu_name() -> str:
     """The CPU model from /proc/cpuinfo, else ``platform.processor()``."""
     try:

@@ -32,7 +32,7 @@ from reports.capacity import (SearchSettings, Slo, find_capacity, fleet_cost, ju
                                utilization)
 from reports.planspec import Candidate, PlanSpec, Verify, parse_plan, spec_summary
 from reports.pool import run_tasks
-from reports.render import write_text_atomic
+from sim.atomic import write_text_atomic
 from reports.sweep import offered_rate, scalar_summary
 from sim.config import ConfigError, set_dotted, workload_from_dict
 

@@ -10,7 +10,6 @@ every figure of a report. Nothing here writes a file except ``save_figure``.
 
 from __future__ import annotations
 
-import os
 import textwrap
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -23,6 +22,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import LogFormatter  # noqa: E402
+
+from sim.atomic import write_atomic  # noqa: E402
 
 FIG_WIDTH_IN = 11.0
 DPI = 110
@@ -39,10 +40,7 @@ def save_figure(fig: Figure, stem: Path, *, close: bool = True) -> list[Path]:
     paths = []
     for ext in ("png", "svg"):
         path = stem.with_name(f"{stem.name}.{ext}")
-        tmp = path.with_name(f".{path.name}.tmp")
-        fig.savefig(tmp, format=ext, dpi=DPI, bbox_inches="tight")
-        os.replace(tmp, path)
-        paths.append(path)
+        paths.append(write_atomic(path, lambda tmp: fig.savefig(tmp, format=ext, dpi=DPI, bbox_inches="tight")))
     if close:
         plt.close(fig)
     return paths

@@ -17,6 +17,8 @@ from typing import Any, Union
 
 import pandas as pd
 
+from sim.atomic import write_text_atomic
+
 
 @dataclass(frozen=True)
 class Heading:
@@ -161,14 +163,6 @@ def to_html(doc: Document) -> str:
                          f"<figcaption>{html.escape(b.caption)}</figcaption></figure>")
     parts += ["</body>", "</html>"]
     return "\n".join(parts) + "\n"
-
-
-def write_text_atomic(path: Path, text: str) -> Path:
-    """Write ``text`` to a temporary name beside ``path`` and rename it over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-    return path
 
 
 def write_document(doc: Document, out_dir: Path, stem: str = "report") -> list[Path]:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from reports.spec import RunTask
+from sim.atomic import write_bytes_atomic
 from sim.config import ConfigError
 
 # The summary's text scalars (sim.runner); every other column after the grid columns holds a number or
@@ -158,19 +158,12 @@ def read_table_ids(path: Path) -> tuple[list[str], set[str]]:
     return scan.header, scan.ids
 
 
-def _replace_atomically(path: Path, data: bytes) -> None:
-    """Write through a .tmp name and rename: a kill leaves the old file or the new one, never half of it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def drop_damaged(path: Path, scan: TableScan) -> list[str]:
     """Rewrite the table without its damaged rows (atomically), keeping their bytes in DROPPED
     beside it; return one line per dropped row: where, why, and which run will be redone."""
     with (path.parent / DROPPED).open("ab") as f:
         f.writelines(d.raw for d in scan.damaged)
-    _replace_atomically(path, b"".join(scan.kept))
+    write_bytes_atomic(path, b"".join(scan.kept))
     return [f"{path} line {d.line}: {d.why}; dropped the row (kept in {DROPPED})"
             + (f", run {d.run_id} will be redone" if d.run_id and d.run_id not in scan.ids else "")
             for d in scan.damaged]
@@ -184,7 +177,7 @@ def _rewrite_with_header(path: Path, header: list[str]) -> None:
     writer = csv.DictWriter(text, fieldnames=header)
     writer.writeheader()
     writer.writerows(rows)
-    _replace_atomically(path, text.getvalue().encode("utf-8"))
+    write_bytes_atomic(path, text.getvalue().encode("utf-8"))
 
 
 class ResultsTable:

@@ -13,9 +13,7 @@ another by accident: ``prepare_run_dir`` picks a fresh folder or refuses, and
 from __future__ import annotations
 
 import json
-import os
 import platform
-import subprocess
 import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -23,6 +21,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import pandas as pd
 
+from sim.atomic import tmp_path, write_atomic
+from sim.provenance import git_revision
 from sim.config import ConfigError
 from sim.runner import RunResult
 
@@ -38,13 +38,10 @@ FIGURE_SUFFIXES = (".png", ".svg")
 
 
 def _atomic(path: Path, write) -> None:
-    """Write through a temporary name and rename; on failure leave no ``.tmp``."""
-    tmp = path.with_name(path.name + ".tmp")
+    """``sim.atomic.write_atomic``, with a failure (a full disk, no permission) as a one-line error."""
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        write_atomic(path, write)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise OutputError(f"{path}: cannot write ({exc.strerror or exc}); the run directory is "
                           f"incomplete (no summary.json)") from None
 
@@ -89,7 +86,7 @@ def clear_run(out_dir: Path) -> None:
     """Remove what batchsim wrote into ``out_dir`` (summary.json first, so the
     folder stops looking complete at once); files it did not write stay."""
     for name in RUN_FILES:
-        for path in (out_dir / name, out_dir / f"{name}.tmp"):
+        for path in (out_dir / name, tmp_path(out_dir / name)):
             path.unlink(missing_ok=True)
     figures = out_dir / "figures"
     if figures.is_dir():
@@ -98,15 +95,6 @@ def clear_run(out_dir: Path) -> None:
                 path.unlink()
         if not any(figures.iterdir()):
             figures.rmdir()
-
-
-def git_revision() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def versions() -> dict[str, str]:

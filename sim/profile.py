@@ -24,12 +24,16 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from sim.atomic import write_text_atomic
 from sim.batch import Batch
 from sim.curves import Curve1D, Curve2D
+
+if TYPE_CHECKING:
+    import numpy as np
 
 FORMAT_VERSION = 1
 GIB = 1024**3
@@ -238,13 +242,10 @@ class Profile:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         data = self.to_dict()
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        with open(tmp, "w") as f:
-            if path.suffix == ".json":
-                json.dump(data, f, indent=1)
-            else:
-                yaml.safe_dump(data, f, sort_keys=False, width=200)
-        tmp.replace(path)
+        if path.suffix == ".json":
+            write_text_atomic(path, json.dumps(data, indent=1))
+        else:
+            write_text_atomic(path, yaml.safe_dump(data, sort_keys=False, width=200))
 
 
 def _get(d: dict, key: str, where: str, source: str) -> Any:

@@ -273,7 +273,7 @@ def _dump(name: str, sents: list[Sent], ses: Session, exc: Exception) -> None:
 
 
 def _utc_now() -> str:
-    from calibrate.schema import utc_now_iso
+    from sim.provenance import utc_now_iso
     return utc_now_iso()
 
 
