@@ -181,8 +181,17 @@ def _add_pool_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="output directory")
 
 
+def _version() -> str:
+    from importlib import metadata
+    try:
+        return metadata.version("batchsim")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sim", description="batchsim: simulate LLM-serving schedulers")
+    p.add_argument("--version", action="version", version=f"batchsim {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="simulate one workload file")

@@ -163,3 +163,11 @@ def test_rejections_are_counted_per_reason(tmp_path, capsys):
 def test_did_you_mean_and_the_right_command(tmp_path, capsys, text, expect):
     rc, out, err, _ = run_cli(tmp_path, text, capsys=capsys)
     assert rc == 2 and expect in err and "Traceback" not in err, err
+
+
+def test_version(capsys):
+    from importlib import metadata
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"batchsim {metadata.version('batchsim')}"
