@@ -1,9 +1,15 @@
 """Simulator speed on the full Azure conversation trace (19,366 requests).
 
-For each policy, in a fresh child process (so peak RSS is the run's own):
-wall seconds, simulated requests per wall second, steps per wall second, peak
-RSS. Then the 2x and 4x back-to-back replays of the trace for vllm and
-sarathi, to check that time grows linearly with trace length.
+For each policy, in a fresh child process: wall seconds, simulated requests,
+steps and events per wall second, and the child's peak RSS (read by the
+parent from os.wait4 when the child exits). Events are the model's
+scheduling events: arrivals + completions + preemptions (requests table and
+summary). Then the 2x and 4x back-to-back replays of the trace for vllm and
+sarathi, to check that time grows linearly with trace length. Each policy
+also runs with the loop's fast path off (``BATCHSIM_FAST_PATH=0``: every
+iteration stepped; same results) and the table gives the ratio of the two
+loops' times. ``proc s`` is the whole child process (interpreter start,
+imports, the run and its tables); req/s and events/s divide by it.
 
     python benchmarks/bench_sim.py [--policies vllm,sarathi] [--no-scaling]
 
@@ -16,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,47 +47,90 @@ def one_run(policy: str, repeat: int) -> dict:
     wall_s = time.perf_counter() - t0
     cpu_s = time.process_time() - c0
     n_req = len(result.requests)
-    return {"policy": policy, "repeat": repeat, "requests": n_req, "steps": len(result.steps),
-            "wall_s": wall_s, "cpu_s": cpu_s, "loop_s": result.meta["loop_s"], "req_per_s": n_req / wall_s, "steps_per_s": len(result.steps) / wall_s,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    events = num_events(n_req, result.summary)
+    return {"policy": policy, "repeat": repeat, "requests": n_req, "steps": len(result.steps), "events": events,
+            "wall_s": wall_s, "cpu_s": cpu_s, "loop_s": result.meta["loop_s"], "req_per_s": n_req / wall_s,
+            "steps_per_s": len(result.steps) / wall_s, "events_per_s": events / wall_s,
             "completed": result.summary["completed"], "mean_ttft_ms": result.summary["mean_ttft_ms"]}
 
 
-def in_child(policy: str, repeat: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", policy, str(repeat)],
-                         capture_output=True, text=True, check=True, cwd=ROOT)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def num_events(num_requests: int, summary: dict) -> int:
+    """Scheduling events of a run: one arrival per request, one completion per finished
+    request, one per preemption."""
+    return num_requests + summary["completed"] + summary["num_preemptions"]
+
+
+@dataclass(frozen=True)
+class Child:
+    """A finished child process: exit status, output, and its own resource use."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_s: float
+    cpu_s: float                  # user + system, the whole process (start-up included)
+    peak_rss_mib: float
+
+
+def run_child(argv: list[str], env: dict[str, str] | None = None) -> Child:
+    """Run ``argv`` from the repository root and wait for it with os.wait4, which returns this
+    child's own peak RSS (RUSAGE_CHILDREN would report the largest of all children so far)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, cwd=ROOT, env={**os.environ, **(env or {})})
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall_s = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)      # reaped here, not by Popen
+        out.seek(0)
+        err.seek(0)
+        return Child(proc.returncode, out.read().decode(), err.read().decode(), wall_s,
+                     usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024)     # ru_maxrss is in KiB
+
+
+def in_child(policy: str, repeat: int, fast_path: bool = True) -> dict:
+    child = run_child([sys.executable, __file__, "--child", policy, str(repeat)],
+                      {"BATCHSIM_FAST_PATH": "1" if fast_path else "0"})
+    if child.returncode != 0:
+        sys.exit(f"{policy} x{repeat}: the child exited with {child.returncode}: {child.stderr.strip()[-2000:]}")
+    r = json.loads(child.stdout.strip().splitlines()[-1])
+    return {**r, "peak_rss_mib": child.peak_rss_mib, "proc_s": child.wall_s,
+            "req_per_s": r["requests"] / child.wall_s, "steps_per_s": r["steps"] / child.wall_s,
+            "events_per_s": r["events"] / child.wall_s}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--policies", default="static,dynamic,orca,vllm,sarathi")
+    ap.add_argument("--policies", default="static,dynamic,orca,vllm,sarathi,vllm_v1")
     ap.add_argument("--no-scaling", action="store_true")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(one_run(args.child[0], int(args.child[1]))))
         return
-    print(f"{'policy':<9}{'requests':>9}{'steps':>9}{'wall s':>8}{'cpu s':>7}{'req/s':>8}{'steps/s':>9}"
-          f"{'RSS MiB':>9}")
+    print(f"{'policy':<9}{'requests':>9}{'steps':>9}{'events':>8}{'proc s':>8}{'run s':>7}{'cpu s':>7}{'req/s':>8}"
+          f"{'steps/s':>9}{'events/s':>10}{'RSS MiB':>9}{'loop s':>8}{'stepped':>9}{'speed-up':>10}")
     for policy in args.policies.split(","):
         r = in_child(policy, 1)
-        print(f"{policy:<9}{r['requests']:>9}{r['steps']:>9}{r['wall_s']:>8.2f}{r['cpu_s']:>7.2f}"
-              f"{r['req_per_s']:>8.0f}{r['steps_per_s']:>9.0f}{r['peak_rss_mib']:>9.0f}", flush=True)
+        off = in_child(policy, 1, fast_path=False)
+        print(f"{policy:<9}{r['requests']:>9}{r['steps']:>9}{r['events']:>8}{r['proc_s']:>8.2f}{r['wall_s']:>7.2f}"
+              f"{r['cpu_s']:>7.2f}{r['req_per_s']:>8.0f}{r['steps_per_s']:>9.0f}{r['events_per_s']:>10.0f}"
+              f"{r['peak_rss_mib']:>9.0f}{r['loop_s']:>8.2f}{off['loop_s']:>9.2f}{off['loop_s'] / r['loop_s']:>9.2f}x",
+              flush=True)
+    print("(loop s: the event loop with the fast path; stepped: the same loop stepping every iteration)")
     if args.no_scaling:
         return
     print("\nlinear growth (trace replayed back to back):")
     print("(loop: the event loop alone; the rest builds tables and summaries, whose ITL sort is n log n)")
-    print(f"{'policy':<9}{'x':>3}{'requests':>9}{'wall s':>8}{'req/s':>8}{'wall / 1x':>11}{'loop s':>8}"
-          f"{'loop / 1x':>11}")
+    print(f"{'policy':<9}{'x':>3}{'requests':>9}{'wall s':>8}{'req/s':>8}{'events/s':>10}{'wall / 1x':>11}"
+          f"{'loop s':>8}{'loop / 1x':>11}{'RSS MiB':>9}")
     for policy in ("vllm", "sarathi"):
         base = None
         for repeat in (1, 2, 4):
             r = in_child(policy, repeat)
             base = base or r
             print(f"{policy:<9}{repeat:>3}{r['requests']:>9}{r['wall_s']:>8.2f}{r['req_per_s']:>8.0f}"
-                  f"{r['wall_s'] / base['wall_s']:>11.2f}{r['loop_s']:>8.2f}{r['loop_s'] / base['loop_s']:>11.2f}",
-                  flush=True)
+                  f"{r['events_per_s']:>10.0f}{r['wall_s'] / base['wall_s']:>11.2f}{r['loop_s']:>8.2f}"
+                  f"{r['loop_s'] / base['loop_s']:>11.2f}{r['peak_rss_mib']:>9.0f}", flush=True)
 
 
 if __name__ == "__main__":
