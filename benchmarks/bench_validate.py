@@ -43,7 +43,7 @@ def main() -> int:
 
     import torch
 
-    from calibrate.live import run_sim
+    from sim.live import run_sim
     from calibrate.model import MODEL_PRESETS
     from calibrate.runner import calibrate
     from calibrate.validate import calibration_grid, validate

@@ -3,7 +3,7 @@
 Both runs share the workload's requests and seed, the policy class and its
 config, the block pool (num_blocks x block_size = the engine's paged KV pool)
 and max_model_len; the live one runs ``sim.engine.Server`` in wall-clock time
-on a ``LiveEngine`` (``calibrate.live``), the simulated one runs the same loop
+on a ``LiveEngine`` (``sim.live``), the simulated one runs the same loop
 with the profile's step times. The profile comes from ``--profile`` or, when
 none is given, from a calibration of the same engine first (said so in the
 output and the report). ``reports.validation`` builds the comparison; only
@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 
 from calibrate.engine import LiveEngine
-from calibrate.live import run_live, run_sim
+from sim.live import run_live, run_sim
 from calibrate.model import ModelConfig, get_model_config
 from calibrate.grid import GridSpec
 from calibrate.runner import DTYPES, CalibrationResult, calibrate

@@ -17,7 +17,6 @@ from heapq import heappop, heappush
 from typing import TYPE_CHECKING, Callable, Generator, Protocol, Sequence
 
 import simpy
-import simpy.rt
 
 from sim.batch import Batch, Idle, StepResult
 from sim.logs import StepLog
@@ -60,6 +59,10 @@ class SimExecutor:
 class Server:
     """One replica driven by SimPy. ``submit`` hands it an arrived request.
 
+    ``coalesce``: run steps that end before the next event back to back
+    without a SimPy timeout each, and decode stretches in one go (the fast
+    path); True in simulation, False on a wall clock.
+
     ``on_finish(end_s, num_finished)``, if set, is called after each step that
     finished requests, with the step's end time (which may lie ahead of
     ``env.now``: see ``_serve``) and how many it finished.
@@ -67,7 +70,8 @@ class Server:
 
     def __init__(self, env: simpy.Environment, policy: Policy, state: SchedulerState,
                  executor: Executor, replica: int = 0,
-                 on_step: Callable[[float, Batch, StepResult], None] | None = None) -> None:
+                 on_step: Callable[[float, Batch, StepResult], None] | None = None, *,
+                 coalesce: bool = True) -> None:
         self.env = env
         self.policy = policy
         self.state = state
@@ -77,6 +81,7 @@ class Server:
         self.on_step = on_step
         self.on_finish: Callable[[float, int], None] | None = None
         self._wake: simpy.Event | None = None
+        self.coalesce = coalesce
         self.process = env.process(self._serve())
 
     def submit(self, req: Request, true_output_tokens: int) -> bool:
@@ -105,9 +110,9 @@ class Server:
         # replica's step, a deadline) cannot be interleaved with anything, so
         # they run back to back on a local clock without a SimPy timeout each;
         # the server yields to SimPy before anything else can happen. Same
-        # results, a fraction of the events. Off in real time: there the clock
-        # is the wall clock.
-        coalesce = not isinstance(env, simpy.rt.RealtimeEnvironment)
+        # results, a fraction of the events. ``coalesce`` is False for a live
+        # run (sim.runner.drive says which): there the clock is the wall clock.
+        coalesce = self.coalesce
         # The fast path (sim.stretch): decode-only stretches up to the next event in one go.
         stretch = (coalesce and FAST_PATH and on_step is None and type(executor) is SimExecutor
                    and getattr(policy, "decode_stretch", False))

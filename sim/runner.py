@@ -18,7 +18,6 @@ from typing import Any, Callable, Iterator, TextIO
 import numpy as np
 import pandas as pd
 import simpy
-import simpy.rt
 
 from policies import make_policy
 from sim.batch import Batch, StepResult
@@ -212,14 +211,16 @@ def make_requests(cfg: WorkloadConfig, specs: RequestSpecs, max_model_len: int) 
 def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len: int,
           env: simpy.Environment, executor: Executor, *, num_replicas: int = 1,
           router: str = "round_robin", on_step: OnStep | None = None,
-          progress: bool = False) -> tuple[list[Server], list[Request], RequestSpecs]:
+          progress: bool = False, live: bool = False) -> tuple[list[Server], list[Request], RequestSpecs]:
     """Run ``cfg``'s requests through ``num_replicas`` servers on ``env``.
 
     The one place that builds requests, policies, block pools and servers, for
     the simulator (``simpy.Environment`` + ``SimExecutor``) and the live driver
-    (a real-time environment + a live executor) alike. ``on_step(server)``
-    builds each server's step hook. Raises RuntimeError if a request is left
-    unfinished (a policy that stalls).
+    (``live``: a real-time environment + a live executor, ``sim.live``) alike.
+    Live, the servers step one iteration at a time on the wall clock and a
+    measured server's per-request overhead is not added (it happens).
+    ``on_step(server)`` builds each server's step hook. Raises RuntimeError if
+    a request is left unfinished (a policy that stalls).
     """
     specs = generate(cfg)
     if len(specs) == 0:
@@ -233,11 +234,11 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
         usable = num_blocks - getattr(policy, "num_reserved_blocks", 0)    # vLLM v1's null block
         state = SchedulerState(BlockManager(usable, cfg.server.block_size, cfg.server.watermark),
                                max_model_len, policy.max_prompt_tokens)
-        server = Server(env, policy, state, executor, replica=k)
+        server = Server(env, policy, state, executor, replica=k, coalesce=not live)
         server.on_step = on_step(server) if on_step is not None else None
         servers.append(server)
     # A measured server's per-request overhead delays arrivals in simulation; live, it happens.
-    lag_s = float(profile.engine.get("request_overhead_s") or 0.0) if isinstance(executor, SimExecutor) else 0.0
+    lag_s = 0.0 if live else float(profile.engine.get("request_overhead_s") or 0.0)
     a = cfg.arrivals
     if a.max_concurrency is None:
         env.process(feed(env, servers, requests, true_out, router, lag_s))
@@ -245,7 +246,7 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
         env.process(feed_capped(env, servers, requests, true_out, a.max_concurrency, a.think_time_s,
                                 router, lag_s))
     profile.reset_counters()
-    if isinstance(env, simpy.rt.RealtimeEnvironment):
+    if live:
         env.sync()                          # t = 0 is now, not when the env was built
     _run_env(env, servers, len(requests), progress)
     unfinished = [r.req_id for s in servers for r in (*s.state.waiting, *s.state.running)]

@@ -40,7 +40,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from calibrate.live import run_sim  # noqa: E402
+from sim.live import run_sim  # noqa: E402
 from calibrate.model import MODEL_PRESETS  # noqa: E402
 from calibrate.runner import calibrate  # noqa: E402
 from calibrate.validate import Validation, calibration_grid, main, validate  # noqa: E402
@@ -254,5 +254,5 @@ def test_bad_input_is_a_config_error(calibrated, tmp_path: Path) -> None:
 
 
 def test_reports_validation_is_torch_free() -> None:
-    code = "import sys, reports.validation, calibrate.live; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, reports.validation, sim.live; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)

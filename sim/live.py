@@ -1,8 +1,8 @@
-"""The live driver: the simulator's own Server loop on the wall clock, with a real engine.
+"""The live seam: the simulator's own Server loop on the wall clock, with a real engine.
 
-One function, ``drive``, runs a workload through ``sim.engine.Server`` with the
-policy, ``SchedulerState`` and ``BlockManager`` the simulator uses; only the
-environment and the executor differ:
+``run_recorded`` runs a workload through ``sim.runner.drive`` (the one place
+that builds requests, policies, block pools and servers) and records every
+step's composition; only the environment and the executor differ:
 
 - simulation: ``simpy.Environment`` + ``SimExecutor(profile)``;
 - live: ``simpy.rt.RealtimeEnvironment(factor=1, strict=False)`` (arrivals are
@@ -18,7 +18,8 @@ Every step is recorded beyond ``StepLog``'s columns: its composition
 forward time (``forward_s``) and the token-log length after it (``tok_end``).
 Output lengths are pinned by the workload: the simulator's commit decides when
 a request is finished; the engine never stops early. This module imports no
-torch itself; the engine is handed in.
+torch itself; the engine (``calibrate.engine.LiveEngine``) is handed in, so
+it sits beside the loop in sim/.
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ from sim.engine import Executor, Server, SimExecutor
 from sim.kv import BlockManager
 from sim.profile import Profile
 from sim.request import Request, Status
-from sim.runner import RunResult, collect
-from sim.runner import drive as sim_drive
+from sim.runner import RunResult, collect, drive
 from sim.state import SchedulerState
 
 if TYPE_CHECKING:
@@ -106,15 +106,16 @@ class StepRecorder:
                     self.engine.forget(it.req_id)
 
 
-def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len: int,
-          env: simpy.Environment, make_executor: Callable[[simpy.Environment], Executor],
-          engine: LiveEngine | None = None) -> RunResult:
+def run_recorded(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len: int,
+                 env: simpy.Environment, make_executor: Callable[[simpy.Environment], Executor],
+                 engine: LiveEngine | None = None, *, live: bool = False) -> RunResult:
     """Run ``cfg``'s requests through one Server on ``env``; return its RunResult.
 
     Requests, policy, block pool and servers are built by ``sim.runner.drive``,
-    the very code ``run_workload`` uses. ``result.steps`` gets the extra
-    columns ``batch``, ``forward_s`` and ``tok_end``. Raises RuntimeError if
-    requests are left unfinished.
+    the very code ``run_workload`` uses; ``live``: ``env`` is a wall clock
+    (``sim.runner.drive``). ``result.steps`` gets the extra columns ``batch``,
+    ``forward_s`` and ``tok_end``. Raises RuntimeError if requests are left
+    unfinished.
     """
     recorders: list[StepRecorder] = []
 
@@ -122,8 +123,8 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
         recorders.append(StepRecorder(server.state, engine))
         return recorders[-1]
 
-    servers, requests, specs = sim_drive(cfg, profile, num_blocks, max_model_len, env,
-                                         make_executor(env), on_step=hook)
+    servers, requests, specs = drive(cfg, profile, num_blocks, max_model_len, env, make_executor(env),
+                                     on_step=hook, live=live)
     result = collect(cfg, servers, requests, num_blocks, profile)
     (recorder,) = recorders
     result.steps["batch"] = recorder.batches
@@ -137,8 +138,8 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
 def run_sim(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len: int) -> RunResult:
     """The simulated twin of ``run_live``: same requests, policy and pool, profile time."""
     wall0 = time.perf_counter()
-    result = drive(cfg, profile, num_blocks, max_model_len, simpy.Environment(),
-                   lambda env: SimExecutor(profile))
+    result = run_recorded(cfg, profile, num_blocks, max_model_len, simpy.Environment(),
+                          lambda env: SimExecutor(profile))
     result.meta.update(mode="sim", wall_s=time.perf_counter() - wall0)
     return result
 
@@ -187,7 +188,8 @@ def run_live(cfg: WorkloadConfig, profile: Profile, engine: LiveEngine, max_mode
     env = simpy.rt.RealtimeEnvironment(factor=1.0, strict=False)
     executor = LiveExecutor(engine, profile, env)
     wall0 = time.perf_counter()
-    result = drive(cfg, profile, engine.num_blocks, max_model_len, env, lambda e: executor, engine)
+    result = run_recorded(cfg, profile, engine.num_blocks, max_model_len, env, lambda e: executor, engine,
+                          live=True)
     result.steps["cpu_s"] = executor.cpu_s
     result.meta.update(mode="live", wall_s=time.perf_counter() - wall0,
                        engine={"model": engine.config.name, "device": str(engine.device),
