@@ -69,6 +69,22 @@ class SpilledValues:
 Values = np.ndarray | SpilledValues
 
 
+def add_request_metrics(req: pd.DataFrame) -> pd.DataFrame:
+    """Each request's latencies from its timestamps, in place (the one home of
+    these formulas, for simulated and measured runs alike): queue = first
+    scheduled - arrival, TTFT = first token - arrival, E2E = finished -
+    arrival, TPOT = (E2E - TTFT) / (output tokens - 1) for requests with more
+    than one output token (NaN otherwise). A request that did not finish has
+    NaN for all four."""
+    req["queue_s"] = req["first_scheduled_s"] - req["arrival_s"]
+    req["ttft_s"] = req["first_token_s"] - req["arrival_s"]
+    req["e2e_s"] = req["finished_s"] - req["arrival_s"]
+    n_out = req["output_tokens"].where(req["output_tokens"] > 1)
+    req["tpot_s"] = (req["e2e_s"] - req["ttft_s"]) / (n_out - 1)
+    req.loc[req["status"] != "finished", ["queue_s", "ttft_s", "e2e_s", "tpot_s"]] = np.nan
+    return req
+
+
 def distribution(name: str, values_s: Values, percentiles: Sequence[float] = PERCENTILES) -> dict[str, Any]:
     """mean/median/std/p{P} in ms plus the count (NaN-free input)."""
     out: dict[str, Any] = {f"count_{name}": len(values_s)}

@@ -25,7 +25,7 @@ from sim.config import ConfigError, WorkloadConfig
 from sim.engine import ROUTERS, Executor, Server, SimExecutor, feed, feed_capped
 from sim.kv import BlockManager
 from sim.logs import StepLog, TokenLog
-from sim.metrics import itl_values, step_totals, summarize_logs
+from sim.metrics import add_request_metrics, itl_values, step_totals, summarize_logs
 from sim.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
 from sim.request import REJECT_REASONS, Request, Status
 from sim.state import SchedulerState
@@ -431,14 +431,7 @@ def requests_frame(servers: list[Server], requests: list[Request]) -> pd.DataFra
         "finished_s": seconds(lambda r: r.finished_s),
         "num_preemptions": column(lambda r: r.num_preemptions, np.int64),
     })
-    req_df["queue_s"] = req_df["first_scheduled_s"] - req_df["arrival_s"]
-    req_df["ttft_s"] = req_df["first_token_s"] - req_df["arrival_s"]
-    req_df["e2e_s"] = req_df["finished_s"] - req_df["arrival_s"]
-    n_out = req_df["output_tokens"].where(req_df["output_tokens"] > 1)
-    req_df["tpot_s"] = (req_df["e2e_s"] - req_df["ttft_s"]) / (n_out - 1)
-    rejected = req_df["status"] == "rejected"
-    req_df.loc[rejected, ["queue_s", "ttft_s", "e2e_s", "tpot_s"]] = np.nan
-    return req_df
+    return add_request_metrics(req_df)
 
 
 def log_summary(requests: pd.DataFrame, steps: list[StepLog], tokens: list[TokenLog],

@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from sim.config import ConfigError, WorkloadConfig
-from sim.metrics import summarize
+from sim.metrics import add_request_metrics, summarize
 from sim.runner import RunResult
 from workloads.generate import generate
 
@@ -76,10 +76,7 @@ def measured_run(arrival_s: Sequence[float], prompt_tokens: Sequence[int], outpu
         "num_chunks": np.array([len(t) if d else 0 for t, d in zip(times, done)], dtype=np.int64)})
     for name, values in (extra_columns or {}).items():
         req[name] = list(values)
-    req["queue_s"] = np.nan
-    req["ttft_s"] = req["first_token_s"] - req["arrival_s"]
-    req["e2e_s"] = req["finished_s"] - req["arrival_s"]
-    req["tpot_s"] = (req["e2e_s"] - req["ttft_s"]) / (req["output_tokens"].where(req["output_tokens"] > 1) - 1)
+    add_request_metrics(req)              # queue_s stays NaN: a client cannot see the server's queue
     ids = np.concatenate([np.full(len(t), i, dtype=np.int64) for i, t in enumerate(times) if done[i]] or
                          [np.empty(0, np.int64)])
     ts = np.concatenate([t for i, t in enumerate(times) if done[i]] or [np.empty(0)])
