@@ -276,23 +276,14 @@ def default_out_path(model: str, device_name: str, dtype: str) -> Path:
     return Path(__file__).resolve().parent / "profiles" / tag / model / f"{dtype}.yaml"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``sim calibrate``: parse, run, write; errors are one line and exit code 2."""
-    p = argparse.ArgumentParser(prog="sim calibrate", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny-llama", help="preset name (calibrate.model.MODEL_PRESETS)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES))
-    p.add_argument("--budget-s", type=float, default=120.0)
-    p.add_argument("--out", type=Path, default=None, help="profile path (.yaml/.json); CSV beside it")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--quiet", action="store_true")
-    args = p.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
+    """``sim calibrate`` on the torch engine, with the arguments ``sim.cli``
+    parsed (the one parser): run, write; errors are one line and exit code 2."""
     try:
         result = calibrate(args.model, args.device, args.dtype, args.budget_s, None,
                            not args.quiet, args.seed, num_threads=args.threads)
         meta = result.metadata
-        out = args.out or default_out_path(
+        out = Path(args.out) if args.out else default_out_path(
             args.model, meta["device_name"] if meta["device"].startswith("cuda") else "cpu", meta["dtype"])
         result.save(out)
     except (ValueError, RuntimeError, OSError) as exc:
@@ -303,5 +294,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":                      # the same as `sim calibrate ...`
+    from sim.cli import main as sim_main
+    raise SystemExit(sim_main(["calibrate", *sys.argv[1:]]))

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 EXIT_BAD_INPUT = 2
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")   # calibrate.runner.DTYPES, without importing torch
+ROUTER_CHOICES = ("round_robin", "least_requests", "least_tokens")   # sim.engine.ROUTERS, without importing simpy
 
 
 def _num(v: Any, decimals: int) -> str:
@@ -155,15 +157,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         from calibrate.serving.calibrate_server import main as calibrate_server_main
         return calibrate_server_main(args)
     from calibrate.runner import main as calibrate_main
-    argv = ["--model", args.model, "--device", args.device, "--out", args.out,
-            "--budget-s", str(args.budget_s)]
-    if args.dtype:
-        argv += ["--dtype", args.dtype]
-    if args.threads:
-        argv += ["--threads", str(args.threads)]
-    if args.quiet:
-        argv.append("--quiet")
-    return calibrate_main(argv)
+    return calibrate_main(args)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -204,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a field, e.g. --set policy.kind=sarathi (repeatable)")
     r.add_argument("--seed", type=int, help="override the workload's seed")
     r.add_argument("--replicas", type=int, default=1, help="identical replicas behind a router")
-    r.add_argument("--router", default="round_robin",
-                   help="round_robin | least_requests | least_tokens")
+    r.add_argument("--router", default="round_robin", choices=ROUTER_CHOICES,
+                   help="how arrivals are spread over the replicas")
     r.add_argument("--strict", action="store_true", help="fail if any request is rejected")
     r.add_argument("--quiet", action="store_true",
                    help="no progress (a bar on a terminal, else a line every 10 s on stderr)")
@@ -220,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     s = sub.add_parser("sweep", help="run a grid of workload variants")
-    s.add_argument("sweep")
+    s.add_argument("sweep", help="sweep YAML: a base workload and the keys to vary (see workloads/sweep_*.yaml)")
     _add_pool_options(s)
     s.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a sweep setting (repetitions=3) or a field of every run's workload "
@@ -231,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_sweep)
 
     pl = sub.add_parser("plan", help="capacity planning under SLOs")
-    pl.add_argument("plan")
+    pl.add_argument("plan", help="plan YAML: traffic, SLOs and the candidate GPUs, TP degrees and policies "
+                                 "(see workloads/plan_*.yaml)")
     _add_pool_options(pl)
     pl.add_argument("--set", action="append", metavar="KEY=VALUE",
                     help="override a plan setting (target_rate=80, target_utilization=0.7) or a field of the "
@@ -242,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
 
     rp = sub.add_parser("report", help="regenerate plots and reports from saved results")
-    rp.add_argument("dir")
+    rp.add_argument("dir", help="a run, sweep or plan directory written by sim run | sweep | plan")
     rp.set_defaults(func=cmd_report)
 
     c = sub.add_parser("calibrate", help="measure step costs on real kernels (needs torch), or time a running "
@@ -250,23 +245,25 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--server", metavar="URL", help="calibrate a running OpenAI-compatible vLLM server, "
                    "e.g. http://127.0.0.1:8000, instead of batchsim's own torch engine")
     c.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="torch engine: device")
-    c.add_argument("--model", default="tiny-llama", help="torch engine: model preset")
-    c.add_argument("--dtype")
-    c.add_argument("--out", required=True, help="profile path (.yaml or .json)")
-    c.add_argument("--budget-s", type=float, default=120.0)
-    c.add_argument("--threads", type=int)
-    c.add_argument("--seed", type=int, default=0, help="seed of the probe prompts (--server)")
+    c.add_argument("--model", default="tiny-llama", help="torch engine: model preset (calibrate.model)")
+    c.add_argument("--dtype", choices=DTYPE_CHOICES,
+                   help="torch engine: weights and activations (default float32 on cpu, bfloat16 on cuda)")
+    c.add_argument("--out", required=True, help="profile path (.yaml or .json); the raw CSV goes beside it")
+    c.add_argument("--budget-s", type=float, default=120.0, help="time budget of the whole calibration, seconds")
+    c.add_argument("--threads", type=int, help="torch engine: CPU threads (default: torch's)")
+    c.add_argument("--seed", type=int, default=0,
+                   help="seed of the random weights and timed shapes (torch engine) or the probe prompts (--server)")
     c.add_argument("--max-num-seqs", type=int, help="--server: the server's max_num_seqs, if it does not expose it")
     c.add_argument("--max-num-batched-tokens", type=int,
                    help="--server: the server's max_num_batched_tokens, if it does not expose it")
     c.add_argument("--model-config", metavar="CONFIG_JSON",
                    help="--server: the served model's HF config.json (its shape), if the server does not give it")
-    c.add_argument("--quiet", action="store_true")
+    c.add_argument("--quiet", action="store_true", help="no progress output")
     c.set_defaults(func=cmd_calibrate)
 
     v = sub.add_parser("validate", help="run a workload live and compare with the simulator: on batchsim's "
                                         "torch engine, a vLLM server (--server) or a saved benchmark (--measured)")
-    v.add_argument("workload")
+    v.add_argument("workload", help="workload YAML to run live and simulate")
     src = v.add_mutually_exclusive_group()
     src.add_argument("--server", metavar="URL", help="replay the workload against this running vLLM server "
                      "(no torch)")
@@ -276,16 +273,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "against the measurement (default throughput=5,ttft_p50=10,itl_p50=10,ttft_p99=20,itl_p99=20)")
     v.add_argument("--check", action="store_true", help="exit status 1 when any target is missed (for CI); "
                    "without it the verdict is printed and the exit status is 0")
-    v.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    v.add_argument("--model", default="tiny-llama")
-    v.add_argument("--dtype")
+    v.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="torch engine: device")
+    v.add_argument("--model", default="tiny-llama", help="torch engine: model preset (calibrate.model)")
+    v.add_argument("--dtype", choices=DTYPE_CHOICES,
+                   help="torch engine: weights and activations (default float32 on cpu, bfloat16 on cuda)")
     v.add_argument("--profile", help="a profile fitted on this engine or server (torch engine default: "
                                      "calibrate first; --server/--measured default: the workload's profile)")
     v.add_argument("--out", help="report directory")
     v.add_argument("--quiet", action="store_true", help="--server: no progress on stderr")
-    v.add_argument("--set", action="append", metavar="KEY=VALUE")
+    v.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a workload field (repeatable)")
     v.add_argument("--budget-s", type=float, default=120.0, help="calibration budget if calibrating")
-    v.add_argument("--threads", type=int)
+    v.add_argument("--threads", type=int, help="torch engine: CPU threads (default: torch's)")
     v.set_defaults(func=cmd_validate)
     return p
 

@@ -17,7 +17,8 @@ from sim.profile import ModelShape, Profile, load_profile
 
 torch = pytest.importorskip("torch")
 
-from calibrate.runner import calibrate, main  # noqa: E402
+from calibrate.runner import calibrate  # noqa: E402
+from sim.cli import main  # noqa: E402
 from calibrate.timing import Timing, quantile, time_callable  # noqa: E402
 
 
@@ -114,5 +115,11 @@ def test_bad_arguments_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFi
         calibrate("tiny-llama-2l", device="tpu", budget_s=1, progress=False)
     with pytest.raises(ValueError, match="budget_s must be > 0"):
         calibrate("tiny-llama-2l", budget_s=0, progress=False)
-    assert main(["--model", "no-such-model", "--out", str(tmp_path / "p.yaml")]) == 2
+    assert main(["calibrate", "--model", "no-such-model", "--out", str(tmp_path / "p.yaml")]) == 2
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+def test_cli_dtype_choices_are_the_runners_dtypes() -> None:
+    from calibrate.runner import DTYPES
+    from sim.cli import DTYPE_CHOICES
+    assert set(DTYPE_CHOICES) == set(DTYPES)
