@@ -31,8 +31,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from reports.spec import expand, parse_sweep  # noqa: E402
-from reports.sweep import run_sweep  # noqa: E402
+from reports.experiments.spec import expand, parse_sweep  # noqa: E402
+from reports.experiments.sweep import run_sweep  # noqa: E402
 
 BUDGETS = (512, 1024, 2048, 3072, 4096, 6144, 8192, 16384)
 RATES = (4.0, 8.0, 12.0, 16.0)

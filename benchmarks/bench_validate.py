@@ -47,7 +47,7 @@ def main() -> int:
     from calibrate.model import MODEL_PRESETS
     from calibrate.runner import calibrate
     from calibrate.validate import calibration_grid, validate
-    from reports.validation import error_table
+    from reports.presentation.validation import error_table
     from sim.config import load_workload
     from sim.runner import kv_blocks
 

@@ -48,7 +48,7 @@ def workload(name: str, mix: str, arrivals: dict, num_requests: int, seed: int):
 
 
 def print_case(title: str, v) -> None:
-    from reports.validation import TARGETS
+    from reports.presentation.validation import TARGETS
     s_meas, s_sim = v.measurement.run.summary, v.sim.summary
     met = dict(zip(v.verdict["target"], v.verdict["met"]))
     ld = v.measurement.load

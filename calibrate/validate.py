@@ -6,7 +6,7 @@ and max_model_len; the live one runs ``sim.engine.Server`` in wall-clock time
 on a ``LiveEngine`` (``sim.live``), the simulated one runs the same loop
 with the profile's step times. The profile comes from ``--profile`` or, when
 none is given, from a calibration of the same engine first (said so in the
-output and the report). ``reports.validation`` builds the comparison; only
+output and the report). ``reports.presentation.validation`` builds the comparison; only
 ``main`` writes files.
 """
 
@@ -30,7 +30,7 @@ from calibrate.model import ModelConfig, get_model_config
 from calibrate.grid import GridSpec
 from calibrate.runner import DTYPES, CalibrationResult, calibrate
 from calibrate.serving.validate_server import output_dir
-from reports import validation as rv
+from reports.presentation import validation as rv
 from sim.config import ConfigError, WorkloadConfig, load_workload, parse_override
 from sim.profile import Profile, load_profile
 from sim.runner import RunResult, kv_blocks
@@ -38,7 +38,7 @@ from sim.runner import RunResult, kv_blocks
 
 @dataclass
 class Validation:
-    """A live run, its simulated twin and their comparison (``reports.validation.compare``)."""
+    """A live run, its simulated twin and their comparison (``reports.presentation.validation.compare``)."""
 
     cfg: WorkloadConfig
     profile: Profile
@@ -204,8 +204,8 @@ def _write_report(v: Validation, verdict: pd.DataFrame, out: Path) -> list[Path]
     """Write the report directory (for ``main`` only): live/ and sim/ run dirs, report.json,
     report.md, report.html, cdf.png and step_error.png (+ SVG), and the profile if it was
     calibrated here."""
-    from reports.plots import save_figure
-    from reports.render import write_document
+    from reports.presentation.plots import save_figure
+    from reports.presentation.render import write_document
     from sim.io import write_json, write_run
 
     out.mkdir(parents=True, exist_ok=True)

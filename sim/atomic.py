@@ -2,7 +2,7 @@
 temporary name beside it (``.NAME.tmp``) and a rename, so a reader (or a run
 killed half way) sees the old file or the new one, never half of one; a
 write that fails removes its temporary file. A sweep removes the ``.tmp``
-files an interrupted run left behind (``reports.sweep``)."""
+files an interrupted run left behind (``reports.experiments.sweep``)."""
 
 from __future__ import annotations
 

@@ -112,41 +112,53 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"note: trace.json holds the first {len(traced):,} of {len(result.steps):,} steps "
               f"(up to t = {traced['t_s'].max():,.1f} s); a longer trace would not load in a browser")
     if args.report:
-        from reports.report import regenerate
+        from reports.presentation.report import regenerate
         for path in regenerate(out):
             print(f"wrote {path}")
     return 0
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from reports.spec import cli_overrides
-    from reports.sweep import SweepFailed, run_sweep_file
-    from reports.terminal import print_sweep
+    """Run the sweep (reports.experiments), then build its report and print its table
+    (reports.presentation); with failed runs, the finished ones first, then the error."""
+    from reports.experiments.spec import cli_overrides
+    from reports.experiments.sweep import SweepFailed, run_sweep_file
+    from reports.presentation.report import regenerate
+    from reports.presentation.terminal import print_sweep
     try:
         table = run_sweep_file(args.sweep, jobs=args.jobs, cluster=args.cluster, out=Path(args.out) if args.out
                                else None, progress=not args.quiet and sys.stderr.isatty(),
                                overrides=cli_overrides(args.set, args.seed))
-    except SweepFailed as exc:          # print the runs that finished, then the error
+    except SweepFailed as exc:
         if exc.table.is_file():
+            regenerate(exc.table.parent)
             print_sweep(exc.table.parent)
         raise
+    regenerate(table.parent)
     print_sweep(table.parent)
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from reports.plan import run_plan_file
-    from reports.spec import cli_overrides
-    from reports.terminal import print_plan
-    out = run_plan_file(args.plan, out=Path(args.out) if args.out else None, jobs=args.jobs,
-                        cluster=args.cluster, progress=not args.quiet and sys.stderr.isatty(),
-                        overrides=cli_overrides(args.set, args.seed))
+    """Run the plan, then build its report and print the recommendation."""
+    from reports.experiments.plan import PlanFailed, run_plan_file
+    from reports.experiments.spec import cli_overrides
+    from reports.presentation.report import regenerate
+    from reports.presentation.terminal import print_plan
+    try:
+        out = run_plan_file(args.plan, out=Path(args.out) if args.out else None, jobs=args.jobs,
+                            cluster=args.cluster, progress=not args.quiet and sys.stderr.isatty(),
+                            overrides=cli_overrides(args.set, args.seed))
+    except PlanFailed as exc:
+        regenerate(exc.out)
+        raise
+    regenerate(out)
     print_plan(out)
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from reports.report import regenerate
+    from reports.presentation.report import regenerate
     for path in regenerate(Path(args.dir)):
         print(f"wrote {path}")
     return 0

@@ -11,8 +11,10 @@ import pandas as pd
 import pytest
 from matplotlib.colors import to_hex
 
-from reports import knee, plots, runplots, sweepplots
-from reports.report import describe_runs
+from reports.experiments import knee
+
+from reports.presentation import plots, runplots, sweepplots
+from reports.presentation.runreport import describe_runs
 
 BUDGET, RATE = "policy.max_num_batched_tokens", "arrivals.rate"
 CONFIG = {"name": "azure-conv", "profile": {"model": "llama-3.1-8b", "gpu": "h100-sxm", "tensor_parallel": 1},

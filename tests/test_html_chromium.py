@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reports.report import regenerate
+from reports.presentation.report import regenerate
 from sim.cli import main as sim_main
 
 ROOT = Path(__file__).resolve().parent.parent

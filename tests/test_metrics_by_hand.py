@@ -25,7 +25,7 @@ import pandas as pd
 import pytest
 from conftest import linear_profile
 
-from reports.capacity import Slo, judge
+from reports.experiments.capacity import Slo, judge
 from sim.config import workload_from_dict
 from sim.metrics import summarize
 from sim.runner import RunResult, run_workload

@@ -12,11 +12,11 @@ import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
 
-from reports.capacity import (SearchSettings, Slo, find_capacity, judge, queue_trend, replicas_for, sweep_capacity,
+from reports.experiments.capacity import (SearchSettings, Slo, find_capacity, judge, queue_trend, replicas_for, sweep_capacity,
                                utilization)
-from reports.plan import CandidateTask, check_queue, plan_candidate, run_plan_file, simulate
-from reports.planspec import Verify, parse_plan
-from reports.report import regenerate
+from reports.experiments.plan import CandidateTask, check_queue, plan_candidate, run_plan_file, simulate
+from reports.experiments.planspec import Verify, parse_plan
+from reports.presentation.report import regenerate
 from sim.cli import main
 from sim.config import ConfigError
 
@@ -204,6 +204,7 @@ def test_plan_report_opens_in_headless_chromium(tmp_path: Path) -> None:
         pytest.skip("/usr/bin/chromium is not installed")
     out = run_plan_file(write_plan(tmp_path, candidates=CANDIDATES[:1], policies=["vllm"]), out=tmp_path / "out",
                         jobs=1, progress=False)
+    regenerate(out)
     shot = tmp_path / "shot.png"
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
              f"--user-data-dir={tmp_path / 'profile'}"]
@@ -275,7 +276,7 @@ def test_example_files_parse() -> None:
     spec = parse_plan(root / "plan_azure_conv.yaml")
     assert spec.target_rate == 50 and len(spec.candidates) == 8 and spec.target_utilization == 0.8
     assert spec.verify.num_requests(50) == 9000                    # max(2000, 180 s x 50 req/s)
-    from reports.spec import expand, parse_sweep
+    from reports.experiments.spec import expand, parse_sweep
     assert len(expand(parse_sweep(root / "sweep_sarathi_knee.yaml"))) == 6 * 5
 
 
@@ -284,7 +285,7 @@ def test_capacity_band_and_close_calls_by_hand() -> None:
     """Capacity 10 req/s from a profile 6% off: 9.4-10.6. Two verified fleets at
     $9.00 and $9.90 per hour differ by 10%, less than 6% + 6% = 12%: a close
     call; at $9.00 and $11.00 (22%) they do not."""
-    from reports.planreport import capacity_band, close_calls
+    from reports.presentation.planreport import capacity_band, close_calls
     assert capacity_band(10.0, 6.0) == "9.4-10.6 (±6%)"
     assert capacity_band(10.0, None) == "unchecked profile"
     ranked = pd.DataFrame({"candidate": ["a", "b"], "meets_slo": [True, True], "cost_per_hour": [9.0, 9.9],
@@ -297,7 +298,7 @@ def test_capacity_band_and_close_calls_by_hand() -> None:
 def test_plan_warnings_by_hand() -> None:
     """A fleet verified on 10 s of traffic with p99 E2E 5 s: 10 < 5 x 5 = 25 s, too short; the trace held
     100 of the 200 requests asked for; and the 2 replicas sized for 80% failed, so it took 3."""
-    from reports.planreport import plan_warnings
+    from reports.presentation.planreport import plan_warnings
     first = {"reasons": ["TTFT within 500 ms for 90.0% < 99%"]}
     last = {"reasons": [], "num_requests": 100, "arrival_span_s": 10.0, "p99_e2el_ms": 5000.0}
     result = {"name": "x", "hardware": "h", "policy": "vllm", "capacity_rps": 4.0, "replicas_estimate": 2,

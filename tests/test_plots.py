@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from reports import plots, runplots, sweepplots
-from reports.report import regenerate
+from reports.presentation import plots, runplots, sweepplots
+from reports.presentation.report import regenerate
 from sim.config import ConfigError
 
 

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # The "sweep": two spawned pool workers, each running a 60 s task.
 SCRIPT = """
 import time
-from reports.pool import run_tasks
+from reports.experiments.pool import run_tasks
 print("ready", flush=True)
 for _ in run_tasks(time.sleep, [60.0, 60.0], jobs=2):
     pass
@@ -78,7 +78,7 @@ HOLD_LOCK = """
 import sys, time
 from pathlib import Path
 from typing import Callable
-from reports.sweep import lock_folder
+from reports.experiments.sweep import lock_folder
 lock = lock_folder(Path(sys.argv[1]))
 print("locked", flush=True)
 time.sleep(60)
@@ -88,7 +88,7 @@ time.sleep(60)
 def test_two_sweeps_on_one_folder_do_not_interleave(tmp_path: Path) -> None:
     """A second sweep on a folder another process holds is refused with one line naming the holder;
     once the holder dies (kill -9 runs no clean-up) the OS has dropped the lock and the folder is free."""
-    from reports.sweep import lock_folder
+    from reports.experiments.sweep import lock_folder
     from sim.config import ConfigError
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
                               text=True)
@@ -136,7 +136,7 @@ RAN: list[str] = []
 
 def pinned_run(task) -> dict:
     """run_task with its two wall-clock columns fixed at 0, so that a redone row is byte for byte the clean one."""
-    from reports.sweep import run_task
+    from reports.experiments.sweep import run_task
     RAN.append(task.run_id)
     return {**run_task(task), "sim_wall_s": 0.0, "wall_s": 0.0}
 
@@ -146,8 +146,8 @@ def clean(tmp_path_factory) -> tuple[Path, list[bytes]]:
     """(the sweep file, the lines of its clean results.csv) after one undamaged sweep."""
     import yaml
 
-    from reports.spec import expand, parse_sweep
-    from reports.sweep import run_sweep
+    from reports.experiments.spec import expand, parse_sweep
+    from reports.experiments.sweep import run_sweep
     d = tmp_path_factory.mktemp("clean")
     (d / "tiny.yaml").write_text(yaml.safe_dump(WORKLOAD))
     (d / "sweep.yaml").write_text(yaml.safe_dump(GRID))
@@ -232,9 +232,9 @@ DAMAGE = {
 def test_a_damaged_row_is_named_dropped_and_its_run_redone(tmp_path: Path, clean, capsys, kind: str) -> None:
     """Each damage is one stderr line (which line, why); the row is dropped and exactly its run redone,
     and the repaired table has the clean sweep's rows byte for byte (redone rows come last)."""
-    from reports.spec import expand, parse_sweep
-    from reports.sweep import run_sweep
-    from reports.table import DROPPED
+    from reports.experiments.spec import expand, parse_sweep
+    from reports.experiments.sweep import run_sweep
+    from reports.experiments.table import DROPPED
     damage, line, why, redo_lines = DAMAGE[kind]
     sweep_file, clean_lines = clean
     spec = parse_sweep(sweep_file, out=tmp_path / "out")
@@ -286,8 +286,8 @@ def test_several_damaged_rows_are_redone_and_the_report_builds(tmp_path: Path, c
 
 def test_a_header_cut_mid_write_leaves_an_empty_table_and_every_run_is_redone(tmp_path: Path, clean) -> None:
     """The first run ended and the sweep was killed while writing the header: no row was finished, 4 runs redone."""
-    from reports.spec import expand, parse_sweep
-    from reports.sweep import run_sweep
+    from reports.experiments.spec import expand, parse_sweep
+    from reports.experiments.sweep import run_sweep
     sweep_file, clean_lines = clean
     spec = parse_sweep(sweep_file, out=tmp_path / "out")
     spec.out.mkdir()

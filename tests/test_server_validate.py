@@ -18,7 +18,7 @@ from conftest import ROOT
 
 from calibrate.serving.measured import bench_run, measured_run, read_bench_json, replay_table
 from calibrate.serving.validate_server import output_dir, resolve_knobs
-from reports import validation as rv
+from reports.presentation import validation as rv
 from sim.cli import main
 from sim.config import ConfigError, workload_from_dict
 from sim.profile import load_profile

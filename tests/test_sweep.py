@@ -8,10 +8,11 @@ import pandas as pd
 import pytest
 import yaml
 
-from reports.spec import expand, parse_sweep, repetition_seed, run_id_of
-from reports.sweep import run_sweep, run_sweep_file, run_task
-from reports.table import read_table_ids
-from reports.terminal import slo_met
+from reports.experiments.spec import expand, parse_sweep, repetition_seed, run_id_of
+from reports.experiments.sweep import run_sweep, run_sweep_file, run_task
+from reports.experiments.table import read_table_ids
+from reports.presentation.report import regenerate
+from reports.presentation.terminal import slo_met
 from sim.cli import main
 from sim.config import ConfigError
 
@@ -160,7 +161,8 @@ def test_dask_cluster_gives_the_same_table_as_the_local_pool(tmp_path: Path) -> 
         dask = run_sweep(spec, expand(spec), cluster=client, progress=False)
     pd.testing.assert_frame_equal(comparable(local), comparable(dask))
     assert len(comparable(local)) == 8
-    # The pool sweep also wrote its report and every run's files.
+    # The pool sweep wrote every run's files, and its report builds from the folder.
+    regenerate(tmp_path / "pool")
     assert (tmp_path / "pool" / "report.html").is_file()
     assert (tmp_path / "pool" / "figures" / "latency_throughput.png").is_file()
     assert len(list((tmp_path / "pool" / "runs").glob("*/summary.json"))) == 8
@@ -229,7 +231,7 @@ def test_terminal_names_the_knee_of_a_budget_sweep() -> None:
     and with a third rate, 32 req/s, where both miss, the line says none does there."""
     import pandas as pd
 
-    from reports.sweepreport import knee_line
+    from reports.presentation.sweepreport import knee_line
     grid = ["policy.max_num_batched_tokens", "arrivals.rate"]
     table = pd.DataFrame({"policy.max_num_batched_tokens": [256, 1024, 256, 1024, 256, 1024],
                           "arrivals.rate": [8, 8, 16, 16, 32, 32],

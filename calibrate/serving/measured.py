@@ -278,7 +278,7 @@ def measure_file(cfg: WorkloadConfig, path: str) -> Measurement:
 def delivery_notes(run: RunResult) -> list[str]:
     """Notes on how tokens reached the client: several tokens in one streamed chunk, and
     bursts of gaps far shorter than any engine step (a client or front end held up)."""
-    from reports.runplots import itl_s
+    from reports.presentation.runplots import itl_s
 
     req = run.requests
     notes = []

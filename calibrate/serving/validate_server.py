@@ -31,7 +31,7 @@ import pandas as pd
 
 from calibrate.serving.measured import Measurement, delivery_notes, client_run, measure_file, replay_table
 from policies.vllm_v1 import VllmV1Config
-from reports import validation as rv
+from reports.presentation import validation as rv
 from sim.config import ConfigError, WorkloadConfig, load_workload, parse_override, workload_from_dict
 from sim.profile import Profile, ProfileError, load_profile
 from sim.runner import RunResult, make_requests, run_workload
@@ -331,9 +331,9 @@ def main(args: argparse.Namespace) -> int:
 def write_report(out: Path, v: ServerValidation) -> list[Path]:
     """measured/ and sim/ run folders (and the replayed requests of a benchmark file),
     cdf.png/svg, report.json, report.md, report.html."""
-    from reports.plots import save_figure
-    from reports.render import write_document
-    from reports.runplots import latency_cdfs
+    from reports.presentation.plots import save_figure
+    from reports.presentation.render import write_document
+    from reports.presentation.runplots import latency_cdfs
     from sim.io import write_json, write_run
 
     m, body = v.measurement, v.body()

@@ -9,10 +9,12 @@ from typing import Any
 
 import pandas as pd
 
-from reports import knee, plots, sweepplots
-from reports.render import Bullets, Callout, Document, Heading, Image, Para, Table, write_document
-from reports.report import KEY_METRICS, Figures, read_runs, run_figures
-from reports.spec import flatten
+from reports.experiments import knee
+
+from reports.presentation import plots, sweepplots
+from reports.presentation.render import Bullets, Callout, Document, Heading, Image, Para, Table, write_document
+from reports.presentation.runreport import KEY_METRICS, Figures, read_runs, run_figures
+from reports.experiments.spec import flatten
 from sim.config import ConfigError
 
 RATE_COLUMNS = ("arrivals.rate", "arrivals.rate_scale")
@@ -49,7 +51,7 @@ def _sweep_config(d: Path, meta: dict[str, Any]) -> tuple[dict[str, Any], str | 
     for path in sorted((d / "runs").glob("*/meta.json")):
         run_meta = json.loads(path.read_text())
         return run_meta.get("config", {}), run_meta.get("profile_name")
-    from reports.spec import parse_sweep
+    from reports.experiments.spec import parse_sweep
     from sim.config import workload_from_dict
     try:
         spec = parse_sweep(meta["source"])
@@ -173,8 +175,8 @@ def sweep_figures(figs: Figures, table: pd.DataFrame, *, grid: list[str], rate_c
 
 
 def capacity_section(table: pd.DataFrame, slo: dict[str, Any], *, rate_col: str, groups: list[str]) -> list[Any]:
-    """The highest grid rate meeting the workload's SLO, per configuration (``reports.capacity``)."""
-    from reports.capacity import sweep_capacity
+    """The highest grid rate meeting the workload's SLO, per configuration (``reports.experiments.capacity``)."""
+    from reports.experiments.capacity import sweep_capacity
     slo_ms = {k[:-3]: v for k, v in slo.items() if k in ("ttft_ms", "tpot_ms", "e2el_ms") and v}
     if not slo_ms:
         return []

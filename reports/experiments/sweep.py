@@ -15,7 +15,7 @@ interrupted sweep resumes where it stopped and a grid can be extended. A
 damaged row (cut short, garbage bytes, wrong field count, a non-number where
 a number belongs, a run_id or grid values that are not one of the sweep's
 runs, a repeated run_id) is named in one line on stderr, moved to
-dropped_rows.txt, and its run is redone (``reports.table``).
+dropped_rows.txt, and its run is redone (``reports.experiments.table``).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from reports.pool import run_tasks
-from reports.spec import RunTask, SweepSpec, expand, parse_sweep
-from reports.table import ResultsTable, drop_damaged, grid_columns_of, scan_table, table_row
+from reports.experiments.pool import run_tasks
+from reports.experiments.spec import RunTask, SweepSpec, expand, parse_sweep
+from reports.experiments.table import ResultsTable, drop_damaged, grid_columns_of, scan_table, table_row
 from sim.config import ConfigError
 from sim.io import write_json
 
@@ -186,19 +186,12 @@ def _run_locked(spec: SweepSpec, tasks: Sequence[RunTask], out: Path, *, jobs: i
 
 def run_sweep_file(path: str | Path, *, jobs: int | None = None, cluster: str | None = None,
                    out: Path | None = None, progress: bool = True, overrides: dict[str, Any] | None = None) -> Path:
-    """`sim sweep FILE`: parse, validate every run, run the missing ones, write the report.
+    """`sim sweep FILE`: parse, validate every run, run the missing ones.
 
-    Returns the results table's path. Bad files raise ConfigError before any
-    run. ``overrides``: ``--set``/``--seed`` pairs (``reports.spec``).
+    Returns the results table's path (its folder is what the report is built
+    from, ``reports.presentation.report.regenerate``). Bad files raise
+    ConfigError before any run. ``overrides``: ``--set``/``--seed`` pairs
+    (``reports.experiments.spec``).
     """
     spec = parse_sweep(path, out, overrides)
-    tasks = expand(spec)
-    from reports.report import regenerate
-    try:
-        table = run_sweep(spec, tasks, jobs=jobs, cluster=cluster, progress=progress)
-    except SweepFailed:
-        if (spec.out / TABLE).is_file():
-            regenerate(spec.out)
-        raise
-    regenerate(spec.out)
-    return table
+    return run_sweep(spec, expand(spec), jobs=jobs, cluster=cluster, progress=progress)

@@ -7,7 +7,7 @@ directory, like ``--out``)::
     base: azure_conv.yaml               # traffic shape (arrivals, lengths); its rate is rescaled
     set: {max_tokens: output}           # overrides for every run (optional)
     target_rate: 50                     # req/s the fleet must serve
-    slo: {ttft_ms: 2000, itl_ms: 100, attainment: 0.99}   # tpot_ms too; see reports.capacity
+    slo: {ttft_ms: 2000, itl_ms: 100, attainment: 0.99}   # tpot_ms too; see reports.experiments.capacity
     router: least_requests              # round_robin | least_requests | least_tokens
     target_utilization: 0.8             # size fleets to run at <= 80% of capacity (headroom)
     search: {num_requests: 400, rel_tol: 0.05, max_runs: 14}
@@ -39,8 +39,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from reports.capacity import SearchSettings, Slo
-from reports.spec import (apply_set, check_keys, check_runnable, fail, load_base, positive_int,
+from reports.experiments.capacity import SearchSettings, Slo
+from reports.experiments.spec import (apply_set, check_keys, check_runnable, fail, load_base, positive_int,
                           split_overrides, validate_run_settings, within)
 from sim.config import ConfigError, load_yaml_mapping, set_dotted, workload_from_dict
 
@@ -74,7 +74,7 @@ class Verify:
     floor keeps a p99 at a low target rate resting on 20+ samples. A fleet
     passes when it meets the SLOs, holds no backlog at the last arrival, and
     its queue delay over the last third of the arrivals trends up by at most
-    ``max_queue_slope`` (``reports.capacity.queue_trend``): 0.01 s per s, the
+    ``max_queue_slope`` (``reports.experiments.capacity.queue_trend``): 0.01 s per s, the
     trend of a fleet falling 1% behind.
     """
 

@@ -42,7 +42,7 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from reports.runplots import itl_s
+from sim.metrics import inter_token_latencies
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def judge(requests: pd.DataFrame, tokens: pd.DataFrame, slo: Slo, *,
         tpot = requests.loc[multi, "tpot_s"].where(finished[multi]).to_numpy(dtype=float)
         out["tpot_attainment"] = _fraction_within(tpot, slo.tpot_ms, int(multi.sum()))
     if slo.itl_ms is not None:
-        gaps = itl_s(tokens)
+        gaps = inter_token_latencies(tokens["req_id"].to_numpy(), tokens["t_s"].to_numpy(dtype=float))
         out["itl_attainment"] = _fraction_within(gaps, slo.itl_ms, len(gaps))
     for metric in ("ttft", "itl", "tpot"):
         value = out[f"{metric}_attainment"]

@@ -3,7 +3,7 @@
 For each candidate (one worker task each, on the process pool or Dask):
 1. probe the saturation throughput (every request at once, nearly);
 2. bisect the highest rate one replica sustains within the SLOs (see
-   ``reports.capacity`` for the definitions);
+   ``reports.experiments.capacity`` for the definitions);
 3. replicas = ceil(target / (capacity x target_utilization)); simulate the
    whole fleet behind the router at the target rate on the plan's
    verification traffic (``Verify``), adding a replica while it fails the
@@ -28,12 +28,12 @@ from typing import Any
 
 import pandas as pd
 
-from reports.capacity import (SearchSettings, Slo, find_capacity, fleet_cost, judge, queue_trend, replicas_for,
+from reports.experiments.capacity import (SearchSettings, Slo, find_capacity, fleet_cost, judge, queue_trend, replicas_for,
                                utilization)
-from reports.planspec import Candidate, PlanSpec, Verify, parse_plan, spec_summary
-from reports.pool import run_tasks
+from reports.experiments.planspec import Candidate, PlanSpec, Verify, parse_plan, spec_summary
+from reports.experiments.pool import run_tasks
 from sim.atomic import write_text_atomic
-from reports.sweep import offered_rate, scalar_summary
+from reports.experiments.sweep import offered_rate, scalar_summary
 from sim.config import ConfigError, set_dotted, workload_from_dict
 
 SATURATION_RATE_FACTOR = 100.0      # the probe offers 100x max_rate: effectively all at once
@@ -43,7 +43,12 @@ TRIAL_COLUMNS = ("p99_ttft_ms", "p99_itl_ms", "p99_tpot_ms", "p99_e2el_ms", "req
 
 
 class PlanFailed(ConfigError):
-    """No candidate could be evaluated; the message names the first error."""
+    """No candidate could be evaluated; the message names the first error. ``out``:
+    the plan directory, written all the same (its report shows the errors)."""
+
+    def __init__(self, message: str, out: Path) -> None:
+        super().__init__(message)
+        self.out = out
 
 
 @dataclass(frozen=True)
@@ -221,10 +226,9 @@ def run_plan(spec: PlanSpec, *, jobs: int | None = None, cluster: Any = None, pr
     write_text_atomic(out / "ranked.csv", ranked_table(results).to_csv(index=False))
     write_text_atomic(out / "plan.json", json.dumps({"plan": spec_summary(spec), "results": results}, indent=2,
                                                default=str) + "\n")
-    from reports.report import regenerate
-    regenerate(out)
     if all("error" in r for r in results):
-        raise PlanFailed(f"{spec.source}: every candidate failed; first: {results[0]['name']}: {results[0]['error']}")
+        raise PlanFailed(f"{spec.source}: every candidate failed; first: {results[0]['name']}: {results[0]['error']}",
+                         out)
     return out
 
 
@@ -232,5 +236,5 @@ def run_plan_file(path: str | Path, *, out: Path | None = None, jobs: int | None
                   cluster: str | None = None, progress: bool = True, overrides: dict[str, Any] | None = None) -> Path:
     """`sim plan FILE`: validate the plan, evaluate every candidate, write the report; return its directory.
 
-    ``overrides``: ``--set``/``--seed`` pairs (``reports.planspec``)."""
+    ``overrides``: ``--set``/``--seed`` pairs (``reports.experiments.planspec``)."""
     return run_plan(parse_plan(path, out, overrides), jobs=jobs, cluster=cluster, progress=progress)

@@ -8,6 +8,7 @@ import: the spawn start method and Dask workers re-import it.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 import sys
@@ -110,14 +111,14 @@ def _process_pool(fn: Callable[[T], Any], tasks: Sequence[T], n_jobs: int) -> It
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _probe() -> str:
-    """Runs on a Dask worker: proves it can import the simulator and the reports."""
-    import reports.sweep  # noqa: F401
-    import sim.runner  # noqa: F401
+def _probe(module: str) -> str:
+    """Runs on a Dask worker: proves it can import the module of the task function
+    (the simulator comes with it)."""
+    importlib.import_module(module)
     return sys.version.split()[0]
 
 
-def _connect(cluster: Any, n_jobs: int, stack: ExitStack):
+def _connect(cluster: Any, n_jobs: int, stack: ExitStack, module: str):
     from distributed import Client, LocalCluster
     if isinstance(cluster, Client):
         return cluster
@@ -135,7 +136,7 @@ def _connect(cluster: Any, n_jobs: int, stack: ExitStack):
         raise ConfigError(f"--cluster {cluster}: cannot reach the Dask scheduler or it has no workers ({exc}); "
                           f"fix: check the address and start workers with `dask worker {cluster}`") from None
     try:
-        client.submit(_probe, pure=False).result(timeout=120)
+        client.submit(_probe, module, pure=False).result(timeout=120)
     except Exception as exc:  # noqa: BLE001 - any failure here means the workers cannot run us
         raise ConfigError(f"--cluster {cluster}: the workers cannot import batchsim ({exc!r}); "
                           f"fix: install this project on every worker (pip install -e .)") from None
@@ -145,7 +146,7 @@ def _connect(cluster: Any, n_jobs: int, stack: ExitStack):
 def _dask(fn: Callable[[T], Any], tasks: Sequence[T], cluster: Any, n_jobs: int) -> Iterator[Outcome[T]]:
     from distributed import as_completed
     with ExitStack() as stack:
-        client = _connect(cluster, n_jobs, stack)
+        client = _connect(cluster, n_jobs, stack, fn.__module__)
         futures = {client.submit(fn, t, pure=False): t for t in tasks}
         try:
             for fut in as_completed(futures):

@@ -1,9 +1,6 @@
-"""`sim report DIR`: rebuild figures and reports from saved results alone.
-
-DIR may be a sweep directory (results.csv), a plan directory (plan.json) or a
-single run directory (summary.json, as ``sim.io.write_run`` writes it).
-Figures go to DIR/figures/ as PNG and SVG; the report to DIR/report.md and
-DIR/report.html.
+"""The report of one run directory (summary.json, as ``sim.io.write_run`` writes
+it), and the pieces the sweep and plan reports share with it: saved figures,
+reading runs back, the per-run figures and the provenance lines.
 """
 
 from __future__ import annotations
@@ -14,38 +11,13 @@ from typing import Any
 
 import pandas as pd
 
-from reports import plots, runplots
-from reports.render import Bullets, Callout, Document, Heading, Image, Para, Table, write_document
-from reports.spec import flatten
-from reports.sweep import offered_rate
-from sim.config import ConfigError
+from reports.presentation import plots, runplots
+from reports.presentation.render import Bullets, Callout, Document, Heading, Image, Para, Table, write_document
+from reports.experiments.spec import flatten
+from reports.experiments.sweep import offered_rate
 
 KEY_METRICS = ("completed", "failed", "request_throughput", "output_throughput", "p50_ttft_ms", "p99_ttft_ms",
                "p50_itl_ms", "p99_itl_ms", "p99_tpot_ms", "num_preemptions", "mean_batch_size", "peak_kv_utilization")
-
-
-def regenerate(directory: Path) -> list[Path]:
-    """Rebuild figures and report of a sweep, plan or run directory; return the files written."""
-    d = Path(directory)
-    if (d / "plan.json").is_file():
-        from reports.planreport import plan_report
-        return _prune(d, plan_report(d))
-    if (d / "results.csv").is_file():
-        from reports.sweepreport import sweep_report
-        return _prune(d, sweep_report(d))
-    if (d / "summary.json").is_file():
-        return _prune(d, run_report(d))
-    raise ConfigError(f"{d}: not a sweep, plan or run directory (expected results.csv, plan.json or summary.json); "
-                      f"fix: pass the --out directory of `sim sweep`, `sim plan` or `sim run`")
-
-
-def _prune(d: Path, written: list[Path]) -> list[Path]:
-    """Remove figures an earlier report wrote that this one no longer has (they would look current)."""
-    keep = {p.resolve() for p in written}
-    for path in (d / "figures").glob("*"):
-        if path.suffix in (".png", ".svg") and path.resolve() not in keep:
-            path.unlink()
-    return written
 
 
 class Figures:

@@ -29,12 +29,12 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from reports.plots import FIG_WIDTH_IN, plt
-from reports.runplots import latency_cdfs
+from reports.presentation.plots import FIG_WIDTH_IN, plt
+from reports.presentation.runplots import latency_cdfs
 from sim.metrics import summarize
 
 if TYPE_CHECKING:
-    from reports.render import Document
+    from reports.presentation.render import Document
     from sim.runner import RunResult as Run     # or anything with requests, steps, tokens, summary
 
 THROUGHPUTS = (("request_throughput", "req/s"), ("output_throughput", "tok/s"))
@@ -310,7 +310,7 @@ def live_report(body: Mapping[str, Any], title: str, figures_dir: Path | None = 
     """report.md / report.html of a validation on batchsim's own engine, from report.json's ``body``:
     the verdict, the error table with its column legend, step errors, decisions, and the
     cdf.png / step_error.png figures found in ``figures_dir``."""
-    from reports.render import Bullets, Callout, Document, Heading, Image, Para, Table
+    from reports.presentation.render import Bullets, Callout, Document, Heading, Image, Para, Table
 
     doc = Document(title)
     v = pd.DataFrame(body["verdict"])
@@ -401,7 +401,7 @@ def step_error_figure(steps: pd.DataFrame, title: str) -> Figure:
 # ---- server validation report (sim validate --server / --measured) ------------------------------
 def server_report(body: Mapping[str, Any], cdf_png: Path) -> Document:
     """report.md / report.html of a server validation, from its report.json ``body`` alone."""
-    from reports.render import Bullets, Callout, Document, Heading, Image, Para, Table
+    from reports.presentation.render import Bullets, Callout, Document, Heading, Image, Para, Table
 
     v = pd.DataFrame(body["verdict"])
     missed = v.loc[~v["met"].astype(bool), "target"].tolist()

@@ -9,9 +9,9 @@ from typing import Any
 
 import pandas as pd
 
-from reports import plots
-from reports.render import Bullets, Callout, Document, Heading, Para, Table, write_document
-from reports.report import Figures, provenance_lines, read_runs, run_figures
+from reports.presentation import plots
+from reports.presentation.render import Bullets, Callout, Document, Heading, Para, Table, write_document
+from reports.presentation.runreport import Figures, provenance_lines, read_runs, run_figures
 from sim.config import ConfigError
 
 RANKED_COLUMNS = {"candidate": "candidate", "capacity_rps": "capacity / replica (req/s)",
@@ -257,5 +257,5 @@ def plan_report(d: Path) -> list[Path]:
             Bullets(plan.get("assumptions") or ["none stated in the plan file"]),
             Heading("Profile provenance"), Bullets(_provenance(results) or ["no candidate ran"]),
             Para(f"Source files: plan `{plan['source']}`, traffic `{plan['base']}`; data: plan.json, ranked.csv, "
-                 f"trials.csv, runs/ (definitions: `reports.capacity`)."))
+                 f"trials.csv, runs/ (definitions: `reports.experiments.capacity`)."))
     return figs.written + write_document(doc, d)

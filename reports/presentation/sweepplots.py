@@ -1,7 +1,7 @@
 """Figures of sweep tables: latency against throughput, the token-budget knee, metrics
 against a knob, and the Pareto plot of tokens/s per user against tokens/s per GPU.
 
-Inputs are results.csv rows (one per run) or the tables of ``reports.knee``;
+Inputs are results.csv rows (one per run) or the tables of ``reports.experiments.knee``;
 ``limits`` maps a p99 column to its SLO threshold in ms (``knee.slo_limits``).
 """
 
@@ -15,8 +15,8 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from reports.knee import PER_GPU, PER_USER, RULE, budget_range
-from reports.plots import (FIG_WIDTH_IN, RATE_KEYS, REFERENCE, fmt_value, label_of, legend_outside, legend_title,
+from reports.experiments.knee import PER_GPU, PER_USER, RULE, budget_range
+from reports.presentation.plots import (FIG_WIDTH_IN, RATE_KEYS, REFERENCE, fmt_value, label_of, legend_outside, legend_title,
                            ordered_groups, plain_log_ticks, plt, series_label, series_style, set_titles, slo_line)
 
 METRIC_LABELS = {"p99_ttft_ms": "p99 TTFT (ms)", "p99_itl_ms": "p99 ITL (ms)", "p99_tpot_ms": "p99 TPOT (ms)",

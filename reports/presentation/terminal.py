@@ -24,7 +24,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from reports.planreport import close_calls, plan_warnings
+from reports.presentation.planreport import close_calls, plan_warnings
 
 NO_WRAP_WIDTH = 1000        # columns of a non-terminal console: wide enough that rich never folds a line
 
@@ -140,7 +140,7 @@ def print_sweep(out_dir: Path, console: Console | None = None) -> None:
     if slo:
         console.print("SLO met: " + " and ".join(f"p99 {k[:-3].upper()} <= {v:g} ms" for k, v in slo.items())
                       + ", no request rejected")
-    from reports.sweepreport import in_sweep_order, nonconstant, knee_line
+    from reports.presentation.sweepreport import in_sweep_order, nonconstant, knee_line
     grid = nonconstant(table, meta.get("grid_columns") or [c for c in table.columns if "." in c])
     line = knee_line(in_sweep_order(table, grid, meta.get("vary") or {}), grid, meta.get("slo") or {})
     if line:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from reports.spec import RunTask
+from reports.experiments.spec import RunTask
 from sim.atomic import write_bytes_atomic
 from sim.config import ConfigError
 
