@@ -33,7 +33,7 @@ from calibrate.serving.validate_server import output_dir
 from reports.presentation import validation as rv
 from sim.config import ConfigError, WorkloadConfig, load_workload, parse_override
 from sim.profile import Profile, load_profile
-from sim.runner import RunResult, kv_blocks
+from sim.runner import RunResult, build_policy, kv_blocks
 
 
 @dataclass
@@ -85,20 +85,20 @@ GRID_CAPS = {"cpu": (2048, 4096, 64), "cuda": (8192, 16384, 256)}
 
 def calibration_grid(cfg: WorkloadConfig, model_cfg: ModelConfig, dev: torch.device) -> GridSpec | None:
     """A calibration grid no larger than the batches this workload can form
-    (token budget, max_model_len, max_num_seqs, KV pool), so a small budget
-    is spent where the runs will be. None (calibrate's default grid) when the
-    KV pool is not fixed by ``server.num_blocks``."""
+    (the policy's token budget, else max_num_seqs whole prompts; max_model_len;
+    max_num_seqs; KV pool), so a small budget is spent where the runs will be.
+    None (calibrate's default grid) when the KV pool is not fixed by
+    ``server.num_blocks``. The profile does not exist yet, so vllm_v1's
+    defaults are those of an unknown device."""
     s = cfg.server
     if s.num_blocks is None:
         return None
     max_tokens, max_context, max_seqs = GRID_CAPS["cuda" if dev.type == "cuda" else "cpu"]
     max_len = min(s.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
-    pol = cfg.policy
-    tokens = getattr(pol, "max_num_batched_tokens", None) or max(max_len, 2048)
-    seqs = (getattr(pol, "max_num_seqs", None) or getattr(pol, "max_batch_size", None)
-            or getattr(pol, "batch_size", None) or max_seqs)
+    policy = build_policy(cfg, max_len)
+    tokens = policy.token_budget or policy.max_num_seqs * max_len
     return GridSpec(max_num_tokens=max(4, min(max_tokens, tokens)), max_context=max(4, min(max_context, max_len)),
-                    max_num_seqs=max(4, min(max_seqs, seqs, s.num_blocks)),
+                    max_num_seqs=max(4, min(max_seqs, policy.max_num_seqs, s.num_blocks)),
                     max_kv_tokens=max(4, s.num_blocks * s.block_size), block_size=s.block_size)
 
 

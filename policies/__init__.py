@@ -1,9 +1,16 @@
-"""Scheduling policies. Adding one = one file + one entry in POLICIES + one test file."""
+"""Scheduling policies. Adding one = one file + one entry in POLICIES + one test file.
+
+Every policy is built the same way, ``PolicyClass(config, context)``, and
+declares what others need to know (``policies.base.Policy``); each config
+field carries a one-line doc (``knob_docs``).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
+from policies.base import Policy, PolicyContext
 from policies.dynamic import DynamicConfig, DynamicPolicy
 from policies.orca import OrcaConfig, OrcaPolicy
 from policies.sarathi import SarathiConfig, SarathiPolicy
@@ -25,19 +32,21 @@ POLICIES: dict[str, tuple[type, type]] = {
 }
 
 
-def make_policy(config: object, max_model_len: int, profile: Profile | None = None):  # -> Policy
+def make_policy(config: Any, max_model_len: int, profile: Profile | None = None) -> Policy:
     """Build the policy object for a validated policy config. ``profile``
     supplies the device (and the measured server's knobs) that engine
-    defaults depend on; without it vllm_v1 takes vLLM's defaults for GPUs
-    under 70 GiB."""
-    kind = getattr(config, "kind")
-    _, cls = POLICIES[kind]
-    if cls is VllmPolicy:
-        return VllmPolicy(config, max_model_len)  # type: ignore[arg-type]
-    if cls is VllmV1Policy:
-        if profile is None:
-            return VllmV1Policy(config, max_model_len)  # type: ignore[arg-type]
-        return VllmV1Policy.from_engine(config, max_model_len, profile.device,  # type: ignore[arg-type]
-                                        profile.memory_bytes_per_gpu, profile.tensor_parallel,
-                                        profile.engine)
-    return cls(config)
+    defaults depend on; without it the device is unknown (``PolicyContext``).
+    Raises ValueError for a config the engine would refuse."""
+    if profile is None:
+        context = PolicyContext(max_model_len)
+    else:
+        context = PolicyContext(max_model_len, profile.device, profile.memory_bytes_per_gpu,
+                                profile.tensor_parallel, profile.engine)
+    return POLICIES[config.kind][1](config, context)
+
+
+def knob_docs(kind: str) -> list[tuple[str, Any, str]]:
+    """(name, default, doc) of every knob of policy ``kind`` (its config
+    fields but ``kind``), in declaration order, for ``sim run --help``."""
+    return [(f.name, f.default, f.metadata["doc"]) for f in dataclasses.fields(POLICIES[kind][0])
+            if f.name != "kind"]

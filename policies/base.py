@@ -9,7 +9,8 @@ does all token accounting after the step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Protocol
 
 from sim.batch import Batch, BatchItem, Idle
 from sim.kv import reservation_tokens
@@ -19,30 +20,76 @@ if TYPE_CHECKING:
     from sim.state import SchedulerState
 
 
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    """What an engine's defaults depend on besides the policy's own config:
+    the model's context length and the device (and, for a profile measured on
+    a serving engine, that engine's knobs) from the run's profile.
+
+    Without a profile the device is unknown (``memory_bytes_per_gpu`` 0), and
+    an engine picks its defaults for the smallest devices it distinguishes.
+    """
+
+    max_model_len: int
+    device: str = "unknown"                                    # the profile's device name
+    memory_bytes_per_gpu: int = 0                              # 0: unknown
+    world_size: int = 1                                        # tensor-parallel ranks
+    engine: Mapping[str, Any] = field(default_factory=dict)    # the measured server's knobs (Profile.engine)
+
+
 class Policy(Protocol):
-    """Chooses the work of the next iteration.
+    """Chooses the work of the next iteration, and declares what the rest of
+    batchsim needs to know about it (readers never guess knob names).
+
+    Built as ``PolicyClass(config, context)``; raises ValueError for a config
+    the engine would refuse at start-up.
 
     schedule(state, now_s): return the Batch to run now, or Idle when nothing
     can run (Idle.wake_at_s asks to be called again at that simulated/wall
     time even if no request arrives). Raises nothing on normal input.
-    ``max_prompt_tokens``: prompts longer than this are refused at arrival
-    (None: no limit beyond the model's context). ``token_budget``: the most
-    tokens one step computes, which sizes the activation reserve as vLLM's
-    profiling run does (None: no budget; ``DEFAULT_ACTIVATION_TOKENS``).
+
+    knobs(): every config field, in declaration order, with the value that
+    runs (defaults filled in), as a result records it.
+
     ``decode_stretch``: True if the policy keeps the invariant of the loop's
     fast path (``sim.stretch``, cases (a) and (b)): with nothing waiting and
     every running request caught up it decodes them all; after a decode-only
     step that admitted, preempted and finished nobody it returns the same
     requests again, one token further on; both until something arrives,
-    finishes or fails to get a block. Say why beside the flag; False (or
-    absent) steps every iteration.
+    finishes or fails to get a block. Say why beside the flag; False steps
+    every iteration.
     """
 
-    max_prompt_tokens: int | None
-    token_budget: int | None      # most tokens one step computes (None: no budget, e.g. static)
+    token_budget: int | None       # most tokens one step computes; sizes the activation reserve as vLLM's
+    #                                profiling run does (None: no budget, ``DEFAULT_ACTIVATION_TOKENS``)
+    max_num_seqs: int              # most requests running at once
+    holds_batch: bool              # True: a batch runs to completion and nobody joins it (static, dynamic)
+    max_prompt_tokens: int | None  # longer prompts are refused at arrival (None: only the context limits)
     decode_stretch: bool
 
+    def knobs(self) -> dict[str, Any]: ...
+
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle: ...
+
+
+# The ``reserve`` knob of the policies that reserve at admission (``admit_reserved``).
+RESERVE_DOC = ("KV reserved per request at admission: max_tokens (prompt + max_tokens; our default), max "
+               "(max_model_len), pow2 or oracle (the true output; the vLLM paper's Orca variants)")
+
+
+def knob(default: Any, doc: str) -> Any:
+    """A config field with its one-line doc, which says where the default comes from
+    (``policies.knob_docs`` shows it in ``sim run --help``)."""
+    return field(default=default, metadata={"doc": doc})
+
+
+def config_knobs(config: Any, **resolved: Any) -> dict[str, Any]:
+    """Every field of ``config`` in declaration order, with ``resolved`` (the
+    values a policy filled in for defaults) in place of the config's own."""
+    knobs = {f.name: getattr(config, f.name) for f in fields(config)}
+    assert resolved.keys() <= knobs.keys(), f"not fields of {type(config).__name__}: {resolved.keys() - knobs.keys()}"
+    knobs.update(resolved)
+    return knobs
 
 
 class DecodePlan(NamedTuple):

@@ -7,8 +7,9 @@ and same reserved memory as static batching.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from policies.base import RESERVE_DOC, PolicyContext, config_knobs, knob
 from policies.static import group_step, launch_group
 from sim.batch import Batch, Idle
 
@@ -19,19 +20,26 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class DynamicConfig:
     kind: Literal["dynamic"] = "dynamic"
-    max_batch_size: int = 32
-    max_queue_delay_s: float = 0.1
-    reserve: str = "max_tokens"
+    max_batch_size: int = knob(32, "most requests per batch, the most running at once (32: our choice, as "
+                                   "static)")
+    max_queue_delay_s: float = knob(0.1, "a batch launches once its oldest request waited this long (0.1 s: our "
+                                         "choice)")
+    reserve: str = knob("max_tokens", RESERVE_DOC)
 
 
 class DynamicPolicy:
     # Fast path (sim.stretch): a running group is stepped to its end, whatever arrives.
     decode_stretch = True
+    holds_batch = True
     max_prompt_tokens: int | None = None
-    token_budget: int | None = None
+    token_budget: int | None = None           # a batch takes its prompts whole
 
-    def __init__(self, config: DynamicConfig) -> None:
+    def __init__(self, config: DynamicConfig, context: PolicyContext) -> None:
         self.config = config
+        self.max_num_seqs = config.max_batch_size
+
+    def knobs(self) -> dict[str, Any]:
+        return config_knobs(self.config)
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         if state.running:

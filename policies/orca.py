@@ -12,9 +12,10 @@ preempts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from policies.base import admit_reserved, batch_or_idle, decode_items
+from policies.base import (RESERVE_DOC, PolicyContext, admit_reserved, batch_or_idle, config_knobs, decode_items,
+                           knob)
 from sim.batch import Batch, BatchItem, Idle
 
 if TYPE_CHECKING:
@@ -24,19 +25,25 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class OrcaConfig:
     kind: Literal["orca"] = "orca"
-    max_batch_size: int = 256
-    reserve: str = "max_tokens"
+    max_batch_size: int = knob(256, "most requests running at once (256: vLLM's max_num_seqs default, for "
+                                    "comparison)")
+    reserve: str = knob("max_tokens", RESERVE_DOC)
 
 
 class OrcaPolicy:
     # Fast path (sim.stretch): decodes use reserved blocks, so the free pool and the free slots
     # that refused admission stay as they are while the same requests decode.
     decode_stretch = True
+    holds_batch = False
     max_prompt_tokens: int | None = None
-    token_budget: int | None = None
+    token_budget: int | None = None           # a joining request's whole prompt runs in one step
 
-    def __init__(self, config: OrcaConfig) -> None:
+    def __init__(self, config: OrcaConfig, context: PolicyContext) -> None:
         self.config = config
+        self.max_num_seqs = config.max_batch_size
+
+    def knobs(self) -> dict[str, Any]:
+        return config_knobs(self.config)
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         items = decode_items(state.running)

@@ -13,9 +13,9 @@ request by recompute, as in vLLM.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from policies.base import schedule_decodes
+from policies.base import PolicyContext, config_knobs, knob, schedule_decodes
 from policies.vllm import admit_prefills, check_budget
 from sim.batch import Batch, BatchItem, Idle
 from sim.request import Status
@@ -27,9 +27,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class SarathiConfig:
     kind: Literal["sarathi"] = "sarathi"
-    max_num_seqs: int = 256
-    # vLLM v0's default token budget with chunked prefill enabled.
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = knob(256, "most requests running at once (256: vLLM v0's EngineArgs default)")
+    max_num_batched_tokens: int = knob(512, "most tokens per step (512: vLLM v0's default with chunked prefill)")
 
 
 class SarathiPolicy:
@@ -37,12 +36,17 @@ class SarathiPolicy:
     # for want of slots, budget left after the decodes or free blocks; none of them grows while
     # the same requests decode.
     decode_stretch = True
+    holds_batch = False
     max_prompt_tokens: int | None = None
 
-    def __init__(self, config: SarathiConfig) -> None:
+    def __init__(self, config: SarathiConfig, context: PolicyContext) -> None:
         self.config = config
         self.token_budget: int | None = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
         check_budget(config.max_num_batched_tokens, config.max_num_seqs)
+
+    def knobs(self) -> dict[str, Any]:
+        return config_knobs(self.config)
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         plan = schedule_decodes(state)

@@ -10,9 +10,9 @@ or with whatever waits once no more requests will arrive.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from policies.base import admit_reserved, batch_or_idle
+from policies.base import RESERVE_DOC, PolicyContext, admit_reserved, batch_or_idle, config_knobs, knob
 from sim.batch import Batch, BatchItem, Idle
 from sim.request import Status
 
@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class StaticConfig:
     kind: Literal["static"] = "static"
-    batch_size: int = 32
-    reserve: str = "max_tokens"
+    batch_size: int = knob(32, "requests per batch, the most running at once (32: our choice; no engine "
+                                "default)")
+    reserve: str = knob("max_tokens", RESERVE_DOC)
 
 
 def group_step(state: SchedulerState) -> Batch:
@@ -53,11 +54,16 @@ def launch_group(state: SchedulerState, now_s: float, reserve: str, max_size: in
 class StaticPolicy:
     # Fast path (sim.stretch): a running group is stepped to its end, whatever arrives.
     decode_stretch = True
+    holds_batch = True
     max_prompt_tokens: int | None = None
-    token_budget: int | None = None
+    token_budget: int | None = None           # a batch takes its prompts whole
 
-    def __init__(self, config: StaticConfig) -> None:
+    def __init__(self, config: StaticConfig, context: PolicyContext) -> None:
         self.config = config
+        self.max_num_seqs = config.batch_size
+
+    def knobs(self) -> dict[str, Any]:
+        return config_knobs(self.config)
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         if state.running:

@@ -11,9 +11,9 @@ request is preempted (recompute). Prefills and decodes never mix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from policies.base import schedule_decodes
+from policies.base import PolicyContext, config_knobs, knob, schedule_decodes
 from sim.batch import Batch, BatchItem, Idle
 
 if TYPE_CHECKING:
@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class VllmConfig:
     kind: Literal["vllm"] = "vllm"
-    max_num_seqs: int = 256
-    # vLLM v0 without chunked prefill: max(max_model_len, 2048); None = that.
-    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = knob(256, "most requests running at once (256: vLLM v0's EngineArgs default)")
+    max_num_batched_tokens: int | None = knob(None, "most tokens per step; unset: max(max_model_len, 2048), vLLM "
+                                                    "v0's default without chunked prefill")
 
 
 def check_budget(max_num_batched_tokens: int, max_num_seqs: int) -> None:
@@ -68,10 +68,13 @@ class VllmPolicy:
     # Fast path (sim.stretch): a decode-only step means admission failed for want of sequence
     # slots or free blocks above the watermark; slots stay, free blocks only shrink while decoding.
     decode_stretch = True
+    holds_batch = False
 
-    def __init__(self, config: VllmConfig, max_model_len: int) -> None:
+    def __init__(self, config: VllmConfig, context: PolicyContext) -> None:
         self.config = config
+        max_model_len = context.max_model_len
         self.token_budget = config.max_num_batched_tokens or max(max_model_len, 2048)
+        self.max_num_seqs = config.max_num_seqs
         # vLLM v0's start-up checks (SchedulerConfig._verify_args).
         if self.token_budget < max_model_len:
             raise ValueError(f"max_num_batched_tokens ({self.token_budget}) is smaller than max_model_len "
@@ -80,6 +83,9 @@ class VllmPolicy:
         check_budget(self.token_budget, config.max_num_seqs)
         # vLLM v0 ignores prompts longer than min(max_model_len, max_num_batched_tokens).
         self.max_prompt_tokens: int | None = self.token_budget
+
+    def knobs(self) -> dict[str, Any]:
+        return config_knobs(self.config, max_num_batched_tokens=self.token_budget)
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         if state.waiting:

@@ -32,8 +32,9 @@ caching, priorities, speculative decoding, KV connectors, multimodal inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
+from policies.base import PolicyContext, config_knobs, knob
 from policies.vllm import check_budget
 from sim.batch import Batch, BatchItem, Idle
 from sim.request import Status
@@ -47,32 +48,35 @@ GIB = 1024**3
 @dataclass(frozen=True, slots=True)
 class VllmV1Config:
     kind: Literal["vllm_v1"] = "vllm_v1"
-    # None: vLLM 0.32.0's OpenAI-server default for the profile's device
-    # (``engine_defaults``), or the knob a server-calibrated profile recorded.
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    long_prefill_token_threshold: int = 0          # 0: off (vLLM's default)
-    reserve_full_prompt: bool = True               # vLLM's scheduler_reserve_full_isl
-    watermark: float = 0.0                         # vLLM v1's scheduler watermark (default 0)
+    max_num_seqs: int | None = knob(None, "most requests running at once; unset: the knob a server-calibrated "
+                                          "profile recorded, else vLLM 0.32's OpenAI-server default for the "
+                                          "profile's device (engine_defaults)")
+    max_num_batched_tokens: int | None = knob(None, "most tokens per step; unset: as max_num_seqs")
+    long_prefill_token_threshold: int = knob(0, "most tokens of one request per step while more than one request "
+                                                "runs or waits (0: off, vLLM's default)")
+    reserve_full_prompt: bool = knob(True, "admit only if the whole prompt's blocks fit the free pool (vLLM's "
+                                           "scheduler_reserve_full_isl, default true)")
+    watermark: float = knob(0.0, "share of the pool kept free when admitting while requests run (vLLM v1's "
+                                 "default 0)")
 
 
-def engine_defaults(device: str, memory_bytes_per_gpu: int, world_size: int,
-                    max_model_len: int) -> tuple[int, int]:
+def engine_defaults(context: PolicyContext) -> tuple[int, int]:
     """(max_num_batched_tokens, max_num_seqs) that vLLM 0.32.0's OpenAI API
     server picks when neither is given (``EngineArgs.get_batch_defaults``):
     CPU 2048 x world / 128 x world; GPUs with >= 160 GiB 16384 / 1024; with
-    >= 70 GiB and not an A100, 8192 / 1024; others 2048 / 256. The token
-    budget is then capped at max_num_seqs x max_model_len and max_num_seqs at
-    the token budget."""
-    if device.lower().startswith("cpu"):
-        tokens, seqs = 2048 * world_size, 128 * world_size
-    elif memory_bytes_per_gpu >= 160 * GIB:
+    >= 70 GiB and not an A100, 8192 / 1024; others (and an unknown device)
+    2048 / 256. The token budget is then capped at max_num_seqs x
+    max_model_len and max_num_seqs at the token budget."""
+    device, memory_bytes = context.device.lower(), context.memory_bytes_per_gpu
+    if device.startswith("cpu"):
+        tokens, seqs = 2048 * context.world_size, 128 * context.world_size
+    elif memory_bytes >= 160 * GIB:
         tokens, seqs = 16384, 1024
-    elif memory_bytes_per_gpu >= 70 * GIB and "a100" not in device.lower():
+    elif memory_bytes >= 70 * GIB and "a100" not in device:
         tokens, seqs = 8192, 1024
     else:
         tokens, seqs = 2048, 256
-    tokens = min(tokens, seqs * max_model_len)
+    tokens = min(tokens, seqs * context.max_model_len)
     return tokens, min(seqs, tokens)
 
 
@@ -80,31 +84,28 @@ class VllmV1Policy:
     # Fast path (sim.stretch): a decode-only step that preempted nobody means admission failed
     # for want of slots, budget or free blocks; slots and budget stay, free blocks only shrink.
     decode_stretch = True
+    holds_batch = False
     max_prompt_tokens: int | None = None     # chunked prefill: any prompt that fits the context
     num_reserved_blocks = 1                  # vLLM's null block
 
-    def __init__(self, config: VllmV1Config, max_model_len: int,
-                 defaults: tuple[int, int] = (2048, 256)) -> None:
+    def __init__(self, config: VllmV1Config, context: PolicyContext) -> None:
+        """Knobs left unset come from the server a profile was measured on
+        (``context.engine``), else from vLLM's defaults for the device."""
         self.config = config
-        self.max_model_len = max_model_len
-        self.token_budget = config.max_num_batched_tokens or defaults[0]
-        self.max_num_seqs = config.max_num_seqs or min(defaults[1], self.token_budget)
+        self.max_model_len = max_model_len = context.max_model_len
+        tokens, seqs = engine_defaults(context)
+        tokens = context.engine.get("max_num_batched_tokens") or tokens
+        seqs = context.engine.get("max_num_seqs") or seqs
+        self.token_budget = config.max_num_batched_tokens or tokens
+        self.max_num_seqs = config.max_num_seqs or min(seqs, self.token_budget)
         # vLLM's start-up checks (SchedulerConfig.verify_max_model_len).
         check_budget(self.token_budget, self.max_num_seqs)
         if config.long_prefill_token_threshold > max_model_len:
             raise ValueError(f"long_prefill_token_threshold ({config.long_prefill_token_threshold}) cannot "
                              f"exceed max_model_len ({max_model_len}), as vLLM requires")
 
-    @classmethod
-    def from_engine(cls, config: VllmV1Config, max_model_len: int, device: str,
-                    memory_bytes_per_gpu: int, world_size: int,
-                    engine: Mapping[str, Any] | None = None) -> VllmV1Policy:
-        """Knobs left unset come from the server a profile was measured on
-        (``engine``), else from vLLM's defaults for the device."""
-        tokens, seqs = engine_defaults(device, memory_bytes_per_gpu, world_size, max_model_len)
-        engine = engine or {}
-        return cls(config, max_model_len, (engine.get("max_num_batched_tokens") or tokens,
-                                           engine.get("max_num_seqs") or seqs))
+    def knobs(self) -> dict[str, Any]:
+        return config_knobs(self.config, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.token_budget)
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         kv = state.kv

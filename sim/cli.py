@@ -195,12 +195,29 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def policy_help() -> str:
+    """The epilog of ``sim run --help``: each policy's knobs, defaults and docs,
+    read from the config dataclasses (``policies.knob_docs``)."""
+    import textwrap
+
+    from policies import POLICIES, knob_docs
+    lines = ["policies (policy.kind) and their knobs (default), set in the workload or with --set policy.KNOB=VALUE:"]
+    for kind in POLICIES:
+        lines.append(f"  {kind}")
+        for name, default, doc in knob_docs(kind):
+            shown = "unset" if default is None else default
+            lines += textwrap.wrap(f"{name} ({shown}): {doc}", width=100, initial_indent="    ",
+                                   subsequent_indent="      ")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sim", description="batchsim: simulate LLM-serving schedulers")
     p.add_argument("--version", action="version", version=f"batchsim {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    r = sub.add_parser("run", help="simulate one workload file")
+    r = sub.add_parser("run", help="simulate one workload file", epilog=policy_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("workload", help="workload YAML (see workloads/)")
     r.add_argument("--out", help="output directory (default runs/<name>, or runs/<name>-2, -3, ... when "
                                  "that already holds a run); refused if it holds a run, unless --overwrite")

@@ -115,7 +115,7 @@ class Server:
         coalesce = self.coalesce
         # The fast path (sim.stretch): decode-only stretches up to the next event in one go.
         stretch = (coalesce and FAST_PATH and on_step is None and type(executor) is SimExecutor
-                   and getattr(policy, "decode_stretch", False))
+                   and policy.decode_stretch)
         now_s = env.now
         while True:
             num_preempted = state.num_preemptions

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import simpy
 
-from policies import make_policy
+from policies import Policy, make_policy
 from sim.batch import Batch, StepResult
 from sim.config import ConfigError, WorkloadConfig
 from sim.engine import ROUTERS, Executor, Server, SimExecutor, feed, feed_capped
@@ -165,7 +165,7 @@ def kv_blocks(cfg: WorkloadConfig, profile: Profile) -> tuple[int, int]:
         num_blocks = s.num_blocks
         where = "server.num_blocks"
     else:
-        step_tokens = _policy(cfg, max_model_len, profile).token_budget or DEFAULT_ACTIVATION_TOKENS
+        step_tokens = build_policy(cfg, max_model_len, profile).token_budget or DEFAULT_ACTIVATION_TOKENS
         capacity = profile.kv_capacity_tokens(s.gpu_memory_utilization, step_tokens)
         if capacity <= 0:
             raise ConfigError(
@@ -182,8 +182,9 @@ def kv_blocks(cfg: WorkloadConfig, profile: Profile) -> tuple[int, int]:
     return num_blocks, max_model_len
 
 
-def _policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile):  # -> Policy
-    """The policy object, with the engines' start-up checks as config errors."""
+def build_policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile | None = None) -> Policy:
+    """The policy object, with the engines' start-up checks as config errors
+    (``make_policy``: without a profile the device is unknown)."""
     try:
         return make_policy(cfg.policy, max_model_len, profile)
     except ValueError as exc:
@@ -230,7 +231,7 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     true_out = [int(x) for x in specs.output_tokens]
     servers = []
     for k in range(num_replicas):
-        policy = _policy(cfg, max_model_len, profile)
+        policy = build_policy(cfg, max_model_len, profile)
         usable = num_blocks - getattr(policy, "num_reserved_blocks", 0)    # vLLM v1's null block
         state = SchedulerState(BlockManager(usable, cfg.server.block_size, cfg.server.watermark),
                                max_model_len, policy.max_prompt_tokens)

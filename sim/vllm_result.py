@@ -27,13 +27,12 @@ from sim.config import ConfigError
 from sim.metrics import Values, itl_values, stats_ms
 
 if TYPE_CHECKING:
+    from policies import Policy
     from sim.runner import RunResult
 
 DEFAULT_PERCENTILES = "99"                  # vLLM's --metric-percentiles default
 BENCH_METRICS = ("ttft", "tpot", "itl", "e2el")
 OVERLOAD_RATIO = 0.9                        # sustained below this share of the offered rate: overload
-# A policy knob left to its default (None) is read back from the policy object under this name.
-RESOLVED_AS = {"max_num_batched_tokens": "token_budget"}
 
 
 def parse_percentiles(text: str) -> tuple[float, ...]:
@@ -59,15 +58,15 @@ def percentile_label(p: float) -> str:
     return str(int(p)) if p == int(p) else str(p)
 
 
-def policy_knobs(config: Any, policy: Any) -> dict[str, Any]:
-    """The policy config with every knob left to a default (None) replaced by
-    the value the policy object resolved (vLLM v0's token budget of
-    max(max_model_len, 2048), vLLM v1's device defaults), so a result records
-    what ran rather than "default"."""
-    knobs = {}
-    for f in dataclasses.fields(config):
+def policy_knobs(config: Any, policy: Policy) -> dict[str, Any]:
+    """The knobs that ran (``policy.knobs()``): ``config``, the policy's own, with
+    every knob left to a default (None) replaced by the value the policy
+    resolved (vLLM v0's token budget of max(max_model_len, 2048), vLLM v1's
+    device defaults), so a result records what ran rather than "default"."""
+    knobs = policy.knobs()
+    for f in dataclasses.fields(config):        # a knob the config sets is what runs
         value = getattr(config, f.name)
-        knobs[f.name] = getattr(policy, RESOLVED_AS.get(f.name, f.name), None) if value is None else value
+        assert value is None or knobs[f.name] == value, f"{f.name}: {value} set, {knobs[f.name]} ran"
     return knobs
 
 

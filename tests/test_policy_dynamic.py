@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from conftest import add, make_state, simulate
 
+from policies.base import PolicyContext
 from policies.dynamic import DynamicConfig, DynamicPolicy
 from sim.batch import Idle
+
+CONTEXT = PolicyContext(max_model_len=1 << 16)        # make_state's default
 
 
 def test_idle_until_the_oldest_request_has_waited_the_delay():
     state = make_state()
-    policy = DynamicPolicy(DynamicConfig(max_batch_size=4, max_queue_delay_s=0.5))
+    policy = DynamicPolicy(DynamicConfig(max_batch_size=4, max_queue_delay_s=0.5), CONTEXT)
     add(state, 0, 10, 2, arrival_s=1.0)
     d = policy.schedule(state, 1.2)
     assert isinstance(d, Idle) and d.wake_at_s == 1.0 + 0.5
@@ -20,7 +23,7 @@ def test_idle_until_the_oldest_request_has_waited_the_delay():
 
 def test_full_batch_launches_immediately():
     state = make_state()
-    policy = DynamicPolicy(DynamicConfig(max_batch_size=2, max_queue_delay_s=10.0))
+    policy = DynamicPolicy(DynamicConfig(max_batch_size=2, max_queue_delay_s=10.0), CONTEXT)
     add(state, 0, 10, 2)
     add(state, 1, 10, 2)
     assert len(policy.schedule(state, 0.0).items) == 2

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from conftest import add, make_state
 
+from policies.base import PolicyContext
 from policies.orca import OrcaConfig, OrcaPolicy
 from sim.batch import BatchItem
 from sim.request import Status
 
+CONTEXT = PolicyContext(max_model_len=1 << 16)        # make_state's default
+
 
 def test_whole_prompts_join_decode_iterations():
     state = make_state()
-    policy = OrcaPolicy(OrcaConfig())
+    policy = OrcaPolicy(OrcaConfig(), CONTEXT)
     add(state, 0, 50, 3)
     b = policy.schedule(state, 0.0)
     assert b.items == (BatchItem(0, 50, 0),)
@@ -24,7 +27,7 @@ def test_whole_prompts_join_decode_iterations():
 
 def test_finished_request_leaves_and_waiting_joins_next_iteration():
     state = make_state()
-    policy = OrcaPolicy(OrcaConfig(max_batch_size=1))
+    policy = OrcaPolicy(OrcaConfig(max_batch_size=1), CONTEXT)
     add(state, 0, 10, 2)
     add(state, 1, 10, 2)
     b = policy.schedule(state, 0.0)
@@ -39,7 +42,7 @@ def test_finished_request_leaves_and_waiting_joins_next_iteration():
 def test_reservation_max_limits_concurrency():
     # 64 blocks x 16 = 1024 tokens; reserve=max with max_model_len 256 -> 4 at once.
     state = make_state(num_blocks=64, block_size=16, max_model_len=256)
-    policy = OrcaPolicy(OrcaConfig(reserve="max"))
+    policy = OrcaPolicy(OrcaConfig(reserve="max"), PolicyContext(max_model_len=256))
     for i in range(10):
         add(state, i, 10, 5)
     b = policy.schedule(state, 0.0)
@@ -49,7 +52,7 @@ def test_reservation_max_limits_concurrency():
 
 def test_reservation_max_tokens_reserves_prompt_plus_max_tokens():
     state = make_state(num_blocks=100, block_size=16)
-    policy = OrcaPolicy(OrcaConfig())
+    policy = OrcaPolicy(OrcaConfig(), CONTEXT)
     r = add(state, 0, 100, 20, max_tokens=60)
     policy.schedule(state, 0.0)
     assert len(r.block_ids) == -(-(100 + 60) // 16) == 10
@@ -60,7 +63,7 @@ def test_pow2_and_oracle_use_true_length():
     for reserve, expected_tokens in (("oracle", 100 + 20), ("pow2", 100 + 32)):
         state = make_state(num_blocks=100, block_size=16)
         r = add(state, 0, 100, 20, max_tokens=500)
-        OrcaPolicy(OrcaConfig(reserve=reserve)).schedule(state, 0.0)
+        OrcaPolicy(OrcaConfig(reserve=reserve), CONTEXT).schedule(state, 0.0)
         assert len(r.block_ids) == -(-expected_tokens // 16)
 
 

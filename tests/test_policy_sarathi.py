@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from conftest import add, make_state
 
+from policies.base import PolicyContext
 from policies.sarathi import SarathiConfig, SarathiPolicy
 from sim.batch import BatchItem
+
+CONTEXT = PolicyContext(max_model_len=1 << 16)        # make_state's default
 
 
 def test_decodes_first_then_chunks_fill_the_budget():
     state = make_state()
-    policy = SarathiPolicy(SarathiConfig(max_num_batched_tokens=512))
+    policy = SarathiPolicy(SarathiConfig(max_num_batched_tokens=512), CONTEXT)
     add(state, 0, 8, 10)
     add(state, 1, 8, 10)
     b = policy.schedule(state, 0.0)                # 8 + 8 = 16 <= 512: both prefill whole
@@ -34,7 +37,7 @@ def test_decodes_first_then_chunks_fill_the_budget():
 
 def test_no_decode_ever_waits_for_a_prefill():
     state = make_state()
-    policy = SarathiPolicy(SarathiConfig(max_num_batched_tokens=64, max_num_seqs=16))
+    policy = SarathiPolicy(SarathiConfig(max_num_batched_tokens=64, max_num_seqs=16), CONTEXT)
     add(state, 0, 4, 50)
     state.commit(policy.schedule(state, 0.0), 1.0)
     for i in range(1, 6):
@@ -50,7 +53,7 @@ def test_no_decode_ever_waits_for_a_prefill():
 
 def test_max_num_seqs_caps_running():
     state = make_state()
-    policy = SarathiPolicy(SarathiConfig(max_num_batched_tokens=512, max_num_seqs=2))
+    policy = SarathiPolicy(SarathiConfig(max_num_batched_tokens=512, max_num_seqs=2), CONTEXT)
     for i in range(4):
         add(state, i, 10, 5)
     b = policy.schedule(state, 0.0)
@@ -61,7 +64,7 @@ def test_whole_prompt_allocated_at_admission():
     """Sarathi-Serve / vLLM v0 chunked prefill: admission takes every block of
     the prompt, though the first step computes only a chunk."""
     state = make_state(num_blocks=100, block_size=16)
-    policy = SarathiPolicy(SarathiConfig(max_num_batched_tokens=512))
+    policy = SarathiPolicy(SarathiConfig(max_num_batched_tokens=512), CONTEXT)
     r = add(state, 0, 1000, 10)
     b = policy.schedule(state, 0.0)
     assert b.items == (BatchItem(0, 512, 0),)
@@ -76,7 +79,7 @@ def test_admission_waits_until_the_whole_prompt_fits():
     (prompt 400 = 25 blocks) would fit a 256-token chunk (16 blocks) in the
     20 free blocks, but not its whole prompt, so it waits."""
     state = make_state(num_blocks=40, block_size=16)
-    policy = SarathiPolicy(SarathiConfig(max_num_batched_tokens=256 + 320))
+    policy = SarathiPolicy(SarathiConfig(max_num_batched_tokens=256 + 320), CONTEXT)
     add(state, 0, 320, 50)
     add(state, 1, 400, 5)
     b = policy.schedule(state, 0.0)

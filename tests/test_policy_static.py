@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from conftest import add, make_state, simulate
 
+from policies.base import PolicyContext
 from policies.static import StaticConfig, StaticPolicy
 from sim.batch import BatchItem, Idle
 from sim.request import Status
 
+CONTEXT = PolicyContext(max_model_len=1 << 16)        # make_state's default
+
 
 def test_waits_for_a_full_batch_then_pads_prompts():
     state = make_state()
-    policy = StaticPolicy(StaticConfig(batch_size=2))
+    policy = StaticPolicy(StaticConfig(batch_size=2), CONTEXT)
     add(state, 0, 10, 1)
     assert isinstance(policy.schedule(state, 0.0), Idle)    # 1 < 2 waiting
     add(state, 1, 30, 3)
@@ -35,7 +38,7 @@ def test_waits_for_a_full_batch_then_pads_prompts():
 
 def test_nothing_joins_a_running_batch():
     state = make_state()
-    policy = StaticPolicy(StaticConfig(batch_size=1))
+    policy = StaticPolicy(StaticConfig(batch_size=1), CONTEXT)
     add(state, 0, 10, 5)
     state.commit(policy.schedule(state, 0.0), 1.0)
     add(state, 1, 10, 5, arrival_s=1.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from conftest import add, make_state
 
+from policies.base import PolicyContext
 from policies.vllm import VllmConfig, VllmPolicy
 from sim.batch import Batch, BatchItem, Idle
 from sim.request import Status
@@ -11,7 +12,7 @@ from sim.request import Status
 
 def test_prefill_first_within_token_budget_then_decode_only():
     state = make_state()
-    policy = VllmPolicy(VllmConfig(max_num_batched_tokens=400, max_num_seqs=8), max_model_len=400)
+    policy = VllmPolicy(VllmConfig(max_num_batched_tokens=400, max_num_seqs=8), PolicyContext(max_model_len=400))
     for i, p in enumerate((100, 200, 300)):
         add(state, i, p, 5)
     b = policy.schedule(state, 0.0)
@@ -29,7 +30,7 @@ def test_prefill_first_within_token_budget_then_decode_only():
 
 def test_max_num_seqs_limits_admission():
     state = make_state()
-    policy = VllmPolicy(VllmConfig(max_num_seqs=2), max_model_len=4096)
+    policy = VllmPolicy(VllmConfig(max_num_seqs=2), PolicyContext(max_model_len=4096))
     for i in range(3):
         add(state, i, 10, 5)
     b = policy.schedule(state, 0.0)
@@ -38,14 +39,14 @@ def test_max_num_seqs_limits_admission():
 
 
 def test_default_token_budget_is_max_of_context_and_2048():
-    assert VllmPolicy(VllmConfig(), max_model_len=1024).token_budget == 2048
-    assert VllmPolicy(VllmConfig(), max_model_len=8192).token_budget == 8192
+    assert VllmPolicy(VllmConfig(), PolicyContext(max_model_len=1024)).token_budget == 2048
+    assert VllmPolicy(VllmConfig(), PolicyContext(max_model_len=8192)).token_budget == 8192
 
 
 def test_out_of_blocks_preempts_newest_by_recompute():
     # 4 blocks of 4 tokens. A and B: 4-token prompts, 10 outputs each.
     state = make_state(num_blocks=4, block_size=4)
-    policy = VllmPolicy(VllmConfig(), max_model_len=64)
+    policy = VllmPolicy(VllmConfig(), PolicyContext(max_model_len=64))
     a = add(state, 0, 4, 10)
     b_ = add(state, 1, 4, 10)
     batch = policy.schedule(state, 0.0)            # prefill both: 1 block each, 2 free
@@ -75,9 +76,9 @@ def test_budget_below_max_model_len_is_refused_at_start_up():
     """vLLM v0 without chunked prefill refuses max_num_batched_tokens < max_model_len."""
     import pytest
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(512\) is smaller than max_model_len \(4096\)"):
-        VllmPolicy(VllmConfig(max_num_batched_tokens=512), max_model_len=4096)
+        VllmPolicy(VllmConfig(max_num_batched_tokens=512), PolicyContext(max_model_len=4096))
     with pytest.raises(ValueError, match=r"must be >= max_num_seqs \(256\)"):
-        VllmPolicy(VllmConfig(max_num_batched_tokens=128), max_model_len=128)
+        VllmPolicy(VllmConfig(max_num_batched_tokens=128), PolicyContext(max_model_len=128))
 
 
 def test_prompt_over_the_policy_limit_is_rejected_with_its_reason():
@@ -86,14 +87,14 @@ def test_prompt_over_the_policy_limit_is_rejected_with_its_reason():
     r = Request(0, 0.0, 600, 10)
     assert not state.add_arrival(r, 10, 0.0)
     assert r.status == Status.REJECTED and r.reject_reason == "prompt_limit" and state.num_rejected == 1
-    policy = VllmPolicy(VllmConfig(), max_model_len=4096)
+    policy = VllmPolicy(VllmConfig(), PolicyContext(max_model_len=4096))
     assert isinstance(policy.schedule(state, 0.0), Idle)
 
 
 def test_watermark_holds_back_new_admissions():
     # 100 blocks, watermark 0.1 -> 10 blocks stay free for running requests.
     state = make_state(num_blocks=100, block_size=16, watermark=0.1)
-    policy = VllmPolicy(VllmConfig(), max_model_len=4096)
+    policy = VllmPolicy(VllmConfig(), PolicyContext(max_model_len=4096))
     add(state, 0, 16 * 85, 5)                      # 85 blocks: 15 free >= 10 -> admitted
     add(state, 1, 16 * 6, 5)                       # 6 more -> 9 free < 10 -> waits
     b = policy.schedule(state, 0.0)

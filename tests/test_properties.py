@@ -5,8 +5,11 @@ tokens conserved, KV never over capacity, every request finishes, timestamps ord
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+import pytest
+from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
 from policies import POLICIES
@@ -16,23 +19,36 @@ BLOCK = 8
 MAX_MODEL_LEN = 512
 
 
+RESERVES = st.sampled_from(["max_tokens", "max", "pow2", "oracle"])
+# Knob ranges small enough to crowd the pool and the batch; a knob (or a policy) not listed here
+# keeps its default, so every registered policy is drawn, a new one with its defaults.
+RANGES = {
+    "static": {"batch_size": st.integers(1, 8), "reserve": RESERVES},
+    "dynamic": {"max_batch_size": st.integers(1, 8), "max_queue_delay_s": st.floats(0.001, 0.5)},
+    "orca": {"max_batch_size": st.integers(1, 16), "reserve": RESERVES},
+    "vllm": {"max_num_seqs": st.integers(1, 16), "max_num_batched_tokens": st.sampled_from([None, 512, 1024])},
+    "sarathi": {"max_num_seqs": st.integers(1, 8), "max_num_batched_tokens": st.integers(8, 600)},
+    "vllm_v1": {"max_num_seqs": st.integers(1, 8), "max_num_batched_tokens": st.integers(8, 600),
+                "long_prefill_token_threshold": st.sampled_from([0, 16, 100]),
+                "watermark": st.sampled_from([0.0, 0.05])},
+}
+
+
 def policy_configs():
-    return st.one_of(
-        st.builds(POLICIES["static"][0], batch_size=st.integers(1, 8),
-                  reserve=st.sampled_from(["max_tokens", "max", "pow2", "oracle"])),
-        st.builds(POLICIES["dynamic"][0], max_batch_size=st.integers(1, 8),
-                  max_queue_delay_s=st.floats(0.001, 0.5)),
-        st.builds(POLICIES["orca"][0], max_batch_size=st.integers(1, 16),
-                  reserve=st.sampled_from(["max_tokens", "max", "pow2", "oracle"])),
-        st.builds(POLICIES["vllm"][0], max_num_seqs=st.integers(1, 16),
-                  max_num_batched_tokens=st.sampled_from([None, 512, 1024])),
-        st.builds(POLICIES["sarathi"][0], max_num_seqs=st.integers(1, 8),
-                  max_num_batched_tokens=st.integers(8, 600)),
-        st.builds(POLICIES["vllm_v1"][0], max_num_seqs=st.integers(1, 8),
-                  max_num_batched_tokens=st.integers(8, 600),
-                  long_prefill_token_threshold=st.sampled_from([0, 16, 100]),
-                  watermark=st.sampled_from([0.0, 0.05])),
-    )
+    """A config of any registered policy (``POLICIES``), its knobs drawn from ``RANGES``."""
+    return st.sampled_from(list(POLICIES)).flatmap(
+        lambda kind: st.builds(POLICIES[kind][0], **RANGES.get(kind, {})))
+
+
+@pytest.mark.parametrize("kind", list(POLICIES))
+def test_every_registered_policy_is_drawn(kind):
+    assert find(policy_configs(), lambda cfg: cfg.kind == kind).kind == kind
+
+
+def test_ranges_name_registered_policies_and_their_knobs():
+    for kind, ranges in RANGES.items():
+        assert kind in POLICIES, kind
+        assert set(ranges) <= {f.name for f in dataclasses.fields(POLICIES[kind][0])}, kind
 
 
 workloads = st.lists(

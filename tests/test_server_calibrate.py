@@ -183,6 +183,7 @@ def _batches(profile, sents, knobs):
     """The batches vLLM v1's policy forms for ``sents`` on a server with ``profile``."""
     import simpy
 
+    from policies.base import PolicyContext
     from policies.vllm_v1 import VllmV1Config, VllmV1Policy
     from sim.batch import StepResult
     from sim.engine import Server, feed
@@ -200,7 +201,8 @@ def _batches(profile, sents, knobs):
 
     env = simpy.Environment()
     policy = VllmV1Policy(VllmV1Config(max_num_seqs=knobs.max_num_seqs,
-                                       max_num_batched_tokens=knobs.max_num_batched_tokens), knobs.max_model_len)
+                                       max_num_batched_tokens=knobs.max_num_batched_tokens),
+                          PolicyContext(knobs.max_model_len))
     server = Server(env, policy, SchedulerState(BlockManager(1 << 14, 16), knobs.max_model_len), Recorder())
     reqs = [Request(i, s.offset_s, s.prompt_tokens, s.max_tokens) for i, s in enumerate(sents)]
     env.process(feed(env, [server], reqs, [s.max_tokens for s in sents]))

@@ -396,6 +396,7 @@ def simulate_session(sents: Sequence[Sent], profile, *, max_num_seqs: int, max_n
     after their send, tokens the client ``out_s`` after their step)."""
     import simpy
 
+    from policies.base import PolicyContext
     from policies.vllm_v1 import VllmV1Config, VllmV1Policy
     from sim.batch import StepResult
     from sim.engine import Server, feed
@@ -412,7 +413,7 @@ def simulate_session(sents: Sequence[Sent], profile, *, max_num_seqs: int, max_n
 
     env = simpy.Environment()
     policy = VllmV1Policy(VllmV1Config(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-                          max_model_len)
+                          PolicyContext(max_model_len))
     state = SchedulerState(BlockManager(num_blocks - 1, block_size), max_model_len, None)
     server = Server(env, policy, state, Noisy())
     order = sorted(range(len(sents)), key=lambda i: sents[i].offset_s)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from policies.base import PolicyContext
 from policies.vllm_v1 import VllmV1Config, VllmV1Policy
 from sim.kv import BlockManager
 from sim.request import Request, Status
@@ -159,7 +160,7 @@ class BatchsimSide:
         config = VllmV1Config(max_num_seqs=case.max_num_seqs, max_num_batched_tokens=case.max_num_batched_tokens,
                               long_prefill_token_threshold=case.long_prefill_token_threshold,
                               watermark=case.watermark, reserve_full_prompt=case.reserve_full_prompt)
-        self.policy = VllmV1Policy(config, case.max_model_len)
+        self.policy = VllmV1Policy(config, PolicyContext(case.max_model_len))
         kv = BlockManager(case.num_blocks - self.policy.num_reserved_blocks, case.block_size)
         self.state = SchedulerState(kv, case.max_model_len)
         self._preempted: list[int] = []

@@ -14,11 +14,11 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from policies import POLICIES
 from reports.presentation.plots import (FIG_WIDTH_IN, REFERENCE, legend_outside, plain_log_ticks, plt, series_style, set_titles,
                            slo_line)
 from sim.metrics import inter_token_latencies
 
-BATCH_HOLDING_POLICIES = frozenset({"static", "dynamic"})   # a slot is held until the batch's last request ends
 NUM_TIME_BINS = 240
 TOKEN_COLUMNS = ("num_decode_tokens", "num_prefill_tokens", "num_pad_tokens")
 STATE_COLUMNS = ("num_running", "num_waiting", "batch_size", "kv_used_blocks", "kv_total_blocks")
@@ -258,7 +258,8 @@ def slot_occupancy(runs: Mapping[str, tuple[pd.DataFrame, pd.DataFrame | None, s
         if "replica" in requests.columns and len(requests):
             first = requests["replica"].min()
             requests = requests[requests["replica"] == first]
-        intervals[label] = slot_intervals(requests, tokens, holds_until_batch_end=kind in BATCH_HOLDING_POLICIES)
+        holds = kind in POLICIES and POLICIES[kind][1].holds_batch   # a slot is held until its batch's last request ends
+        intervals[label] = slot_intervals(requests, tokens, holds_until_batch_end=holds)
     t_end_s = min(_window_end_s(iv, max_requests) for iv in intervals.values())
     lane_in = 2.6 if len(runs) <= 2 else 1.9
     fig, axes = plt.subplots(len(runs), 1, figsize=(FIG_WIDTH_IN, lane_in * len(runs) + 1.4), sharex=True,

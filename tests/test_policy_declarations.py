@@ -1,0 +1,120 @@
+"""Every registered policy is built one way and declares what others read.
+
+``PolicyClass(config, context)``; ``token_budget``, ``max_num_seqs``,
+``holds_batch``, ``max_prompt_tokens``, ``decode_stretch`` and ``knobs()``
+with the same names everywhere; a one-line doc on every config field; the
+README's policy table names every kind and knob.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+from conftest import linear_profile
+
+from policies import POLICIES, knob_docs, make_policy
+from policies.base import PolicyContext
+
+GIB = 1024**3
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.mark.parametrize("kind", list(POLICIES))
+def test_declarations_exist_with_their_types(kind):
+    cfg_cls, policy_cls = POLICIES[kind]
+    policy = policy_cls(cfg_cls(), PolicyContext(max_model_len=4096))
+    assert policy.token_budget is None or (type(policy.token_budget) is int and policy.token_budget > 0)
+    assert type(policy.max_num_seqs) is int and policy.max_num_seqs > 0
+    assert type(policy.holds_batch) is bool
+    assert type(policy.decode_stretch) is bool
+    assert policy.max_prompt_tokens is None or type(policy.max_prompt_tokens) is int
+    # holds_batch is readable from the class too (a report knows only the kind)
+    assert policy_cls.holds_batch is policy.holds_batch
+
+
+# kind -> (token_budget, max_num_seqs, holds_batch) of the defaults at max_model_len 4096, no profile
+DEFAULTS = {
+    "static": (None, 32, True),             # batch_size 32
+    "dynamic": (None, 32, True),            # max_batch_size 32
+    "orca": (None, 256, False),             # max_batch_size 256
+    "vllm": (4096, 256, False),             # max(4096, 2048) = 4096
+    "sarathi": (512, 256, False),
+    "vllm_v1": (2048, 256, False),          # unknown device: vLLM's 2048 / 256, min(2048, 256 x 4096) = 2048
+}
+
+
+@pytest.mark.parametrize("kind", list(DEFAULTS))
+def test_default_declarations(kind):
+    policy = make_policy(POLICIES[kind][0](), 4096)
+    assert (policy.token_budget, policy.max_num_seqs, policy.holds_batch) == DEFAULTS[kind]
+
+
+@pytest.mark.parametrize("kind", list(POLICIES))
+def test_knobs_round_trip_through_the_config(kind):
+    cfg_cls = POLICIES[kind][0]
+    policy = make_policy(cfg_cls(), 4096)
+    knobs = policy.knobs()
+    assert list(knobs) == [f.name for f in dataclasses.fields(cfg_cls)]
+    assert None not in knobs.values(), knobs                 # every default resolved
+    again = make_policy(cfg_cls(**knobs), 4096)
+    assert again.knobs() == knobs
+    assert (again.token_budget, again.max_num_seqs) == (policy.token_budget, policy.max_num_seqs)
+
+
+def test_vllm_v1_defaults_follow_the_profiles_device_and_server():
+    cfg = POLICIES["vllm_v1"][0]()
+    profile = linear_profile()
+    h200 = dataclasses.replace(profile, device="NVIDIA H200", memory_bytes_per_gpu=141 * GIB)
+    b200 = dataclasses.replace(profile, device="NVIDIA B200", memory_bytes_per_gpu=180 * GIB)
+    a100 = dataclasses.replace(profile, device="NVIDIA A100-SXM4-80GB", memory_bytes_per_gpu=80 * GIB)
+    cpu = dataclasses.replace(profile, device="cpu", tensor_parallel=2)
+    served = dataclasses.replace(h200, engine={"max_num_seqs": 64, "max_num_batched_tokens": 1024})
+    # >= 70 GiB, not an A100: 8192 / 1024; >= 160 GiB: 16384 / 1024; an A100: 2048 / 256;
+    # CPU: 2048 x 2 / 128 x 2 = 4096 / 256; a measured server's knobs win over the device's
+    expected = [(h200, 8192, 1024), (b200, 16384, 1024), (a100, 2048, 256), (cpu, 4096, 256), (served, 1024, 64)]
+    for prof, tokens, seqs in expected:
+        policy = make_policy(cfg, 4096, prof)
+        assert (policy.token_budget, policy.max_num_seqs) == (tokens, seqs), prof.device
+        assert policy.knobs()["max_num_batched_tokens"] == tokens and policy.knobs()["max_num_seqs"] == seqs
+    # the budget is capped at max_num_seqs x max_model_len: 1024 x 4 = 4096 < 8192
+    assert make_policy(cfg, 4, h200).token_budget == 4096
+
+
+@pytest.mark.parametrize("kind", list(POLICIES))
+def test_every_knob_has_a_one_line_doc(kind):
+    cfg_cls = POLICIES[kind][0]
+    docs = knob_docs(kind)
+    fields = [f for f in dataclasses.fields(cfg_cls) if f.name != "kind"]
+    assert [(name, default) for name, default, _ in docs] == [(f.name, f.default) for f in fields]
+    for name, _, doc in docs:
+        assert doc.strip() and "\n" not in doc, (kind, name)
+
+
+def readme_policy_rows() -> dict[str, str]:
+    """kind -> its row of the README's policy table (the section "## Policies")."""
+    text = README.read_text()
+    section = text[text.index("\n## Policies\n"):]
+    section = section[:section.index("\n## ", 1)]
+    return {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)` \|.*$", section, re.MULTILINE)}
+
+
+@pytest.mark.parametrize("kind", list(POLICIES))
+def test_readme_table_names_every_kind_and_knob(kind):
+    rows = readme_policy_rows()
+    assert kind in rows, f"README.md's policy table has no row for {kind}"
+    missing = [name for name, _, _ in knob_docs(kind) if f"`{name}`" not in rows[kind]]
+    assert not missing, f"README.md's {kind} row does not name {missing}"
+
+
+def test_sim_run_help_lists_every_policys_knobs_with_defaults(capsys):
+    from sim.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--help"])
+    out = capsys.readouterr().out
+    for kind in POLICIES:
+        assert f"\n  {kind}\n" in out, kind
+    assert "    max_queue_delay_s (0.1): a batch launches once its oldest request waited" in out
+    assert "    max_num_batched_tokens (unset): most tokens per step; unset: max(max_model_len, 2048)" in out
