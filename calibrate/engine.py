@@ -39,8 +39,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from calibrate.model import LlamaModel, ModelConfig
+from calibrate.model import LlamaModel
 from sim.batch import Batch
+from sim.profile import ModelShape
 from sim.request import Request
 
 PROMPT_ID_MUL_REQ = 1_000_003
@@ -105,7 +106,7 @@ class LiveEngine:
     falls back to the pseudo-random id, which costs the same.
     """
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
+    def __init__(self, config: ModelShape, num_blocks: int, block_size: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  seed: int = 0, num_threads: int | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:

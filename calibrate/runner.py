@@ -54,7 +54,7 @@ from calibrate import schema
 from calibrate.engine import LiveEngine
 from calibrate.fit import fit_curves
 from calibrate.grid import GridSpec, cost_estimator, fit_shapes, plan_pass, random_shape
-from calibrate.model import get_model_config
+from calibrate.model import get_model_shape
 from calibrate.schema import Measurement, Shape
 from calibrate.timing import Timing, quantile, set_cpu_threads, time_callable
 from sim.batch import Batch, BatchItem
@@ -162,20 +162,21 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else schema.cpu_name()
 
 
-def calibrate(model: str | Mapping[str, Any], device: str = "cpu", dtype: str | None = None,
+def calibrate(model: str | Mapping[str, Any] | ModelShape, device: str = "cpu", dtype: str | None = None,
               budget_s: float = 120, out: str | Path | None = None, progress: bool = True,
               seed: int = 0, *, grid: GridSpec | None = None, num_threads: int | None = None,
               memory_bytes: int | None = None) -> CalibrationResult:
     """Measure, fit and self-check a Profile of ``model`` on ``device`` in about budget_s.
 
-    dtype: float32 | bfloat16 | float16 (default: bfloat16 on CUDA, float32 on
+    model: anything ``calibrate.model.get_model_shape`` takes (a preset name,
+    a ModelShape, a dict). dtype: float32 | bfloat16 | float16 (default: bfloat16 on CUDA, float32 on
     CPU). out: if given, the profile is written there and the raw CSV beside
     it (same stem, .csv). num_threads: torch CPU threads (default: torch's
     current count, then held fixed). Raises ValueError for a bad model, device,
     dtype or budget.
     """
     start = time.perf_counter()
-    cfg = get_model_config(model)                  # type: ignore[arg-type]
+    cfg = get_model_shape(model)
     try:
         dev = torch.device(device)
     except RuntimeError:
@@ -243,8 +244,7 @@ def calibrate(model: str | Mapping[str, Any], device: str = "cpu", dtype: str | 
     }
     profile = Profile(
         name=f"{cfg.name}-{dev.type}-{dtype}",
-        model=ModelShape(cfg.name, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-                         cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings),
+        model=cfg,
         device=metadata["device_name"], dtype=dtype, tensor_parallel=1, memory_bytes_per_gpu=int(mem_b),
         weight_bytes=weight_bytes, activation_bytes_per_gpu=max(0, int(activation_b)),
         kv_bytes_per_token=kv_per_token, overhead_s=fitted.overhead_s,
@@ -293,7 +293,3 @@ def main(args: argparse.Namespace) -> int:
           f"(holdout MAPE {result.profile.fit_error['holdout_mape_pct']:.1f}%)")
     return 0
 
-
-if __name__ == "__main__":                      # the same as `sim calibrate ...`
-    from sim.cli import main as sim_main
-    raise SystemExit(sim_main(["calibrate", *sys.argv[1:]]))

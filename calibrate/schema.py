@@ -18,11 +18,12 @@ import csv
 import hashlib
 import json
 import platform
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from sim.batch import Batch, BatchItem
+from sim.presets import model_shape_from_dict
 from sim.profile import ModelShape, Profile
 
 FORMAT_VERSION = 1
@@ -240,16 +241,10 @@ def sha256_file(path: str | Path) -> str:
 
 
 def model_shape_from_spec(spec: str | Mapping[str, Any]) -> ModelShape:
-    """A ModelShape from a dict of its fields (torch-free), or from anything
-    ``calibrate.model.get_model_config`` accepts (a preset name, an HF config)."""
-    names = {f.name for f in fields(ModelShape)}
-    if isinstance(spec, Mapping) and "hidden_size" in spec and set(spec) <= names | {"rope_theta"}:
-        try:
-            return ModelShape(**{k: v for k, v in spec.items() if k in names})
-        except TypeError as exc:
-            raise ValueError(f"model dict: {exc}; fields: {', '.join(sorted(names))}") from None
-    from calibrate.model import get_model_config     # imports torch; only when needed
+    """``calibrate.model.get_model_shape`` that imports torch only for a preset
+    name (the tiny presets live beside the torch model); a dict is read here."""
+    if isinstance(spec, Mapping):
+        return model_shape_from_dict(spec)
+    from calibrate.model import get_model_shape     # imports torch; only when needed
 
-    cfg = get_model_config(spec)  # type: ignore[arg-type]
-    return ModelShape(cfg.name, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-                      cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings)
+    return get_model_shape(spec)

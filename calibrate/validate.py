@@ -26,13 +26,13 @@ import torch
 
 from calibrate.engine import LiveEngine
 from sim.live import run_live, run_sim
-from calibrate.model import ModelConfig, get_model_config
+from calibrate.model import get_model_shape
 from calibrate.grid import GridSpec
 from calibrate.runner import DTYPES, CalibrationResult, calibrate
 from calibrate.serving.validate_server import output_dir
 from reports.presentation import validation as rv
 from sim.config import ConfigError, WorkloadConfig, load_workload, parse_override
-from sim.profile import Profile, load_profile
+from sim.profile import ModelShape, Profile, load_profile
 from sim.runner import RunResult, build_policy, kv_blocks
 
 
@@ -49,10 +49,10 @@ class Validation:
     calibration: CalibrationResult | None = None
 
 
-def resolve_target(model: str, device: str, dtype: str | None) -> tuple[ModelConfig, torch.device, str]:
-    """(model config, device, dtype name); bad values are ConfigErrors."""
+def resolve_target(model: str, device: str, dtype: str | None) -> tuple[ModelShape, torch.device, str]:
+    """(model shape, device, dtype name); bad values are ConfigErrors."""
     try:
-        model_cfg = get_model_config(model)
+        model_cfg = get_model_shape(model)
     except ValueError as exc:
         raise ConfigError(f"--model: {exc}") from None
     dev = torch.device(device)
@@ -64,7 +64,7 @@ def resolve_target(model: str, device: str, dtype: str | None) -> tuple[ModelCon
     return model_cfg, dev, dtype
 
 
-def check_profile(profile: Profile, source: str, model_cfg: ModelConfig, dev: torch.device, dtype: str) -> None:
+def check_profile(profile: Profile, source: str, model_cfg: ModelShape, dev: torch.device, dtype: str) -> None:
     """Refuse a profile fitted on another model, dtype or device type (ConfigError)."""
     if profile.model.name != model_cfg.name:
         raise ConfigError(f"{source}: field 'model.name' is {profile.model.name!r} but --model is "
@@ -83,7 +83,7 @@ MIN_CPU_SHARE = 0.85      # CPU s per forward-pass s per thread below which a CP
 GRID_CAPS = {"cpu": (2048, 4096, 64), "cuda": (8192, 16384, 256)}
 
 
-def calibration_grid(cfg: WorkloadConfig, model_cfg: ModelConfig, dev: torch.device) -> GridSpec | None:
+def calibration_grid(cfg: WorkloadConfig, model_cfg: ModelShape, dev: torch.device) -> GridSpec | None:
     """A calibration grid no larger than the batches this workload can form
     (the policy's token budget, else max_num_seqs whole prompts; max_model_len;
     max_num_seqs; KV pool), so a small budget is spent where the runs will be.

@@ -11,7 +11,8 @@ number an engine's KV-cache sizing starts from.
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -96,14 +97,16 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     # meta-llama/Llama-2-13b-hf config.json
     "llama-2-13b": ModelShape("llama-2-13b", 5120, 40, 40, 40, 13824, 32000, 4096),
     # meta-llama/Llama-3.1-8B config.json
-    "llama-3.1-8b": ModelShape("llama-3.1-8b", 4096, 32, 32, 8, 14336, 128256, 131072),
+    "llama-3.1-8b": ModelShape("llama-3.1-8b", 4096, 32, 32, 8, 14336, 128256, 131072,
+                               rope_theta=500000.0),
     # mistralai/Mistral-7B-v0.1 config.json
     "mistral-7b": ModelShape("mistral-7b", 4096, 32, 32, 8, 14336, 32000, 32768),
     # facebook/opt-13b config.json: ffn_dim 20480, 2-matrix MLP, LM head tied to the embedding
     "opt-13b": ModelShape("opt-13b", 5120, 40, 40, 40, 20480, 50272, 2048,
                           mlp="gelu", tie_word_embeddings=True),
     # meta-llama/Llama-3.1-70B config.json
-    "llama-3.1-70b": ModelShape("llama-3.1-70b", 8192, 80, 64, 8, 28672, 128256, 131072),
+    "llama-3.1-70b": ModelShape("llama-3.1-70b", 8192, 80, 64, 8, 28672, 128256, 131072,
+                                rope_theta=500000.0),
 }
 
 # HF config.json name -> ModelShape field; the second spelling is accepted too
@@ -119,26 +122,43 @@ _HF_FIELDS: dict[str, tuple[str, ...]] = {
 _GATED_ACTS = {"silu", "swish", "swiglu"}
 
 
-def _positive_int(cfg: dict[str, Any], key: str, name: str) -> int:
+def _positive_int(cfg: Mapping[str, Any], key: str, name: str) -> int:
     value = cfg[key]
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"model '{name}': field '{key}' must be a positive integer, got {value!r}")
     return value
 
 
-def model_shape_from_hf(cfg: dict[str, Any], name: str) -> ModelShape:
-    """A ``ModelShape`` from HF ``config.json`` fields.
+def _mlp_kind(cfg: Mapping[str, Any], name: str) -> str:
+    """batchsim's ``mlp`` key as given, else the kind hidden_act (or OPT's activation_function) implies."""
+    if "mlp" in cfg:
+        return str(cfg["mlp"])                    # ModelShape checks it is one of MLP_KINDS
+    act = cfg.get("hidden_act", cfg.get("activation_function"))
+    if act is None:
+        raise ValueError(f"model '{name}': config field 'hidden_act' is missing "
+                         f"(or 'activation_function'; or give mlp: swiglu | gelu)")
+    return "swiglu" if str(act).lower() in _GATED_ACTS else "gelu"
 
-    Required: hidden_size, num_hidden_layers, num_attention_heads,
-    intermediate_size (or ffn_dim), vocab_size, max_position_embeddings, and the
-    MLP kind: hidden_act (or activation_function, OPT) -- silu/swish means a
-    gated 3-matrix MLP ("swiglu"), anything else a 2-matrix one ("gelu") -- or
-    batchsim's own ``mlp`` key. Optional: num_key_value_heads (default: the
-    number of heads), tie_word_embeddings (default True, as in HF's
-    PretrainedConfig). Raises ValueError naming the missing or bad field.
+
+def model_shape_from_hf(cfg: Mapping[str, Any], name: str | None = None) -> ModelShape:
+    """A ``ModelShape`` from HF ``config.json`` fields: the one importer, for the
+    roofline and the torch model alike.
+
+    Required (no default, since a wrong guess changes costs or memory silently):
+    hidden_size, num_hidden_layers, num_attention_heads, intermediate_size (or
+    ffn_dim), vocab_size, max_position_embeddings, and the MLP kind: hidden_act
+    (or activation_function, OPT) -- silu/swish means a gated 3-matrix MLP
+    ("swiglu"), anything else a 2-matrix one ("gelu") -- or batchsim's own
+    ``mlp`` key. Optional: num_key_value_heads (default: the number of heads);
+    tie_word_embeddings (default True, as in HF's PretrainedConfig); rope_theta,
+    or rope_parameters.rope_theta as transformers 5 writes it (default 10000.0);
+    head_dim, which must equal hidden_size / num_attention_heads. ``name``
+    defaults to the config's ``name`` or ``_name_or_path``, else "custom".
+    Raises ValueError naming the missing or bad field.
     """
-    if not isinstance(cfg, dict):
+    if not isinstance(cfg, Mapping):
         raise ValueError(f"model '{name}': expected a mapping of config fields, got {type(cfg).__name__}")
+    name = name or str(cfg.get("name") or cfg.get("_name_or_path") or "custom")
     values: dict[str, int] = {}
     for field_name, keys in _HF_FIELDS.items():
         key = next((k for k in keys if k in cfg), None)
@@ -148,24 +168,32 @@ def model_shape_from_hf(cfg: dict[str, Any], name: str) -> ModelShape:
         values[field_name] = _positive_int(cfg, key, name)
     kv_key = next((k for k in ("num_key_value_heads", "num_kv_heads") if cfg.get(k) is not None), None)
     num_kv_heads = _positive_int(cfg, kv_key, name) if kv_key else values["num_heads"]
-    if "mlp" in cfg:
-        mlp = str(cfg["mlp"])
-        if mlp not in ("swiglu", "gelu"):
-            raise ValueError(f"model '{name}': field 'mlp' must be 'swiglu' or 'gelu', got {mlp!r}")
-    else:
-        act = cfg.get("hidden_act", cfg.get("activation_function"))
-        if act is None:
-            raise ValueError(f"model '{name}': config field 'hidden_act' is missing "
-                             f"(or 'activation_function'; or give mlp: swiglu | gelu)")
-        mlp = "swiglu" if str(act).lower() in _GATED_ACTS else "gelu"
-    if values["hidden_size"] % values["num_heads"]:
-        raise ValueError(f"model '{name}': hidden_size {values['hidden_size']} is not a multiple "
-                         f"of num_attention_heads {values['num_heads']}")
-    if values["num_heads"] % num_kv_heads:
-        raise ValueError(f"model '{name}': num_attention_heads {values['num_heads']} is not a "
-                         f"multiple of num_key_value_heads {num_kv_heads}")
-    return ModelShape(name=name, num_kv_heads=num_kv_heads, mlp=mlp,
-                      tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)), **values)
+    rope_theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    shape = ModelShape(name=name, num_kv_heads=num_kv_heads, mlp=_mlp_kind(cfg, name),
+                       tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+                       rope_theta=rope_theta, **values)
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and head_dim != shape.head_dim:
+        raise ValueError(f"model '{name}': field 'head_dim' is {head_dim!r} but hidden_size / "
+                         f"num_attention_heads is {shape.head_dim}; a separate head_dim is not supported")
+    return shape
+
+
+def model_shape_from_dict(spec: Mapping[str, Any]) -> ModelShape:
+    """A ModelShape from HF ``config.json`` fields (a dict with
+    ``num_hidden_layers``: ``model_shape_from_hf``) or from ModelShape's own
+    fields, as a profile file's ``model`` section holds them (their defaults
+    apply). Unknown or missing own fields are a ValueError that lists them."""
+    if "num_hidden_layers" in spec:
+        return model_shape_from_hf(spec)
+    allowed = [f.name for f in fields(ModelShape)]
+    unknown = sorted(set(spec) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown model field(s) {unknown}; allowed: {', '.join(allowed)}")
+    missing = [f.name for f in fields(ModelShape) if f.default is MISSING and f.name not in spec]
+    if missing:
+        raise ValueError(f"model config is missing field(s) {missing}")
+    return ModelShape(**spec)
 
 
 # ---- validation error of the analytic presets ------------------------------------

@@ -15,7 +15,8 @@ File format history (``FORMAT_VERSION``):
   1 - first version: overhead, linear, attn_prefill, attn_decode curves;
       memory facts; model shape; provenance; fit error. Later, optional
       fields older readers ignore: ``engine`` (the measured server's knobs)
-      and ``memory.activation_bytes_per_token_per_gpu``.
+      and ``memory.activation_bytes_per_token_per_gpu``; ``model.rope_theta``
+      (absent: 10000.0).
 """
 
 from __future__ import annotations
@@ -46,9 +47,16 @@ class ProfileError(ValueError):
     """A profile file that cannot be used; the message names file, field and fix."""
 
 
+MLP_KINDS = ("swiglu", "gelu")          # gated 3-matrix MLP (Llama) | 2-matrix MLP (OPT)
+_POSITIVE_INT_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                        "intermediate_size", "vocab_size", "max_position_embeddings")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """The shape facts of a transformer that costs and memory follow from."""
+    """The shape facts of a transformer: what costs and memory follow from
+    (``sim.roofline``), and what ``calibrate.model`` builds its random-weight
+    Llama from. Validated on construction: ValueError naming the field."""
 
     name: str
     hidden_size: int
@@ -58,8 +66,26 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     max_position_embeddings: int
-    mlp: str = "swiglu"                  # swiglu (3 matrices) | gelu (2 matrices, OPT)
+    mlp: str = "swiglu"                  # one of MLP_KINDS
     tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0          # RoPE base; costs nothing, only the torch model reads it
+
+    def __post_init__(self) -> None:
+        for f in _POSITIVE_INT_FIELDS:
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model {self.name!r}: {f} must be a positive integer, got {value!r}")
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"model {self.name!r}: mlp must be one of {', '.join(MLP_KINDS)}, got {self.mlp!r}")
+        theta = self.rope_theta
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+            raise ValueError(f"model {self.name!r}: rope_theta must be a positive number, got {theta!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model {self.name!r}: hidden_size {self.hidden_size} is not divisible "
+                             f"by num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model {self.name!r}: num_heads {self.num_heads} is not divisible "
+                             f"by num_kv_heads {self.num_kv_heads}")
 
     @property
     def head_dim(self) -> int:
@@ -217,7 +243,7 @@ class Profile:
                 "num_heads": m.num_heads, "num_kv_heads": m.num_kv_heads,
                 "intermediate_size": m.intermediate_size, "vocab_size": m.vocab_size,
                 "max_position_embeddings": m.max_position_embeddings, "mlp": m.mlp,
-                "tie_word_embeddings": m.tie_word_embeddings,
+                "tie_word_embeddings": m.tie_word_embeddings, "rope_theta": m.rope_theta,
             },
             "memory": {
                 "memory_bytes_per_gpu": self.memory_bytes_per_gpu,
@@ -301,6 +327,11 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
                            f"version {FORMAT_VERSION} (re-run `sim calibrate` or regenerate the profile)")
     try:
         m = _get(data, "model", "", source)
+        for key in _POSITIVE_INT_FIELDS:
+            _finite(_get(m, key, "model.", source), f"model.{key}", source, strict=True)
+        # rope_theta: written since it joined ModelShape; older files lack it (the default).
+        rope = ({"rope_theta": _finite(m["rope_theta"], "model.rope_theta", source, strict=True)}
+                if "rope_theta" in m else {})
         model = ModelShape(
             name=str(_get(m, "name", "model.", source)),
             hidden_size=int(_get(m, "hidden_size", "model.", source)),
@@ -312,6 +343,7 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
             max_position_embeddings=int(_get(m, "max_position_embeddings", "model.", source)),
             mlp=str(m.get("mlp", "swiglu")),
             tie_word_embeddings=bool(m.get("tie_word_embeddings", False)),
+            **rope,
         )
         mem = _get(data, "memory", "", source)
         c = _get(data, "curves", "", source)
@@ -322,9 +354,6 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
             _finite(_get(mem, key, "memory.", source), f"memory.{key}", source, strict=True)
         for key in ("weight_bytes", "activation_bytes_per_gpu"):
             _finite(_get(mem, key, "memory.", source), f"memory.{key}", source)
-        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                    "vocab_size", "max_position_embeddings"):
-            _finite(_get(m, key, "model.", source), f"model.{key}", source, strict=True)
         _finite(_get(c, "overhead_s", "curves.", source), "curves.overhead_s", source)
         _check_curve("curves.linear", {"tokens": _get(lin, "tokens", "curves.linear.", source)},
                      _get(lin, "seconds", "curves.linear.", source), source)

@@ -363,8 +363,7 @@ def preset_profile(model: str | dict[str, Any], gpu: str, tensor_parallel: int =
     custom model) on a preset GPU, with the host-work terms of ``engine``
     (sim.collectives.ENGINES). Raises ValueError listing the known names."""
     if isinstance(model, dict):
-        name = str(model.get("name") or model.get("_name_or_path") or "custom")
-        shape = model_shape_from_hf(model, name)
+        shape = model_shape_from_hf(model)
     else:
         shape = _lookup(MODEL_PRESETS, model, "model")
     efficiency = None if engine == DEFAULT_ENGINE else Efficiency.for_engine(engine)

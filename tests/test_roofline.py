@@ -17,7 +17,7 @@ import pytest
 from sim.batch import Batch, BatchItem
 from sim.curves import Curve1D, Curve2D, CurveRepairWarning, isotonic, isotonic_grid
 from sim.presets import GPU_PRESETS, MODEL_PRESETS, model_shape_from_hf
-from sim.profile import FORMAT_VERSION, load_profile
+from sim.profile import FORMAT_VERSION, ProfileError, load_profile, profile_from_dict
 from sim.roofline import Efficiency, Roofline, analytic_profile, overlap_time, preset_profile
 
 LLAMA_31_8B_HF = {  # fields of meta-llama/Llama-3.1-8B config.json
@@ -79,8 +79,34 @@ def test_hf_config_missing_field_is_named(missing: str) -> None:
 def test_hf_config_bad_values() -> None:
     with pytest.raises(ValueError, match="hidden_size"):
         model_shape_from_hf({**LLAMA_31_8B_HF, "hidden_size": -1}, "custom")
-    with pytest.raises(ValueError, match="num_key_value_heads"):
+    with pytest.raises(ValueError, match="num_heads 32 is not divisible by num_kv_heads 5"):
         model_shape_from_hf({**LLAMA_31_8B_HF, "num_key_value_heads": 5}, "custom")
+    with pytest.raises(ValueError, match="field 'head_dim' is 64"):
+        model_shape_from_hf({**LLAMA_31_8B_HF, "head_dim": 64}, "custom")
+
+
+def test_hf_config_rope_theta_and_name() -> None:
+    assert model_shape_from_hf(LLAMA_31_8B_HF, "x").rope_theta == 500000.0
+    # transformers 5 writes the RoPE base inside rope_parameters
+    new_style = {**{k: v for k, v in LLAMA_31_8B_HF.items() if k != "rope_theta"},
+                 "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3"}}
+    assert model_shape_from_hf(new_style, "x").rope_theta == 500000.0
+    assert model_shape_from_hf(OPT_13B_HF, "x").rope_theta == 10000.0          # none given: the default
+    assert model_shape_from_hf(LLAMA_31_8B_HF).name == "custom"
+    assert model_shape_from_hf({**LLAMA_31_8B_HF, "_name_or_path": "meta-llama/Llama-3.1-8B"}).name \
+        == "meta-llama/Llama-3.1-8B"
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
+    ({"num_layers": True}, "num_layers must be a positive integer, got True"),
+    ({"num_heads": 3}, "hidden_size 4096 is not divisible by num_heads 3"),
+    ({"mlp": "relu"}, "mlp must be one of swiglu, gelu, got 'relu'"),
+    ({"rope_theta": -1.0}, "rope_theta must be a positive number, got -1.0"),
+])
+def test_model_shape_validates_on_construction(change: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(MODEL_PRESETS["llama-3.1-8b"], **change)
 
 
 # ---- memory --------------------------------------------------------------------
@@ -247,9 +273,18 @@ def test_profile_round_trips_through_files(tmp_path, suffix: str) -> None:  # ty
     for batch in batches:
         assert loaded.step_time_s(batch) == prof.step_time_s(batch)
     assert loaded.kv_capacity_tokens(0.9) == prof.kv_capacity_tokens(0.9)
-    assert loaded.model == prof.model
+    assert loaded.model == prof.model and loaded.model.rope_theta == 500000.0
     assert loaded.efficiency == dataclasses.asdict(Efficiency())
     assert loaded.provenance == prof.provenance
+
+
+def test_profile_without_rope_theta_loads_with_the_default() -> None:
+    data = preset_profile("llama-3.1-8b", "h100-sxm").to_dict()
+    del data["model"]["rope_theta"]                  # a file written before ModelShape had it
+    assert profile_from_dict(data).model.rope_theta == 10000.0
+    data["model"]["rope_theta"] = "fast"
+    with pytest.raises(ProfileError, match="field 'model.rope_theta' must be a number"):
+        profile_from_dict(data)
 
 
 def test_curves_interpolate_extrapolate_and_count_out_of_range():

@@ -8,6 +8,7 @@ the real-server tests start one tiny-llama server per session (about 30 s on
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import stat
 from pathlib import Path
@@ -87,8 +88,9 @@ def test_server_that_never_answers_times_out_and_is_killed(tmp_path: Path) -> No
 
 def test_tiny_model_folder_is_reused_and_tokenizes_words(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from calibrate.model import get_model_config
+    from calibrate.model import get_model_shape
     from calibrate.serving.tiny_model import SPECIAL_TOKEN_IDS, write_preset, write_tiny_llama
+    from sim.presets import model_shape_from_hf
 
     out = write_tiny_llama(tmp_path / "m", num_layers=1)
     stamp = (out / "model.safetensors").stat().st_mtime_ns
@@ -98,12 +100,15 @@ def test_tiny_model_folder_is_reused_and_tokenizes_words(tmp_path: Path) -> None
     assert tok("w5 w17 w4095").input_ids == [5, 17, 4095]
     assert (tok.unk_token_id, tok.bos_token_id, tok.eos_token_id) == SPECIAL_TOKEN_IDS
     config = transformers.AutoConfig.from_pretrained(out)
-    preset = get_model_config("tiny-llama")
+    preset = get_model_shape("tiny-llama")
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (1, preset.hidden_size,
                                                                                preset.vocab_size)
     write_preset(out, "tiny-llama-2l")  # other arguments: rewritten in place
-    small = get_model_config("tiny-llama-2l")
+    small = get_model_shape("tiny-llama-2l")
     assert transformers.AutoConfig.from_pretrained(out).hidden_size == small.hidden_size
+    # the config.json written reads back, through the one HF importer, as the preset's shape
+    hf = json.loads((out / "config.json").read_text())
+    assert model_shape_from_hf(hf, "tiny-llama-2l") == small
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "keep.txt").write_text("mine")
     with pytest.raises(FileExistsError):
@@ -122,7 +127,7 @@ def test_server_info_reports_capacity_and_knobs(vllm_server: VllmServer) -> None
         VLLM_MAX_NUM_SEQS,
     )
 
-    from calibrate.model import get_model_config
+    from calibrate.model import get_model_shape
 
     info = server_info(vllm_server.url)
     assert info.model == vllm_server.model
@@ -133,7 +138,7 @@ def test_server_info_reports_capacity_and_knobs(vllm_server: VllmServer) -> None
     assert info.block_size is not None and info.block_size > 0
     assert info.block_size == info.raw["vllm_config"]["cache_config"]["block_size"]
     # float32 K and V for every layer: the KV budget divides into whole blocks
-    per_block = info.block_size * get_model_config("tiny-llama").kv_bytes_per_token(4)
+    per_block = info.block_size * get_model_shape("tiny-llama").kv_bytes_per_token(4)
     assert info.num_gpu_blocks == VLLM_KV_CACHE_BYTES // per_block
 
 

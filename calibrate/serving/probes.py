@@ -570,6 +570,7 @@ def model_facts(info: Any, model_config: str | Path | None) -> ModelFacts:
     import json
 
     from sim.config import ConfigError
+    from sim.presets import model_shape_from_hf
     from sim.profile import ModelShape
 
     vcfg = (info.raw or {}).get("vllm_config") or {}
@@ -587,12 +588,10 @@ def model_facts(info: Any, model_config: str | Path | None) -> ModelFacts:
             raise ConfigError(f"--model-config {p}: cannot read an HF config.json ({exc})") from None
     L = int(info.max_model_len)
     if cfg:
-        heads = int(cfg["num_attention_heads"])
-        shape = ModelShape(info.model, int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), heads,
-                           int(cfg.get("num_key_value_heads") or heads), int(cfg["intermediate_size"]),
-                           int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings") or L),
-                           "gelu" if "gelu" in str(cfg.get("hidden_act", "silu")) and "gate" not in str(cfg)
-                           else "swiglu", bool(cfg.get("tie_word_embeddings", False)))
+        try:    # the server's max_model_len stands in for a config without max_position_embeddings
+            shape = model_shape_from_hf({"max_position_embeddings": L, **cfg}, info.model)
+        except ValueError as exc:
+            raise ConfigError(f"--model-config {p}: {exc}") from None
     else:                                    # unknown: placeholders the profile format accepts
         shape = ModelShape(info.model, 1, 1, 1, 1, 1, 1, L)
     sizes = {"float32": 4, "float16": 2, "bfloat16": 2, "half": 2}

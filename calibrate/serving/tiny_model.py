@@ -25,7 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from calibrate.model import INIT_STD, MODEL_PRESETS, RMS_NORM_EPS, ModelConfig, get_model_config
+from calibrate.model import INIT_STD, MODEL_PRESETS, RMS_NORM_EPS, check_buildable, get_model_shape
+from sim.profile import ModelShape
 
 DEFAULT_PRESET = "tiny-llama"
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
@@ -59,13 +60,14 @@ def write_tiny_llama(out_dir: str | os.PathLike[str], *, hidden_size: int = _P.h
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     if vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must exceed {len(SPECIAL_TOKENS)}, got {vocab_size}")
-    shape = get_model_config({
-        "name": "tiny-llama-hf", "hidden_size": hidden_size, "num_layers": num_layers,
-        "num_heads": num_heads, "num_kv_heads": num_kv_heads,
-        "intermediate_size": intermediate_size, "vocab_size": vocab_size,
-        "max_position_embeddings": max_position_embeddings, "rope_theta": rope_theta})
-    spec: dict[str, Any] = {"shape": {k: v for k, v in vars(shape).items() if k != "name"},
-                            "seed": seed, "dtype": dtype, "special_tokens": list(SPECIAL_TOKENS)}
+    dims = {"hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads,
+            "num_kv_heads": num_kv_heads, "intermediate_size": intermediate_size,
+            "vocab_size": vocab_size, "max_position_embeddings": max_position_embeddings,
+            "rope_theta": rope_theta}
+    shape = ModelShape("tiny-llama-hf", **dims)
+    check_buildable(shape)
+    spec: dict[str, Any] = {"shape": dims, "seed": seed, "dtype": dtype,
+                            "special_tokens": list(SPECIAL_TOKENS)}
     out = Path(out_dir)
     if out.is_dir() and _read_spec(out) == spec and all((out / f).is_file() for f in FILES):
         return out
@@ -91,7 +93,7 @@ def write_tiny_llama(out_dir: str | os.PathLike[str], *, hidden_size: int = _P.h
 def write_preset(out_dir: str | os.PathLike[str], preset: str = DEFAULT_PRESET, *, seed: int = 0,
                  dtype: str = "float32") -> Path:
     """``write_tiny_llama`` with the shape of a batchsim model preset (see ``calibrate.model``)."""
-    cfg = get_model_config(preset)
+    cfg = get_model_shape(preset)
     return write_tiny_llama(out_dir, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                             intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
@@ -107,7 +109,7 @@ def _read_spec(folder: Path) -> dict[str, Any] | None:
     return spec if isinstance(spec, dict) else None
 
 
-def _write_config(folder: Path, shape: ModelConfig, dtype: str) -> None:
+def _write_config(folder: Path, shape: ModelShape, dtype: str) -> None:
     from transformers import GenerationConfig, LlamaConfig
 
     config = LlamaConfig(
@@ -121,7 +123,7 @@ def _write_config(folder: Path, shape: ModelConfig, dtype: str) -> None:
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID).save_pretrained(folder)
 
 
-def _write_weights(folder: Path, shape: ModelConfig, seed: int, dtype: str) -> None:
+def _write_weights(folder: Path, shape: ModelShape, seed: int, dtype: str) -> None:
     import torch
     from safetensors.torch import save_file
 
