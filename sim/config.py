@@ -83,13 +83,36 @@ class ProfileConfig:
     path: str | None = None              # a profile file; overrides model/gpu
 
 
+# The thresholds goodput counts per request (vLLM's --goodput); a workload's slo takes only these.
+GOODPUT_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
+
+
 @dataclass(frozen=True, slots=True)
-class SloConfig:
-    """Per-request thresholds for goodput (vLLM's --goodput semantics)."""
+class Slo:
+    """Latency targets in ms (None: not constrained), the one SLO type.
+
+    A run's goodput (a workload's ``slo``, vLLM's --goodput) counts the
+    completed requests within every one of ``GOODPUT_KEYS``. A plan
+    (``reports.experiments``) requires at least ``attainment`` of the requests
+    within ttft_ms and tpot_ms and of all token gaps within ``itl_ms``: ITL is
+    per gap, not per request, so it is a plan's target only."""
 
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2el_ms: float | None = None
+    itl_ms: float | None = None
+    attainment: float = 0.99
+
+    def goodput_thresholds(self) -> dict[str, float | None]:
+        """The per-request thresholds goodput counts, by key."""
+        return {k: getattr(self, k) for k in GOODPUT_KEYS}
+
+    def describe(self) -> str:
+        """"p99 TTFT <= 2000 ms, ITL <= 100 ms" (the plan's reading)."""
+        parts = [f"{name.split('_')[0].upper()} <= {v:g} ms" for name, v in
+                 (("ttft_ms", self.ttft_ms), ("itl_ms", self.itl_ms), ("tpot_ms", self.tpot_ms),
+                  ("e2el_ms", self.e2el_ms)) if v is not None]
+        return f"p{100 * self.attainment:g} " + ", ".join(parts) if parts else "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +127,7 @@ class WorkloadConfig:
     policy: Any = None                   # one of the policies' config dataclasses
     server: ServerConfig = field(default_factory=ServerConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
-    slo: SloConfig | None = None
+    slo: Slo | None = None
     source: str = "<workload>"
     base_dir: str = "."
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -112,6 +135,8 @@ class WorkloadConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("raw")
+        if self.slo is not None:                 # a workload's slo holds goodput thresholds only
+            d["slo"] = self.slo.goodput_thresholds()
         return d
 
     def resolve_path(self, path: str) -> Path:
@@ -131,7 +156,7 @@ class WorkloadConfig:
 
 SECTIONS: dict[str, type] = {
     "arrivals": ArrivalsConfig, "lengths": LengthsConfig, "server": ServerConfig,
-    "profile": ProfileConfig, "slo": SloConfig,
+    "profile": ProfileConfig, "slo": Slo,
 }
 
 
@@ -286,6 +311,18 @@ def _build_policy(data: Any, src: str) -> Any:
     return cfg
 
 
+def _workload_slo(data: Any, source: str) -> Slo:
+    """A workload's slo: goodput thresholds only (ITL and attainment are a plan's targets)."""
+    if isinstance(data, dict):
+        for key in ("itl_ms", "attainment"):
+            if key in data:
+                raise ConfigError(f"{source}: field 'slo.{key}' is a plan's target (a share of requests or "
+                                  f"token gaps within a threshold), not goodput's; a workload's slo takes "
+                                  f"{', '.join(GOODPUT_KEYS)} (vLLM's --goodput): use tpot_ms, or set it in a "
+                                  f"plan file")
+    return build(Slo, data, "slo", source)
+
+
 def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Path = ".") -> WorkloadConfig:
     """Validate a raw workload mapping into a WorkloadConfig."""
     if not isinstance(data, dict):
@@ -306,7 +343,7 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
                           f"got {top['name']!r}")
     top.setdefault("name", Path(source).stem)
     sections = {k: build(cls, data.get(k), k, source) for k, cls in SECTIONS.items() if k != "slo"}
-    slo = build(SloConfig, data["slo"], "slo", source) if data.get("slo") is not None else None
+    slo = _workload_slo(data["slo"], source) if data.get("slo") is not None else None
     cfg = build(WorkloadConfig, top, "", source, **sections, slo=slo,
                 policy=_build_policy(data.get("policy"), source))
     cfg = dataclasses.replace(cfg, source=str(source), base_dir=str(base_dir), raw=data)

@@ -450,7 +450,7 @@ def collect(cfg: WorkloadConfig, servers: list[Server], requests: list[Request],
     req_df = requests_frame(servers, requests)
     logs = RunLogs([s.replica for s in servers], [s.log for s in servers], [s.state.tokens for s in servers],
                    num_blocks)
-    slo = dataclasses.asdict(cfg.slo) if cfg.slo else None
+    slo = cfg.slo.goodput_thresholds() if cfg.slo else None
     summary = log_summary(req_df, logs.steps, logs.tokens, slo, num_blocks)   # each step row is one replica's
     summary["num_out_of_range_lookups"] = profile.num_out_of_range
     summary["profile_source"] = profile.provenance.get("source", "unknown")

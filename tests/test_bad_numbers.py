@@ -187,3 +187,10 @@ def test_full_disk_leaves_no_tmp_and_no_summary(tmp_path, capsys, monkeypatch):
     assert rc == 2 and "tokens.npz: cannot write (No space left on device)" in err, err
     assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
     assert not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("key", ["itl_ms", "attainment"])
+def test_plan_only_slo_keys_are_refused_in_a_workload(tmp_path, capsys, key):
+    # ITL is per token gap and attainment a share: a plan's targets; goodput counts requests.
+    rc, err, _ = run(tmp_path, {**GOOD, "slo": {"ttft_ms": 500, key: 0.5}}, capsys)
+    assert rc == 2 and f"field 'slo.{key}' is a plan's target" in err and "Traceback" not in err, err

@@ -25,7 +25,8 @@ import pandas as pd
 import pytest
 from conftest import linear_profile
 
-from reports.experiments.capacity import Slo, judge
+from reports.experiments.capacity import judge
+from sim.config import Slo
 from sim.config import workload_from_dict
 from sim.metrics import summarize
 from sim.runner import RunResult, run_workload

@@ -12,13 +12,13 @@ import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
 
-from reports.experiments.capacity import (SearchSettings, Slo, find_capacity, judge, queue_trend, replicas_for, sweep_capacity,
+from reports.experiments.capacity import (SearchSettings, find_capacity, judge, queue_trend, replicas_for, sweep_capacity,
                                utilization)
 from reports.experiments.plan import CandidateTask, check_queue, plan_candidate, run_plan_file, simulate
 from reports.experiments.planspec import Verify, parse_plan
 from reports.presentation.report import regenerate
 from sim.cli import main
-from sim.config import ConfigError
+from sim.config import ConfigError, Slo
 
 WORKLOAD = {"name": "tiny", "seed": 5, "num_requests": 80, "arrivals": {"kind": "poisson", "rate": 4.0},
             "lengths": {"kind": "uniform", "prompt_min": 64, "prompt_max": 1024, "output_min": 16, "output_max": 128},

@@ -42,22 +42,8 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
+from sim.config import Slo
 from sim.metrics import inter_token_latencies
-
-
-@dataclass(frozen=True)
-class Slo:
-    """Thresholds in ms (None: not constrained) and the attainment fraction."""
-
-    ttft_ms: float | None = None
-    itl_ms: float | None = None
-    tpot_ms: float | None = None
-    attainment: float = 0.99
-
-    def describe(self) -> str:
-        parts = [f"{name.split('_')[0].upper()} <= {v:g} ms" for name, v in
-                 (("ttft_ms", self.ttft_ms), ("itl_ms", self.itl_ms), ("tpot_ms", self.tpot_ms)) if v is not None]
-        return f"p{100 * self.attainment:g} " + ", ".join(parts) if parts else "none"
 
 
 def _fraction_within(values_s: np.ndarray, limit_ms: float, num_total: int) -> float:

@@ -28,13 +28,13 @@ from typing import Any
 
 import pandas as pd
 
-from reports.experiments.capacity import (SearchSettings, Slo, find_capacity, fleet_cost, judge, queue_trend, replicas_for,
+from reports.experiments.capacity import (SearchSettings, find_capacity, fleet_cost, judge, queue_trend, replicas_for,
                                utilization)
 from reports.experiments.planspec import Candidate, PlanSpec, Verify, parse_plan, spec_summary
 from reports.experiments.pool import run_tasks
 from sim.atomic import write_text_atomic
 from reports.experiments.sweep import offered_rate, scalar_summary
-from sim.config import ConfigError, set_dotted, workload_from_dict
+from sim.config import ConfigError, Slo, set_dotted, workload_from_dict
 
 SATURATION_RATE_FACTOR = 100.0      # the probe offers 100x max_rate: effectively all at once
 TRIAL_COLUMNS = ("p99_ttft_ms", "p99_itl_ms", "p99_tpot_ms", "p99_e2el_ms", "request_throughput",

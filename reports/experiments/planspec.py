@@ -39,10 +39,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from reports.experiments.capacity import SearchSettings, Slo
+from reports.experiments.capacity import SearchSettings
 from reports.experiments.spec import (apply_set, check_keys, check_runnable, fail, load_base, positive_int,
                           split_overrides, validate_run_settings, within)
-from sim.config import ConfigError, load_yaml_mapping, set_dotted, workload_from_dict
+from sim.config import ConfigError, Slo, load_yaml_mapping, set_dotted, workload_from_dict
 
 PLAN_KEYS = ("name", "description", "base", "set", "target_rate", "target_utilization", "slo", "router", "search",
              "verify", "policies", "candidates", "assumptions", "out")
@@ -260,7 +260,7 @@ def spec_summary(spec: PlanSpec) -> dict[str, Any]:
     """A JSON-able record of the plan (for plan.json and the report)."""
     return json.loads(json.dumps({
         "name": spec.name, "source": str(spec.source), "base": str(spec.base_path), "target_rate": spec.target_rate,
-        "slo": spec.slo.__dict__, "slo_text": spec.slo.describe(), "router": spec.router,
+        "slo": {k: getattr(spec.slo, k) for k in SLO_KEYS}, "slo_text": spec.slo.describe(), "router": spec.router,
         "search": spec.search.to_dict(), "verify": spec.verify.__dict__, "target_utilization": spec.target_utilization,
         "verify_requests": spec.verify.num_requests(spec.target_rate), "assumptions": spec.assumptions,
         "candidates": [{"name": c.name, "hardware": c.hardware, "policy": c.policy,
