@@ -164,6 +164,20 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_schema(args: argparse.Namespace) -> int:
+    import json
+
+    from sim.atomic import write_text_atomic
+    from sim.schema import workload_schema
+    text = json.dumps(workload_schema(), indent=2) + "\n"
+    if args.out:
+        write_text_atomic(Path(args.out), text)
+        print(f"wrote {args.out}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.server:                     # black box: time a running server from outside (no torch)
         from calibrate.serving.calibrate_server import main as calibrate_server_main
@@ -268,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="regenerate plots and reports from saved results")
     rp.add_argument("dir", help="a run, sweep or plan directory written by sim run | sweep | plan")
     rp.set_defaults(func=cmd_report)
+
+    sc = sub.add_parser("schema", help="print the JSON Schema of workload files (for editors: YAML completion "
+                                       "and checks as you type)")
+    sc.add_argument("--out", help="write it to this file instead of standard output")
+    sc.set_defaults(func=cmd_schema)
 
     c = sub.add_parser("calibrate", help="measure step costs on real kernels (needs torch), or time a running "
                                          "vLLM server from outside (--server, no torch)")

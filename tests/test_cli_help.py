@@ -15,7 +15,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 def test_every_option_of_every_subcommand_has_help() -> None:
     subs = _subparsers(build_parser())
-    assert set(subs) == {"run", "sweep", "plan", "report", "calibrate", "validate"}
+    assert set(subs) == {"run", "sweep", "plan", "report", "schema", "calibrate", "validate"}
     missing = [f"sim {name} {'/'.join(a.option_strings) or a.dest}"
                for name, sub in subs.items() for a in sub._actions
                if not isinstance(a, argparse._HelpAction) and not a.help]
