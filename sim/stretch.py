@@ -95,18 +95,13 @@ def run_decode_stretch(server: Server, batch: Batch, preempted: bool, now_s: flo
     ends = np.add.accumulate(np.concatenate(([now_s], durations)))[1:]
     num_steps = int(np.searchsorted(ends, horizon_s, side="left"))    # ends strictly before it
     kv = state.kv
-    kv_used = np.full(num_steps, kv.num_used_blocks, dtype=np.int64)
-    grow = _block_growth(kv, live, num_steps)
-    if grow is not None:
-        num_steps, allocations = grow
-        if num_steps < 1:
-            return now_s
-        kv_used = kv_used[:num_steps]
-        for _, k in allocations:
-            kv.append_block(live[k])
-        kv_used += np.cumsum(np.bincount([j for j, _ in allocations], minlength=num_steps))
-    elif num_steps < 1:
+    num_steps, allocations = _block_growth(kv, live, num_steps)
+    if num_steps < 1:
         return now_s
+    # Blocks in use in each step: those held now plus the step's allocations and all before it.
+    kv_used = kv.num_used_blocks + np.cumsum(np.bincount([j for j, _ in allocations], minlength=num_steps))
+    for _, k in allocations:
+        kv.append_block(live[k])
     for r in live:
         r.num_computed_tokens += num_steps
         r.num_output_tokens += num_steps
@@ -125,15 +120,15 @@ def run_decode_stretch(server: Server, batch: Batch, preempted: bool, now_s: flo
     server.log.record_stretch(starts, durations, durations, ints)
     if live:
         state.tokens.add_stretch(ends, np.fromiter((r.req_id for r in live), dtype=np.int64, count=num_live))
-    profile.count_decode_lookups(num_steps, int(linear_out), attn_out[:num_steps])
+    profile.count_decode_lookups(num_steps, linear_out, attn_out[:num_steps])
     return float(ends[-1])
 
 
-def _block_growth(kv, live: list, num_steps: int) -> tuple[int, list[tuple[int, int]]] | None:
+def _block_growth(kv, live: list, num_steps: int) -> tuple[int, list[tuple[int, int]]]:
     """The blocks the live requests grow into over ``num_steps`` stretch steps:
-    None if none, else how many steps fit before the pool runs dry and the
-    allocations of those steps as (step, index in ``live``), in the order
-    stepping makes them (by step, then running order)."""
+    how many steps fit before the pool runs dry, and the allocations of those
+    steps as (step, index in ``live``), in the order stepping makes them (by
+    step, then running order)."""
     bs = kv.block_size
     allocations = []
     for k, r in enumerate(live):
@@ -143,8 +138,6 @@ def _block_growth(kv, live: list, num_steps: int) -> tuple[int, list[tuple[int, 
         while j < num_steps:
             allocations.append((j, k))
             j += bs
-    if not allocations:
-        return None
     allocations.sort()
     free = kv.num_free_blocks
     if len(allocations) > free:
