@@ -139,8 +139,8 @@ def replay(row: Row, profile: Profile) -> tuple[float, StepTrace]:
         "profile": {"model": MODELS[row.model], "gpu": row.gpu, "tensor_parallel": row.tp, "dtype": "fp16"}})
     num_blocks, max_model_len = kv_blocks(cfg, profile)
     rec = _Recorder(profile)
-    _, requests, _ = drive(cfg, profile, num_blocks, max_model_len, simpy.Environment(), rec)
-    return max(r.finished_s for r in requests), rec.trace
+    (server,), _ = drive(cfg, profile, num_blocks, max_model_len, simpy.Environment(), rec)
+    return max(server.state.records.pop("finished_s")), rec.trace
 
 
 def error_table(rows: list[Row], pred: dict[Row, float]) -> dict[tuple[str, int], dict[str, float]]:

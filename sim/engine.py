@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from heapq import heappop, heappush
-from typing import TYPE_CHECKING, Callable, Generator, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Generator, Iterable, Protocol, Sequence
 
 import simpy
 
@@ -169,20 +169,22 @@ def pick_replica(router: str, servers: Sequence[Server], counter: int) -> Server
     raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
 
 
-def feed(env: simpy.Environment, servers: Sequence[Server], requests: Sequence[Request],
-         true_output_tokens: Sequence[int], router: str = "round_robin",
+def feed(env: simpy.Environment, servers: Sequence[Server], requests: Iterable[Request],
+         true_output_tokens: Iterable[int], router: str = "round_robin",
          lag_s: float = 0.0):  # SimPy process
-    """Release ``requests`` (sorted by arrival) at their arrival times.
+    """Release ``requests`` (sorted by arrival; any iterable, such as
+    ``sim.runner.RequestStream``, which makes each one as it is released) at
+    their arrival times; ``true_output_tokens`` in the same order.
 
     ``lag_s``: each request reaches its server that long after its arrival,
     which stays the origin of its TTFT: a serving engine's per-request
     overhead (client send to the engine's queue plus the engine's output
     back to the client) when simulating a measured server."""
-    for i, req in enumerate(requests):
+    for i, (req, true_output) in enumerate(zip(requests, true_output_tokens)):
         delay = req.arrival_s + lag_s - env.now
         if delay > 0:
             yield env.timeout(delay)
-        pick_replica(router, servers, i).submit(req, true_output_tokens[i])
+        pick_replica(router, servers, i).submit(req, true_output)
     for s in servers:
         s.state.all_arrived = True
         s.wake()
@@ -218,8 +220,8 @@ class ClientPool:
         return heappop(self.ready_s)
 
 
-def feed_capped(env: simpy.Environment, servers: Sequence[Server], requests: Sequence[Request],
-                true_output_tokens: Sequence[int], max_concurrency: int, think_time_s: float = 0.0,
+def feed_capped(env: simpy.Environment, servers: Sequence[Server], requests: Collection[Request],
+                true_output_tokens: Iterable[int], max_concurrency: int, think_time_s: float = 0.0,
                 router: str = "round_robin", lag_s: float = 0.0) -> Generator:
     """The SimPy process that releases ``requests`` in order with at most
     ``max_concurrency`` in flight over all ``servers``: a closed-loop client
@@ -243,17 +245,17 @@ def feed_capped(env: simpy.Environment, servers: Sequence[Server], requests: Seq
     return _release_capped(env, servers, requests, true_output_tokens, clients, router, lag_s)
 
 
-def _release_capped(env: simpy.Environment, servers: Sequence[Server], requests: Sequence[Request],
-                    true_output_tokens: Sequence[int], clients: ClientPool, router: str,
+def _release_capped(env: simpy.Environment, servers: Sequence[Server], requests: Iterable[Request],
+                    true_output_tokens: Iterable[int], clients: ClientPool, router: str,
                     lag_s: float):  # SimPy process
-    for i, req in enumerate(requests):
+    for i, (req, true_output) in enumerate(zip(requests, true_output_tokens)):
         ready_s = yield from clients.acquire()
         send_s = max(ready_s, req.arrival_s)
         delay = send_s + lag_s - env.now
         if delay > 0:
             yield env.timeout(delay)
         req.arrival_s = send_s
-        if not pick_replica(router, servers, i).submit(req, true_output_tokens[i]):
+        if not pick_replica(router, servers, i).submit(req, true_output):
             clients.release(env.now)          # refused at once: the client has its reply
     for s in servers:
         s.state.all_arrived = True

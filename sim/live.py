@@ -100,9 +100,10 @@ class StepRecorder:
         self.forward_s.append(math.nan if result.device_s is None else result.device_s)
         self.tok_end.append(len(self.state.tokens))
         if self.engine is not None:
-            requests = self.state.requests
+            requests = self.state.requests          # in flight only: done requests have left it
             for it in batch.items:
-                if requests[it.req_id].status >= Status.FINISHED:
+                r = requests.get(it.req_id)
+                if r is None or r.status >= Status.FINISHED:
                     self.engine.forget(it.req_id)
 
 
@@ -123,9 +124,9 @@ def run_recorded(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_mod
         recorders.append(StepRecorder(server.state, engine))
         return recorders[-1]
 
-    servers, requests, specs = drive(cfg, profile, num_blocks, max_model_len, env, make_executor(env),
-                                     on_step=hook, live=live)
-    result = collect(cfg, servers, requests, num_blocks, profile)
+    servers, specs = drive(cfg, profile, num_blocks, max_model_len, env, make_executor(env),
+                           on_step=hook, live=live)
+    result = collect(cfg, servers, len(specs), num_blocks, profile)
     (recorder,) = recorders
     result.steps["batch"] = recorder.batches
     result.steps["forward_s"] = recorder.forward_s

@@ -17,8 +17,10 @@ Only ``SchedulerState.commit`` (and ``preempt``) mutate the counters.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from enum import IntEnum
+from math import nan
 
 
 class Status(IntEnum):
@@ -77,3 +79,56 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status >= Status.FINISHED
+
+
+# The reject-reason codes of RequestRecords (0: none; the status column holds the Status).
+REASON_CODES = {reason: k for k, reason in enumerate(REJECT_REASONS, start=1)}
+
+
+class RequestRecords:
+    """The requests a server is done with (finished or rejected), one compact
+    row each (``array.array`` columns, 58 bytes a request), appended as they
+    end. The server then drops the Request object: a run holds objects only
+    for the requests in flight, so a million requests fit in memory.
+    ``pop`` hands the columns over to the requests table.
+    """
+
+    COLUMNS = (("req_id", "q"), ("arrival_s", "d"), ("prompt_tokens", "i"), ("max_tokens", "i"),
+               ("output_tokens", "i"), ("status", "b"), ("reason", "b"), ("first_scheduled_s", "d"),
+               ("first_token_s", "d"), ("finished_s", "d"), ("num_preemptions", "i"))
+
+    def __init__(self) -> None:
+        self._columns = {name: array(code) for name, code in self.COLUMNS}
+        c = self._columns
+        self._appends = (c["req_id"].append, c["arrival_s"].append, c["prompt_tokens"].append,
+                         c["max_tokens"].append, c["output_tokens"].append, c["status"].append,
+                         c["reason"].append, c["first_scheduled_s"].append, c["first_token_s"].append,
+                         c["finished_s"].append, c["num_preemptions"].append)
+
+    def __len__(self) -> int:
+        return len(self._columns["req_id"])
+
+    def add(self, req: Request, output_tokens: int) -> None:
+        """Record ``req`` (FINISHED or REJECTED, ``finished_s`` set); ``output_tokens``
+        is its true output length (the oracle's)."""
+        (a_id, a_arrival, a_prompt, a_max, a_out, a_status, a_reason,
+         a_sched, a_first, a_fin, a_pre) = self._appends
+        a_id(req.req_id)
+        a_arrival(req.arrival_s)
+        a_prompt(req.num_prompt_tokens)
+        a_max(req.max_output_tokens)
+        a_out(output_tokens)
+        a_status(req.status)
+        a_reason(REASON_CODES[req.reject_reason] if req.reject_reason else 0)
+        a_sched(nan if req.first_scheduled_s is None else req.first_scheduled_s)
+        a_first(nan if req.first_token_s is None else req.first_token_s)
+        a_fin(req.finished_s)
+        a_pre(req.num_preemptions)
+
+    def pop(self, name: str) -> array:
+        """Hand column ``name`` over and drop it from the records (an empty one
+        takes its place): the requests table takes the columns one at a time,
+        so no column's copy sits beside all the others."""
+        column = self._columns[name]
+        self._columns[name] = array(column.typecode)
+        return column

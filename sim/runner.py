@@ -27,7 +27,7 @@ from sim.kv import BlockManager
 from sim.logs import StepLog, TokenLog
 from sim.metrics import add_request_metrics, itl_values, step_totals, summarize_logs
 from sim.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
-from sim.request import REJECT_REASONS, Request, Status
+from sim.request import REJECT_REASONS, Request, RequestRecords, Status
 from sim.state import SchedulerState
 from sim.vllm_result import policy_knobs
 from workloads.generate import RequestSpecs, generate
@@ -191,28 +191,62 @@ def build_policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile | Non
         raise ConfigError(f"{cfg.source}: field 'policy': {exc}") from None
 
 
+def request_max_tokens(cfg: WorkloadConfig, specs: RequestSpecs, max_model_len: int) -> np.ndarray:
+    """Each request's max_tokens (the client's cap): the trace's own column if it
+    has one, else the workload's ``max_tokens`` (``output``: the true output
+    length; ``context``: what the context leaves after the prompt, at least 1;
+    a number)."""
+    if specs.max_tokens is not None:
+        return np.asarray(specs.max_tokens, dtype=np.int64)
+    if cfg.max_tokens == "output":
+        return np.asarray(specs.output_tokens, dtype=np.int64)
+    if cfg.max_tokens == "context":
+        return np.maximum(1, max_model_len - np.asarray(specs.prompt_tokens, dtype=np.int64))
+    return np.full(len(specs), int(cfg.max_tokens), dtype=np.int64)
+
+
+class RequestStream:
+    """The run's requests in arrival order, each Request made as the feed
+    releases it (``sim.engine.feed``), a chunk of the arrays at a time, never
+    all at once: with the servers dropping done requests (``RequestRecords``),
+    a run holds Request objects only for the requests in flight.
+    ``true_outputs()`` yields their true output lengths in the same order."""
+
+    CHUNK = 4096
+
+    def __init__(self, specs: RequestSpecs, max_tokens: np.ndarray) -> None:
+        self.specs = specs
+        self.max_tokens = max_tokens
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def __iter__(self) -> Iterator[Request]:
+        specs = self.specs
+        for lo in range(0, len(specs), self.CHUNK):
+            hi = lo + self.CHUNK
+            for i, arrival, prompt, max_tokens in zip(range(lo, min(hi, len(specs))),
+                                                      specs.arrival_s[lo:hi].tolist(),
+                                                      specs.prompt_tokens[lo:hi].tolist(),
+                                                      self.max_tokens[lo:hi].tolist()):
+                yield Request(req_id=i, arrival_s=float(arrival), num_prompt_tokens=int(prompt),
+                              max_output_tokens=int(max_tokens))
+
+    def true_outputs(self) -> Iterator[int]:
+        out = self.specs.output_tokens
+        for lo in range(0, len(out), self.CHUNK):
+            yield from (int(x) for x in out[lo:lo + self.CHUNK].tolist())
+
+
 def make_requests(cfg: WorkloadConfig, specs: RequestSpecs, max_model_len: int) -> list[Request]:
-    out = []
-    for i in range(len(specs)):
-        prompt = int(specs.prompt_tokens[i])
-        true_out = int(specs.output_tokens[i])
-        if specs.max_tokens is not None:
-            max_tokens = int(specs.max_tokens[i])          # the trace's own per-request cap
-        elif cfg.max_tokens == "output":
-            max_tokens = true_out
-        elif cfg.max_tokens == "context":
-            max_tokens = max(1, max_model_len - prompt)
-        else:
-            max_tokens = int(cfg.max_tokens)
-        out.append(Request(req_id=i, arrival_s=float(specs.arrival_s[i]), num_prompt_tokens=prompt,
-                           max_output_tokens=max_tokens))
-    return out
+    """All of ``specs``' requests as a list (small runs and tools; ``drive`` streams them)."""
+    return list(RequestStream(specs, request_max_tokens(cfg, specs, max_model_len)))
 
 
 def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len: int,
           env: simpy.Environment, executor: Executor, *, num_replicas: int = 1,
           router: str = "round_robin", on_step: OnStep | None = None,
-          progress: bool = False, live: bool = False) -> tuple[list[Server], list[Request], RequestSpecs]:
+          progress: bool = False, live: bool = False) -> tuple[list[Server], RequestSpecs]:
     """Run ``cfg``'s requests through ``num_replicas`` servers on ``env``.
 
     The one place that builds requests, policies, block pools and servers, for
@@ -220,15 +254,15 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     (``live``: a real-time environment + a live executor, ``sim.live``) alike.
     Live, the servers step one iteration at a time on the wall clock and a
     measured server's per-request overhead is not added (it happens).
-    ``on_step(server)`` builds each server's step hook. Raises RuntimeError if
-    a request is left unfinished (a policy that stalls).
+    ``on_step(server)`` builds each server's step hook. Returns the servers
+    (each request is in one server's ``state.records``) and the request specs.
+    Raises RuntimeError if a request is left unfinished (a policy that stalls).
     """
     specs = generate(cfg)
     if len(specs) == 0:
         raise ConfigError(f"{cfg.source}: the workload has no requests (check num_requests, duration_s, "
                           f"arrivals.start_s)")
-    requests = make_requests(cfg, specs, max_model_len)
-    true_out = [int(x) for x in specs.output_tokens]
+    requests = RequestStream(specs, request_max_tokens(cfg, specs, max_model_len))
     servers = []
     for k in range(num_replicas):
         policy = build_policy(cfg, max_model_len, profile)
@@ -242,9 +276,9 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     lag_s = 0.0 if live else float(profile.engine.get("request_overhead_s") or 0.0)
     a = cfg.arrivals
     if a.max_concurrency is None:
-        env.process(feed(env, servers, requests, true_out, router, lag_s))
+        env.process(feed(env, servers, requests, requests.true_outputs(), router, lag_s))
     else:                                   # clients over the whole fleet, not per replica
-        env.process(feed_capped(env, servers, requests, true_out, a.max_concurrency, a.think_time_s,
+        env.process(feed_capped(env, servers, requests, requests.true_outputs(), a.max_concurrency, a.think_time_s,
                                 router, lag_s))
     profile.reset_counters()
     if live:
@@ -254,7 +288,10 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     if unfinished:
         raise RuntimeError(f"run stalled with {len(unfinished)} requests unfinished "
                            f"(policy {cfg.policy.kind}); first: {unfinished[:5]}")
-    return servers, requests, specs
+    num_done = sum(len(s.state.records) for s in servers)
+    if num_done != len(specs):
+        raise RuntimeError(f"run ended with {num_done} of {len(specs)} requests done (policy {cfg.policy.kind})")
+    return servers, specs
 
 
 def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "round_robin",
@@ -278,21 +315,20 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
     cfg = resolve_server(cfg, profile)
     num_blocks, max_model_len = kv_blocks(cfg, profile)
     loop0 = time.perf_counter()
-    servers, requests, specs = drive(cfg, profile, num_blocks, max_model_len, simpy.Environment(),
-                                     SimExecutor(profile), num_replicas=num_replicas, router=router,
-                                     progress=progress)
+    servers, specs = drive(cfg, profile, num_blocks, max_model_len, simpy.Environment(),
+                           SimExecutor(profile), num_replicas=num_replicas, router=router, progress=progress)
     loop_s = time.perf_counter() - loop0
-    rejected = Counter(r.reject_reason for r in requests if r.status == Status.REJECTED)
+    result = collect(cfg, servers, len(specs), num_blocks, profile)
+    rejected = Counter({why: n for why, n in result.summary["failed_by_reason"].items()})
     if rejected:
         limit = servers[0].policy.max_prompt_tokens
         reasons = "; ".join(f"{n} with " + REJECT_REASONS[why].format(max_model_len=max_model_len, limit=limit)
                             for why, n in sorted(rejected.items()))
-        msg = (f"{cfg.source}: {sum(rejected.values())} of {len(requests)} requests were rejected "
+        msg = (f"{cfg.source}: {sum(rejected.values())} of {len(specs)} requests were rejected "
                f"({reasons}); counted as failed")
         if strict:
             raise ConfigError(msg + " (--strict)")
         warnings.warn(msg, stacklevel=2)
-    result = collect(cfg, servers, requests, num_blocks, profile)
     if cfg.profile.path is not None:
         path = cfg.resolve_path(cfg.profile.path)
         result.meta["profile_file"] = {"path": str(path), "format_version": FORMAT_VERSION,
@@ -401,38 +437,48 @@ def profile_trust(profile: Profile) -> dict[str, Any]:
     return {"error_pct": None, "basis": f"{profile.provenance.get('source', 'unknown')}: no held-out check recorded"}
 
 
-def requests_frame(servers: list[Server], requests: list[Request]) -> pd.DataFrame:
-    """One row per request (``requests[i].req_id == i``, as ``make_requests``
-    numbers them), built column by column from the Request objects."""
-    n = len(requests)
+def requests_frame(servers: list[Server], num_requests: int) -> pd.DataFrame:
+    """One row per request, in req_id order (``drive`` numbers them 0 ..
+    ``num_requests`` - 1), from the servers' ``RequestRecords``, which it
+    takes over (they are empty afterwards). Each column is placed in id order
+    and its records dropped before the next, so the table never sits beside a
+    second copy of itself: a million requests take ~130 MB, not twice that."""
+    n = num_requests
+    records = [s.state.records for s in servers]
+    parts = [np.frombuffer(r.pop("req_id"), dtype=np.int64) for r in records]
+    ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+    if len(ids) != n or (n and (ids.min() < 0 or ids.max() >= n or np.bincount(ids, minlength=n).max() != 1)):
+        raise RuntimeError(f"the servers' records hold {len(ids)} requests, not each of 0..{n - 1} once")
+    starts = np.cumsum([0] + [len(p) for p in parts])
+    del parts
 
-    def column(get: Callable[[Request], Any], dtype: Any) -> np.ndarray:
-        return np.fromiter((get(r) for r in requests), dtype=dtype, count=n)
-
-    def seconds(get: Callable[[Request], float | None]) -> np.ndarray:
-        return column(lambda r: np.nan if get(r) is None else get(r), np.float64)
+    def column(name: str, dtype: Any) -> np.ndarray:
+        out = np.empty(n, dtype=dtype)
+        for k, r in enumerate(records):
+            out[ids[starts[k]:starts[k + 1]]] = np.frombuffer(r.pop(name), dtype=RECORD_DTYPES[name])
+        return out
 
     replica = np.empty(n, dtype=np.int64)
-    output_tokens = np.empty(n, dtype=np.int64)
-    for s in servers:                  # every request reached a server
-        for req_id, r in s.state.requests.items():
-            replica[req_id] = s.replica
-            output_tokens[req_id] = s.state.oracle_output_tokens(r)
-    req_df = pd.DataFrame({
-        "req_id": column(lambda r: r.req_id, np.int64),
-        "replica": replica,
-        "arrival_s": column(lambda r: r.arrival_s, np.float64),
-        "prompt_tokens": column(lambda r: r.num_prompt_tokens, np.int64),
-        "output_tokens": output_tokens,
-        "max_tokens": column(lambda r: r.max_output_tokens, np.int64),
-        "status": ["finished" if r.status == Status.FINISHED else "rejected" for r in requests],
-        "reject_reason": [r.reject_reason or "" for r in requests],
-        "first_scheduled_s": seconds(lambda r: r.first_scheduled_s),
-        "first_token_s": seconds(lambda r: r.first_token_s),
-        "finished_s": seconds(lambda r: r.finished_s),
-        "num_preemptions": column(lambda r: r.num_preemptions, np.int64),
-    })
-    return add_request_metrics(req_df)
+    for k, s in enumerate(servers):
+        replica[ids[starts[k]:starts[k + 1]]] = s.replica
+    frame: dict[str, Any] = {"req_id": np.arange(n, dtype=np.int64), "replica": replica,
+                             "arrival_s": column("arrival_s", np.float64),
+                             "prompt_tokens": column("prompt_tokens", np.int64),
+                             "output_tokens": column("output_tokens", np.int64),
+                             "max_tokens": column("max_tokens", np.int64)}
+    frame["status"] = STATUS_TEXT[column("status", np.int8)]
+    frame["reject_reason"] = REASON_TEXT[column("reason", np.int8)]
+    for name in ("first_scheduled_s", "first_token_s", "finished_s"):
+        frame[name] = column(name, np.float64)
+    frame["num_preemptions"] = column("num_preemptions", np.int64)
+    return add_request_metrics(pd.DataFrame(frame, copy=False))
+
+
+RECORD_DTYPES = {name: np.dtype({"q": np.int64, "d": np.float64, "i": np.int32, "b": np.int8}[code])
+                 for name, code in RequestRecords.COLUMNS}
+STATUS_TEXT = np.array([{Status.FINISHED: "finished", Status.REJECTED: "rejected"}.get(k, "")
+                        for k in range(max(Status) + 1)], dtype=object)          # by Status code
+REASON_TEXT = np.array(["", *REJECT_REASONS], dtype=object)                       # by REASON_CODES
 
 
 def log_summary(requests: pd.DataFrame, steps: list[StepLog], tokens: list[TokenLog],
@@ -445,9 +491,9 @@ def log_summary(requests: pd.DataFrame, steps: list[StepLog], tokens: list[Token
     return summarize_logs(requests, itl, totals, slo)
 
 
-def collect(cfg: WorkloadConfig, servers: list[Server], requests: list[Request], num_blocks: int,
+def collect(cfg: WorkloadConfig, servers: list[Server], num_requests: int, num_blocks: int,
             profile: Profile) -> RunResult:
-    req_df = requests_frame(servers, requests)
+    req_df = requests_frame(servers, num_requests)
     logs = RunLogs([s.replica for s in servers], [s.log for s in servers], [s.state.tokens for s in servers],
                    num_blocks)
     slo = cfg.slo.goodput_thresholds() if cfg.slo else None

@@ -16,7 +16,7 @@ import numpy as np
 from sim.batch import Batch
 from sim.kv import BlockManager
 from sim.logs import TokenLog
-from sim.request import Request, Status
+from sim.request import Request, RequestRecords, Status
 
 
 class SchedulerState:
@@ -31,6 +31,7 @@ class SchedulerState:
         self.kv = kv
         self.max_model_len = max_model_len
         self.max_prompt_tokens = max_prompt_tokens
+        # The requests in flight (arrived, not done): the only Request objects a run holds.
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -42,6 +43,8 @@ class SchedulerState:
         self._group_of: dict[int, list[Request]] = {}
         # The request of every sampled output token, in time order (sim.logs).
         self.tokens = TokenLog()
+        # The requests done with, finished or rejected, compact (they leave ``requests``).
+        self.records = RequestRecords()
 
     # ---- arrivals -----------------------------------------------------------
     def add_arrival(self, req: Request, true_output_tokens: int, now_s: float) -> bool:
@@ -54,8 +57,6 @@ class SchedulerState:
         prompts), or when it could never fit in the KV pool. Returns False if
         rejected.
         """
-        self.requests[req.req_id] = req
-        self._true_output[req.req_id] = min(true_output_tokens, req.max_output_tokens)
         total = req.num_prompt_tokens + req.max_output_tokens
         if total > self.max_model_len:
             reason = "context"
@@ -64,12 +65,15 @@ class SchedulerState:
         elif self.kv.num_blocks_for(total) > self.kv.num_blocks - self.kv.watermark_blocks:
             reason = "kv_pool"
         else:
+            self.requests[req.req_id] = req
+            self._true_output[req.req_id] = min(true_output_tokens, req.max_output_tokens)
             self.waiting.append(req)
             return True
         req.status = Status.REJECTED
         req.reject_reason = reason
         req.finished_s = now_s
         self.num_rejected += 1
+        self.records.add(req, min(true_output_tokens, req.max_output_tokens))
         return False
 
     def oracle_output_tokens(self, req: Request) -> int:
@@ -171,6 +175,8 @@ class SchedulerState:
             self.kv.free(m)
             self.running.remove(m)
             self.num_finished += 1
+            self.records.add(m, self._true_output.pop(m.req_id))
+            del self.requests[m.req_id]
 
     def token_log(self) -> tuple[np.ndarray, np.ndarray]:
         """(request id, time in s) of every output token so far, in time order."""

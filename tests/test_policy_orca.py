@@ -28,13 +28,14 @@ def test_whole_prompts_join_decode_iterations():
 def test_finished_request_leaves_and_waiting_joins_next_iteration():
     state = make_state()
     policy = OrcaPolicy(OrcaConfig(max_batch_size=1), CONTEXT)
-    add(state, 0, 10, 2)
+    first = add(state, 0, 10, 2)
     add(state, 1, 10, 2)
     b = policy.schedule(state, 0.0)
     assert [it.req_id for it in b.items] == [0]
     state.commit(b, 1.0)                            # output 1 of 2
     state.commit(policy.schedule(state, 1.0), 2.0)  # output 2 of 2 -> finished
-    assert state.requests[0].status == Status.FINISHED
+    assert first.status == Status.FINISHED
+    assert 0 not in state.requests and len(state.records) == 1   # it left the requests in flight
     b = policy.schedule(state, 2.0)
     assert b.items == (BatchItem(1, 10, 0),)
 

@@ -15,24 +15,25 @@ CONTEXT = PolicyContext(max_model_len=1 << 16)        # make_state's default
 def test_waits_for_a_full_batch_then_pads_prompts():
     state = make_state()
     policy = StaticPolicy(StaticConfig(batch_size=2), CONTEXT)
-    add(state, 0, 10, 1)
+    r0 = add(state, 0, 10, 1)
     assert isinstance(policy.schedule(state, 0.0), Idle)    # 1 < 2 waiting
-    add(state, 1, 30, 3)
+    r1 = add(state, 1, 30, 3)
     b = policy.schedule(state, 0.0)
     # both prompts padded to the longest: 10 + 20 pad, 30 + 0 pad
     assert b.items == (BatchItem(0, 10, 0, 20), BatchItem(1, 30, 0, 0))
     assert b.num_tokens == 60
     state.commit(b, 1.0)
     # request 0 wanted 1 output token: done, but its slot keeps burning a padded decode
-    assert state.requests[0].status == Status.FINISHED
+    assert state.requests[0] is r0 and r0.status == Status.FINISHED    # still held by its group
     b = policy.schedule(state, 1.0)
     assert b.items == (BatchItem(0, 0, 10, 1), BatchItem(1, 1, 30))
     assert b.decode_seqs == 2 and b.num_decode_tokens == 1
     state.commit(b, 2.0)
     state.commit(policy.schedule(state, 2.0), 3.0)           # request 1: 3rd token
     # nothing returns until the longest finishes: both complete at t = 3
-    assert state.requests[0].finished_s == state.requests[1].finished_s == 3.0
-    assert state.requests[0].first_token_s == 1.0
+    assert r0.finished_s == r1.finished_s == 3.0
+    assert r0.first_token_s == 1.0
+    assert not state.requests and len(state.records) == 2
     assert not state.running and state.kv.num_used_blocks == 0
 
 

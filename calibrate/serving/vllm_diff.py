@@ -189,8 +189,9 @@ class BatchsimSide:
         self.now_s += 1.0
         if items:
             self.state.commit(decision, self.now_s)   # type: ignore[arg-type]
+        live = self.state.requests                 # done requests have left it
         step.finished = sorted(it.req_id for it in items
-                               if self.state.requests[it.req_id].status == Status.FINISHED)
+                               if it.req_id not in live or live[it.req_id].status == Status.FINISHED)
         step.kv_used_blocks = self.state.kv.num_used_blocks
         return step
 
