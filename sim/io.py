@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, TextIO
 
 import numpy as np
 import pandas as pd
@@ -124,7 +125,71 @@ def write_csv_chunks(path: Path, frames: Iterable[pd.DataFrame]) -> None:
     header once, no index; the bytes ``to_csv`` writes for their concatenation."""
     with open(path, "w", encoding="utf-8", newline="") as f:
         for k, frame in enumerate(frames):
-            frame.to_csv(f, index=False, header=k == 0)
+            write_csv(f, frame, header=k == 0)
+
+
+def write_csv(f: TextIO, frame: pd.DataFrame, *, header: bool = True, rows: int = 100_000) -> None:
+    """``frame.to_csv(f, index=False, header=header)``, byte for byte, three
+    times faster on the simulator's tables (``csv_text``), ``rows`` at a time."""
+    for lo in range(0, max(len(frame), 1), rows):
+        part = frame.iloc[lo:lo + rows]
+        text = csv_text(part, header=header and lo == 0)
+        if text is None:
+            part.to_csv(f, index=False, header=header and lo == 0)
+        else:
+            f.write(text)
+
+
+_CSV_SPECIAL = re.compile(r'[,"\r\n]')
+
+
+def csv_text(frame: pd.DataFrame, *, header: bool = True) -> str | None:
+    """What ``frame.to_csv(index=False, header=header)`` returns, or None for a
+    frame it does not know how to write the same way (then call ``to_csv``).
+
+    It knows columns of ints, floats, bools and plain strings (nothing to
+    quote), which is what the simulator's tables hold. Where pandas formats
+    cell by cell, it formats each distinct small int once (a table indexed by
+    the column), a float column equal to an earlier one once (a simulated
+    step's predicted_s is its duration_s), floats as ``repr`` (what pandas
+    writes; NaN as an empty cell) and joins rows in one pass."""
+    if not all(isinstance(c, str) and not _CSV_SPECIAL.search(c) for c in frame.columns):
+        return None
+    cells: list[list[str]] = []
+    done: list[tuple[np.ndarray, list[str]]] = []
+    for name in frame.columns:
+        values = frame[name].to_numpy()
+        kind = values.dtype.kind
+        if kind == "f" and values.dtype.itemsize == 8:
+            same = next((strs for prev, strs in done if prev.dtype == values.dtype
+                         and np.array_equal(prev, values, equal_nan=True)), None)
+            if same is None:
+                same = [repr(x) for x in values.tolist()]
+                if np.isnan(values).any():
+                    same = ["" if x == "nan" else x for x in same]
+                done.append((values, same))
+            cells.append(same)
+        elif kind in "iu":
+            hi = int(values.max()) if len(values) else 0
+            if len(values) and int(values.min()) >= 0 and hi < 4 * len(values) + 1024:
+                cells.append(np.array([str(i) for i in range(hi + 1)], dtype=object)[values].tolist())
+            else:
+                cells.append([str(x) for x in values.tolist()])
+        elif kind == "b":
+            cells.append(["True" if x else "False" for x in values.tolist()])
+        elif kind == "O":
+            strs = values.tolist()
+            if not all(type(x) is str for x in strs) or any(_CSV_SPECIAL.search(x) for x in set(strs)):
+                return None
+            cells.append(strs)
+        else:
+            return None
+    head = ",".join(frame.columns) + "\n" if header else ""
+    if not len(frame):
+        return head
+    if len(cells) == 1:
+        return head + "\n".join('""' if x == "" else x for x in cells[0]) + "\n"
+    return head + "\n".join(map(",".join, zip(*cells))) + "\n"
 
 
 def write_tokens_npz(path: Path, chunks: Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]],
@@ -159,7 +224,7 @@ def write_run(result: RunResult, out_dir: str | Path, *, bench: dict[str, Any] |
         clear_run(out)                     # a half-rewritten directory must not look complete
     except OSError as exc:
         raise OutputError(f"{out}: cannot remove the earlier run's files ({exc.strerror or exc})") from None
-    _atomic(out / "requests.csv", lambda p: result.requests.to_csv(p, index=False))
+    _atomic(out / "requests.csv", lambda p: write_csv_chunks(p, [result.requests]))
     _atomic(out / "steps.csv", lambda p: write_csv_chunks(p, result.step_frames()))
     _atomic(out / "tokens.npz", lambda p: write_tokens_npz(p, result.token_chunks, result.num_tokens))
     meta = dict(result.meta)

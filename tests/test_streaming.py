@@ -342,3 +342,77 @@ def test_spill_folder_removed_at_exit(tmp_path, ending) -> None:
     folder = Path(done.stdout.strip())
     assert folder.name.startswith("batchsim-spill-") and not folder.exists()
     assert (done.returncode == 0) == (ending == "return")
+
+
+# ---- Requests in flight only; done requests as compact records -----------------------------------
+def test_done_requests_leave_the_state_as_records(tmp_path) -> None:
+    """A run holds Request objects only for the requests in flight: each one
+    that finishes or is rejected moves into the state's RequestRecords, and
+    the requests table is built from those records, which it empties."""
+    from sim.engine import Server, feed
+    import simpy
+    from policies.base import PolicyContext
+    from policies.vllm import VllmConfig, VllmPolicy
+    from sim.state import SchedulerState
+
+    env = simpy.Environment()
+    # 4 blocks x 16 tokens, max_model_len 64: request 2 (prompt 60 + max_tokens 10 = 70 > 64) is rejected.
+    state = SchedulerState(BlockManager(4, 16), 64)
+    server = Server(env, VllmPolicy(VllmConfig(max_num_seqs=2, max_num_batched_tokens=64),
+                                    PolicyContext(64)), state, SimExecutor(linear_profile()))
+    reqs = [Request(0, 0.0, 10, 3), Request(1, 0.0, 10, 3), Request(2, 0.5, 60, 10), Request(3, 0.5, 10, 2)]
+    in_flight = []
+    server.on_step = lambda start_s, batch, result: in_flight.append(len(state.requests))
+    env.process(feed(env, [server], reqs, [3, 3, 10, 2]))
+    env.run()
+    assert not state.requests and not state._true_output           # nothing held after the run
+    assert max(in_flight) <= 3                                      # never more than were in flight
+    assert len(state.records) == 4 and state.num_rejected == 1
+    from sim.runner import requests_frame
+    table = requests_frame([server], 4)
+    assert table["req_id"].tolist() == [0, 1, 2, 3]                 # id order, whatever the finish order
+    assert table["status"].tolist() == ["finished", "finished", "rejected", "finished"]
+    assert table["reject_reason"].tolist() == ["", "", "context", ""]
+    # true output min(10, max_tokens 10) = 10 for the rejected one; the others their own
+    assert table["output_tokens"].tolist() == [3, 3, 10, 2]
+    assert table["finished_s"][2] == 0.5 and np.isnan(table["ttft_s"][2])
+    assert len(state.records) == 0                                  # handed over to the table
+    with pytest.raises(RuntimeError, match="not each of 0..3 once"):
+        requests_frame([server], 4)                                 # taken once
+
+
+def test_requests_table_scatters_replicas_records_into_id_order(tmp_path) -> None:
+    cfg = small_workload(tmp_path)
+    one = run_workload(cfg).requests
+    three = run_workload(cfg, num_replicas=3, router="round_robin").requests
+    assert three["req_id"].tolist() == list(range(40))
+    assert three["replica"].tolist() == [i % 3 for i in range(40)]   # round robin: request i on replica i mod 3
+    assert three["arrival_s"].tolist() == one["arrival_s"].tolist()
+
+
+# ---- CSV text: to_csv's bytes, faster --------------------------------------------------------------
+def test_csv_text_is_to_csv_byte_for_byte() -> None:
+    import pandas as pd
+    from sim.io import csv_text, write_csv
+    rng = np.random.default_rng(0)
+    n = 3000
+    f = rng.standard_normal(n) * 10.0 ** rng.integers(-20, 20, n)
+    f[::7] = np.nan
+    f[3], f[4], f[5], f[6], f[8], f[9] = np.inf, -np.inf, -0.0, 1.0, 1e16, 1e-5
+    frame = pd.DataFrame({"a": f, "b": f.copy(), "big": rng.integers(-5, 10**12, n), "small": rng.integers(0, 30, n),
+                          "status": rng.choice(["finished", "rejected", ""], n), "flag": rng.random(n) < .5,
+                          "c": f * 3})
+    for part in (frame, frame[["status"]], frame[["a"]], frame.iloc[:0], frame[["small", "status"]]):
+        for header in (True, False):
+            want = part.to_csv(index=False, header=header)
+            assert csv_text(part, header=header) == want
+            buf = io.StringIO()
+            write_csv(buf, part, header=header, rows=777)               # in row chunks
+            assert buf.getvalue() == want
+    # what it cannot write as pandas does, it leaves to pandas
+    assert csv_text(pd.DataFrame({"x": ["a,b"]})) is None              # would need quoting
+    assert csv_text(pd.DataFrame({"x": [None, "a"]})) is None          # not a plain string
+    assert csv_text(pd.DataFrame({"x": np.float32([1.5])})) is None    # float32 prints differently
+    buf = io.StringIO()
+    write_csv(buf, pd.DataFrame({"x": ["a,b", 'say "hi"'], "y": [1.5, np.nan]}))
+    assert buf.getvalue() == 'x,y\n"a,b",1.5\n"say ""hi""",\n'
