@@ -124,15 +124,15 @@ def run_recorded(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_mod
         recorders.append(StepRecorder(server.state, engine))
         return recorders[-1]
 
-    servers, specs = drive(cfg, profile, num_blocks, max_model_len, env, make_executor(env),
-                           on_step=hook, live=live)
-    result = collect(cfg, servers, len(specs), num_blocks, profile)
+    servers, num_requests, num_dropped = drive(cfg, profile, num_blocks, max_model_len, env, make_executor(env),
+                                               on_step=hook, live=live)
+    result = collect(cfg, servers, num_requests, num_blocks, profile)
     (recorder,) = recorders
     result.steps["batch"] = recorder.batches
     result.steps["forward_s"] = recorder.forward_s
     result.steps["tok_end"] = recorder.tok_end
     result.meta.update(num_blocks=num_blocks, max_model_len=max_model_len, num_replicas=1,
-                       router="round_robin", num_trace_rows_dropped=specs.num_dropped)
+                       router="round_robin", num_trace_rows_dropped=num_dropped)
     return result
 
 

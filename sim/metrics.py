@@ -36,8 +36,12 @@ from sim.logs import SpillFolder
 
 PERCENTILES = (50, 90, 95, 99)
 METRICS = ("ttft", "tpot", "itl", "e2el", "queue")
-MAX_IN_MEMORY_VALUES = 16_000_000   # ITL of more tokens than this is spilled (128 MB of float64)
-MAX_IN_MEMORY_STEPS = 4_000_000     # more steps than this are summed chunk by chunk
+# Beyond these sizes the numbers are streamed. In memory, an ITL sample takes ~40 bytes a token
+# at its peak (ids, times, their order, the gaps, numpy's copies for median and percentiles)
+# and the step sums ~40 bytes a step: 4M tokens ~160 MB, 1M steps ~40 MB at most.
+MAX_IN_MEMORY_VALUES = 4_000_000    # ITL of more tokens than this is spilled
+MAX_IN_MEMORY_STEPS = 1_000_000     # more steps than this are summed chunk by chunk
+GAP_PIECE = 262_144                 # tokens whose gaps are computed at once (token_gaps)
 MAX_GATHER = 200_000                # radix selection sorts a bucket once it holds at most this many
 SERIES_COLUMNS = ("ttft_s", "tpot_s", "e2e_s", "queue_s")
 
@@ -210,9 +214,7 @@ def token_gaps(token_chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> Iterato
     Within a chunk the gaps come by request id, each request's in time order.
     """
     last_s = np.empty(0)                  # per request id: its latest token time, NaN before any
-    for ids, times in token_chunks:
-        if len(ids) == 0:
-            continue
+    for ids, times in _pieces(token_chunks):
         top = int(ids.max()) + 1
         if top > len(last_s):
             last_s = np.concatenate([last_s, np.full(top - len(last_s), np.nan)])
@@ -230,10 +232,19 @@ def token_gaps(token_chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> Iterato
         yield ids[keep], (times - prev)[keep]
 
 
+def _pieces(token_chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The chunks cut into non-empty pieces of at most ``GAP_PIECE`` tokens: the
+    gaps of a piece take ~80 bytes a token while computed."""
+    for ids, times in token_chunks:
+        for lo in range(0, len(ids), GAP_PIECE):
+            yield ids[lo:lo + GAP_PIECE], times[lo:lo + GAP_PIECE]
+
+
 def itl_values(token_chunks: Iterable[tuple[np.ndarray, np.ndarray]], num_tokens: int) -> Values:
     """Every ITL (s) of ``num_tokens`` tokens given in chunks. Up to
     ``MAX_IN_MEMORY_VALUES`` tokens: an array in ``inter_token_latencies``'
-    order; beyond, ``SpilledValues``, written as the chunks come."""
+    order (the same sums however the log was chunked); beyond,
+    ``SpilledValues``, written as the chunks come."""
     gaps = token_gaps(token_chunks)
     if num_tokens <= MAX_IN_MEMORY_VALUES:
         return _by_request(gaps)
@@ -310,52 +321,77 @@ def summarize(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.DataFrame,
     return summarize_logs(requests, itl, step_totals(columns, len(steps), num_replicas, kv_total_blocks), slo)
 
 
-def summarize_logs(requests: pd.DataFrame, itl_s: Values, steps: StepTotals,
+def request_columns(requests: Any, columns: Sequence[str], *, finished_only: bool = False) -> dict[str, np.ndarray]:
+    """``columns`` of the requests (a requests DataFrame or a compact
+    ``sim.table.RequestTable``) as arrays, of all of them or of the finished
+    ones only. From a DataFrame: its own columns (no copy) where every request
+    is taken, the usual case, else copies of these columns only
+    (``requests[finished]`` would copy every column: a second requests table
+    in memory)."""
+    if not isinstance(requests, pd.DataFrame):
+        return requests.columns_of(columns, finished_only=finished_only)
+    if finished_only:
+        finished = (requests["status"] == "finished").to_numpy()
+        if not finished.all():
+            return {c: requests[c].to_numpy()[finished] for c in columns}
+    return {c: requests[c].to_numpy() for c in columns}
+
+
+def finished_columns(requests: Any, columns: Sequence[str]) -> dict[str, np.ndarray]:
+    """``request_columns`` of the finished requests."""
+    return request_columns(requests, columns, finished_only=True)
+
+
+def summarize_logs(requests: Any, itl_s: Values, steps: StepTotals,
                    slo: dict[str, float | None] | None = None) -> dict[str, Any]:
-    """The summary from the requests table, the run's ITL values (``itl_values``)
-    and its ``step_totals``."""
-    finished = requests["status"] == "finished"
-    # Only the columns used: a copy of every column costs a requests table's memory again.
-    done = requests.loc[finished, ["prompt_tokens", "output_tokens", "finished_s", *SERIES_COLUMNS]]
-    failed = int((~finished).sum())
-    start_s = float(requests["arrival_s"].min()) if len(requests) else 0.0
-    end_s = float(done["finished_s"].max()) if len(done) else start_s
+    """The summary from the requests table (a DataFrame or a ``sim.table.RequestTable``),
+    the run's ITL values (``itl_values``) and its ``step_totals``."""
+    # Column by column, each dropped after use: at a million requests a column is 8 MB.
+    def done(name: str) -> np.ndarray:
+        return finished_columns(requests, (name,))[name]
+
+    finished_s = done("finished_s")
+    num_done = len(finished_s)
+    failed = len(requests) - num_done
+    start_s = float(np.nanmin(request_columns(requests, ("arrival_s",))["arrival_s"])) if len(requests) else 0.0
+    end_s = float(np.nanmax(finished_s)) if num_done else start_s
+    del finished_s
     duration_s = max(end_s - start_s, 1e-12)
-    total_in = int(done["prompt_tokens"].sum())
-    total_out = int(done["output_tokens"].sum())
+    total_in = int(np.nansum(done("prompt_tokens")))
+    total_out = int(np.nansum(done("output_tokens")))
     s: dict[str, Any] = {
-        "completed": int(len(done)),
+        "completed": num_done,
         "failed": failed,
         "duration_s": duration_s,
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
-        "request_throughput": len(done) / duration_s,
+        "request_throughput": num_done / duration_s,
         "output_throughput": total_out / duration_s,
         "total_token_throughput": (total_in + total_out) / duration_s,
     }
-    multi = done["output_tokens"] > 1
-    series = {
-        "ttft": done["ttft_s"].to_numpy(),
-        "tpot": done.loc[multi, "tpot_s"].to_numpy(),
-        "itl": itl_s,
-        "e2el": done["e2e_s"].to_numpy(),
-        "queue": done["queue_s"].to_numpy(),
-    }
     for name in METRICS:
-        s.update(distribution(name, series[name]))
+        if name == "itl":
+            values = itl_s
+        elif name == "tpot":
+            both = finished_columns(requests, ("tpot_s", "output_tokens"))
+            values = both["tpot_s"][both["output_tokens"] > 1]
+            del both
+        else:
+            values = done({"ttft": "ttft_s", "e2el": "e2e_s", "queue": "queue_s"}[name])
+        s.update(distribution(name, values))
+        del values
     s["request_goodput"] = None
     if slo and any(v is not None for v in slo.values()):
         # vLLM's --goodput: a completed request is good when every constrained metric is <= its
         # threshold, compared in seconds against slo_ms / 1000 as vLLM does (value_s * 1e3 <= slo_ms
         # rounds differently at the threshold); a one-token request's TPOT counts as 0.
-        ok = np.ones(len(done), bool)
+        ok = np.ones(num_done, bool)
         for key, col in (("ttft_ms", "ttft_s"), ("tpot_ms", "tpot_s"), ("e2el_ms", "e2e_s")):
             if slo.get(key) is not None:
-                vals_s = done[col].to_numpy()
-                ok &= np.nan_to_num(vals_s, nan=0.0) <= slo[key] / 1e3
+                ok &= np.nan_to_num(done(col), nan=0.0) <= slo[key] / 1e3
         s["request_goodput"] = int(ok.sum()) / duration_s
         s["slo_attainment"] = float(ok.mean()) if len(ok) else None
-    s["num_preemptions"] = int(requests["num_preemptions"].sum())
+    s["num_preemptions"] = int(np.nansum(request_columns(requests, ("num_preemptions",))["num_preemptions"]))
     s["num_steps"] = steps.num_steps
     if steps.num_steps:
         # Steps of several replicas overlap in time: busy is per replica, averaged over the fleet.

@@ -25,9 +25,10 @@ from sim.config import ConfigError, WorkloadConfig
 from sim.engine import ROUTERS, Executor, Server, SimExecutor, feed, feed_capped
 from sim.kv import BlockManager
 from sim.logs import StepLog, TokenLog
-from sim.metrics import add_request_metrics, itl_values, step_totals, summarize_logs
+from sim.metrics import Values, add_request_metrics, itl_values, step_totals, summarize_logs
 from sim.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
-from sim.request import REJECT_REASONS, Request, RequestRecords, Status
+from sim.request import REJECT_REASONS, Request
+from sim.table import RequestTable
 from sim.state import SchedulerState
 from sim.vllm_result import policy_knobs
 from workloads.generate import RequestSpecs, generate
@@ -69,16 +70,46 @@ class RunResult:
     which stream the logs of a run too large to hold as tables.
     """
 
-    def __init__(self, requests: pd.DataFrame, steps: pd.DataFrame | None, tokens: pd.DataFrame | None,
-                 summary: dict[str, Any], meta: dict[str, Any] | None = None, logs: RunLogs | None = None) -> None:
+    def __init__(self, requests: pd.DataFrame | RequestTable, steps: pd.DataFrame | None,
+                 tokens: pd.DataFrame | None, summary: dict[str, Any], meta: dict[str, Any] | None = None,
+                 logs: RunLogs | None = None) -> None:
         if logs is None and (steps is None or tokens is None):
             raise ValueError("RunResult needs the steps and tokens tables or the logs they come from")
-        self.requests = requests
+        # A simulated run's requests come as a compact RequestTable (sim.table): the
+        # DataFrame is built on first use of ``requests``; writers and summaries read
+        # ``request_source`` and ``request_frames()``, which never build it whole.
+        self.table = requests if isinstance(requests, RequestTable) else None
+        self._requests = None if self.table is not None else requests
         self.summary = summary
         self.meta = {} if meta is None else meta
         self.logs = logs
         self._steps = steps
         self._tokens = tokens
+        self._itl: Values | None = None
+
+    @property
+    def requests(self) -> pd.DataFrame:
+        """One row per request (``sim.table.COLUMNS`` and the latencies)."""
+        if self._requests is None:
+            assert self.table is not None, "checked in __init__"
+            self._requests = self.table.frame()
+        return self._requests
+
+    @requests.setter
+    def requests(self, frame: pd.DataFrame) -> None:
+        self._requests, self.table = frame, None
+
+    @property
+    def request_source(self) -> pd.DataFrame | RequestTable:
+        """The requests as the summaries read them: the table if built, else the compact one."""
+        return self._requests if self._requests is not None or self.table is None else self.table
+
+    def request_frames(self) -> Iterator[pd.DataFrame]:
+        """The requests table in row chunks (all of it at once if built)."""
+        if self._requests is None and self.table is not None:
+            yield from self.table.frames()
+        else:
+            yield self.requests
 
     @property
     def steps(self) -> pd.DataFrame:
@@ -110,6 +141,14 @@ class RunResult:
             yield self.tokens["req_id"].to_numpy(dtype=np.int64), self.tokens["t_s"].to_numpy(dtype=np.float64)
         else:
             yield from self.logs.token_chunks()
+
+    def itl(self) -> Values:
+        """Every inter-token gap of the run (s; ``sim.metrics.itl_values``: spilled
+        to disk when too many for memory), computed once: the summary and
+        vllm_bench.json read the same values."""
+        if self._itl is None:
+            self._itl = itl_values(self.token_chunks(), self.num_tokens)
+        return self._itl
 
     @property
     def num_tokens(self) -> int:
@@ -246,7 +285,7 @@ def make_requests(cfg: WorkloadConfig, specs: RequestSpecs, max_model_len: int) 
 def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len: int,
           env: simpy.Environment, executor: Executor, *, num_replicas: int = 1,
           router: str = "round_robin", on_step: OnStep | None = None,
-          progress: bool = False, live: bool = False) -> tuple[list[Server], RequestSpecs]:
+          progress: bool = False, live: bool = False) -> tuple[list[Server], int, int]:
     """Run ``cfg``'s requests through ``num_replicas`` servers on ``env``.
 
     The one place that builds requests, policies, block pools and servers, for
@@ -255,7 +294,9 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     Live, the servers step one iteration at a time on the wall clock and a
     measured server's per-request overhead is not added (it happens).
     ``on_step(server)`` builds each server's step hook. Returns the servers
-    (each request is in one server's ``state.records``) and the request specs.
+    (each request is in one server's ``state.records``), the number of
+    requests and of trace rows dropped; nothing else of the request arrays
+    outlives the run.
     Raises RuntimeError if a request is left unfinished (a policy that stalls).
     """
     specs = generate(cfg)
@@ -291,7 +332,7 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     num_done = sum(len(s.state.records) for s in servers)
     if num_done != len(specs):
         raise RuntimeError(f"run ended with {num_done} of {len(specs)} requests done (policy {cfg.policy.kind})")
-    return servers, specs
+    return servers, len(specs), specs.num_dropped
 
 
 def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "round_robin",
@@ -315,16 +356,17 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
     cfg = resolve_server(cfg, profile)
     num_blocks, max_model_len = kv_blocks(cfg, profile)
     loop0 = time.perf_counter()
-    servers, specs = drive(cfg, profile, num_blocks, max_model_len, simpy.Environment(),
-                           SimExecutor(profile), num_replicas=num_replicas, router=router, progress=progress)
+    servers, num_requests, num_dropped = drive(cfg, profile, num_blocks, max_model_len, simpy.Environment(),
+                                               SimExecutor(profile), num_replicas=num_replicas, router=router,
+                                               progress=progress)
     loop_s = time.perf_counter() - loop0
-    result = collect(cfg, servers, len(specs), num_blocks, profile)
+    result = collect(cfg, servers, num_requests, num_blocks, profile)
     rejected = Counter({why: n for why, n in result.summary["failed_by_reason"].items()})
     if rejected:
         limit = servers[0].policy.max_prompt_tokens
         reasons = "; ".join(f"{n} with " + REJECT_REASONS[why].format(max_model_len=max_model_len, limit=limit)
                             for why, n in sorted(rejected.items()))
-        msg = (f"{cfg.source}: {sum(rejected.values())} of {len(specs)} requests were rejected "
+        msg = (f"{cfg.source}: {sum(rejected.values())} of {num_requests} requests were rejected "
                f"({reasons}); counted as failed")
         if strict:
             raise ConfigError(msg + " (--strict)")
@@ -335,7 +377,7 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
                                        "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     result.meta.update(wall_s=time.perf_counter() - wall0, loop_s=loop_s, num_blocks=num_blocks,
                        max_model_len=max_model_len, num_replicas=num_replicas, router=router,
-                       num_trace_rows_dropped=specs.num_dropped)
+                       num_trace_rows_dropped=num_dropped)
     return result
 
 
@@ -438,81 +480,54 @@ def profile_trust(profile: Profile) -> dict[str, Any]:
 
 
 def requests_frame(servers: list[Server], num_requests: int) -> pd.DataFrame:
-    """One row per request, in req_id order (``drive`` numbers them 0 ..
-    ``num_requests`` - 1), from the servers' ``RequestRecords``, which it
-    takes over (they are empty afterwards). Each column is placed in id order
-    and its records dropped before the next, so the table never sits beside a
-    second copy of itself: a million requests take ~130 MB, not twice that."""
-    n = num_requests
-    records = [s.state.records for s in servers]
-    parts = [np.frombuffer(r.pop("req_id"), dtype=np.int64) for r in records]
-    ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-    if len(ids) != n or (n and (ids.min() < 0 or ids.max() >= n or np.bincount(ids, minlength=n).max() != 1)):
-        raise RuntimeError(f"the servers' records hold {len(ids)} requests, not each of 0..{n - 1} once")
-    starts = np.cumsum([0] + [len(p) for p in parts])
-    del parts
-
-    def column(name: str, dtype: Any) -> np.ndarray:
-        out = np.empty(n, dtype=dtype)
-        for k, r in enumerate(records):
-            out[ids[starts[k]:starts[k + 1]]] = np.frombuffer(r.pop(name), dtype=RECORD_DTYPES[name])
-        return out
-
-    replica = np.empty(n, dtype=np.int64)
-    for k, s in enumerate(servers):
-        replica[ids[starts[k]:starts[k + 1]]] = s.replica
-    frame: dict[str, Any] = {"req_id": np.arange(n, dtype=np.int64), "replica": replica,
-                             "arrival_s": column("arrival_s", np.float64),
-                             "prompt_tokens": column("prompt_tokens", np.int64),
-                             "output_tokens": column("output_tokens", np.int64),
-                             "max_tokens": column("max_tokens", np.int64)}
-    frame["status"] = STATUS_TEXT[column("status", np.int8)]
-    frame["reject_reason"] = REASON_TEXT[column("reason", np.int8)]
-    for name in ("first_scheduled_s", "first_token_s", "finished_s"):
-        frame[name] = column(name, np.float64)
-    frame["num_preemptions"] = column("num_preemptions", np.int64)
-    return add_request_metrics(pd.DataFrame(frame, copy=False))
+    """One row per request, in req_id order, from the servers' ``RequestRecords``
+    (which it takes over): ``request_table(...).frame()``."""
+    return request_table(servers, num_requests).frame()
 
 
-RECORD_DTYPES = {name: np.dtype({"q": np.int64, "d": np.float64, "i": np.int32, "b": np.int8}[code])
-                 for name, code in RequestRecords.COLUMNS}
-STATUS_TEXT = np.array([{Status.FINISHED: "finished", Status.REJECTED: "rejected"}.get(k, "")
-                        for k in range(max(Status) + 1)], dtype=object)          # by Status code
-REASON_TEXT = np.array(["", *REJECT_REASONS], dtype=object)                       # by REASON_CODES
+def request_table(servers: list[Server], num_requests: int) -> RequestTable:
+    """The compact requests table of a run (``sim.table``), from the servers' records
+    (``drive`` numbers the requests 0 .. ``num_requests`` - 1)."""
+    return RequestTable.from_records([s.state.records for s in servers], [s.replica for s in servers],
+                                     num_requests)
 
 
-def log_summary(requests: pd.DataFrame, steps: list[StepLog], tokens: list[TokenLog],
-                slo: dict[str, Any] | None, kv_total_blocks: int) -> dict[str, Any]:
-    """``sim.metrics.summarize_logs`` of these requests and these replicas' logs, read chunk by chunk."""
+def log_summary(requests: pd.DataFrame | RequestTable, steps: list[StepLog], tokens: list[TokenLog],
+                slo: dict[str, Any] | None, kv_total_blocks: int, itl: Values | None = None) -> dict[str, Any]:
+    """``sim.metrics.summarize_logs`` of these requests and these replicas' logs, read chunk by chunk
+    (``itl``: these logs' ITL values, if already computed)."""
     columns = ((dur, ints[:, 0], ints[:, 7]) for log in steps for _, dur, _, ints in log.chunks())
     totals = step_totals(columns, sum(len(log) for log in steps), sum(1 for log in steps if len(log)),
                          kv_total_blocks)
-    itl = itl_values((chunk for log in tokens for chunk in log.chunks()), sum(len(log) for log in tokens))
+    if itl is None:
+        itl = itl_values((chunk for log in tokens for chunk in log.chunks()), sum(len(log) for log in tokens))
     return summarize_logs(requests, itl, totals, slo)
 
 
 def collect(cfg: WorkloadConfig, servers: list[Server], num_requests: int, num_blocks: int,
             profile: Profile) -> RunResult:
-    req_df = requests_frame(servers, num_requests)
+    table = request_table(servers, num_requests)
     logs = RunLogs([s.replica for s in servers], [s.log for s in servers], [s.state.tokens for s in servers],
                    num_blocks)
     slo = cfg.slo.goodput_thresholds() if cfg.slo else None
-    summary = log_summary(req_df, logs.steps, logs.tokens, slo, num_blocks)   # each step row is one replica's
+    result = RunResult(table, None, None, {}, {}, logs)
+    summary = log_summary(table, logs.steps, logs.tokens, slo, num_blocks, result.itl())   # each step row is one replica's
     summary["num_out_of_range_lookups"] = profile.num_out_of_range
     summary["profile_source"] = profile.provenance.get("source", "unknown")
     summary["profile_trust"] = profile_trust(profile)
     summary["policy"] = cfg.policy.kind
-    summary["failed_by_reason"] = {k: int(v) for k, v in
-                                   req_df.loc[req_df["status"] == "rejected", "reject_reason"].value_counts().items()}
+    summary["failed_by_reason"] = table.failed_by_reason()
     if len(servers) > 1:
-        rows = req_df.groupby("replica").indices            # grouped once: O(requests), not O(replicas x requests)
-        none = np.empty(0, dtype=np.int64)
-        summary["replicas"] = [log_summary(req_df.iloc[rows.get(s.replica, none)], [s.log], [s.state.tokens], slo,
-                                           num_blocks) for s in servers]
+        # grouped once: O(requests), not O(replicas x requests)
+        order = np.argsort(table.cols["replica"], kind="stable")
+        bounds = np.searchsorted(table.cols["replica"][order], [s.replica for s in servers] + [len(servers)])
+        summary["replicas"] = [log_summary(table.take(order[bounds[k]:bounds[k + 1]]), [s.log], [s.state.tokens],
+                                           slo, num_blocks) for k, s in enumerate(servers)]
     meta = {"config": cfg.to_dict(), "seed": cfg.seed, "profile_name": profile.name,
             "profile_provenance": profile.provenance, "profile_efficiency": profile.efficiency,
             "kv_block_size": cfg.server.block_size, "policy_knobs": policy_knobs(cfg.policy, servers[0].policy)}
-    return RunResult(req_df, None, None, summary, meta, logs)
+    result.summary, result.meta = summary, meta
+    return result
 
 
 def step_frame(replica: int, t_s: np.ndarray, duration_s: np.ndarray, predicted_s: np.ndarray, ints: np.ndarray,

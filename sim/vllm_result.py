@@ -18,13 +18,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
 
 from sim.config import ConfigError
-from sim.metrics import Values, itl_values, stats_ms
+from sim.metrics import Values, finished_columns, request_columns, stats_ms
 
 if TYPE_CHECKING:
     from policies import Policy
@@ -101,14 +101,14 @@ class Load:
         return sustained is not None and sustained < OVERLOAD_RATIO * self.offered_rps
 
 
-def offered_load(requests: pd.DataFrame, arrivals: dict[str, Any] | None = None) -> Load:
+def offered_load(requests: pd.DataFrame | Any, arrivals: dict[str, Any] | None = None) -> Load:
     """The run's ``Load`` from its requests table (arrival_s; ttft_s of finished
     requests) and the workload's ``arrivals`` section (as meta.json's config has it)."""
     a = arrivals or {}
     cap = a.get("max_concurrency")
     if a.get("kind") == "concurrency":
         return Load(None, None, cap, closed_loop=True)
-    arrival = requests["arrival_s"].to_numpy(dtype=np.float64)
+    arrival = request_columns(requests, ("arrival_s",))["arrival_s"].astype(np.float64, copy=False)
     span_s = float(arrival.max() - arrival.min()) if len(arrival) else 0.0
     measured_rps = (len(arrival) - 1) / span_s if span_s > 0 else None
     if cap is not None:                 # the sends follow the replies: the asked rate is the workload's
@@ -116,23 +116,37 @@ def offered_load(requests: pd.DataFrame, arrivals: dict[str, Any] | None = None)
         return Load(float(rate) if rate is not None else measured_rps, None, cap)
     if measured_rps is None:
         return Load(None, None)
-    done = requests[requests["status"] == "finished"]
-    x, y = done["arrival_s"].to_numpy(dtype=np.float64), done["ttft_s"].to_numpy(dtype=np.float64)
-    growth = float(np.polyfit(x, y, 1)[0]) if len(done) >= 3 and np.ptp(x) > 0 else None
+    done = finished_columns(requests, ("arrival_s", "ttft_s"))
+    x, y = done["arrival_s"].astype(np.float64, copy=False), done["ttft_s"].astype(np.float64, copy=False)
+    growth = _slope(x, y) if len(x) >= 3 and np.ptp(x) > 0 else None
     return Load(measured_rps, growth)
 
 
 # ---- the result file -------------------------------------------------------------------------------
-def latency_series_s(requests: pd.DataFrame, token_chunks: Iterable[tuple[np.ndarray, np.ndarray]],
-                     num_tokens: int) -> dict[str, Values]:
-    """The seconds behind each metric, selected as ``sim.metrics.summarize`` selects them:
-    finished requests; TPOT of those with more than one output token; ITL over all token gaps
-    (of ``num_tokens`` tokens in (req_id, t_s) chunks; spilled to disk when too many for memory)."""
-    done = requests[requests["status"] == "finished"]
-    return {"ttft": done["ttft_s"].to_numpy(dtype=np.float64),
-            "tpot": done.loc[done["output_tokens"] > 1, "tpot_s"].to_numpy(dtype=np.float64),
-            "itl": itl_values(token_chunks, num_tokens),
-            "e2el": done["e2e_s"].to_numpy(dtype=np.float64)}
+def _slope(x: np.ndarray, y: np.ndarray) -> float:
+    """The least-squares slope of y on x (``np.polyfit(x, y, 1)[0]`` up to float
+    rounding), centred, with two temporaries of the input's size."""
+    dx = x - x.mean()
+    return float(np.dot(dx, y - y.mean()) / np.dot(dx, dx))
+
+
+LATENCY_SERIES = ("ttft", "tpot", "itl", "e2el")           # vllm_bench.json's order
+
+
+def latency_series_s(requests: pd.DataFrame | Any, itl_s: Values) -> Iterator[tuple[str, Values]]:
+    """(name, seconds) behind each metric in ``LATENCY_SERIES``, one at a time, selected as
+    ``sim.metrics.summarize`` selects them: finished requests; TPOT of those with more than
+    one output token; ITL over all token gaps (``itl_s``: ``sim.metrics.itl_values`` of the
+    run, ``RunResult.itl()``)."""
+    for name in LATENCY_SERIES:
+        if name == "itl":
+            yield name, itl_s
+        elif name == "tpot":
+            done = finished_columns(requests, ("tpot_s", "output_tokens"))
+            yield name, done["tpot_s"][done["output_tokens"] > 1].astype(np.float64, copy=False)
+        else:
+            col = {"ttft": "ttft_s", "e2el": "e2e_s"}[name]
+            yield name, finished_columns(requests, (col,))[col].astype(np.float64, copy=False)
 
 
 def distribution_ms(name: str, values_s: Values, percentiles: Sequence[float]) -> dict[str, float]:
@@ -150,18 +164,18 @@ def peak_second(requests: pd.DataFrame, token_chunks: Iterable[tuple[np.ndarray,
     requests in flight in it (from the bucket of the arrival to that of the finish, both
     counted); each is its own maximum, not necessarily in the same bucket. ``token_chunks``:
     (req_id, t_s) of the tokens, chunk by chunk."""
-    done = requests[requests["status"] == "finished"]
-    if done.empty:
+    done = finished_columns(requests, ("req_id", "arrival_s", "finished_s"))
+    if not len(done["req_id"]):
         return 0.0, 0
-    t0_s = float(done["arrival_s"].min())
-    num_buckets = int(math.ceil(float(done["finished_s"].max()) - t0_s)) + 1
-    done_ids = done["req_id"].to_numpy()
+    t0_s = float(np.nanmin(done["arrival_s"]))
+    num_buckets = int(math.ceil(float(np.nanmax(done["finished_s"])) - t0_s)) + 1
+    every = len(done["req_id"]) == len(requests)          # all finished: no token to leave out
     per_s = np.zeros(num_buckets, dtype=np.int64)
     for ids, times in token_chunks:
-        bucket = np.floor(times[np.isin(ids, done_ids)] - t0_s).astype(np.int64)
+        bucket = np.floor((times if every else times[np.isin(ids, done["req_id"])]) - t0_s).astype(np.int64)
         per_s += np.bincount(bucket[(bucket >= 0) & (bucket < num_buckets)], minlength=num_buckets)
-    first = np.floor(done["arrival_s"].to_numpy() - t0_s).astype(np.int64)
-    last = np.floor(done["finished_s"].to_numpy() - t0_s).astype(np.int64)
+    first = np.floor(done["arrival_s"] - t0_s).astype(np.int64)
+    last = np.floor(done["finished_s"] - t0_s).astype(np.int64)
     delta = np.zeros(num_buckets + 1, dtype=np.int64)
     np.add.at(delta, first, 1)
     np.add.at(delta, last + 1, -1)
@@ -226,12 +240,13 @@ def bench_result(run: RunResult, percentiles: Sequence[float], *, detailed: bool
     s, meta = run.summary, run.meta
     cfg = meta.get("config") or {}
     model = (meta.get("profile_provenance") or {}).get("model") or meta.get("profile_name")
-    max_tok_s, max_conc = peak_second(run.requests, run.token_chunks())
+    requests = run.request_source          # compact: a million requests never build the DataFrame here
+    max_tok_s, max_conc = peak_second(requests, run.token_chunks())
     out: dict[str, Any] = {
         "date": date or datetime.now().strftime("%Y%m%d-%H%M%S"),
         "endpoint_type": "batchsim", "backend": "batchsim", "label": cfg.get("name"),
-        "model_id": model, "tokenizer_id": model, "num_prompts": int(len(run.requests)),
-        **traffic(cfg.get("arrivals") or {}, offered_load(run.requests, cfg.get("arrivals"))),
+        "model_id": model, "tokenizer_id": model, "num_prompts": int(len(requests)),
+        **traffic(cfg.get("arrivals") or {}, offered_load(requests, cfg.get("arrivals"))),
         "duration": s["duration_s"], "completed": s["completed"], "failed": s["failed"],
         "total_input_tokens": s["total_input_tokens"], "total_output_tokens": s["total_output_tokens"],
         "request_throughput": s["request_throughput"], "request_goodput": s.get("request_goodput"),
@@ -240,7 +255,7 @@ def bench_result(run: RunResult, percentiles: Sequence[float], *, detailed: bool
     }
     if detailed:
         out.update(detailed_arrays(run.requests, run.tokens))
-    for name, values in latency_series_s(run.requests, run.token_chunks(), run.num_tokens).items():
+    for name, values in latency_series_s(requests, run.itl()):
         out.update(distribution_ms(name, values, percentiles))
     out.update(policy=(cfg.get("policy") or {}).get("kind"), policy_knobs=meta.get("policy_knobs"),
                num_replicas=meta.get("num_replicas", 1), router=meta.get("router"), simulated=True)

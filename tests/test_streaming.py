@@ -162,9 +162,12 @@ def test_spilled_summary_equals_in_memory(tmp_path, spill_dir, monkeypatch) -> N
 
 
 # ---- ITL and exact percentiles -------------------------------------------------------------------
-def test_itl_carries_last_token_across_chunks(spill_dir, monkeypatch) -> None:
+@pytest.mark.parametrize("piece", [1, 2, 262_144])
+def test_itl_carries_last_token_across_chunks(spill_dir, monkeypatch, piece) -> None:
     # request 0: 0.0 -> 0.1 -> 0.4 (gaps 0.1, 0.3); request 1: 0.5 -> 0.7 (gap 0.2); the chunk
-    # boundary falls between request 0's 0.1 and 0.4, so 0.3 needs 0.1 carried over.
+    # boundary falls between request 0's 0.1 and 0.4, so 0.3 needs 0.1 carried over. Chunks cut
+    # into pieces of 1 or 2 tokens (the gaps of a large chunk are computed piece by piece) too.
+    monkeypatch.setattr(sim.metrics, "GAP_PIECE", piece)
     chunks = [(np.array([0, 0]), np.array([0.0, 0.1])), (np.array([1, 0, 1]), np.array([0.5, 0.4, 0.7]))]
     gaps = itl_values(chunks, 5)
     assert np.round(gaps, 9).tolist() == [0.1, 0.3, 0.2]        # by request, then time
@@ -416,3 +419,40 @@ def test_csv_text_is_to_csv_byte_for_byte() -> None:
     buf = io.StringIO()
     write_csv(buf, pd.DataFrame({"x": ["a,b", 'say "hi"'], "y": [1.5, np.nan]}))
     assert buf.getvalue() == 'x,y\n"a,b",1.5\n"say ""hi""",\n'
+
+
+# ---- The compact requests table -----------------------------------------------------------------
+def test_request_table_chunks_and_columns_equal_the_whole_table(tmp_path) -> None:
+    """A run's RequestTable gives, chunk by chunk and column by column, exactly
+    what its whole DataFrame holds; the summaries and files of a run never
+    build that DataFrame."""
+    from sim.io import write_run
+    from sim.table import RequestTable
+    from sim.vllm_result import bench_result
+    cfg = small_workload(tmp_path, server={"num_blocks": 128, "max_model_len": 64})   # some rejected
+    with pytest.warns(UserWarning, match="9 of 40 requests were rejected"):
+        result = run_workload(cfg, num_replicas=2)
+    table = result.table
+    assert isinstance(table, RequestTable)
+    write_run(result, tmp_path / "out", bench=bench_result(result, [50, 99]))
+    assert result._requests is None                           # written and summarised from the table
+    whole = result.requests                                   # built on first use
+    assert whole["status"].tolist().count("rejected") == result.summary["failed"] > 0
+    assert (tmp_path / "out" / "requests.csv").read_text() == whole.to_csv(index=False)
+    import pandas as pd
+    pd.testing.assert_frame_equal(pd.concat(list(table.frames(rows=7)), ignore_index=True), whole)
+    names = ["req_id", "status", "prompt_tokens", "ttft_s", "tpot_s", "arrival_s"]
+    for finished_only in (False, True):
+        rows = whole[whole["status"] == "finished"] if finished_only else whole
+        got = table.columns_of(names, finished_only=finished_only)
+        for name in names:
+            want = rows[name].to_numpy()
+            assert got[name].dtype == want.dtype, name
+            assert np.array_equal(got[name], want, equal_nan=want.dtype.kind == "f"), name
+    one = whole[whole["replica"] == 1]
+    sub = table.take(np.flatnonzero(table.cols["replica"] == 1))
+    pd.testing.assert_frame_equal(sub.frame().reset_index(drop=True), one.reset_index(drop=True))
+    assert np.array_equal(sub.columns_of(["req_id"], finished_only=True)["req_id"],
+                          one.loc[one["status"] == "finished", "req_id"].to_numpy())
+    reasons = whole.loc[whole["status"] == "rejected", "reject_reason"].value_counts()
+    assert table.failed_by_reason() == {k: int(v) for k, v in reasons.items()} == result.summary["failed_by_reason"]

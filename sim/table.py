@@ -1,0 +1,166 @@
+"""A run's requests table, kept compact until someone asks for the DataFrame.
+
+The servers hand over their ``RequestRecords`` (sim.request) after a run;
+``RequestTable.from_records`` places them in request-id order as compact
+columns (int32 counts, int8 status and reason codes: 58 bytes a request).
+The summary, vllm_bench.json and requests.csv read it column by column or in
+row chunks (``columns_of``, ``frames``), so a million-request run never holds
+the full table of ~140 bytes a request (int64 and float64 columns, status
+strings, the four latencies). ``frame()`` builds that table, the one
+``RunResult.requests`` returns, for whoever wants it whole.
+
+Each chunk is the full table's rows, built by the same code
+(``sim.metrics.add_request_metrics`` for the latencies), so chunks and the
+whole table agree value for value.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+import pandas as pd
+
+from sim.metrics import add_request_metrics
+from sim.request import REJECT_REASONS, RequestRecords, Status
+
+# The requests table's columns before the latencies, in requests.csv's order.
+COLUMNS = ("req_id", "replica", "arrival_s", "prompt_tokens", "output_tokens", "max_tokens", "status",
+           "reject_reason", "first_scheduled_s", "first_token_s", "finished_s", "num_preemptions")
+LATENCIES = ("queue_s", "ttft_s", "e2e_s", "tpot_s")          # add_request_metrics' columns
+STATUS_TEXT = np.array([{Status.FINISHED: "finished", Status.REJECTED: "rejected"}.get(k, "")
+                        for k in range(max(Status) + 1)], dtype=object)          # by Status code
+REASON_TEXT = np.array(["", *REJECT_REASONS], dtype=object)                       # by REASON_CODES
+_RECORD_DTYPES = {name: np.dtype({"q": np.int64, "d": np.float64, "i": np.int32, "b": np.int8}[code])
+                  for name, code in RequestRecords.COLUMNS}
+
+
+class RequestTable:
+    """Per-request results in id order (ids 0 .. n-1), compact: ``cols`` maps
+    the record column names (``RequestRecords.COLUMNS`` but req_id, plus
+    ``replica``) to arrays of their record dtypes."""
+
+    ROWS = 65_536            # rows per chunk of ``frames`` and ``columns_of``
+
+    def __init__(self, cols: dict[str, np.ndarray]) -> None:
+        self.cols = cols
+
+    @classmethod
+    def from_records(cls, records: Sequence[RequestRecords], replicas: Sequence[int],
+                     num_requests: int) -> RequestTable:
+        """The table of requests 0 .. ``num_requests`` - 1 from each replica's
+        records, which it takes over (they are empty afterwards). Each column is
+        placed in id order and its record dropped before the next, so the table
+        never sits beside a second copy of itself. Raises RuntimeError unless
+        every id is recorded exactly once."""
+        n = num_requests
+        parts = [np.frombuffer(r.pop("req_id"), dtype=np.int64) for r in records]
+        ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        if len(ids) != n or (n and (ids.min() < 0 or ids.max() >= n or np.bincount(ids, minlength=n).max() != 1)):
+            raise RuntimeError(f"the servers' records hold {len(ids)} requests, not each of 0..{n - 1} once")
+        bounds = np.cumsum([0] + [len(p) for p in parts])
+        del parts
+        cols: dict[str, np.ndarray] = {"replica": np.empty(n, dtype=np.int32)}
+        for k, replica in enumerate(replicas):
+            cols["replica"][ids[bounds[k]:bounds[k + 1]]] = replica
+        for name, _ in RequestRecords.COLUMNS[1:]:
+            out = np.empty(n, dtype=_RECORD_DTYPES[name])
+            for k, r in enumerate(records):
+                out[ids[bounds[k]:bounds[k + 1]]] = np.frombuffer(r.pop(name), dtype=_RECORD_DTYPES[name])
+            cols[name] = out
+        return cls(cols)
+
+    def __len__(self) -> int:
+        return len(self.cols["arrival_s"])
+
+    @property
+    def finished(self) -> np.ndarray:
+        return self.cols["status"] == Status.FINISHED
+
+    def failed_by_reason(self) -> dict[str, int]:
+        """Rejected requests per reason, most first (as ``value_counts`` orders them)."""
+        counts = np.bincount(self.cols["reason"][self.cols["status"] == Status.REJECTED],
+                             minlength=len(REASON_TEXT))
+        found = [(REASON_TEXT[k], int(c)) for k, c in enumerate(counts) if c and k]
+        return dict(sorted(found, key=lambda kv: -kv[1]))
+
+    def frame(self, lo: int = 0, hi: int | None = None) -> pd.DataFrame:
+        """Rows ``lo`` .. ``hi`` of the requests table (int64, float64 and text
+        columns, then the latencies)."""
+        hi = len(self) if hi is None else min(hi, len(self))
+        c = {name: values[lo:hi] for name, values in self.cols.items()}
+        as64 = {"replica", "prompt_tokens", "output_tokens", "max_tokens", "num_preemptions"}
+        frame = {"req_id": np.arange(lo, hi, dtype=np.int64)}
+        for name in COLUMNS[1:]:
+            if name == "status":
+                frame[name] = STATUS_TEXT[c["status"]]
+            elif name == "reject_reason":
+                frame[name] = REASON_TEXT[c["reason"]]
+            else:
+                frame[name] = c[name].astype(np.int64) if name in as64 else c[name].copy()
+        return add_request_metrics(pd.DataFrame(frame, copy=False))
+
+    def frames(self, rows: int | None = None) -> Iterator[pd.DataFrame]:
+        """The requests table in row chunks (one empty frame for no requests)."""
+        rows = rows or self.ROWS
+        for lo in range(0, max(len(self), 1), rows):
+            yield self.frame(lo, lo + rows)
+
+    def columns_of(self, names: Sequence[str], *, finished_only: bool = False) -> dict[str, np.ndarray]:
+        """Whole columns of the table (as ``frame()`` has them), of every request
+        or of the finished ones only; the latencies are computed chunk by chunk."""
+        keep = self.finished if finished_only else None
+        out: dict[str, np.ndarray] = {}
+        direct = [n for n in names if n not in LATENCIES]
+        if direct:
+            for name in direct:
+                if name == "req_id":
+                    values = np.arange(len(self), dtype=np.int64)
+                elif name in ("status", "reject_reason"):
+                    values = (STATUS_TEXT[self.cols["status"]] if name == "status"
+                              else REASON_TEXT[self.cols["reason"]])
+                else:
+                    raw = self.cols[name]
+                    values = raw.astype(np.int64) if raw.dtype.kind == "i" else raw
+                out[name] = values if keep is None else values[keep]
+        derived = [n for n in names if n in LATENCIES]
+        if derived:
+            parts: dict[str, list[np.ndarray]] = {n: [] for n in derived}
+            for lo in range(0, len(self), self.ROWS):
+                hi = min(lo + self.ROWS, len(self))
+                chunk = add_request_metrics(pd.DataFrame({
+                    "arrival_s": self.cols["arrival_s"][lo:hi],
+                    "first_scheduled_s": self.cols["first_scheduled_s"][lo:hi],
+                    "first_token_s": self.cols["first_token_s"][lo:hi],
+                    "finished_s": self.cols["finished_s"][lo:hi],
+                    "output_tokens": self.cols["output_tokens"][lo:hi].astype(np.int64),
+                    "status": STATUS_TEXT[self.cols["status"][lo:hi]]}, copy=False))
+                rows = slice(None) if keep is None else keep[lo:hi]
+                for n in derived:
+                    parts[n].append(chunk[n].to_numpy()[rows])
+            for n in derived:
+                out[n] = np.concatenate(parts[n]) if parts[n] else np.empty(0)
+        return {n: out[n] for n in names}
+
+    def take(self, rows: np.ndarray) -> RequestTable:
+        """The requests at positions ``rows`` (a replica's, for its summary)."""
+        return _Subset({name: values[rows] for name, values in self.cols.items()}, np.asarray(rows))
+
+
+class _Subset(RequestTable):
+    """Some of a table's requests: their ids are ``ids``, not 0 .. k-1."""
+
+    def __init__(self, cols: dict[str, np.ndarray], ids: np.ndarray) -> None:
+        super().__init__(cols)
+        self.ids = ids
+
+    def columns_of(self, names: Sequence[str], *, finished_only: bool = False) -> dict[str, np.ndarray]:
+        out = super().columns_of([n for n in names if n != "req_id"], finished_only=finished_only)
+        if "req_id" in names:
+            out["req_id"] = self.ids[self.finished] if finished_only else self.ids
+        return {n: out[n] for n in names}
+
+    def frame(self, lo: int = 0, hi: int | None = None) -> pd.DataFrame:
+        frame = super().frame(lo, hi)
+        frame["req_id"] = self.ids[lo:lo + len(frame)]
+        return frame
