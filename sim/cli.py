@@ -340,31 +340,11 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
     print(f"warning: {message}", file=sys.stderr)
 
 
-def return_freed_memory() -> None:
-    """Have glibc give large freed blocks (>= 128 KiB) back to the system at
-    once. By default it raises that threshold after such a free, and the
-    next run-sized arrays then come from a heap that does not shrink: the
-    records a requests table is built from (``sim.runner.requests_frame``)
-    would stay resident beside it, ~60 MB at a million requests. Only on
-    glibc; elsewhere nothing changes."""
-    import ctypes
-    import ctypes.util
-    name = ctypes.util.find_library("c")
-    if not name or "libc.so" not in name:
-        return
-    try:
-        libc = ctypes.CDLL(name)
-        libc.mallopt(-3, 128 * 1024)        # M_MMAP_THRESHOLD: fixed, so no longer adjusted
-    except (OSError, AttributeError):
-        pass
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     from sim.config import ConfigError
     from sim.profile import ProfileError
 
     args = build_parser().parse_args(argv)
-    return_freed_memory()
     warnings.showwarning = _warning_line
     try:
         return int(args.func(args) or 0)

@@ -28,7 +28,7 @@ from sim.logs import StepLog, TokenLog
 from sim.metrics import Values, add_request_metrics, itl_values, step_totals, summarize_logs
 from sim.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
 from sim.request import REJECT_REASONS, Request
-from sim.table import RequestTable
+from sim.table import RequestTable, trim_heap
 from sim.state import SchedulerState
 from sim.vllm_result import policy_knobs
 from workloads.generate import RequestSpecs, generate
@@ -148,6 +148,7 @@ class RunResult:
         vllm_bench.json read the same values."""
         if self._itl is None:
             self._itl = itl_values(self.token_chunks(), self.num_tokens)
+            trim_heap()                    # the token chunks' and gaps' temporaries
         return self._itl
 
     @property
@@ -501,7 +502,9 @@ def log_summary(requests: pd.DataFrame | RequestTable, steps: list[StepLog], tok
                          kv_total_blocks)
     if itl is None:
         itl = itl_values((chunk for log in tokens for chunk in log.chunks()), sum(len(log) for log in tokens))
-    return summarize_logs(requests, itl, totals, slo)
+    summary = summarize_logs(requests, itl, totals, slo)
+    trim_heap()                            # the columns and sorted copies the statistics took
+    return summary
 
 
 def collect(cfg: WorkloadConfig, servers: list[Server], num_requests: int, num_blocks: int,

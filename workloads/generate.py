@@ -86,10 +86,11 @@ def _lengths(cfg: WorkloadConfig, streams: list[np.random.Generator], n: int) ->
 
 
 # Peak memory of a simulation per request, with a margin: the token and step
-# logs spill to disk (sim.logs), so what grows is ~0.6 KB per request (request
-# objects and the requests table; 1M ShareGPT-length requests peaked at
-# 0.87 GB, 100k at 0.27 GB): what the size estimate below refuses on.
-BYTES_PER_REQUEST = 2_000
+# logs spill to disk (sim.logs), only requests in flight are objects, and the
+# requests table is compact (sim.table, 58 bytes a request), so what grows is
+# ~0.1-0.3 KB per request (1M ShareGPT-length requests peaked at ~0.28 GB,
+# 100k at ~0.19 GB): what the size estimate below refuses on.
+BYTES_PER_REQUEST = 1_000
 
 
 def _physical_memory_bytes() -> int:
