@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from sim.batch import Batch, StepResult
     from sim.state import SchedulerState
 
-TOKEN_CHUNK = 1_000_000     # tokens held in memory before a spill (8 MB of ids)
+TOKEN_CHUNK = 262_144       # tokens held in memory before a spill (2 MB of ids)
 STEP_CHUNK = 250_000        # steps held in memory before a spill (22 MB)
 INT32_MAX = 2 ** 31 - 1
 
