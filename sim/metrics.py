@@ -43,7 +43,6 @@ MAX_IN_MEMORY_VALUES = 4_000_000    # ITL of more tokens than this is spilled
 MAX_IN_MEMORY_STEPS = 1_000_000     # more steps than this are summed chunk by chunk
 GAP_PIECE = 262_144                 # tokens whose gaps are computed at once (token_gaps)
 MAX_GATHER = 200_000                # radix selection sorts a bucket once it holds at most this many
-SERIES_COLUMNS = ("ttft_s", "tpot_s", "e2e_s", "queue_s")
 
 
 class SpilledValues:
@@ -342,6 +341,16 @@ def finished_columns(requests: Any, columns: Sequence[str]) -> dict[str, np.ndar
     return request_columns(requests, columns, finished_only=True)
 
 
+def latency_values_s(requests: Any, name: str) -> np.ndarray:
+    """The seconds behind request metric ``name`` (ttft, tpot, e2el, queue): the
+    finished requests' values; TPOT only of those with more than one output token."""
+    if name == "tpot":
+        both = finished_columns(requests, ("tpot_s", "output_tokens"))
+        return both["tpot_s"][both["output_tokens"] > 1]
+    column = {"ttft": "ttft_s", "e2el": "e2e_s", "queue": "queue_s"}[name]
+    return finished_columns(requests, (column,))[column]
+
+
 def summarize_logs(requests: Any, itl_s: Values, steps: StepTotals,
                    slo: dict[str, float | None] | None = None) -> dict[str, Any]:
     """The summary from the requests table (a DataFrame or a ``sim.table.RequestTable``),
@@ -370,16 +379,7 @@ def summarize_logs(requests: Any, itl_s: Values, steps: StepTotals,
         "total_token_throughput": (total_in + total_out) / duration_s,
     }
     for name in METRICS:
-        if name == "itl":
-            values = itl_s
-        elif name == "tpot":
-            both = finished_columns(requests, ("tpot_s", "output_tokens"))
-            values = both["tpot_s"][both["output_tokens"] > 1]
-            del both
-        else:
-            values = done({"ttft": "ttft_s", "e2el": "e2e_s", "queue": "queue_s"}[name])
-        s.update(distribution(name, values))
-        del values
+        s.update(distribution(name, itl_s if name == "itl" else latency_values_s(requests, name)))
     s["request_goodput"] = None
     if slo and any(v is not None for v in slo.values()):
         # vLLM's --goodput: a completed request is good when every constrained metric is <= its

@@ -11,7 +11,6 @@ import hashlib
 import sys
 import time
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TextIO
 
@@ -25,7 +24,7 @@ from sim.config import ConfigError, WorkloadConfig
 from sim.engine import ROUTERS, Executor, Server, SimExecutor, feed, feed_capped
 from sim.kv import BlockManager
 from sim.logs import StepLog, TokenLog
-from sim.metrics import Values, add_request_metrics, itl_values, step_totals, summarize_logs
+from sim.metrics import Values, itl_values, step_totals, summarize_logs
 from sim.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
 from sim.request import REJECT_REASONS, Request
 from sim.table import RequestTable, trim_heap
@@ -95,21 +94,17 @@ class RunResult:
             self._requests = self.table.frame()
         return self._requests
 
-    @requests.setter
-    def requests(self, frame: pd.DataFrame) -> None:
-        self._requests, self.table = frame, None
-
     @property
     def request_source(self) -> pd.DataFrame | RequestTable:
         """The requests as the summaries read them: the table if built, else the compact one."""
-        return self._requests if self._requests is not None or self.table is None else self.table
+        return self.table if self._requests is None else self._requests
 
     def request_frames(self) -> Iterator[pd.DataFrame]:
         """The requests table in row chunks (all of it at once if built)."""
-        if self._requests is None and self.table is not None:
+        if self._requests is None:
             yield from self.table.frames()
         else:
-            yield self.requests
+            yield self._requests
 
     @property
     def steps(self) -> pd.DataFrame:
@@ -269,13 +264,12 @@ class RequestStream:
                                                       specs.arrival_s[lo:hi].tolist(),
                                                       specs.prompt_tokens[lo:hi].tolist(),
                                                       self.max_tokens[lo:hi].tolist()):
-                yield Request(req_id=i, arrival_s=float(arrival), num_prompt_tokens=int(prompt),
-                              max_output_tokens=int(max_tokens))
+                yield Request(req_id=i, arrival_s=arrival, num_prompt_tokens=prompt, max_output_tokens=max_tokens)
 
     def true_outputs(self) -> Iterator[int]:
         out = self.specs.output_tokens
         for lo in range(0, len(out), self.CHUNK):
-            yield from (int(x) for x in out[lo:lo + self.CHUNK].tolist())
+            yield from out[lo:lo + self.CHUNK].tolist()
 
 
 def make_requests(cfg: WorkloadConfig, specs: RequestSpecs, max_model_len: int) -> list[Request]:
@@ -362,7 +356,7 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
                                                progress=progress)
     loop_s = time.perf_counter() - loop0
     result = collect(cfg, servers, num_requests, num_blocks, profile)
-    rejected = Counter({why: n for why, n in result.summary["failed_by_reason"].items()})
+    rejected = result.summary["failed_by_reason"]
     if rejected:
         limit = servers[0].policy.max_prompt_tokens
         reasons = "; ".join(f"{n} with " + REJECT_REASONS[why].format(max_model_len=max_model_len, limit=limit)
@@ -478,12 +472,6 @@ def profile_trust(profile: Profile) -> dict[str, Any]:
         if fe.get(key) is not None:
             return {"error_pct": float(fe[key]), "basis": f"{profile.provenance.get('source', 'measured')}: {basis}"}
     return {"error_pct": None, "basis": f"{profile.provenance.get('source', 'unknown')}: no held-out check recorded"}
-
-
-def requests_frame(servers: list[Server], num_requests: int) -> pd.DataFrame:
-    """One row per request, in req_id order, from the servers' ``RequestRecords``
-    (which it takes over): ``request_table(...).frame()``."""
-    return request_table(servers, num_requests).frame()
 
 
 def request_table(servers: list[Server], num_requests: int) -> RequestTable:

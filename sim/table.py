@@ -31,8 +31,7 @@ LATENCIES = ("queue_s", "ttft_s", "e2e_s", "tpot_s")          # add_request_metr
 STATUS_TEXT = np.array([{Status.FINISHED: "finished", Status.REJECTED: "rejected"}.get(k, "")
                         for k in range(max(Status) + 1)], dtype=object)          # by Status code
 REASON_TEXT = np.array(["", *REJECT_REASONS], dtype=object)                       # by REASON_CODES
-_RECORD_DTYPES = {name: np.dtype({"q": np.int64, "d": np.float64, "i": np.int32, "b": np.int8}[code])
-                  for name, code in RequestRecords.COLUMNS}
+_RECORD_DTYPES = {name: np.dtype(code) for name, code in RequestRecords.COLUMNS}   # same codes as array's
 
 
 class RequestTable:

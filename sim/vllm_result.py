@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from sim.config import ConfigError
-from sim.metrics import Values, finished_columns, request_columns, stats_ms
+from sim.metrics import Values, finished_columns, latency_values_s, request_columns, stats_ms
 
 if TYPE_CHECKING:
     from policies import Policy
@@ -139,14 +139,7 @@ def latency_series_s(requests: pd.DataFrame | Any, itl_s: Values) -> Iterator[tu
     one output token; ITL over all token gaps (``itl_s``: ``sim.metrics.itl_values`` of the
     run, ``RunResult.itl()``)."""
     for name in LATENCY_SERIES:
-        if name == "itl":
-            yield name, itl_s
-        elif name == "tpot":
-            done = finished_columns(requests, ("tpot_s", "output_tokens"))
-            yield name, done["tpot_s"][done["output_tokens"] > 1].astype(np.float64, copy=False)
-        else:
-            col = {"ttft": "ttft_s", "e2el": "e2e_s"}[name]
-            yield name, finished_columns(requests, (col,))[col].astype(np.float64, copy=False)
+        yield name, itl_s if name == "itl" else latency_values_s(requests, name).astype(np.float64, copy=False)
 
 
 def distribution_ms(name: str, values_s: Values, percentiles: Sequence[float]) -> dict[str, float]:

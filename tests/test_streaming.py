@@ -371,8 +371,8 @@ def test_done_requests_leave_the_state_as_records(tmp_path) -> None:
     assert not state.requests and not state._true_output           # nothing held after the run
     assert max(in_flight) <= 3                                      # never more than were in flight
     assert len(state.records) == 4 and state.num_rejected == 1
-    from sim.runner import requests_frame
-    table = requests_frame([server], 4)
+    from sim.runner import request_table
+    table = request_table([server], 4).frame()
     assert table["req_id"].tolist() == [0, 1, 2, 3]                 # id order, whatever the finish order
     assert table["status"].tolist() == ["finished", "finished", "rejected", "finished"]
     assert table["reject_reason"].tolist() == ["", "", "context", ""]
@@ -381,7 +381,7 @@ def test_done_requests_leave_the_state_as_records(tmp_path) -> None:
     assert table["finished_s"][2] == 0.5 and np.isnan(table["ttft_s"][2])
     assert len(state.records) == 0                                  # handed over to the table
     with pytest.raises(RuntimeError, match="not each of 0..3 once"):
-        requests_frame([server], 4)                                 # taken once
+        request_table([server], 4)                                  # taken once
 
 
 def test_requests_table_scatters_replicas_records_into_id_order(tmp_path) -> None:
