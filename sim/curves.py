@@ -226,7 +226,6 @@ class Curve2D:
     name: str = "curve"
     num_out_of_range: int = field(default=0, compare=False)
     repairs: list[Repair] = field(default_factory=list, init=False, compare=False, repr=False)
-    _arrays: tuple | None = field(default=None, init=False, compare=False, repr=False)   # along_y's
 
     def __post_init__(self) -> None:
         self.xs = _check_axis(f"{self.name}.x", self.xs)
@@ -264,28 +263,15 @@ class Curve2D:
         z = z0 + (z1 - z0) * tx
         return z if z > 0.0 else 0.0
 
-    def along_y(self, x: float, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """z(x, y) for a vector of ``y`` at one ``x``, as ``__call__`` computes each
-        (the same operations in the same order, so the same floats), and which of
-        them lie outside the grid. Counts nothing: the caller counts what it uses."""
-        import numpy as np                    # the decode-stretch fast path only
-        if self._arrays is None:
-            self._arrays = (np.asarray(self.ys, dtype=np.float64), np.asarray(self.zs, dtype=np.float64))
-        ys_arr, zs_arr = self._arrays
-        xs, ys = self.xs, self.ys
+    def column(self, x: float) -> tuple[int, float, bool]:
+        """What ``__call__`` computes from ``x`` alone: the segment ``i`` of
+        ``xs``, the weight ``tx`` and whether ``x`` lies outside the grid. A
+        caller pricing many ``y`` at one ``x`` (``Profile.decode_stretch_s``)
+        repeats the rest of ``__call__`` per ``y`` with these. Counts nothing."""
+        xs = self.xs
         x_out = x < xs[0] or x > xs[-1]
-        i = min(max(bisect_right(xs, x) - 1, 0), len(xs) - 2)
-        j = np.searchsorted(ys_arr, y, side="right") - 1
-        np.clip(j, 0, len(ys) - 2, out=j)
-        tx = (x - xs[i]) / (xs[i + 1] - xs[i])
-        ty = (y - ys_arr[j]) / (ys_arr[j + 1] - ys_arr[j])
-        row0, row1 = zs_arr[i], zs_arr[i + 1]
-        z00, z01, z10, z11 = row0[j], row0[j + 1], row1[j], row1[j + 1]
-        z0 = z00 + (z01 - z00) * ty
-        z1 = z10 + (z11 - z10) * ty
-        z = z0 + (z1 - z0) * tx
-        out = (y < ys[0]) | (y > ys[-1]) if not x_out else np.ones(len(y), dtype=bool)
-        return np.maximum(z, 0.0), out
+        i = _segment(xs, x) if x_out else min(bisect_right(xs, x) - 1, len(xs) - 2)
+        return i, (x - xs[i]) / (xs[i + 1] - xs[i]), x_out
 
     def to_dict(self, x_name: str, y_name: str) -> dict:
         return {x_name: list(self.xs), y_name: list(self.ys), "seconds": [list(r) for r in self.zs]}

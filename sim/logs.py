@@ -17,7 +17,7 @@ import tempfile
 import weakref
 from array import array
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
@@ -105,15 +105,15 @@ class TokenLog:
         if len(self.ids) >= self._chunk_tokens:
             self._flush()
 
-    def add_stretch(self, end_times_s: np.ndarray, req_ids: np.ndarray) -> None:
+    def add_stretch(self, end_times_s: Sequence[float], req_ids: Sequence[int]) -> None:
         """``len(end_times_s)`` consecutive steps, ending at those times, each
         sampling one token for every id in ``req_ids``, in that order."""
         num_steps, num_reqs = len(end_times_s), len(req_ids)
         if num_steps == 0 or num_reqs == 0:
             return
-        self.ids.frombytes(np.tile(np.asarray(req_ids, dtype=np.int64), num_steps).tobytes())
-        self._step_end_s.frombytes(np.asarray(end_times_s, dtype=np.float64).tobytes())
-        self._step_counts.frombytes(np.full(num_steps, num_reqs, dtype=np.int64).tobytes())
+        self.ids.extend(array("q", req_ids) * num_steps)       # array repeat and extend: memcpy
+        self._step_end_s.extend(end_times_s)
+        self._step_counts.extend(array("q", (num_reqs,)) * num_steps)
         if len(self.ids) >= self._chunk_tokens:
             self._flush()
 
@@ -177,14 +177,15 @@ class StepLog:
         if len(self.t_s) >= self._chunk_steps:
             self._flush()
 
-    def record_stretch(self, t_s: np.ndarray, duration_s: np.ndarray, predicted_s: np.ndarray,
-                       ints: np.ndarray) -> None:
-        """K steps at once: three float64 arrays (K,) and the integer columns
-        (K, 8) in ``COLUMNS[3:]`` order."""
-        self.t_s.frombytes(np.asarray(t_s, dtype=np.float64).tobytes())
-        self.duration_s.frombytes(np.asarray(duration_s, dtype=np.float64).tobytes())
-        self.predicted_s.frombytes(np.asarray(predicted_s, dtype=np.float64).tobytes())
-        self.ints.frombytes(np.ascontiguousarray(ints, dtype=np.int64).tobytes())
+    def record_stretch(self, t_s: Sequence[float], duration_s: Sequence[float], predicted_s: Sequence[float],
+                       ints: Sequence[int]) -> None:
+        """K steps at once: three columns of K floats and the K x 8 integer
+        columns (``COLUMNS[3:]`` order) flat, row after row (an ``array("q")``
+        extends fastest)."""
+        self.t_s.extend(t_s)
+        self.duration_s.extend(duration_s)
+        self.predicted_s.extend(predicted_s)
+        self.ints.extend(ints)
         if len(self.t_s) >= self._chunk_steps:
             self._flush()
 

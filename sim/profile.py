@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import json
 import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import yaml
 
 from sim.atomic import write_text_atomic
 from sim.batch import Batch
 from sim.curves import Curve1D, Curve2D
-
-if TYPE_CHECKING:
-    import numpy as np
 
 FORMAT_VERSION = 1
 GIB = 1024**3
@@ -162,15 +160,57 @@ class Profile:
             t += self.attn_decode(batch.decode_seqs, batch.decode_context)
         return t
 
-    def decode_steps_s(self, num_seqs: int, contexts: np.ndarray) -> tuple[np.ndarray, bool, np.ndarray]:
-        """``step_time_s`` of decode-only batches of ``num_seqs`` one-token items
-        whose summed context is each of ``contexts``: the same floats, as a vector
-        (the loop's decode-stretch fast path, ``sim.stretch``). Also whether the
-        linear lookup and which attention lookups lie outside the curves' grids;
-        nothing is counted until ``count_decode_lookups`` says how many were used."""
-        hit = self._linear_uncounted(num_seqs)
-        attn, attn_out = self.attn_decode.along_y(num_seqs, contexts)
-        return (self.overhead_s + hit[0]) + attn, hit[1], attn_out
+    def decode_stretch_s(self, num_seqs: int, context: int, growth: int, start_s: float, horizon_s: float,
+                         max_steps: int) -> tuple[list[float], list[float], Callable[[int], int]]:
+        """Consecutive decode-only steps of ``num_seqs`` one-token items, the
+        first starting at ``start_s`` with summed context ``context``, each
+        next one ``growth`` tokens longer (the loop's fast path,
+        ``sim.stretch``): their durations and end times, for at most
+        ``max_steps`` steps, stopping before the first that would end at or
+        after ``horizon_s``. Each duration is ``step_time_s`` of that batch,
+        the same floating-point operations in the same order, and the end
+        times are summed one after the other as stepping sums them: the same
+        floats. Also ``out_of_range(n)``: how many of the curve lookups of the
+        first ``n`` steps lie outside the attention grid. Counts nothing (the caller
+        counts the steps it uses: ``count_decode_lookups``)."""
+        linear_s, linear_out = self._linear_uncounted(num_seqs)
+        base_s = self.overhead_s + linear_s
+        attn = self.attn_decode
+        i, tx, x_out = attn.column(num_seqs)
+        ys, row0, row1 = attn.ys, attn.zs[i], attn.zs[i + 1]
+        y_first, y_last, last_j = ys[0], ys[-1], len(ys) - 2
+        y = context
+        j = min(max(bisect_right(ys, y) - 1, 0), last_j)      # as __call__ picks it; y only grows
+        num_below = 0                       # steps whose context lies below the grid (a prefix) ...
+        first_above = max_steps             # ... and the first above it (a suffix from there)
+        durations: list[float] = []
+        ends: list[float] = []
+        t = start_s
+        for k in range(max_steps):
+            while j < last_j and y >= ys[j + 1]:
+                j += 1
+            ty = (y - ys[j]) / (ys[j + 1] - ys[j])
+            z00, z10 = row0[j], row1[j]
+            z0 = z00 + (row0[j + 1] - z00) * ty
+            z1 = z10 + (row1[j + 1] - z10) * ty
+            z = z0 + (z1 - z0) * tx
+            d = base_s + (z if z > 0.0 else 0.0)
+            end = t + d
+            if end >= horizon_s:
+                break
+            if y < y_first:
+                num_below += 1
+            elif y > y_last and first_above == max_steps:
+                first_above = k
+            durations.append(d)
+            ends.append(end)
+            t = end
+            y += growth
+
+        def out_of_range(n: int) -> int:
+            return n if x_out else min(n, num_below) + max(0, n - first_above)
+
+        return durations, ends, out_of_range
 
     def decode_floor_s(self, num_seqs: int) -> float:
         """What every decode-only step of ``num_seqs`` sequences costs at least:
@@ -189,12 +229,14 @@ class Profile:
             self._linear_memo[num_tokens] = hit
         return hit
 
-    def count_decode_lookups(self, num_steps: int, linear_out: bool, attn_out: np.ndarray) -> None:
-        """Count the out-of-range lookups of ``num_steps`` steps priced by
-        ``decode_steps_s``, as ``step_time_s`` would have, one step at a time."""
-        if linear_out:
+    def count_decode_lookups(self, num_seqs: int, num_steps: int, attn_out_of_range: int) -> None:
+        """Count the out-of-range lookups of the ``num_steps`` steps of
+        ``num_seqs`` sequences a stretch used (``attn_out_of_range``: its
+        ``decode_stretch_s``'s ``out_of_range(num_steps)``), as ``step_time_s``
+        would have counted them one step at a time."""
+        if self._linear_uncounted(num_seqs)[1]:
             self.linear.num_out_of_range += num_steps
-        self.attn_decode.num_out_of_range += int(attn_out.sum())
+        self.attn_decode.num_out_of_range += attn_out_of_range
 
     @property
     def num_out_of_range(self) -> int:

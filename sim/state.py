@@ -159,6 +159,29 @@ class SchedulerState:
             for r in finished:
                 self._finish(r, now_s)
 
+    def commit_decode_stretch(self, live: list[Request], end_times_s: list[float]) -> bool:
+        """``commit`` of ``len(end_times_s)`` consecutive decode-only steps, one
+        token for each of ``live`` (running requests that have caught up, in
+        running order) per step, ending at those times: the fast path's
+        (``sim.stretch``). The caller ends the stretch no later than the step
+        that samples some request's last token; requests whose last token is
+        sampled in the last step finish, as ``commit`` would finish them.
+        Returns whether any did."""
+        num_steps = len(end_times_s)
+        for r in live:
+            r.num_computed_tokens += num_steps
+            r.num_output_tokens += num_steps
+        self.tokens.add_stretch(end_times_s, [r.req_id for r in live])
+        true_output = self._true_output
+        finished = [r for r in live if r.num_output_tokens >= true_output[r.req_id]]
+        if finished:
+            end_s = end_times_s[-1]
+            for r in finished:
+                r.last_token_s = end_s
+            for r in finished:
+                self._finish(r, end_s)
+        return bool(finished)
+
     def _finish(self, req: Request, now_s: float) -> None:
         req.status = Status.FINISHED
         group = self._group_of.get(req.req_id)

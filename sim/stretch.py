@@ -5,10 +5,14 @@ allocation) a server whose every running request decodes does the same thing
 step after step: the same requests, each one token further on, at a cost that
 depends only on how many they are and on their summed context. The loop
 (``sim.engine.Server._serve``) then needs no policy call, no Batch and no
-per-request commit per step: ``run_decode_stretch`` computes the steps' costs
-as one vector, their end times as one running sum, hands out the blocks the
-requests grow into in the order stepping would, and writes the steps and
-their tokens to the logs in bulk. Results are those of stepping one iteration
+per-request commit per step: ``run_decode_stretch`` prices the steps in one
+tight loop that touches no request (``Profile.decode_stretch_s``: the summed
+context grows by the number of live requests each step), sums their end
+times as stepping does, hands out the blocks the requests grow into in the
+order stepping would, and writes the steps and their tokens to the logs in
+bulk. (Stretches are short, a median of 8 steps on the conversation trace,
+so a plain loop beats numpy, whose per-call overhead cost more than the
+steps.) Results are those of stepping one iteration
 at a time (``tests/test_fast_path.py`` compares every policy with the fast
 path on and off).
 
@@ -36,9 +40,8 @@ normal path.
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from sim.batch import Batch
 from sim.request import Status
@@ -46,33 +49,51 @@ from sim.request import Status
 if TYPE_CHECKING:
     from sim.engine import Server
 
-MIN_STEPS = 3       # shorter stretches are cheaper stepped one at a time
+MIN_STEPS = 1       # stretches as short as one step: cheaper than stepping it (measured)
 
 
-def run_decode_stretch(server: Server, batch: Batch, preempted: bool, now_s: float, horizon_s: float) -> float:
+def run_decode_stretch(server: Server, batch: Batch, preempted: bool, now_s: float, horizon_s: float,
+                       chain: bool) -> float:
     """Run the decode steps that follow the committed step of ``batch`` (it
     ended at ``now_s``; ``preempted``: it preempted someone) up to the next
-    event; return the time the last of them ends (``now_s`` if none ran)."""
+    event; return the time the last of them ends (``now_s`` if none ran).
+
+    A stretch ends with the step that samples some request's last token when
+    that step fits, and commits it as ``SchedulerState.commit`` would (the
+    request finishes). With ``chain`` (no closed-loop client waits on the
+    finish) and nothing waiting, the next stretch follows at once: case (a)
+    holds again, so schedule() would return the same requests less the
+    finished ones."""
+    state = server.state
+    while True:
+        end_s, finished = _stretch(server, batch, preempted, now_s, horizon_s)
+        if not (finished and chain) or state.waiting:
+            return end_s
+        now_s = end_s
+
+
+def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float, horizon_s: float) -> tuple[float, bool]:
+    """One stretch: (end time, whether its last step finished requests)."""
     state = server.state
     running = state.running
     num_seqs = len(running)
     if not num_seqs:
-        return now_s
+        return now_s, False
     min_outputs = 1                        # sampled before: first_token_s is set
     if state.waiting:                      # case (b) of the module doc
         if (preempted or batch.decode_seqs != len(batch.items) or num_seqs != len(batch.items)):
-            return now_s
+            return now_s, False
         min_outputs = 2                    # none admitted in this very step (a one-token prompt)
     profile = server.executor.profile
     # Every stretch step costs at least the fixed part of a decode step of num_seqs sequences.
     max_steps = (horizon_s - now_s) / profile.decode_floor_s(num_seqs)
     max_steps = int(max_steps) if max_steps < 1e9 else 10**9     # horizon inf: nothing else scheduled
     if max_steps < MIN_STEPS:
-        return now_s
+        return now_s, False
     # Live requests decode; a static group's finished members (still running) burn a padded token.
     live = []
     context = 0
-    to_last = max_steps + 1
+    to_last = max_steps
     oracle = state.oracle_output_tokens
     for r in running:
         computed = r.num_computed_tokens
@@ -80,48 +101,48 @@ def run_decode_stretch(server: Server, batch: Batch, preempted: bool, now_s: flo
         if r.status == Status.RUNNING:
             outputs = r.num_output_tokens
             if r.num_prompt_tokens + outputs - computed != 1 or outputs < min_outputs:
-                return now_s               # not caught up, or caught up this very step
-            # The step that samples a request's last token finishes it: stop before it.
+                return now_s, False        # not caught up, or caught up this very step
+            # Step number ``left`` samples the request's last token and finishes it: the
+            # stretch ends with it (everything after it would depend on the finish).
             left = oracle(r) - outputs
             if left < to_last:
                 to_last = left
             live.append(r)
-    max_steps = min(max_steps, to_last - 1)
+    max_steps = to_last
     if max_steps < MIN_STEPS:
-        return now_s
+        return now_s, False
     num_live = len(live)
-    contexts = context + num_live * np.arange(max_steps, dtype=np.int64)
-    durations, linear_out, attn_out = profile.decode_steps_s(num_seqs, contexts)
-    ends = np.add.accumulate(np.concatenate(([now_s], durations)))[1:]
-    num_steps = int(np.searchsorted(ends, horizon_s, side="left"))    # ends strictly before it
+    durations, ends, out_of_range = profile.decode_stretch_s(num_seqs, context, num_live, now_s, horizon_s,
+                                                             max_steps)
     kv = state.kv
-    num_steps, allocations = _block_growth(kv, live, num_steps)
+    num_steps, allocations = _block_growth(kv, live, len(ends))
     if num_steps < 1:
-        return now_s
+        return now_s, False
     # Blocks in use in each step: those held now plus the step's allocations and all before it.
-    kv_used = kv.num_used_blocks + np.cumsum(np.bincount([j for j, _ in allocations], minlength=num_steps))
+    kv_used = array("q")
+    used = kv.num_used_blocks
+    a, num_allocations = 0, len(allocations)
+    for j in range(num_steps):
+        while a < num_allocations and allocations[a][0] == j:
+            a += 1
+        kv_used.append(used + a)
     for _, k in allocations:
         kv.append_block(live[k])
-    for r in live:
-        r.num_computed_tokens += num_steps
-        r.num_output_tokens += num_steps
-    durations = durations[:num_steps]
-    ends = ends[:num_steps]
-    starts = np.concatenate(([now_s], ends[:-1]))
-    ints = np.empty((num_steps, 8), dtype=np.int64)
-    ints[:, 0] = num_seqs                      # batch_size
-    ints[:, 1] = 0                             # num_prefill_tokens
-    ints[:, 2] = num_live                      # num_decode_tokens
-    ints[:, 3] = num_seqs - num_live           # num_pad_tokens
-    ints[:, 4] = 0                             # num_prefill_seqs
-    ints[:, 5] = len(state.waiting)
-    ints[:, 6] = num_seqs                      # num_running
-    ints[:, 7] = kv_used
-    server.log.record_stretch(starts, durations, durations, ints)
-    if live:
-        state.tokens.add_stretch(ends, np.fromiter((r.req_id for r in live), dtype=np.int64, count=num_live))
-    profile.count_decode_lookups(num_steps, linear_out, attn_out[:num_steps])
-    return float(ends[-1])
+    if num_steps < len(ends):
+        del durations[num_steps:], ends[num_steps:]
+    ints = array("q", (num_seqs,                 # batch_size
+                       0,                        # num_prefill_tokens
+                       num_live,                 # num_decode_tokens
+                       num_seqs - num_live,      # num_pad_tokens
+                       0,                        # num_prefill_seqs
+                       len(state.waiting),       # num_waiting
+                       num_seqs,                 # num_running
+                       0)) * num_steps           # kv_used_blocks, set next
+    ints[7::8] = kv_used
+    server.log.record_stretch([now_s] + ends[:-1], durations, durations, ints)
+    profile.count_decode_lookups(num_seqs, num_steps, out_of_range(num_steps))
+    finished = state.commit_decode_stretch(live, ends)   # after the log: it records the queues as they ran
+    return ends[-1], finished
 
 
 def _block_growth(kv, live: list, num_steps: int) -> tuple[int, list[tuple[int, int]]]:

@@ -5,7 +5,7 @@ iteration at a time (``sim.engine.FAST_PATH = False``) and with decode-only
 stretches computed at once, and the per-request table, the step log, the token
 log and the summary must be identical: not close, identical, because a stretch
 prices each step with the same floating-point operations in the same order
-(``Curve2D.along_y``) and sums the end times sequentially as stepping does.
+(``Profile.decode_stretch_s``) and sums the end times sequentially as stepping does.
 Cases with preemption cascades, a dry KV pool mid-stretch, replicas and
 out-of-range curve lookups cover the stretch's stopping rules.
 """

@@ -103,8 +103,8 @@ def test_step_log_chunks_equal_unchunked(spill_dir, monkeypatch) -> None:
     for chunk in (10 ** 6, 4):
         monkeypatch.setattr(sim.logs, "STEP_CHUNK", chunk)
         log = StepLog()
-        log.record_stretch(t[:9], t[:9] / 10, t[:9] / 9, ints[:9])
-        log.record_stretch(t[9:], t[9:] / 10, t[9:] / 9, ints[9:])
+        log.record_stretch(t[:9], t[:9] / 10, t[:9] / 9, ints[:9].ravel())
+        log.record_stretch(t[9:], t[9:] / 10, t[9:] / 9, ints[9:].ravel())
         logs.append(log)
     (whole,), chunks = list(logs[0].chunks()), list(logs[1].chunks())
     assert len(chunks) == 2 and len(logs[1]) == 23                # spilled after 9 rows, 14 in memory
@@ -298,7 +298,7 @@ def test_spill_folder_removed_on_close_and_collection(spill_dir, monkeypatch) ->
     tiny_chunks(monkeypatch)
     closed, dropped = TokenLog(), StepLog()
     log_steps(closed, STEPS)
-    dropped.record_stretch(np.arange(9.0), np.ones(9), np.ones(9), np.ones((9, 8), dtype=np.int64))
+    dropped.record_stretch(np.arange(9.0), np.ones(9), np.ones(9), [1] * 72)
     assert len(list(spill_dir.iterdir())) == 2
     closed.close()
     del dropped
