@@ -40,6 +40,9 @@ class SchedulerState:
         self.num_rejected = 0
         self.num_preemptions = 0
         self._true_output: dict[int, int] = {}
+        # The true output length of each request in flight, for the simulator's own
+        # bookkeeping (sim.stretch); policies use the explicit oracle_output_tokens.
+        self.true_output_tokens = self._true_output
         self._group_of: dict[int, list[Request]] = {}
         # The request of every sampled output token, in time order (sim.logs).
         self.tokens = TokenLog()

@@ -94,17 +94,18 @@ def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float, horizo
     live = []
     context = 0
     to_last = max_steps
-    oracle = state.oracle_output_tokens
+    true_output = state.true_output_tokens
+    running_status = Status.RUNNING
     for r in running:
         computed = r.num_computed_tokens
         context += computed
-        if r.status == Status.RUNNING:
+        if r.status == running_status:
             outputs = r.num_output_tokens
             if r.num_prompt_tokens + outputs - computed != 1 or outputs < min_outputs:
                 return now_s, False        # not caught up, or caught up this very step
             # Step number ``left`` samples the request's last token and finishes it: the
             # stretch ends with it (everything after it would depend on the finish).
-            left = oracle(r) - outputs
+            left = true_output[r.req_id] - outputs
             if left < to_last:
                 to_last = left
             live.append(r)
