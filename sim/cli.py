@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 EXIT_BAD_INPUT = 2
+STARTED_S = time.perf_counter()      # the command's "in all" counts from here (interpreter start-up aside)
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")   # calibrate.runner.DTYPES, without importing torch
 ROUTER_CHOICES = ("round_robin", "least_requests", "least_tokens")   # sim.engine.ROUTERS, without importing simpy
 
@@ -104,7 +106,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     files = ["requests.csv", "steps.csv", "tokens.npz", "meta.json", "vllm_bench.json"]
     if traced is not None:
         files.append("trace.json")
-    print(f"wrote {out}/ ({', '.join(files + ['summary.json'])}) in {meta['wall_s']:.2f} s")
+    print(f"wrote {out}/ ({', '.join(files + ['summary.json'])}): simulated in {meta['wall_s']:.2f} s, "
+          f"{time.perf_counter() - STARTED_S:.2f} s in all")
     if taken is not None:
         print(f"note: {taken}/ already holds a run, so this one went to {out}/ (--out DIR to choose, "
               f"--overwrite to replace)")
