@@ -15,10 +15,7 @@ from __future__ import annotations
 import warnings
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
-
-if TYPE_CHECKING:
-    import numpy as np
+from typing import Sequence
 
 REPAIR_REPORT_REL = 0.05          # report a repair that moves a value by more than 5%
 
