@@ -152,8 +152,8 @@ class Server:
             # (Only after a step that did not yield: nothing has arrived since it was chosen.)
             if stretch and coalesced:
                 num_finished = state.num_finished
-                now_s = run_decode_stretch(self, decision, state.num_preemptions != num_preempted,
-                                           now_s, env.peek(), chain=on_finish is None)
+                now_s = yield from run_decode_stretch(self, decision, state.num_preemptions != num_preempted,
+                                                      now_s, env.peek(), chain=on_finish is None)
                 if on_finish is not None and state.num_finished > num_finished:
                     on_finish(now_s, state.num_finished - num_finished)
 

@@ -111,7 +111,9 @@ class TokenLog:
         num_steps, num_reqs = len(end_times_s), len(req_ids)
         if num_steps == 0 or num_reqs == 0:
             return
-        self.ids.extend(array("q", req_ids) * num_steps)       # array repeat and extend: memcpy
+        if not (isinstance(req_ids, array) and req_ids.typecode == "q"):
+            req_ids = array("q", req_ids)
+        self.ids.extend(req_ids * num_steps)                    # array repeat and extend: memcpy
         self._step_end_s.extend(end_times_s)
         self._step_counts.extend(array("q", (num_reqs,)) * num_steps)
         if len(self.ids) >= self._chunk_tokens:

@@ -135,6 +135,8 @@ class Profile:
     # fresh memo, not reuse the old curve's costs.
     _linear_memo: dict[int, tuple[float, bool]] = field(default_factory=dict, init=False, repr=False,
                                                         compare=False)
+    _decode_memo: dict[int, tuple[float, float, int, float, bool]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     # ---- costs --------------------------------------------------------------
     def step_time_s(self, batch: Batch) -> float:
@@ -161,47 +163,56 @@ class Profile:
         return t
 
     def decode_stretch_s(self, num_seqs: int, context: int, growth: int, start_s: float, horizon_s: float,
-                         max_steps: int) -> tuple[list[float], list[float], Callable[[int], int]]:
+                         max_steps: int) -> tuple[list[float], list[float], float | None, Callable[[int], int]]:
         """Consecutive decode-only steps of ``num_seqs`` one-token items, the
         first starting at ``start_s`` with summed context ``context``, each
         next one ``growth`` tokens longer (the loop's fast path,
         ``sim.stretch``): their durations and end times, for at most
         ``max_steps`` steps, stopping before the first that would end at or
-        after ``horizon_s``. Each duration is ``step_time_s`` of that batch,
-        the same floating-point operations in the same order, and the end
-        times are summed one after the other as stepping sums them: the same
-        floats. Also ``out_of_range(n)``: how many of the curve lookups of the
-        first ``n`` steps lie outside the attention grid. Counts nothing (the caller
-        counts the steps it uses: ``count_decode_lookups``)."""
-        linear_s, linear_out = self._linear_uncounted(num_seqs)
-        base_s = self.overhead_s + linear_s
+        after ``horizon_s``, and that one's duration (None if the steps
+        stopped at ``max_steps``). Each duration is ``step_time_s`` of that
+        batch, the same floating-point operations in the same order, and the
+        end times are summed one after the other as stepping sums them: the
+        same floats. Also ``out_of_range(n)``: how many of the attention
+        lookups of the first ``n`` steps (the one at the horizon included) lie
+        outside the grid. Counts nothing (the caller counts the steps it uses:
+        ``count_decode_lookups``)."""
+        base_s, _, i, tx, x_out = self._decode_column(num_seqs)
         attn = self.attn_decode
-        i, tx, x_out = attn.column(num_seqs)
         ys, row0, row1 = attn.ys, attn.zs[i], attn.zs[i + 1]
         y_first, y_last, last_j = ys[0], ys[-1], len(ys) - 2
         y = context
         j = min(max(bisect_right(ys, y) - 1, 0), last_j)      # as __call__ picks it; y only grows
+        # The segment's constants, as __call__ computes them (the same floats): recomputed
+        # only when the context crosses into the next segment.
+        y0, y1 = ys[j], ys[j + 1]
+        dy, z00, z10 = y1 - y0, row0[j], row1[j]
+        dz0, dz1 = row0[j + 1] - z00, row1[j + 1] - z10
         num_below = 0                       # steps whose context lies below the grid (a prefix) ...
         first_above = max_steps             # ... and the first above it (a suffix from there)
         durations: list[float] = []
         ends: list[float] = []
+        crossing_s = None
         t = start_s
         for k in range(max_steps):
-            while j < last_j and y >= ys[j + 1]:
-                j += 1
-            ty = (y - ys[j]) / (ys[j + 1] - ys[j])
-            z00, z10 = row0[j], row1[j]
-            z0 = z00 + (row0[j + 1] - z00) * ty
-            z1 = z10 + (row1[j + 1] - z10) * ty
-            z = z0 + (z1 - z0) * tx
+            if y >= y1 and j < last_j:
+                while j < last_j and y >= ys[j + 1]:
+                    j += 1
+                y0, y1 = ys[j], ys[j + 1]
+                dy, z00, z10 = y1 - y0, row0[j], row1[j]
+                dz0, dz1 = row0[j + 1] - z00, row1[j + 1] - z10
+            ty = (y - y0) / dy
+            z0 = z00 + dz0 * ty
+            z = z0 + (z10 + dz1 * ty - z0) * tx
             d = base_s + (z if z > 0.0 else 0.0)
-            end = t + d
-            if end >= horizon_s:
-                break
             if y < y_first:
                 num_below += 1
             elif y > y_last and first_above == max_steps:
                 first_above = k
+            end = t + d
+            if end >= horizon_s:
+                crossing_s = d
+                break
             durations.append(d)
             ends.append(end)
             t = end
@@ -210,13 +221,24 @@ class Profile:
         def out_of_range(n: int) -> int:
             return n if x_out else min(n, num_below) + max(0, n - first_above)
 
-        return durations, ends, out_of_range
+        return durations, ends, crossing_s, out_of_range
 
     def decode_floor_s(self, num_seqs: int) -> float:
         """What every decode-only step of ``num_seqs`` sequences costs at least:
         the fixed overhead and the token-parallel layers (attention only adds).
         Counts nothing."""
-        return max(self.overhead_s + self._linear_uncounted(num_seqs)[0], 1e-12)
+        return self._decode_column(num_seqs)[1]
+
+    def _decode_column(self, num_seqs: int) -> tuple[float, float, int, float, bool]:
+        """What the decode steps of ``num_seqs`` sequences share, memoized:
+        overhead + linear (as ``step_time_s`` adds them), that floored above 0,
+        and the attention curve's ``column(num_seqs)``. Counts nothing."""
+        hit = self._decode_memo.get(num_seqs)
+        if hit is None:
+            base_s = self.overhead_s + self._linear_uncounted(num_seqs)[0]
+            hit = (base_s, max(base_s, 1e-12), *self.attn_decode.column(num_seqs))
+            self._decode_memo[num_seqs] = hit
+        return hit
 
     def _linear_uncounted(self, num_tokens: int) -> tuple[float, bool]:
         """The memo entry of linear(num_tokens): (cost, out of range), filled

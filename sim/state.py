@@ -9,7 +9,7 @@ re-implements token accounting.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -162,28 +162,28 @@ class SchedulerState:
             for r in finished:
                 self._finish(r, now_s)
 
-    def commit_decode_stretch(self, live: list[Request], end_times_s: list[float]) -> bool:
+    def commit_decode_stretch(self, live: list[Request], ids: Sequence[int], end_times_s: list[float],
+                              finishing: list[Request]) -> None:
         """``commit`` of ``len(end_times_s)`` consecutive decode-only steps, one
         token for each of ``live`` (running requests that have caught up, in
-        running order) per step, ending at those times: the fast path's
-        (``sim.stretch``). The caller ends the stretch no later than the step
-        that samples some request's last token; requests whose last token is
-        sampled in the last step finish, as ``commit`` would finish them.
-        Returns whether any did."""
+        running order; ``ids`` their ids) per step, ending at those times: the
+        fast path's (``sim.stretch``). The caller ends the stretch no later
+        than the step that samples some request's last token; ``finishing``,
+        those whose last token the last step samples, finish as ``commit``
+        would finish them."""
         num_steps = len(end_times_s)
         for r in live:
             r.num_computed_tokens += num_steps
             r.num_output_tokens += num_steps
-        self.tokens.add_stretch(end_times_s, [r.req_id for r in live])
-        true_output = self._true_output
-        finished = [r for r in live if r.num_output_tokens >= true_output[r.req_id]]
-        if finished:
+        self.tokens.add_stretch(end_times_s, ids)
+        if finishing:
             end_s = end_times_s[-1]
-            for r in finished:
+            for r in finishing:
+                if r.num_output_tokens != self._true_output[r.req_id]:
+                    raise RuntimeError(f"request {r.req_id} finished a stretch short of its last token")
                 r.last_token_s = end_s
-            for r in finished:
+            for r in finishing:
                 self._finish(r, end_s)
-        return bool(finished)
 
     def _finish(self, req: Request, now_s: float) -> None:
         req.status = Status.FINISHED

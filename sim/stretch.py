@@ -32,16 +32,22 @@ and no block allocation fails:
 
 Each policy states its reason beside the flag.
 
-A stretch holds only steps that end strictly before the next scheduled
-SimPy event (``horizon_s``), as coalesced steps do, and before the step that
-would finish a request or find the pool dry; that step runs through the
-normal path.
+A stretch runs the steps that end strictly before the next scheduled SimPy
+event (``horizon_s``) at once, as coalesced steps are, and then the step
+during which that event comes (it was chosen before the event): the server
+yields to SimPy until that step's end, as stepping does, and logs and
+commits it after, so it sees the queues the event changed. A stretch ends
+with the step that samples some request's last token, which it commits as
+``SchedulerState.commit`` would (the request finishes), and before the step
+that would find the KV pool dry, which runs through the normal path (it
+preempts). With nothing waiting and no event reached, the next stretch
+follows at once: case (a) holds again.
 """
 
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generator, NamedTuple
 
 from sim.batch import Batch
 from sim.request import Status
@@ -53,47 +59,83 @@ MIN_STEPS = 1       # stretches as short as one step: cheaper than stepping it (
 
 
 def run_decode_stretch(server: Server, batch: Batch, preempted: bool, now_s: float, horizon_s: float,
-                       chain: bool) -> float:
+                       chain: bool) -> Generator:
     """Run the decode steps that follow the committed step of ``batch`` (it
-    ended at ``now_s``; ``preempted``: it preempted someone) up to the next
-    event; return the time the last of them ends (``now_s`` if none ran).
+    ended at ``now_s``; ``preempted``: it preempted someone) up to and through
+    the next event (a SimPy process fragment: use with ``yield from``);
+    return the time the last of them ends (``now_s`` if none ran).
 
-    A stretch ends with the step that samples some request's last token when
-    that step fits, and commits it as ``SchedulerState.commit`` would (the
-    request finishes). With ``chain`` (no closed-loop client waits on the
-    finish) and nothing waiting, the next stretch follows at once: case (a)
-    holds again, so schedule() would return the same requests less the
+    With ``chain`` (no closed-loop client waits on a finish), after a stretch
+    that finished requests and reached no event, the next one follows at once
+    if nothing waits: schedule() would return the same requests less the
     finished ones."""
     state = server.state
     while True:
-        end_s, finished = _stretch(server, batch, preempted, now_s, horizon_s)
+        end_s, finished, crossing = _stretch(server, batch, preempted, now_s, horizon_s)
+        if crossing is not None:
+            env = server.env
+            yield env.timeout(crossing.end_s - env.now)
+            end_s = env.now                # as stepping takes it
+            crossing.commit(server, end_s)
+            return end_s
         if not (finished and chain) or state.waiting:
             return end_s
         now_s = end_s
 
 
-def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float, horizon_s: float) -> tuple[float, bool]:
-    """One stretch: (end time, whether its last step finished requests)."""
+class _Crossing(NamedTuple):
+    """The stretch's last step, the one during which the next event comes:
+    chosen and its blocks allocated before the event, logged and committed
+    after it (``commit``), as stepping does."""
+
+    start_s: float
+    end_s: float                      # start + duration: the server yields until then
+    duration_s: float
+    live: list
+    ids: array
+    num_seqs: int
+    kv_used: int
+    finishing: list
+
+    def commit(self, server: Server, end_s: float) -> None:
+        state = server.state
+        num_live = len(self.live)
+        server.log.record_stretch((self.start_s,), (self.duration_s,), (self.duration_s,), array("q", (
+            self.num_seqs, 0, num_live, self.num_seqs - num_live, 0, len(state.waiting), len(state.running),
+            self.kv_used)))
+        state.commit_decode_stretch(self.live, self.ids, [end_s], self.finishing)
+
+
+def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float,
+             horizon_s: float) -> tuple[float, bool, _Crossing | None]:
+    """One stretch: the end time of the steps it committed, whether the last
+    of them finished requests, and the step during which the next event
+    comes, if the stretch reaches it (then nothing finished before it)."""
     state = server.state
     running = state.running
     num_seqs = len(running)
     if not num_seqs:
-        return now_s, False
+        return now_s, False, None
     min_outputs = 1                        # sampled before: first_token_s is set
     if state.waiting:                      # case (b) of the module doc
         if (preempted or batch.decode_seqs != len(batch.items) or num_seqs != len(batch.items)):
-            return now_s, False
+            return now_s, False, None
         min_outputs = 2                    # none admitted in this very step (a one-token prompt)
     profile = server.executor.profile
-    # Every stretch step costs at least the fixed part of a decode step of num_seqs sequences.
+    # Every stretch step costs at least the fixed part of a decode step of num_seqs sequences:
+    # the steps before the horizon, plus the one that reaches it.
     max_steps = (horizon_s - now_s) / profile.decode_floor_s(num_seqs)
-    max_steps = int(max_steps) if max_steps < 1e9 else 10**9     # horizon inf: nothing else scheduled
-    if max_steps < MIN_STEPS:
-        return now_s, False
-    # Live requests decode; a static group's finished members (still running) burn a padded token.
+    max_steps = int(max_steps) + 1 if max_steps < 1e9 else 10**9     # horizon inf: nothing else scheduled
+    # One pass over the running requests gathers what the stretch needs. Live requests
+    # decode; a static group's finished members (still running) burn a padded token.
     live = []
+    ids = array("q")
     context = 0
     to_last = max_steps
+    last_ones: list = []                   # the live requests whose last token comes at step to_last
+    near = []                              # (steps until it needs a new block, index in live)
+    kv = state.kv
+    block_size = kv.block_size
     true_output = state.true_output_tokens
     running_status = Status.RUNNING
     for r in running:
@@ -102,34 +144,58 @@ def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float, horizo
         if r.status == running_status:
             outputs = r.num_output_tokens
             if r.num_prompt_tokens + outputs - computed != 1 or outputs < min_outputs:
-                return now_s, False        # not caught up, or caught up this very step
+                return now_s, False, None  # not caught up, or caught up this very step
             # Step number ``left`` samples the request's last token and finishes it: the
             # stretch ends with it (everything after it would depend on the finish).
             left = true_output[r.req_id] - outputs
-            if left < to_last:
-                to_last = left
+            if left <= to_last:
+                if left < to_last:
+                    to_last = left
+                    last_ones = [r]
+                else:
+                    last_ones.append(r)
+            # Stretch step j computes the token at position computed + j: it needs a new
+            # block when that reaches the capacity of the blocks held.
+            room = len(r.block_ids) * block_size - computed
+            if room < max_steps:
+                near.append((room, len(live)))
             live.append(r)
+            ids.append(r.req_id)
     max_steps = to_last
     if max_steps < MIN_STEPS:
-        return now_s, False
+        return now_s, False, None
     num_live = len(live)
-    durations, ends, out_of_range = profile.decode_stretch_s(num_seqs, context, num_live, now_s, horizon_s,
-                                                             max_steps)
-    kv = state.kv
-    num_steps, allocations = _block_growth(kv, live, len(ends))
+    durations, ends, crossing_s, out_of_range = profile.decode_stretch_s(num_seqs, context, num_live, now_s,
+                                                                         horizon_s, max_steps)
+    num_priced = len(ends) + (crossing_s is not None)
+    num_steps, allocations = _block_growth(kv, near, num_priced)
     if num_steps < 1:
-        return now_s, False
+        return now_s, False, None
     # Blocks in use in each step: those held now plus the step's allocations and all before it.
-    kv_used = array("q")
     used = kv.num_used_blocks
-    a, num_allocations = 0, len(allocations)
-    for j in range(num_steps):
-        while a < num_allocations and allocations[a][0] == j:
-            a += 1
-        kv_used.append(used + a)
-    for _, k in allocations:
-        kv.append_block(live[k])
-    if num_steps < len(ends):
+    if allocations:
+        kv_used = array("q")
+        a, num_allocations = 0, len(allocations)
+        for j in range(num_steps):
+            while a < num_allocations and allocations[a][0] == j:
+                a += 1
+            kv_used.append(used + a)
+        for _, k in allocations:
+            kv.append_block(live[k])
+    else:
+        kv_used = array("q", (used,)) * num_steps
+    profile.count_decode_lookups(num_seqs, num_steps, out_of_range(num_steps))
+    finishing = last_ones if num_steps == to_last else []
+    crossing = None
+    if num_steps > len(ends):              # the step at the horizon fits: it runs last
+        start_s = ends[-1] if ends else now_s
+        crossing = _Crossing(start_s, start_s + crossing_s, crossing_s, live, ids, num_seqs, kv_used[-1],
+                             finishing)
+        finishing = []
+        num_steps -= 1
+        if not num_steps:
+            return now_s, False, crossing
+    elif num_steps < len(ends):
         del durations[num_steps:], ends[num_steps:]
     ints = array("q", (num_seqs,                 # batch_size
                        0,                        # num_prefill_tokens
@@ -139,27 +205,25 @@ def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float, horizo
                        len(state.waiting),       # num_waiting
                        num_seqs,                 # num_running
                        0)) * num_steps           # kv_used_blocks, set next
-    ints[7::8] = kv_used
+    ints[7::8] = kv_used[:num_steps]
     server.log.record_stretch([now_s] + ends[:-1], durations, durations, ints)
-    profile.count_decode_lookups(num_seqs, num_steps, out_of_range(num_steps))
-    finished = state.commit_decode_stretch(live, ends)   # after the log: it records the queues as they ran
-    return ends[-1], finished
+    # After the log, which records the queues as the steps ran them.
+    state.commit_decode_stretch(live, ids, ends, finishing)
+    return ends[-1], bool(finishing), crossing
 
 
-def _block_growth(kv, live: list, num_steps: int) -> tuple[int, list[tuple[int, int]]]:
-    """The blocks the live requests grow into over ``num_steps`` stretch steps:
-    how many steps fit before the pool runs dry, and the allocations of those
-    steps as (step, index in ``live``), in the order stepping makes them (by
-    step, then running order)."""
-    bs = kv.block_size
+def _block_growth(kv, near: list[tuple[int, int]], num_steps: int) -> tuple[int, list[tuple[int, int]]]:
+    """The blocks the live requests grow into over ``num_steps`` stretch steps
+    (``near``: (steps until it needs a new block, index in live) of those that
+    may need one): how many steps fit before the pool runs dry, and the
+    allocations of those steps as (step, index in live), in the order stepping
+    makes them (by step, then running order)."""
+    block_size = kv.block_size
     allocations = []
-    for k, r in enumerate(live):
-        # Stretch step j computes the token at position computed + j: it needs a new block
-        # when that reaches the capacity of the blocks held, first at j = capacity - computed.
-        j = len(r.block_ids) * bs - r.num_computed_tokens
+    for j, k in near:
         while j < num_steps:
             allocations.append((j, k))
-            j += bs
+            j += block_size
     allocations.sort()
     free = kv.num_free_blocks
     if len(allocations) > free:

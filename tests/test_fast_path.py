@@ -122,3 +122,34 @@ def test_fast_path_really_skips_steps(monkeypatch) -> None:
     assert steps == fast_steps
     assert stepped_calls >= steps                 # one call per step, plus idle checks
     assert fast_calls < 0.5 * stepped_calls, counts
+
+
+@pytest.mark.parametrize("example,extra", [("azure_conv", {}), ("azure_conv", {"policy.kind": "static"}),
+                                           ("concurrency_sharegpt", {"arrivals.think_time_s": 0.5})])
+def test_stretches_run_through_finishes_and_events(monkeypatch, example: str, extra: dict) -> None:
+    # The stretch's two ends that stepping would otherwise run: the step that samples a
+    # request's last token (committed in the stretch, the request finishes) and the step
+    # during which the next event comes (committed after the server yields to it). Both
+    # must really happen on these runs (an open loop, static groups, and a closed loop
+    # whose clients wait on each finish and think before sending again: their sends are
+    # the events), and the results stay those of stepping.
+    import sim.state
+    import sim.stretch
+    seen = {"finishing": 0, "crossing": 0, "crossing_finishing": 0}
+    commit, crossing_commit = sim.state.SchedulerState.commit_decode_stretch, sim.stretch._Crossing.commit
+
+    def counting_commit(self, live, ids, ends, finishing):
+        seen["finishing"] += bool(finishing)
+        return commit(self, live, ids, ends, finishing)
+
+    def counting_crossing(self, server, end_s):
+        seen["crossing"] += 1
+        seen["crossing_finishing"] += bool(self.finishing)
+        return crossing_commit(self, server, end_s)
+
+    monkeypatch.setattr(sim.state.SchedulerState, "commit_decode_stretch", counting_commit)
+    monkeypatch.setattr(sim.stretch._Crossing, "commit", counting_crossing)
+    path = ROOT / "workloads" / f"{example}.yaml"
+    stepped, fast = _both(lambda: load_workload(path, {"num_requests": 300, **extra}))
+    _assert_identical(stepped, fast)
+    assert seen["finishing"] > 0 and seen["crossing"] > 0 and seen["crossing_finishing"] > 0, seen
