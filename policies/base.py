@@ -58,6 +58,13 @@ class Policy(Protocol):
     requests again, one token further on; both until something arrives,
     finishes or fails to get a block. Say why beside the flag; False steps
     every iteration.
+
+    ``chunk_stretch``: True if the policy also keeps case (c) of
+    ``sim.stretch``: with one running request prefilling and every other one
+    caught up, it decodes them all and gives the prefilling request a chunk of
+    the rest of the token budget (the budget full, nobody admitted), step
+    after step, until the chunk that completes the prompt. Say why beside
+    the flag.
     """
 
     token_budget: int | None       # most tokens one step computes; sizes the activation reserve as vLLM's
@@ -66,6 +73,7 @@ class Policy(Protocol):
     holds_batch: bool              # True: a batch runs to completion and nobody joins it (static, dynamic)
     max_prompt_tokens: int | None  # longer prompts are refused at arrival (None: only the context limits)
     decode_stretch: bool
+    chunk_stretch: bool
 
     def knobs(self) -> dict[str, Any]: ...
 

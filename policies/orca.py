@@ -34,6 +34,7 @@ class OrcaPolicy:
     # Fast path (sim.stretch): decodes use reserved blocks, so the free pool and the free slots
     # that refused admission stay as they are while the same requests decode.
     decode_stretch = True
+    chunk_stretch = False          # no case (c): see Policy
     holds_batch = False
     max_prompt_tokens: int | None = None
     token_budget: int | None = None           # a joining request's whole prompt runs in one step

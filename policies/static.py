@@ -54,6 +54,7 @@ def launch_group(state: SchedulerState, now_s: float, reserve: str, max_size: in
 class StaticPolicy:
     # Fast path (sim.stretch): a running group is stepped to its end, whatever arrives.
     decode_stretch = True
+    chunk_stretch = False          # no case (c): see Policy
     holds_batch = True
     max_prompt_tokens: int | None = None
     token_budget: int | None = None           # a batch takes its prompts whole

@@ -68,6 +68,7 @@ class VllmPolicy:
     # Fast path (sim.stretch): a decode-only step means admission failed for want of sequence
     # slots or free blocks above the watermark; slots stay, free blocks only shrink while decoding.
     decode_stretch = True
+    chunk_stretch = False          # no case (c): see Policy
     holds_batch = False
 
     def __init__(self, config: VllmConfig, context: PolicyContext) -> None:

@@ -84,6 +84,7 @@ class VllmV1Policy:
     # Fast path (sim.stretch): a decode-only step that preempted nobody means admission failed
     # for want of slots, budget or free blocks; slots and budget stay, free blocks only shrink.
     decode_stretch = True
+    chunk_stretch = False          # no case (c): see Policy
     holds_batch = False
     max_prompt_tokens: int | None = None     # chunked prefill: any prompt that fits the context
     num_reserved_blocks = 1                  # vLLM's null block

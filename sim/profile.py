@@ -26,7 +26,7 @@ import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import yaml
 
@@ -163,21 +163,26 @@ class Profile:
         return t
 
     def decode_stretch_s(self, num_seqs: int, context: int, growth: int, start_s: float, horizon_s: float,
-                         max_steps: int) -> tuple[list[float], list[float], float | None, Callable[[int], int]]:
-        """Consecutive decode-only steps of ``num_seqs`` one-token items, the
+                         max_steps: int, chunk: int = 0, chunk_s: Sequence[float] = ()
+                         ) -> tuple[list[float], list[float], float | None, Callable[[int], int]]:
+        """Consecutive decode steps of ``num_seqs`` one-token items, the
         first starting at ``start_s`` with summed context ``context``, each
         next one ``growth`` tokens longer (the loop's fast path,
-        ``sim.stretch``): their durations and end times, for at most
+        ``sim.stretch``), plus in each a prefill chunk of ``chunk`` tokens
+        whose attention costs ``chunk_s[k]`` in step k (``prefill_chunk_s``;
+        none when ``chunk`` is 0): their durations and end times, for at most
         ``max_steps`` steps, stopping before the first that would end at or
         after ``horizon_s``, and that one's duration (None if the steps
         stopped at ``max_steps``). Each duration is ``step_time_s`` of that
         batch, the same floating-point operations in the same order, and the
         end times are summed one after the other as stepping sums them: the
-        same floats. Also ``out_of_range(n)``: how many of the attention
-        lookups of the first ``n`` steps (the one at the horizon included) lie
-        outside the grid. Counts nothing (the caller counts the steps it uses:
-        ``count_decode_lookups``)."""
+        same floats. Also ``out_of_range(n)``: how many of the decode
+        attention lookups of the first ``n`` steps (the one at the horizon
+        included) lie outside the grid. Counts nothing (the caller counts the
+        steps it uses: ``count_stretch_lookups``)."""
         base_s, _, i, tx, x_out = self._decode_column(num_seqs)
+        if chunk:
+            base_s = self.overhead_s + self._linear_uncounted(num_seqs + chunk)[0]
         attn = self.attn_decode
         ys, row0, row1 = attn.ys, attn.zs[i], attn.zs[i + 1]
         y_first, y_last, last_j = ys[0], ys[-1], len(ys) - 2
@@ -204,7 +209,7 @@ class Profile:
             ty = (y - y0) / dy
             z0 = z00 + dz0 * ty
             z = z0 + (z10 + dz1 * ty - z0) * tx
-            d = base_s + (z if z > 0.0 else 0.0)
+            d = (base_s + chunk_s[k] if chunk else base_s) + (z if z > 0.0 else 0.0)
             if y < y_first:
                 num_below += 1
             elif y > y_last and first_above == max_steps:
@@ -251,14 +256,32 @@ class Profile:
             self._linear_memo[num_tokens] = hit
         return hit
 
-    def count_decode_lookups(self, num_seqs: int, num_steps: int, attn_out_of_range: int) -> None:
+    def prefill_chunk_s(self, chunk: int, context: int, num_steps: int) -> tuple[list[float], list[bool]]:
+        """The attention cost of a ``chunk``-token prefill chunk over context
+        ``context``, ``context + chunk``, ... in ``num_steps`` consecutive
+        steps (as ``step_time_s`` prices each), and whether each lookup lies
+        outside the grid. Counts nothing."""
+        curve = self.attn_prefill
+        before = curve.num_out_of_range
+        costs, outs = [], []
+        for k in range(num_steps):
+            counted = curve.num_out_of_range
+            costs.append(curve(chunk, context + k * chunk))
+            outs.append(curve.num_out_of_range > counted)
+        curve.num_out_of_range = before
+        return costs, outs
+
+    def count_stretch_lookups(self, num_tokens: int, num_steps: int, decode_out_of_range: int,
+                              prefill_out_of_range: int = 0) -> None:
         """Count the out-of-range lookups of the ``num_steps`` steps of
-        ``num_seqs`` sequences a stretch used (``attn_out_of_range``: its
-        ``decode_stretch_s``'s ``out_of_range(num_steps)``), as ``step_time_s``
-        would have counted them one step at a time."""
-        if self._linear_uncounted(num_seqs)[1]:
+        ``num_tokens`` tokens a stretch used (``decode_out_of_range``: its
+        ``decode_stretch_s``'s ``out_of_range(num_steps)``; the prefill
+        chunk's from ``prefill_chunk_s``), as ``step_time_s`` would have counted
+        them one step at a time."""
+        if self._linear_uncounted(num_tokens)[1]:
             self.linear.num_out_of_range += num_steps
-        self.attn_decode.num_out_of_range += attn_out_of_range
+        self.attn_decode.num_out_of_range += decode_out_of_range
+        self.attn_prefill.num_out_of_range += prefill_out_of_range
 
     @property
     def num_out_of_range(self) -> int:

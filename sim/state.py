@@ -163,18 +163,23 @@ class SchedulerState:
                 self._finish(r, now_s)
 
     def commit_decode_stretch(self, live: list[Request], ids: Sequence[int], end_times_s: list[float],
-                              finishing: list[Request]) -> None:
+                              finishing: list[Request], prefilling: Request | None = None, chunk: int = 0) -> None:
         """``commit`` of ``len(end_times_s)`` consecutive decode-only steps, one
         token for each of ``live`` (running requests that have caught up, in
         running order; ``ids`` their ids) per step, ending at those times: the
         fast path's (``sim.stretch``). The caller ends the stretch no later
         than the step that samples some request's last token; ``finishing``,
         those whose last token the last step samples, finish as ``commit``
-        would finish them."""
+        would finish them. ``prefilling``, if given, computes a ``chunk`` of
+        its prompt in every step and none of them completes it."""
         num_steps = len(end_times_s)
         for r in live:
             r.num_computed_tokens += num_steps
             r.num_output_tokens += num_steps
+        if prefilling is not None:
+            prefilling.num_computed_tokens += chunk * num_steps
+            if prefilling.num_computed_tokens >= prefilling.num_prompt_tokens + prefilling.num_output_tokens:
+                raise RuntimeError(f"request {prefilling.req_id} completed its prefill inside a stretch")
         self.tokens.add_stretch(end_times_s, ids)
         if finishing:
             end_s = end_times_s[-1]

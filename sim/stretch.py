@@ -30,7 +30,17 @@ and no block allocation fails:
     budget or free blocks, and within a stretch slots and budget stay as they
     are and free blocks only shrink.
 
-Each policy states its reason beside the flag.
+Each policy states its reason beside the flag. A policy that also declares
+``chunk_stretch = True`` (sarathi) keeps a third case:
+
+(c) with one running request prefilling and every other caught up,
+    schedule() gives each caught-up request its token and the prefilling
+    one a chunk of the rest of the token budget; while that chunk does not
+    complete the prompt the budget is full, nobody is admitted, and the
+    next step has the same shape with the chunk moved on. Such a stretch
+    stops before the chunk that completes the prompt (it samples a token
+    and may leave budget for an admission), which runs through the normal
+    path.
 
 A stretch runs the steps that end strictly before the next scheduled SimPy
 event (``horizon_s``) at once, as coalesced steps are, and then the step
@@ -50,7 +60,7 @@ from array import array
 from typing import TYPE_CHECKING, Generator, NamedTuple
 
 from sim.batch import Batch
-from sim.request import Status
+from sim.request import Request, Status
 
 if TYPE_CHECKING:
     from sim.engine import Server
@@ -96,14 +106,28 @@ class _Crossing(NamedTuple):
     num_seqs: int
     kv_used: int
     finishing: list
+    prefilling: Request | None        # case (c): the request that prefills a chunk of ``chunk`` tokens
+    chunk: int
 
     def commit(self, server: Server, end_s: float) -> None:
         state = server.state
-        num_live = len(self.live)
-        server.log.record_stretch((self.start_s,), (self.duration_s,), (self.duration_s,), array("q", (
-            self.num_seqs, 0, num_live, self.num_seqs - num_live, 0, len(state.waiting), len(state.running),
-            self.kv_used)))
-        state.commit_decode_stretch(self.live, self.ids, [end_s], self.finishing)
+        row = _step_row(self.num_seqs, len(self.live), self.chunk, len(state.waiting))
+        row[7] = self.kv_used
+        server.log.record_stretch((self.start_s,), (self.duration_s,), (self.duration_s,), row)
+        state.commit_decode_stretch(self.live, self.ids, [end_s], self.finishing, self.prefilling, self.chunk)
+
+
+def _step_row(num_seqs: int, num_live: int, chunk: int, num_waiting: int) -> array:
+    """A stretch step's integer columns (``StepLog.COLUMNS[3:]``), kv_used_blocks 0."""
+    prefill_seqs = 1 if chunk else 0
+    return array("q", (num_seqs,                              # batch_size
+                       chunk,                                 # num_prefill_tokens
+                       num_live,                              # num_decode_tokens
+                       num_seqs - num_live - prefill_seqs,    # num_pad_tokens
+                       prefill_seqs,                          # num_prefill_seqs
+                       num_waiting,                           # num_waiting
+                       num_seqs,                              # num_running
+                       0))                                    # kv_used_blocks
 
 
 def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float,
@@ -116,11 +140,13 @@ def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float,
     num_seqs = len(running)
     if not num_seqs:
         return now_s, False, None
-    min_outputs = 1                        # sampled before: first_token_s is set
-    if state.waiting:                      # case (b) of the module doc
-        if (preempted or batch.decode_seqs != len(batch.items) or num_seqs != len(batch.items)):
-            return now_s, False, None
-        min_outputs = 2                    # none admitted in this very step (a one-token prompt)
+    # Case (b) of the module doc: the step just run had the stretch's shape.
+    repeats = not (state.waiting and (preempted or batch.decode_seqs != len(batch.items)
+                                      or num_seqs != len(batch.items)))
+    policy = server.policy
+    chunked = policy.chunk_stretch         # case (c): one request may prefill a full-budget chunk
+    if not repeats and not chunked:
+        return now_s, False, None
     profile = server.executor.profile
     # Every stretch step costs at least the fixed part of a decode step of num_seqs sequences:
     # the steps before the horizon, plus the one that reaches it.
@@ -131,6 +157,8 @@ def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float,
     live = []
     ids = array("q")
     context = 0
+    prefilling = None                      # case (c)'s request
+    fresh = False                          # a live request sampled its first token in the step just run
     to_last = max_steps
     last_ones: list = []                   # the live requests whose last token comes at step to_last
     near = []                              # (steps until it needs a new block, index in live)
@@ -143,8 +171,15 @@ def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float,
         context += computed
         if r.status == running_status:
             outputs = r.num_output_tokens
-            if r.num_prompt_tokens + outputs - computed != 1 or outputs < min_outputs:
-                return now_s, False, None  # not caught up, or caught up this very step
+            uncomputed = r.num_prompt_tokens + outputs - computed
+            if uncomputed != 1 or outputs < 1:          # not caught up (outputs 0: a last prompt token)
+                if chunked and prefilling is None and uncomputed > 1:
+                    prefilling = r
+                    context -= computed
+                    continue
+                return now_s, False, None
+            if outputs == 1:
+                fresh = True
             # Step number ``left`` samples the request's last token and finishes it: the
             # stretch ends with it (everything after it would depend on the finish).
             left = true_output[r.req_id] - outputs
@@ -162,11 +197,29 @@ def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float,
             live.append(r)
             ids.append(r.req_id)
     max_steps = to_last
+    decode_seqs = num_seqs
+    chunk = 0
+    chunk_s: list[float] = []
+    if prefilling is None:
+        # Case (b) with nothing admitted in the step just run (a one-token prompt's first
+        # token would look like a decode in its Batch).
+        if state.waiting and (not repeats or fresh):
+            return now_s, False, None
+    else:
+        # Case (c): the decodes take their tokens and the chunk the rest of the budget, so
+        # nothing is admitted; the stretch stops before the chunk that ends the prompt.
+        decode_seqs = num_seqs - 1
+        chunk = policy.token_budget - decode_seqs
+        uncomputed = prefilling.num_uncomputed_tokens
+        if not decode_seqs or chunk < 2 or uncomputed <= chunk:
+            return now_s, False, None
+        max_steps = min(max_steps, (uncomputed - 1) // chunk)
+        chunk_s, chunk_out = profile.prefill_chunk_s(chunk, prefilling.num_computed_tokens, max_steps)
     if max_steps < MIN_STEPS:
         return now_s, False, None
     num_live = len(live)
-    durations, ends, crossing_s, out_of_range = profile.decode_stretch_s(num_seqs, context, num_live, now_s,
-                                                                         horizon_s, max_steps)
+    durations, ends, crossing_s, out_of_range = profile.decode_stretch_s(decode_seqs, context, num_live, now_s,
+                                                                         horizon_s, max_steps, chunk, chunk_s)
     num_priced = len(ends) + (crossing_s is not None)
     num_steps, allocations = _block_growth(kv, near, num_priced)
     if num_steps < 1:
@@ -184,31 +237,25 @@ def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float,
             kv.append_block(live[k])
     else:
         kv_used = array("q", (used,)) * num_steps
-    profile.count_decode_lookups(num_seqs, num_steps, out_of_range(num_steps))
+    profile.count_stretch_lookups(decode_seqs + chunk, num_steps, out_of_range(num_steps),
+                                  sum(chunk_out[:num_steps]) if chunk else 0)
     finishing = last_ones if num_steps == to_last else []
     crossing = None
     if num_steps > len(ends):              # the step at the horizon fits: it runs last
         start_s = ends[-1] if ends else now_s
         crossing = _Crossing(start_s, start_s + crossing_s, crossing_s, live, ids, num_seqs, kv_used[-1],
-                             finishing)
+                             finishing, prefilling, chunk)
         finishing = []
         num_steps -= 1
         if not num_steps:
             return now_s, False, crossing
     elif num_steps < len(ends):
         del durations[num_steps:], ends[num_steps:]
-    ints = array("q", (num_seqs,                 # batch_size
-                       0,                        # num_prefill_tokens
-                       num_live,                 # num_decode_tokens
-                       num_seqs - num_live,      # num_pad_tokens
-                       0,                        # num_prefill_seqs
-                       len(state.waiting),       # num_waiting
-                       num_seqs,                 # num_running
-                       0)) * num_steps           # kv_used_blocks, set next
+    ints = _step_row(num_seqs, num_live, chunk, len(state.waiting)) * num_steps
     ints[7::8] = kv_used[:num_steps]
     server.log.record_stretch([now_s] + ends[:-1], durations, durations, ints)
     # After the log, which records the queues as the steps ran them.
-    state.commit_decode_stretch(live, ids, ends, finishing)
+    state.commit_decode_stretch(live, ids, ends, finishing, prefilling, chunk)
     return ends[-1], bool(finishing), crossing
 
 

@@ -125,9 +125,11 @@ def test_fast_path_really_skips_steps(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("example,extra", [("azure_conv", {}), ("azure_conv", {"policy.kind": "static"}),
+                                           ("azure_conv", {"policy.kind": "sarathi"}),
                                            ("concurrency_sharegpt", {"arrivals.think_time_s": 0.5})])
 def test_stretches_run_through_finishes_and_events(monkeypatch, example: str, extra: dict) -> None:
-    # The stretch's two ends that stepping would otherwise run: the step that samples a
+    # The stretch's two ends that stepping would otherwise run (and, for sarathi, its chunked
+    # prefills: case (c)): the step that samples a
     # request's last token (committed in the stretch, the request finishes) and the step
     # during which the next event comes (committed after the server yields to it). Both
     # must really happen on these runs (an open loop, static groups, and a closed loop
@@ -135,12 +137,13 @@ def test_stretches_run_through_finishes_and_events(monkeypatch, example: str, ex
     # the events), and the results stay those of stepping.
     import sim.state
     import sim.stretch
-    seen = {"finishing": 0, "crossing": 0, "crossing_finishing": 0}
+    seen = {"finishing": 0, "crossing": 0, "crossing_finishing": 0, "chunk": 0}
     commit, crossing_commit = sim.state.SchedulerState.commit_decode_stretch, sim.stretch._Crossing.commit
 
-    def counting_commit(self, live, ids, ends, finishing):
+    def counting_commit(self, live, ids, ends, finishing, prefilling=None, chunk=0):
         seen["finishing"] += bool(finishing)
-        return commit(self, live, ids, ends, finishing)
+        seen["chunk"] += prefilling is not None
+        return commit(self, live, ids, ends, finishing, prefilling, chunk)
 
     def counting_crossing(self, server, end_s):
         seen["crossing"] += 1
@@ -153,3 +156,5 @@ def test_stretches_run_through_finishes_and_events(monkeypatch, example: str, ex
     stepped, fast = _both(lambda: load_workload(path, {"num_requests": 300, **extra}))
     _assert_identical(stepped, fast)
     assert seen["finishing"] > 0 and seen["crossing"] > 0 and seen["crossing_finishing"] > 0, seen
+    # Case (c): sarathi's chunked prefills of the conversation trace's long prompts run in stretches.
+    assert (seen["chunk"] > 0) == (extra.get("policy.kind") == "sarathi"), seen

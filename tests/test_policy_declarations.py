@@ -1,7 +1,7 @@
 """Every registered policy is built one way and declares what others read.
 
 ``PolicyClass(config, context)``; ``token_budget``, ``max_num_seqs``,
-``holds_batch``, ``max_prompt_tokens``, ``decode_stretch`` and ``knobs()``
+``holds_batch``, ``max_prompt_tokens``, ``decode_stretch``, ``chunk_stretch`` and ``knobs()``
 with the same names everywhere; a one-line doc on every config field; the
 README's policy table names every kind and knob.
 """
@@ -30,6 +30,7 @@ def test_declarations_exist_with_their_types(kind):
     assert type(policy.max_num_seqs) is int and policy.max_num_seqs > 0
     assert type(policy.holds_batch) is bool
     assert type(policy.decode_stretch) is bool
+    assert type(policy.chunk_stretch) is bool
     assert policy.max_prompt_tokens is None or type(policy.max_prompt_tokens) is int
     # holds_batch is readable from the class too (a report knows only the kind)
     assert policy_cls.holds_batch is policy.holds_batch
