@@ -30,6 +30,11 @@ and no block allocation fails:
     budget or free blocks, and within a stretch slots and budget stay as they
     are and free blocks only shrink.
 
+A policy that holds its batch (``holds_batch``: static, dynamic) decodes
+its running group, one token further on each step, whatever waits, so for
+it case (b) needs no earlier step as evidence, and a stretch goes on past a
+member's finish while others of the group run.
+
 Each policy states its reason beside the flag. A policy that also declares
 ``chunk_stretch = True`` (sarathi) keeps a third case:
 
@@ -76,10 +81,11 @@ def run_decode_stretch(server: Server, batch: Batch, preempted: bool, now_s: flo
     return the time the last of them ends (``now_s`` if none ran).
 
     With ``chain`` (no closed-loop client waits on a finish), after a stretch
-    that finished requests and reached no event, the next one follows at once
-    if nothing waits: schedule() would return the same requests less the
-    finished ones."""
+    that finished requests or ran through an event, the next one follows at
+    once if nothing waits (or the policy holds its batch): schedule() would
+    return the same requests, less the finished ones."""
     state = server.state
+    holds = server.policy.holds_batch
     while True:
         end_s, finished, crossing = _stretch(server, batch, preempted, now_s, horizon_s)
         if crossing is not None:
@@ -87,8 +93,10 @@ def run_decode_stretch(server: Server, batch: Batch, preempted: bool, now_s: flo
             yield env.timeout(crossing.end_s - env.now)
             end_s = env.now                # as stepping takes it
             crossing.commit(server, end_s)
-            return end_s
-        if not (finished and chain) or state.waiting:
+            if not chain or (state.waiting and not holds):
+                return end_s
+            horizon_s = env.peek()         # the event came and went: the next one bounds the next stretch
+        elif not (finished and chain) or (state.waiting and not holds):
             return end_s
         now_s = end_s
 
@@ -140,10 +148,12 @@ def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float,
     num_seqs = len(running)
     if not num_seqs:
         return now_s, False, None
-    # Case (b) of the module doc: the step just run had the stretch's shape.
-    repeats = not (state.waiting and (preempted or batch.decode_seqs != len(batch.items)
-                                      or num_seqs != len(batch.items)))
+    # Case (b) of the module doc: the step just run had the stretch's shape. A policy that
+    # holds its batch decodes the running group whatever waits: no evidence needed.
     policy = server.policy
+    holds = policy.holds_batch
+    repeats = holds or not (state.waiting and (preempted or batch.decode_seqs != len(batch.items)
+                                               or num_seqs != len(batch.items)))
     chunked = policy.chunk_stretch         # case (c): one request may prefill a full-budget chunk
     if not repeats and not chunked:
         return now_s, False, None
@@ -203,7 +213,7 @@ def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float,
     if prefilling is None:
         # Case (b) with nothing admitted in the step just run (a one-token prompt's first
         # token would look like a decode in its Batch).
-        if state.waiting and (not repeats or fresh):
+        if state.waiting and not holds and (not repeats or fresh):
             return now_s, False, None
     else:
         # Case (c): the decodes take their tokens and the chunk the rest of the budget, so
