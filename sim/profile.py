@@ -163,14 +163,14 @@ class Profile:
         return t
 
     def decode_stretch_s(self, num_seqs: int, context: int, growth: int, start_s: float, horizon_s: float,
-                         max_steps: int, chunk: int = 0, chunk_s: Sequence[float] = ()
+                         max_steps: int, pre_s: Sequence[float] | None = None
                          ) -> tuple[list[float], list[float], float | None, Callable[[int], int]]:
         """Consecutive decode steps of ``num_seqs`` one-token items, the
         first starting at ``start_s`` with summed context ``context``, each
         next one ``growth`` tokens longer (the loop's fast path,
-        ``sim.stretch``), plus in each a prefill chunk of ``chunk`` tokens
-        whose attention costs ``chunk_s[k]`` in step k (``prefill_chunk_s``;
-        none when ``chunk`` is 0): their durations and end times, for at most
+        ``sim.stretch``), with, if ``pre_s`` is given, a prefill chunk in
+        each, ``pre_s[k]`` being what step k costs before its decode
+        attention (``chunk_steps_s``): their durations and end times, for at most
         ``max_steps`` steps, stopping before the first that would end at or
         after ``horizon_s``, and that one's duration (None if the steps
         stopped at ``max_steps``). Each duration is ``step_time_s`` of that
@@ -181,8 +181,6 @@ class Profile:
         included) lie outside the grid. Counts nothing (the caller counts the
         steps it uses: ``count_stretch_lookups``)."""
         base_s, _, i, tx, x_out = self._decode_column(num_seqs)
-        if chunk:
-            base_s = self.overhead_s + self._linear_uncounted(num_seqs + chunk)[0]
         attn = self.attn_decode
         ys, row0, row1 = attn.ys, attn.zs[i], attn.zs[i + 1]
         y_first, y_last, last_j = ys[0], ys[-1], len(ys) - 2
@@ -209,7 +207,7 @@ class Profile:
             ty = (y - y0) / dy
             z0 = z00 + dz0 * ty
             z = z0 + (z10 + dz1 * ty - z0) * tx
-            d = (base_s + chunk_s[k] if chunk else base_s) + (z if z > 0.0 else 0.0)
+            d = (pre_s[k] if pre_s is not None else base_s) + (z if z > 0.0 else 0.0)
             if y < y_first:
                 num_below += 1
             elif y > y_last and first_above == max_steps:
@@ -256,30 +254,38 @@ class Profile:
             self._linear_memo[num_tokens] = hit
         return hit
 
-    def prefill_chunk_s(self, chunk: int, context: int, num_steps: int) -> tuple[list[float], list[bool]]:
-        """The attention cost of a ``chunk``-token prefill chunk over context
-        ``context``, ``context + chunk``, ... in ``num_steps`` consecutive
-        steps (as ``step_time_s`` prices each), and whether each lookup lies
-        outside the grid. Counts nothing."""
+    def chunk_steps_s(self, num_decode_seqs: int, chunks: Sequence[int], context: int
+                      ) -> tuple[list[float], list[bool]]:
+        """For consecutive steps of ``num_decode_seqs`` decodes plus one
+        prefill chunk of ``chunks[k]`` tokens in step k, the chunk's context
+        starting at ``context`` and growing by each chunk: what each step
+        costs before its decode attention (overhead, the token-parallel
+        layers, the chunk's attention, added as ``step_time_s`` adds them)
+        and whether each chunk's attention lookup lies outside the grid.
+        Counts nothing."""
         curve = self.attn_prefill
         before = curve.num_out_of_range
         costs, outs = [], []
-        for k in range(num_steps):
+        for chunk in chunks:
+            linear_s, _ = self._linear_uncounted(num_decode_seqs + chunk)
             counted = curve.num_out_of_range
-            costs.append(curve(chunk, context + k * chunk))
+            costs.append(self.overhead_s + linear_s + curve(chunk, context))
             outs.append(curve.num_out_of_range > counted)
+            context += chunk
         curve.num_out_of_range = before
         return costs, outs
 
-    def count_stretch_lookups(self, num_tokens: int, num_steps: int, decode_out_of_range: int,
+    def count_stretch_lookups(self, linear_uses: Sequence[tuple[int, int]], decode_out_of_range: int,
                               prefill_out_of_range: int = 0) -> None:
-        """Count the out-of-range lookups of the ``num_steps`` steps of
-        ``num_tokens`` tokens a stretch used (``decode_out_of_range``: its
-        ``decode_stretch_s``'s ``out_of_range(num_steps)``; the prefill
-        chunk's from ``prefill_chunk_s``), as ``step_time_s`` would have counted
-        them one step at a time."""
-        if self._linear_uncounted(num_tokens)[1]:
-            self.linear.num_out_of_range += num_steps
+        """Count the out-of-range lookups of the steps a stretch used
+        (``linear_uses``: (token count, steps of that count);
+        ``decode_out_of_range``: its ``decode_stretch_s``'s
+        ``out_of_range(num_steps)``; the prefill chunks' from
+        ``chunk_steps_s``), as ``step_time_s`` would have counted them one
+        step at a time."""
+        for num_tokens, num_steps in linear_uses:
+            if self._linear_uncounted(num_tokens)[1]:
+                self.linear.num_out_of_range += num_steps
         self.attn_decode.num_out_of_range += decode_out_of_range
         self.attn_prefill.num_out_of_range += prefill_out_of_range
 

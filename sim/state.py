@@ -163,24 +163,40 @@ class SchedulerState:
                 self._finish(r, now_s)
 
     def commit_decode_stretch(self, live: list[Request], ids: Sequence[int], end_times_s: list[float],
-                              finishing: list[Request], prefilling: Request | None = None, chunk: int = 0) -> None:
-        """``commit`` of ``len(end_times_s)`` consecutive decode-only steps, one
-        token for each of ``live`` (running requests that have caught up, in
-        running order; ``ids`` their ids) per step, ending at those times: the
-        fast path's (``sim.stretch``). The caller ends the stretch no later
-        than the step that samples some request's last token; ``finishing``,
-        those whose last token the last step samples, finish as ``commit``
-        would finish them. ``prefilling``, if given, computes a ``chunk`` of
-        its prompt in every step and none of them completes it."""
+                              finishing: list[Request], prefilling: Request | None = None,
+                              prefill_tokens: int = 0, completes: bool = False) -> None:
+        """``commit`` of ``len(end_times_s)`` consecutive steps, ending at
+        those times, that give each of ``live`` (running requests that have
+        caught up, in running order; ``ids`` their ids) one token per step:
+        the fast path's (``sim.stretch``). The caller ends the stretch no
+        later than the step that samples some request's last token;
+        ``finishing``, those whose last token the last step samples, finish as
+        ``commit`` would finish them. ``prefilling``, if given, computes
+        ``prefill_tokens`` of its prompt over the steps, after the decodes of
+        each; with ``completes`` the last step completes it, and it samples
+        a token then (and finishes if that was its last)."""
         num_steps = len(end_times_s)
         for r in live:
             r.num_computed_tokens += num_steps
             r.num_output_tokens += num_steps
-        if prefilling is not None:
-            prefilling.num_computed_tokens += chunk * num_steps
-            if prefilling.num_computed_tokens >= prefilling.num_prompt_tokens + prefilling.num_output_tokens:
-                raise RuntimeError(f"request {prefilling.req_id} completed its prefill inside a stretch")
-        self.tokens.add_stretch(end_times_s, ids)
+        if prefilling is None:
+            self.tokens.add_stretch(end_times_s, ids)
+        else:
+            p = prefilling
+            p.num_computed_tokens += prefill_tokens
+            known = p.num_prompt_tokens + p.num_output_tokens
+            if p.num_computed_tokens != known if completes else p.num_computed_tokens >= known:
+                raise RuntimeError(f"request {p.req_id}: a stretch's chunks do not end its prefill as announced")
+            if not completes:
+                self.tokens.add_stretch(end_times_s, ids)
+            else:
+                self.tokens.add_stretch(end_times_s[:-1], ids)
+                self.tokens.add_stretch(end_times_s[-1:], [*ids, p.req_id])   # the chunk's item comes last
+                p.num_output_tokens += 1
+                if p.first_token_s is None:
+                    p.first_token_s = end_times_s[-1]
+                if p.num_output_tokens >= self._true_output[p.req_id]:
+                    finishing = [*finishing, p]
         if finishing:
             end_s = end_times_s[-1]
             for r in finishing:

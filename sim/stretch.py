@@ -42,10 +42,10 @@ Each policy states its reason beside the flag. A policy that also declares
     schedule() gives each caught-up request its token and the prefilling
     one a chunk of the rest of the token budget; while that chunk does not
     complete the prompt the budget is full, nobody is admitted, and the
-    next step has the same shape with the chunk moved on. Such a stretch
-    stops before the chunk that completes the prompt (it samples a token
-    and may leave budget for an admission), which runs through the normal
-    path.
+    next step has the same shape with the chunk moved on. The chunk that
+    completes the prompt samples a token and ends the stretch; it belongs to
+    it when it leaves no budget for an admission or nothing waits (else it
+    runs through the normal path).
 
 A stretch runs the steps that end strictly before the next scheduled SimPy
 event (``horizon_s``) at once, as coalesced steps are, and then the step
@@ -114,15 +114,17 @@ class _Crossing(NamedTuple):
     num_seqs: int
     kv_used: int
     finishing: list
-    prefilling: Request | None        # case (c): the request that prefills a chunk of ``chunk`` tokens
+    prefilling: Request | None        # case (c): the request that prefills a chunk of ``chunk`` tokens,
     chunk: int
+    completes: bool                   # ... the last of its prompt
 
     def commit(self, server: Server, end_s: float) -> None:
         state = server.state
         row = _step_row(self.num_seqs, len(self.live), self.chunk, len(state.waiting))
         row[7] = self.kv_used
         server.log.record_stretch((self.start_s,), (self.duration_s,), (self.duration_s,), row)
-        state.commit_decode_stretch(self.live, self.ids, [end_s], self.finishing, self.prefilling, self.chunk)
+        state.commit_decode_stretch(self.live, self.ids, [end_s], self.finishing, self.prefilling, self.chunk,
+                                    self.completes)
 
 
 def _step_row(num_seqs: int, num_live: int, chunk: int, num_waiting: int) -> array:
@@ -208,8 +210,9 @@ def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float,
             ids.append(r.req_id)
     max_steps = to_last
     decode_seqs = num_seqs
-    chunk = 0
-    chunk_s: list[float] = []
+    chunks: list[int] = []                 # case (c): each step's prefill chunk
+    completes = False                      # ... the last of which completes the prompt
+    pre_s = None
     if prefilling is None:
         # Case (b) with nothing admitted in the step just run (a one-token prompt's first
         # token would look like a decode in its Batch).
@@ -217,19 +220,31 @@ def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float,
             return now_s, False, None
     else:
         # Case (c): the decodes take their tokens and the chunk the rest of the budget, so
-        # nothing is admitted; the stretch stops before the chunk that ends the prompt.
+        # nothing is admitted while chunks leave some of the prompt. The chunk that completes
+        # it samples a token, and ends the stretch; it has the stretch's shape when it leaves
+        # no budget for an admission, or nothing waits, and computes more than one token (one
+        # would be a decode in its Batch).
         decode_seqs = num_seqs - 1
         chunk = policy.token_budget - decode_seqs
-        uncomputed = prefilling.num_uncomputed_tokens
-        if not decode_seqs or chunk < 2 or uncomputed <= chunk:
+        if not decode_seqs or chunk < 2:
             return now_s, False, None
-        max_steps = min(max_steps, (uncomputed - 1) // chunk)
-        chunk_s, chunk_out = profile.prefill_chunk_s(chunk, prefilling.num_computed_tokens, max_steps)
+        uncomputed = prefilling.num_uncomputed_tokens
+        num_full = (uncomputed - 1) // chunk
+        last_chunk = uncomputed - num_full * chunk
+        chunks = [chunk] * num_full
+        if last_chunk >= 2 and (last_chunk == chunk or not state.waiting):
+            chunks.append(last_chunk)
+            completes = True
+        max_steps = min(max_steps, len(chunks))
+        if max_steps < len(chunks):
+            del chunks[max_steps:]
+            completes = False
+        pre_s, chunk_out = profile.chunk_steps_s(decode_seqs, chunks, prefilling.num_computed_tokens)
     if max_steps < MIN_STEPS:
         return now_s, False, None
     num_live = len(live)
     durations, ends, crossing_s, out_of_range = profile.decode_stretch_s(decode_seqs, context, num_live, now_s,
-                                                                         horizon_s, max_steps, chunk, chunk_s)
+                                                                         horizon_s, max_steps, pre_s)
     num_priced = len(ends) + (crossing_s is not None)
     num_steps, allocations = _block_growth(kv, near, num_priced)
     if num_steps < 1:
@@ -247,26 +262,38 @@ def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float,
             kv.append_block(live[k])
     else:
         kv_used = array("q", (used,)) * num_steps
-    profile.count_stretch_lookups(decode_seqs + chunk, num_steps, out_of_range(num_steps),
-                                  sum(chunk_out[:num_steps]) if chunk else 0)
+    if prefilling is None:
+        profile.count_stretch_lookups(((num_seqs, num_steps),), out_of_range(num_steps))
+    else:
+        del chunks[num_steps:]
+        completes = completes and len(chunks) == max_steps
+        num_full_used = num_steps - completes
+        profile.count_stretch_lookups(((decode_seqs + chunks[0], num_full_used),
+                                       (decode_seqs + chunks[-1], int(completes))),
+                                      out_of_range(num_steps), sum(chunk_out[:num_steps]))
     finishing = last_ones if num_steps == to_last else []
     crossing = None
     if num_steps > len(ends):              # the step at the horizon fits: it runs last
         start_s = ends[-1] if ends else now_s
         crossing = _Crossing(start_s, start_s + crossing_s, crossing_s, live, ids, num_seqs, kv_used[-1],
-                             finishing, prefilling, chunk)
+                             finishing, prefilling, chunks[-1] if chunks else 0, completes)
         finishing = []
+        completes = False
         num_steps -= 1
+        if chunks:
+            chunks.pop()
         if not num_steps:
             return now_s, False, crossing
     elif num_steps < len(ends):
         del durations[num_steps:], ends[num_steps:]
-    ints = _step_row(num_seqs, num_live, chunk, len(state.waiting)) * num_steps
+    ints = _step_row(num_seqs, num_live, chunks[0] if chunks else 0, len(state.waiting)) * num_steps
     ints[7::8] = kv_used[:num_steps]
+    if completes:
+        ints[8 * num_steps - 7] = chunks[-1]       # the last step's num_prefill_tokens
     server.log.record_stretch([now_s] + ends[:-1], durations, durations, ints)
     # After the log, which records the queues as the steps ran them.
-    state.commit_decode_stretch(live, ids, ends, finishing, prefilling, chunk)
-    return ends[-1], bool(finishing), crossing
+    state.commit_decode_stretch(live, ids, ends, finishing, prefilling, sum(chunks), completes)
+    return ends[-1], bool(finishing) or completes, crossing
 
 
 def _block_growth(kv, near: list[tuple[int, int]], num_steps: int) -> tuple[int, list[tuple[int, int]]]:

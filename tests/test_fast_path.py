@@ -137,13 +137,14 @@ def test_stretches_run_through_finishes_and_events(monkeypatch, example: str, ex
     # the events), and the results stay those of stepping.
     import sim.state
     import sim.stretch
-    seen = {"finishing": 0, "crossing": 0, "crossing_finishing": 0, "chunk": 0}
+    seen = {"finishing": 0, "crossing": 0, "crossing_finishing": 0, "chunk": 0, "completes": 0}
     commit, crossing_commit = sim.state.SchedulerState.commit_decode_stretch, sim.stretch._Crossing.commit
 
-    def counting_commit(self, live, ids, ends, finishing, prefilling=None, chunk=0):
+    def counting_commit(self, live, ids, ends, finishing, prefilling=None, prefill_tokens=0, completes=False):
         seen["finishing"] += bool(finishing)
         seen["chunk"] += prefilling is not None
-        return commit(self, live, ids, ends, finishing, prefilling, chunk)
+        seen["completes"] += completes
+        return commit(self, live, ids, ends, finishing, prefilling, prefill_tokens, completes)
 
     def counting_crossing(self, server, end_s):
         seen["crossing"] += 1
@@ -158,3 +159,4 @@ def test_stretches_run_through_finishes_and_events(monkeypatch, example: str, ex
     assert seen["finishing"] > 0 and seen["crossing"] > 0 and seen["crossing_finishing"] > 0, seen
     # Case (c): sarathi's chunked prefills of the conversation trace's long prompts run in stretches.
     assert (seen["chunk"] > 0) == (extra.get("policy.kind") == "sarathi"), seen
+    assert (seen["completes"] > 0) == (extra.get("policy.kind") == "sarathi"), seen
