@@ -143,8 +143,9 @@ def _step_row(num_seqs: int, num_live: int, chunk: int, num_waiting: int) -> arr
 def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float,
              horizon_s: float) -> tuple[float, bool, _Crossing | None]:
     """One stretch: the end time of the steps it committed, whether the last
-    of them finished requests, and the step during which the next event
-    comes, if the stretch reaches it (then nothing finished before it)."""
+    of them changed the running requests' shape (finished some, or completed
+    case (c)'s prompt), and the step during which the next event comes, if
+    the stretch reaches it (then nothing changed before it)."""
     state = server.state
     running = state.running
     num_seqs = len(running)
