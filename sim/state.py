@@ -179,24 +179,22 @@ class SchedulerState:
         for r in live:
             r.num_computed_tokens += num_steps
             r.num_output_tokens += num_steps
-        if prefilling is None:
-            self.tokens.add_stretch(end_times_s, ids)
-        else:
-            p = prefilling
+        p = prefilling
+        if p is not None:
             p.num_computed_tokens += prefill_tokens
             known = p.num_prompt_tokens + p.num_output_tokens
             if p.num_computed_tokens != known if completes else p.num_computed_tokens >= known:
                 raise RuntimeError(f"request {p.req_id}: a stretch's chunks do not end its prefill as announced")
-            if not completes:
-                self.tokens.add_stretch(end_times_s, ids)
-            else:
-                self.tokens.add_stretch(end_times_s[:-1], ids)
-                self.tokens.add_stretch(end_times_s[-1:], [*ids, p.req_id])   # the chunk's item comes last
-                p.num_output_tokens += 1
-                if p.first_token_s is None:
-                    p.first_token_s = end_times_s[-1]
-                if p.num_output_tokens >= self._true_output[p.req_id]:
-                    finishing = [*finishing, p]
+        if not completes:
+            self.tokens.add_stretch(end_times_s, ids)
+        else:
+            self.tokens.add_stretch(end_times_s[:-1], ids)
+            self.tokens.add_stretch(end_times_s[-1:], [*ids, p.req_id])   # the chunk's item comes last
+            p.num_output_tokens += 1
+            if p.first_token_s is None:
+                p.first_token_s = end_times_s[-1]
+            if p.num_output_tokens >= self._true_output[p.req_id]:
+                finishing = [*finishing, p]
         if finishing:
             end_s = end_times_s[-1]
             for r in finishing:

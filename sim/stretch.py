@@ -267,7 +267,7 @@ def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float,
         profile.count_stretch_lookups(((num_seqs, num_steps),), out_of_range(num_steps))
     else:
         del chunks[num_steps:]
-        completes = completes and len(chunks) == max_steps
+        completes = completes and num_steps == max_steps      # the completing chunk is the last one
         num_full_used = num_steps - completes
         profile.count_stretch_lookups(((decode_seqs + chunks[0], num_full_used),
                                        (decode_seqs + chunks[-1], int(completes))),
