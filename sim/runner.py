@@ -27,7 +27,7 @@ from sim.logs import StepLog, TokenLog
 from sim.metrics import Values, itl_values, step_totals, summarize_logs
 from sim.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
 from sim.request import REJECT_REASONS, Request
-from sim.table import RequestTable, trim_heap
+from sim.table import RequestTable, trim_heap, tune_heap
 from sim.state import SchedulerState
 from sim.vllm_result import policy_knobs
 from workloads.generate import RequestSpecs, generate
@@ -347,6 +347,7 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
                           f"max_concurrency to >= {cfg.policy.batch_size * num_replicas}, lower "
                           f"policy.batch_size, or use policy dynamic (it launches after max_queue_delay_s)")
     wall0 = time.perf_counter()
+    tune_heap()
     profile = build_profile(cfg)
     cfg = resolve_server(cfg, profile)
     num_blocks, max_model_len = kv_blocks(cfg, profile)
