@@ -75,6 +75,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sim.chrome_trace import first_steps, trace_chunks
     from sim.config import load_workload, parse_override
     from sim.io import prepare_run_dir, write_run
+    from sim.runfiles import RunFilesProcess
     from sim.runner import run_workload
     from sim.vllm_result import DEFAULT_PERCENTILES, bench_result, offered_load, parse_percentiles
 
@@ -84,11 +85,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides["seed"] = args.seed
     cfg = load_workload(args.workload, overrides)
     out, taken = prepare_run_dir(args.out, Path("runs") / cfg.name, overwrite=args.overwrite)   # before the work
-    result = run_workload(cfg, num_replicas=args.replicas, router=args.router, progress=not args.quiet,
-                          strict=args.strict)
-    traced = first_steps(result.steps) if args.trace else None
-    write_run(result, out, bench=bench_result(result, percentiles, detailed=args.save_detailed),
-              trace=trace_chunks(traced) if traced is not None else None)
+    # steps.csv and tokens.npz are written by a second process while the run goes on (sim.runfiles)
+    with RunFilesProcess(out) as files:
+        result = run_workload(cfg, num_replicas=args.replicas, router=args.router, progress=not args.quiet,
+                              strict=args.strict, files=files)
+        traced = first_steps(result.steps) if args.trace else None
+        write_run(result, out, bench=bench_result(result, percentiles, detailed=args.save_detailed),
+                  trace=trace_chunks(traced) if traced is not None else None, files=files)
     meta = result.meta
     title = (f"{cfg.name}: policy {cfg.policy.kind}, profile {meta['profile_name']} "
              f"({result.summary['profile_source']}), {meta['num_blocks']:,} KV blocks x "

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import json
 import platform
-import re
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, TextIO
+from typing import Any, Iterable, TextIO
 
 import numpy as np
 import pandas as pd
 
 from sim.atomic import tmp_path, write_atomic
+from sim.runfiles import RunFilesProcess, csv_columns, write_tokens_npz
 from sim.provenance import git_revision
 from sim.config import ConfigError
 from sim.runner import RunResult
@@ -143,99 +142,44 @@ def write_csv(f: TextIO, frame: pd.DataFrame, *, header: bool = True, rows: int 
             f.write(text)
 
 
-_CSV_SPECIAL = re.compile(r'[,"\r\n]')
-
-
 def csv_text(frame: pd.DataFrame, *, header: bool = True) -> str | None:
     """What ``frame.to_csv(index=False, header=header)`` returns, or None for a
-    frame it does not know how to write the same way (then call ``to_csv``).
-
-    It knows columns of ints, floats, bools and plain strings (nothing to
-    quote), which is what the simulator's tables hold. Where pandas formats
-    cell by cell, it formats each distinct small int once (a table indexed by
-    the column), a float column equal to an earlier one once (a simulated
-    step's predicted_s is its duration_s), floats as ``repr`` (what pandas
-    writes; NaN as an empty cell) and joins rows in one pass."""
-    if not all(isinstance(c, str) and not _CSV_SPECIAL.search(c) for c in frame.columns):
-        return None
-    cells: list[list[str]] = []
-    done: list[tuple[np.ndarray, list[str]]] = []
-    for name in frame.columns:
-        values = frame[name].to_numpy()
-        kind = values.dtype.kind
-        if kind == "f" and values.dtype.itemsize == 8:
-            same = next((strs for prev, strs in done if prev.dtype == values.dtype
-                         and np.array_equal(prev, values, equal_nan=True)), None)
-            if same is None:
-                same = [repr(x) for x in values.tolist()]
-                if np.isnan(values).any():
-                    same = ["" if x == "nan" else x for x in same]
-                done.append((values, same))
-            cells.append(same)
-        elif kind in "iu":
-            hi = int(values.max()) if len(values) else 0
-            if len(values) and int(values.min()) >= 0 and hi < 4 * len(values) + 1024:
-                cells.append(np.array([str(i) for i in range(hi + 1)], dtype=object)[values].tolist())
-            else:
-                cells.append([str(x) for x in values.tolist()])
-        elif kind == "b":
-            cells.append(["True" if x else "False" for x in values.tolist()])
-        elif kind == "O":
-            strs = values.tolist()
-            if not all(type(x) is str for x in strs) or any(_CSV_SPECIAL.search(x) for x in set(strs)):
-                return None
-            cells.append(strs)
-        else:
-            return None
-    head = ",".join(frame.columns) + "\n" if header else ""
-    if not len(frame):
-        return head
-    if len(cells) == 1:
-        return head + "\n".join('""' if x == "" else x for x in cells[0]) + "\n"
-    return head + "\n".join(map(",".join, zip(*cells))) + "\n"
-
-
-def write_tokens_npz(path: Path, chunks: Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]],
-                     num_tokens: int) -> None:
-    """tokens.npz (arrays req_id int64 and t_s float64, as ``np.savez_compressed``
-    writes them) streamed from ``chunks()`` (read once per array), never all in
-    memory. Members carry a fixed date, so equal tokens give equal bytes."""
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED, allowZip64=True) as zf:
-        for column, (name, dtype) in enumerate((("req_id", np.int64), ("t_s", np.float64))):
-            info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
-            info.compress_type = zipfile.ZIP_DEFLATED
-            info.external_attr = 0o600 << 16
-            with zf.open(info, "w", force_zip64=True) as member:
-                np.lib.format.write_array_header_1_0(member, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
-                                                              "fortran_order": False, "shape": (num_tokens,)})
-                written = 0
-                for chunk in chunks():
-                    values = np.ascontiguousarray(chunk[column], dtype=dtype)
-                    member.write(values)
-                    written += len(values)
-            if written != num_tokens:
-                raise RuntimeError(f"{path}: {written} tokens written, {num_tokens} announced")
+    frame it does not know how to write the same way (then call ``to_csv``):
+    ``sim.runfiles.csv_columns`` of its columns (ints, float64, bools and
+    plain strings, which is what the simulator's tables hold)."""
+    return csv_columns(list(frame.columns), [frame[name].to_numpy() for name in frame.columns], header=header)
 
 
 def write_run(result: RunResult, out_dir: str | Path, *, bench: dict[str, Any] | None = None,
-              trace: Iterable[str] | None = None) -> Path:
+              trace: Iterable[str] | None = None, files: RunFilesProcess | None = None) -> Path:
     """Write ``result`` into ``out_dir`` over whatever an earlier run left there,
     with ``bench`` as vllm_bench.json (compact, as vLLM writes it) and the
-    ``trace`` chunks as trace.json."""
+    ``trace`` chunks as trace.json. ``files``: the process that wrote this
+    run's steps.csv and tokens.npz while it ran (``sim.runfiles``), if one did."""
     out = ensure_writable(out_dir)
     try:
         clear_run(out)                     # a half-rewritten directory must not look complete
     except OSError as exc:
         raise OutputError(f"{out}: cannot remove the earlier run's files ({exc.strerror or exc})") from None
-    # tokens.npz is mostly zlib, which releases the GIL: it compresses on a second thread
-    # while this one formats the CSVs (the conversation trace: ~0.2 s of ~0.7 s saved).
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        tokens = pool.submit(_atomic, out / "tokens.npz",
-                             lambda p: write_tokens_npz(p, result.token_chunks, result.num_tokens))
+    if files is not None and files.started:
         _atomic(out / "requests.csv", lambda p: write_csv_chunks(p, result.request_frames()))
-        _atomic(out / "steps.csv", lambda p: write_csv_chunks(p, result.step_frames()))
-        tokens.result()
+        failed = files.commit()                 # "FILE: why"
+        if failed is not None:
+            name, _, why = failed.partition(": ")
+            raise OutputError(f"{out / name}: cannot write ({why}); the run directory is incomplete "
+                              f"(no summary.json)")
+    else:
+        # tokens.npz is mostly zlib, which releases the GIL: it compresses on a second thread
+        # while this one formats the CSVs (the conversation trace: ~0.2 s of ~0.7 s saved).
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            tokens = pool.submit(_atomic, out / "tokens.npz",
+                                 lambda p: write_tokens_npz(p, result.token_chunks, result.num_tokens))
+            _atomic(out / "requests.csv", lambda p: write_csv_chunks(p, result.request_frames()))
+            _atomic(out / "steps.csv", lambda p: write_csv_chunks(p, result.step_frames()))
+            tokens.result()
     meta = dict(result.meta)
+    if files is not None and files.peak_rss_mib is not None:
+        meta["files_process_peak_rss_mib"] = round(files.peak_rss_mib, 1)    # the second process's own
     meta.setdefault("git_revision", git_revision())
     meta.setdefault("versions", versions())
     write_json(out / "meta.json", meta)

@@ -17,7 +17,7 @@ import tempfile
 import weakref
 from array import array
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -30,6 +30,18 @@ if TYPE_CHECKING:
 TOKEN_CHUNK = 262_144       # tokens held in memory before a spill (2 MB of ids)
 STEP_CHUNK = 250_000        # steps held in memory before a spill (22 MB)
 INT32_MAX = 2 ** 31 - 1
+
+
+def read_chunk(path: str | Path, num_arrays: int) -> tuple[np.ndarray, ...]:
+    """The arrays a spill file holds (``SpillFolder.write``: ``np.save`` one after the other)."""
+    with open(path, "rb") as f:
+        return tuple(np.load(f, allow_pickle=False) for _ in range(num_arrays))
+
+
+def token_chunk(ids: np.ndarray, step_end_s: np.ndarray, step_counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(req_id int64, t_s float64) of a ``TokenLog`` chunk: its ids, and per
+    step the end time repeated for the tokens the step sampled."""
+    return ids.astype(np.int64), np.repeat(step_end_s, step_counts)
 
 
 class SpillError(ConfigError):
@@ -48,24 +60,29 @@ class SpillFolder:
         self.num_chunks = 0
         self._remove: weakref.finalize | None = None
 
-    def write(self, *arrays: np.ndarray) -> None:
+    def write(self, *arrays: np.ndarray) -> Path:
+        """Write one chunk file; its path."""
         try:
             if self.path is None:
                 self.path = Path(tempfile.mkdtemp(prefix="batchsim-spill-"))
                 self._remove = weakref.finalize(self, shutil.rmtree, self.path, ignore_errors=True)
-            with open(self.path / f"{self.num_chunks:06d}.npy", "wb") as f:
+            path = self.path / f"{self.num_chunks:06d}.npy"
+            with open(path, "wb") as f:
                 for a in arrays:
                     np.save(f, a, allow_pickle=False)
         except OSError as exc:
             raise SpillError(f"{self.path or tempfile.gettempdir()}: cannot spill the run's logs to disk "
                              f"({exc.strerror or exc}); free space there or set TMPDIR to a larger disk") from None
         self.num_chunks += 1
+        return path
+
+    def paths(self) -> list[Path]:
+        """The chunk files, in the order they were written."""
+        return [self.path / f"{k:06d}.npy" for k in range(self.num_chunks)] if self.path is not None else []
 
     def read(self, num_arrays: int) -> Iterator[tuple[np.ndarray, ...]]:
-        for k in range(self.num_chunks):
-            assert self.path is not None, "chunks counted but no folder"
-            with open(self.path / f"{k:06d}.npy", "rb") as f:
-                yield tuple(np.load(f, allow_pickle=False) for _ in range(num_arrays))
+        for path in self.paths():
+            yield read_chunk(path, num_arrays)
 
     def close(self) -> None:
         """Remove the folder and its chunks now (idempotent)."""
@@ -131,10 +148,16 @@ class TokenLog:
     def __len__(self) -> int:
         return self._num_spilled + len(self.ids)
 
+    def spill_rest(self) -> list[Path]:
+        """Spill the tokens still in memory; every chunk file, in time order."""
+        if len(self.ids):
+            self._flush()
+        return self._spill.paths()
+
     def chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(request ids int64, times float64) of the tokens, chunk by chunk in time order."""
         for ids, end_s, counts in self._spill.read(3):
-            yield ids.astype(np.int64), np.repeat(end_s, counts)
+            yield token_chunk(ids, end_s, counts)
         if len(self.ids):
             yield (np.frombuffer(self.ids, dtype=np.int64).copy(),
                    np.repeat(np.frombuffer(self._step_end_s, dtype=np.float64),
@@ -168,6 +191,19 @@ class StepLog:
         self._chunk_steps = STEP_CHUNK
         self._num_spilled = 0
         self._spill = SpillFolder()
+        self._on_spill: Callable[[Path], None] | None = None
+
+    def stream_to(self, on_spill: Callable[[Path], None], chunk_steps: int) -> None:
+        """Spill every ``chunk_steps`` steps and call ``on_spill(chunk file)``
+        after each spill (``sim.runfiles.RunFilesProcess`` formats them)."""
+        self._on_spill = on_spill
+        self._chunk_steps = chunk_steps
+
+    def spill_rest(self) -> None:
+        """Spill the rows still in memory (announced like the others), so that
+        every row is in a chunk file."""
+        if len(self.t_s):
+            self._flush()
 
     def record(self, t_s: float, batch: Batch, result: StepResult, state: SchedulerState) -> None:
         self.t_s.append(t_s)
@@ -197,12 +233,14 @@ class StepLog:
         ints = np.frombuffer(self.ints, dtype=np.int64)
         if len(ints) and -INT32_MAX <= int(ints.min()) and int(ints.max()) <= INT32_MAX:
             ints = ints.astype(np.int32)
-        self._spill.write(np.frombuffer(self.t_s, dtype=np.float64),
-                          np.frombuffer(self.duration_s, dtype=np.float64),
-                          np.frombuffer(self.predicted_s, dtype=np.float64), ints)
+        path = self._spill.write(np.frombuffer(self.t_s, dtype=np.float64),
+                                 np.frombuffer(self.duration_s, dtype=np.float64),
+                                 np.frombuffer(self.predicted_s, dtype=np.float64), ints)
         del ints                        # no view may outlive the arrays' resize
         self._num_spilled += len(self.t_s)
         del self.t_s[:], self.duration_s[:], self.predicted_s[:], self.ints[:]
+        if self._on_spill is not None:
+            self._on_spill(path)
 
     def __len__(self) -> int:
         return self._num_spilled + len(self.t_s)

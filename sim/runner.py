@@ -27,6 +27,7 @@ from sim.logs import StepLog, TokenLog
 from sim.metrics import Values, itl_values, step_totals, summarize_logs
 from sim.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
 from sim.request import REJECT_REASONS, Request
+from sim.runfiles import RunFilesProcess
 from sim.table import RequestTable, trim_heap, tune_heap
 from sim.state import SchedulerState
 from sim.vllm_result import policy_knobs
@@ -280,7 +281,8 @@ def make_requests(cfg: WorkloadConfig, specs: RequestSpecs, max_model_len: int) 
 def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len: int,
           env: simpy.Environment, executor: Executor, *, num_replicas: int = 1,
           router: str = "round_robin", on_step: OnStep | None = None,
-          progress: bool = False, live: bool = False) -> tuple[list[Server], int, int]:
+          progress: bool = False, live: bool = False,
+          files: RunFilesProcess | None = None) -> tuple[list[Server], int, int]:
     """Run ``cfg``'s requests through ``num_replicas`` servers on ``env``.
 
     The one place that builds requests, policies, block pools and servers, for
@@ -288,7 +290,9 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     (``live``: a real-time environment + a live executor, ``sim.live``) alike.
     Live, the servers step one iteration at a time on the wall clock and a
     measured server's per-request overhead is not added (it happens).
-    ``on_step(server)`` builds each server's step hook. Returns the servers
+    ``on_step(server)`` builds each server's step hook. ``files``, if
+    given, writes steps.csv and tokens.npz from the logs in a second process
+    while the loop runs and after it (``sim.runfiles``). Returns the servers
     (each request is in one server's ``state.records``), the number of
     requests and of trace rows dropped; nothing else of the request arrays
     outlives the run.
@@ -317,6 +321,9 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
         env.process(feed_capped(env, servers, requests, requests.true_outputs(), a.max_concurrency, a.think_time_s,
                                 router, lag_s))
     profile.reset_counters()
+    if files is not None:
+        files.start([s.log for s in servers], [s.state.tokens for s in servers], [s.replica for s in servers],
+                    num_blocks)
     if live:
         env.sync()                          # t = 0 is now, not when the env was built
     _run_env(env, servers, len(requests), progress)
@@ -327,12 +334,16 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     num_done = sum(len(s.state.records) for s in servers)
     if num_done != len(specs):
         raise RuntimeError(f"run ended with {num_done} of {len(specs)} requests done (policy {cfg.policy.kind})")
+    if files is not None:
+        files.finish()
     return servers, len(specs), specs.num_dropped
 
 
 def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "round_robin",
-                 progress: bool = False, strict: bool = False) -> RunResult:
-    """Simulate ``cfg`` on ``num_replicas`` identical servers behind ``router``."""
+                 progress: bool = False, strict: bool = False,
+                 files: RunFilesProcess | None = None) -> RunResult:
+    """Simulate ``cfg`` on ``num_replicas`` identical servers behind ``router``
+    (``files``: see ``drive``)."""
     if router not in ROUTERS:
         raise ConfigError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
     if num_replicas < 1:
@@ -354,7 +365,7 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
     loop0 = time.perf_counter()
     servers, num_requests, num_dropped = drive(cfg, profile, num_blocks, max_model_len, simpy.Environment(),
                                                SimExecutor(profile), num_replicas=num_replicas, router=router,
-                                               progress=progress)
+                                               progress=progress, files=files)
     loop_s = time.perf_counter() - loop0
     result = collect(cfg, servers, num_requests, num_blocks, profile)
     rejected = result.summary["failed_by_reason"]

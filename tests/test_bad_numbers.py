@@ -12,6 +12,7 @@ from conftest import ROOT
 
 import sim.io
 from sim.cli import main
+from sim.runfiles import RunFilesProcess
 
 GOOD = {
     "name": "t", "num_requests": 20,
@@ -183,6 +184,8 @@ def test_full_disk_leaves_no_tmp_and_no_summary(tmp_path, capsys, monkeypatch):
         Path(path).write_bytes(b"half an archive")          # the disk fills up part way
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(sim.io, "write_tokens_npz", no_space)
+    # tokens.npz in process (a second process's failure: test_runfiles.py)
+    monkeypatch.setattr(RunFilesProcess, "start", lambda self, *a: False)
     rc, err, out = run(tmp_path, GOOD, capsys)
     assert rc == 2 and "tokens.npz: cannot write (No space left on device)" in err, err
     assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
