@@ -15,7 +15,10 @@ its files to a temporary folder that is deleted after it is read. Printed
 per run: wall and CPU seconds of the whole process (start-up, simulation,
 writing requests.csv, steps.csv, tokens.npz), sim s (meta.json's wall_s: the
 simulation and its tables, without start-up and files), requests, steps and
-events per wall second, and the process's peak RSS (os.wait4). Events are the
+events per wall second, and the process's peak RSS (os.wait4); +files is
+the peak RSS of the second process that writes steps.csv and tokens.npz
+while the run goes on (meta.json, sim.runfiles), and = MiB the two added
+(an upper bound of the command's footprint). Events are the
 model's scheduling events: arrivals + completions + preemptions
 (summary.json). Then per policy the largest size over the smallest: the
 ratios of peak RSS (linear memory: the size ratio) and of req/s (linear time:
@@ -74,7 +77,7 @@ def sustained_rate(workload: Path, tmp: Path) -> tuple[float, str]:
 
 
 HEADER = (f"{'policy':<9}{'requests':>10}{'steps':>10}{'events':>10}{'wall s':>9}{'cpu s':>9}{'sim s':>9}"
-          f"{'req/s':>8}{'steps/s':>9}{'events/s':>10}{'RSS MiB':>9}")
+          f"{'req/s':>8}{'steps/s':>9}{'events/s':>10}{'RSS MiB':>9}{'+files':>8}{'= MiB':>7}")
 
 
 def row(policy: str, n: int, child: Child, summary: dict, meta: dict) -> tuple[str, dict | None]:
@@ -84,9 +87,11 @@ def row(policy: str, n: int, child: Child, summary: dict, meta: dict) -> tuple[s
         return f"{policy:<9}{n:>10,}  failed (exit {child.returncode}, {child.wall_s:.1f} s): {last}", None
     wall = child.wall_s
     steps, events = summary["num_steps"], num_events(n, summary)
-    figures = {"req_per_s": n / wall, "rss_mib": child.peak_rss_mib}
+    files = meta.get("files_process_peak_rss_mib") or 0.0
+    figures = {"req_per_s": n / wall, "rss_mib": child.peak_rss_mib, "total_mib": child.peak_rss_mib + files}
     return (f"{policy:<9}{n:>10,}{steps:>10,}{events:>10,}{wall:>9.1f}{child.cpu_s:>9.1f}{meta['wall_s']:>9.1f}"
-            f"{n / wall:>8.0f}{steps / wall:>9.0f}{events / wall:>10.0f}{child.peak_rss_mib:>9.0f}"), figures
+            f"{n / wall:>8.0f}{steps / wall:>9.0f}{events / wall:>10.0f}{child.peak_rss_mib:>9.0f}{files:>8.0f}"
+            f"{figures['total_mib']:>7.0f}"), figures
 
 
 def ratio_line(policy: str, small: int, big: int, results: dict) -> str:
@@ -95,8 +100,8 @@ def ratio_line(policy: str, small: int, big: int, results: dict) -> str:
         return f"{policy:<9}{big:,} / {small:,}: - (a run failed)"
     kb_each = (b["rss_mib"] - a["rss_mib"]) * 1024 / (big - small)
     return (f"{policy:<9}{big:,} / {small:,} requests (x{big / small:g}): peak RSS "
-            f"x{b['rss_mib'] / a['rss_mib']:.2f}, req/s x{b['req_per_s'] / a['req_per_s']:.2f}; "
-            f"{kb_each:.1f} KiB of RSS per extra request")
+            f"x{b['rss_mib'] / a['rss_mib']:.2f} (with the files process: x{b['total_mib'] / a['total_mib']:.2f}), "
+            f"req/s x{b['req_per_s'] / a['req_per_s']:.2f}; {kb_each:.1f} KiB of RSS per extra request")
 
 
 def main() -> None:
