@@ -1,4 +1,6 @@
-"""Run directories: the only place the simulator writes files.
+"""Run directories: the only place the simulator writes files (with
+``sim.runfiles``, whose second process writes ``sim run``'s steps.csv and
+tokens.npz while the run goes on; ``write_run`` renames them into place).
 
 A run directory holds requests.csv, steps.csv, tokens.npz (every output
 token: req_id, t_s), meta.json, vllm_bench.json (``vllm bench serve``'s
@@ -7,7 +9,9 @@ once a report is built, report.md, report.html and figures/. Files are
 written to a temporary name and renamed, and summary.json is written last, so
 a directory with a summary.json is complete. A run never lands on top of
 another by accident: ``prepare_run_dir`` picks a fresh folder or refuses, and
-``write_run`` first removes what an earlier run wrote there.
+``write_run`` first removes what an earlier run wrote there (the second
+process writes through names of its own, ``.steps.csv.PID.tmp``, so that
+removal cannot take its files).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from sim.atomic import tmp_path, write_atomic
 from sim.runfiles import RunFilesProcess, csv_columns, write_tokens_npz
 from sim.provenance import git_revision
 from sim.config import ConfigError
+from sim.heap import trim_heap
 from sim.runner import RunResult
 
 
@@ -163,6 +168,7 @@ def write_run(result: RunResult, out_dir: str | Path, *, bench: dict[str, Any] |
         raise OutputError(f"{out}: cannot remove the earlier run's files ({exc.strerror or exc})") from None
     if files is not None and files.started:
         _atomic(out / "requests.csv", lambda p: write_csv_chunks(p, result.request_frames()))
+        trim_heap()                         # the row chunks' frames and strings
         failed = files.commit()                 # "FILE: why"
         if failed is not None:
             name, _, why = failed.partition(": ")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
+from sim.heap import trim_heap
 from sim.strict import ConfigError
 
 if TYPE_CHECKING:
@@ -239,6 +240,7 @@ class StepLog:
         del ints                        # no view may outlive the arrays' resize
         self._num_spilled += len(self.t_s)
         del self.t_s[:], self.duration_s[:], self.predicted_s[:], self.ints[:]
+        trim_heap()                     # the pages the loop freed since the last spill (a few ms)
         if self._on_spill is not None:
             self._on_spill(path)
 

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
+from sim.heap import trim_heap
 from sim.logs import SpillFolder
 
 PERCENTILES = (50, 90, 95, 99)
@@ -108,9 +109,12 @@ def stats_ms(values_s: Values, percentiles: Sequence[float]) -> tuple[float, flo
     """(mean, median, std, percentiles) of a non-empty sample, in ms: numpy's
     mean, median, population std and linear percentiles of ``values_s * 1e3``."""
     if not isinstance(values_s, SpilledValues):
-        v = np.asarray(values_s, dtype=np.float64) * 1e3
-        return (float(v.mean()), float(np.median(v)), float(v.std()),
-                [float(q) for q in np.percentile(v, list(percentiles))])
+        v = np.asarray(values_s, dtype=np.float64) * 1e3       # a copy of its own: reordered below
+        mean, std = float(v.mean()), float(v.std())             # in the sample's order
+        # Order statistics depend only on the values: select them in place, not in copies
+        # (a million requests' latencies: 8 MB each).
+        quantiles = [float(q) for q in np.percentile(v, list(percentiles), overwrite_input=True)]
+        return mean, float(np.median(v, overwrite_input=True)), std, quantiles
     n = len(values_s)
     mean = math.fsum(float((c * 1e3).sum()) for c in values_s.chunks()) / n
     std = math.sqrt(math.fsum(float(np.square(c * 1e3 - mean).sum()) for c in values_s.chunks()) / n)
@@ -215,8 +219,10 @@ def token_gaps(token_chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> Iterato
     last_s = np.empty(0)                  # per request id: its latest token time, NaN before any
     for ids, times in _pieces(token_chunks):
         top = int(ids.max()) + 1
-        if top > len(last_s):
-            last_s = np.concatenate([last_s, np.full(top - len(last_s), np.nan)])
+        if top > len(last_s):               # grown by doubling: a million requests, ~20 copies, not ~1,000
+            grown = np.full(max(top, 2 * len(last_s)), np.nan)
+            grown[:len(last_s)] = last_s
+            last_s = grown
         order = np.argsort(ids, kind="stable")
         ids, times = ids[order], np.asarray(times, dtype=np.float64)[order]
         first = np.empty(len(ids), dtype=bool)          # a request's first token in this chunk
@@ -380,6 +386,7 @@ def summarize_logs(requests: Any, itl_s: Values, steps: StepTotals,
     }
     for name in METRICS:
         s.update(distribution(name, itl_s if name == "itl" else latency_values_s(requests, name)))
+        trim_heap()                        # its series and sorted copies, before the next one's
     s["request_goodput"] = None
     if slo and any(v is not None for v in slo.values()):
         # vLLM's --goodput: a completed request is good when every constrained metric is <= its

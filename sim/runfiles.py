@@ -36,10 +36,11 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from typing import IO, Callable, Iterable, Sequence
+from typing import IO, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from sim.heap import trim_heap
 from sim.logs import read_chunk, token_chunk
 
 # steps.csv's columns: replica, StepLog.COLUMNS, kv_total_blocks (sim.runner.step_frame's order).
@@ -306,6 +307,7 @@ def _serve(steps_tmp: Path, tokens_tmp: Path, kv_total_blocks: int, messages: IO
             t_s, duration_s, predicted_s, ints = read_chunk(chunk, 4)
             f.write(step_chunk_text(replica, t_s, duration_s, predicted_s, ints, kv_total_blocks, header=False))
             rows += len(t_s)
+            trim_heap()             # the chunk's strings and arrays: else this process grows with the run
 
         f.write(",".join(STEP_COLUMNS) + "\n")
         for line in messages:
@@ -331,7 +333,13 @@ def _serve(steps_tmp: Path, tokens_tmp: Path, kv_total_blocks: int, messages: IO
         if rows != num_steps:
             raise RuntimeError(f"{rows} steps written, {num_steps} announced")
     doing[0] = "tokens.npz"
-    write_tokens_npz(tokens_tmp, lambda: (token_chunk(*read_chunk(path, 3)) for path in token_files), num_tokens)
+    def tokens() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for k, path in enumerate(token_files):
+            if k % 16 == 15:
+                trim_heap()
+            yield token_chunk(*read_chunk(path, 3))
+
+    write_tokens_npz(tokens_tmp, tokens, num_tokens)
     return 0
 
 

@@ -22,13 +22,14 @@ from policies import Policy, make_policy
 from sim.batch import Batch, StepResult
 from sim.config import ConfigError, WorkloadConfig
 from sim.engine import ROUTERS, Executor, Server, SimExecutor, feed, feed_capped
+from sim.heap import trim_heap, tune_heap
 from sim.kv import BlockManager
 from sim.logs import StepLog, TokenLog
 from sim.metrics import Values, itl_values, step_totals, summarize_logs
 from sim.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
 from sim.request import REJECT_REASONS, Request
 from sim.runfiles import RunFilesProcess
-from sim.table import RequestTable, trim_heap, tune_heap
+from sim.table import RequestTable
 from sim.state import SchedulerState
 from sim.vllm_result import policy_knobs
 from workloads.generate import RequestSpecs, generate
@@ -327,6 +328,7 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     if live:
         env.sync()                          # t = 0 is now, not when the env was built
     _run_env(env, servers, len(requests), progress)
+    trim_heap()                             # the pages the loop freed: the summaries' peak comes next
     unfinished = [r.req_id for s in servers for r in (*s.state.waiting, *s.state.running)]
     if unfinished:
         raise RuntimeError(f"run stalled with {len(unfinished)} requests unfinished "

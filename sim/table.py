@@ -21,6 +21,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import pandas as pd
 
+from sim.heap import trim_heap
 from sim.metrics import add_request_metrics
 from sim.request import REJECT_REASONS, RequestRecords, Status
 
@@ -53,10 +54,17 @@ class RequestTable:
         never sits beside a second copy of itself. Raises RuntimeError unless
         every id is recorded exactly once."""
         n = num_requests
-        parts = [np.frombuffer(r.pop("req_id"), dtype=np.int64) for r in records]
-        ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-        if len(ids) != n or (n and (ids.min() < 0 or ids.max() >= n or np.bincount(ids, minlength=n).max() != 1)):
+        # int32 positions where they fit: they index every column below (4 MB at a million requests)
+        index = np.int32 if n <= np.iinfo(np.int32).max else np.int64
+        parts = [r.pop("req_id").astype(index) for r in records]
+        ids = np.concatenate(parts) if parts else np.empty(0, dtype=index)
+        if len(ids) != n or (n and (ids.min() < 0 or ids.max() >= n)):
             raise RuntimeError(f"the servers' records hold {len(ids)} requests, not each of 0..{n - 1} once")
+        seen = np.zeros(n, dtype=bool)      # n ids in 0..n-1, each seen: each exactly once
+        seen[ids] = True
+        if not seen.all():
+            raise RuntimeError(f"the servers' records hold {len(ids)} requests, not each of 0..{n - 1} once")
+        del seen
         bounds = np.cumsum([0] + [len(p) for p in parts])
         del parts
         cols: dict[str, np.ndarray] = {"replica": np.empty(n, dtype=np.int32)}
@@ -65,8 +73,9 @@ class RequestTable:
         for name, _ in RequestRecords.COLUMNS[1:]:
             out = np.empty(n, dtype=_RECORD_DTYPES[name])
             for k, r in enumerate(records):
-                out[ids[bounds[k]:bounds[k + 1]]] = np.frombuffer(r.pop(name), dtype=_RECORD_DTYPES[name])
+                out[ids[bounds[k]:bounds[k + 1]]] = r.pop(name)
             cols[name] = out
+            trim_heap()     # the column's record chunks, freed in holes the next column cannot use
         trim_heap()
         return cls(cols)
 
@@ -119,13 +128,17 @@ class RequestTable:
                 elif name in ("status", "reject_reason"):
                     values = (STATUS_TEXT[self.cols["status"]] if name == "status"
                               else REASON_TEXT[self.cols["reason"]])
-                else:
-                    raw = self.cols[name]
-                    values = raw.astype(np.int64) if raw.dtype.kind == "i" else raw
+                else:                       # selected, then widened: one copy the size of the result
+                    raw = self.cols[name] if keep is None else self.cols[name][keep]
+                    out[name] = raw.astype(np.int64) if raw.dtype.kind == "i" else raw
+                    continue
                 out[name] = values if keep is None else values[keep]
         derived = [n for n in names if n in LATENCIES]
         if derived:
-            parts: dict[str, list[np.ndarray]] = {n: [] for n in derived}
+            # Filled in place chunk by chunk: no list of parts beside their concatenation.
+            size = len(self) if keep is None else int(np.count_nonzero(keep))
+            filled = {n: np.empty(size) for n in derived}
+            at = 0
             for lo in range(0, len(self), self.ROWS):
                 hi = min(lo + self.ROWS, len(self))
                 chunk = add_request_metrics(pd.DataFrame({
@@ -137,9 +150,10 @@ class RequestTable:
                     "status": STATUS_TEXT[self.cols["status"][lo:hi]]}, copy=False))
                 rows = slice(None) if keep is None else keep[lo:hi]
                 for n in derived:
-                    parts[n].append(chunk[n].to_numpy()[rows])
-            for n in derived:
-                out[n] = np.concatenate(parts[n]) if parts[n] else np.empty(0)
+                    values = chunk[n].to_numpy()[rows]
+                    filled[n][at:at + len(values)] = values
+                at += len(values)
+            out.update(filled)
         return {n: out[n] for n in names}
 
     def take(self, rows: np.ndarray) -> RequestTable:
@@ -164,56 +178,3 @@ class _Subset(RequestTable):
         frame = super().frame(lo, hi)
         frame["req_id"] = self.ids[lo:lo + len(frame)]
         return frame
-
-
-def _libc():
-    """glibc through ctypes, or None where the C library is not glibc."""
-    global _glibc
-    if _glibc is None:
-        import ctypes
-        import ctypes.util
-        name = ctypes.util.find_library("c")
-        try:
-            lib = ctypes.CDLL(name) if name and "libc.so" in name else None
-            _glibc = lib if lib is not None and hasattr(lib, "malloc_trim") and hasattr(lib, "mallopt") else False
-        except OSError:
-            _glibc = False
-    return _glibc or None
-
-
-def trim_heap() -> None:
-    """Give the memory freed so far back to the system (glibc's ``malloc_trim``):
-    the records a table was built from lie in the heap among live blocks, which
-    a heap does not return by itself (~60 MB at a million requests). A few
-    milliseconds; nothing where the C library is not glibc."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3        # glibc's mallopt parameters
-HEAP_MMAP_THRESHOLD = 32 << 20
-HEAP_TRIM_THRESHOLD = 64 << 20
-
-
-def tune_heap() -> None:
-    """Fix glibc's heap thresholds for a run: blocks under 32 MB come from the
-    heap, and up to 64 MB of free memory at its top stays there.
-
-    glibc otherwise maps a large block (a log chunk, the ITL sample's
-    temporaries: ~2-32 MB) with its own ``mmap`` and moves the threshold
-    with the history of what was freed, and it returns the heap's top to the
-    system as soon as 128 kB of it is free. Which of the two a run's
-    summaries got depended on the order of earlier allocations, and whenever
-    it was the second, every temporary array was page-faulted in again: the
-    conversation trace's summaries took 0.45 s instead of 0.22 s and its
-    vllm_bench.json 0.23 s instead of 0.09 s. ``trim_heap`` still returns the
-    free memory at the points where a run's peak would otherwise keep it.
-    Nothing where the C library is not glibc."""
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
-        libc.mallopt(M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)
-
-
-_glibc = None

@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from sim.config import ConfigError
+from sim.heap import trim_heap
 from sim.metrics import Values, finished_columns, latency_values_s, request_columns, stats_ms
 
 if TYPE_CHECKING:
@@ -151,6 +152,9 @@ def distribution_ms(name: str, values_s: Values, percentiles: Sequence[float]) -
     return out
 
 
+PEAK_ROWS = 65_536
+
+
 def peak_second(requests: pd.DataFrame, token_chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> tuple[float, int]:
     """vLLM's (max_output_tokens_per_s, max_concurrent_requests) over one-second buckets counted
     from the first finished request's arrival: output tokens landing in a bucket, and finished
@@ -163,15 +167,17 @@ def peak_second(requests: pd.DataFrame, token_chunks: Iterable[tuple[np.ndarray,
     t0_s = float(np.nanmin(done["arrival_s"]))
     num_buckets = int(math.ceil(float(np.nanmax(done["finished_s"])) - t0_s)) + 1
     every = len(done["req_id"]) == len(requests)          # all finished: no token to leave out
+    if every:
+        del done["req_id"]
     per_s = np.zeros(num_buckets, dtype=np.int64)
     for ids, times in token_chunks:
         bucket = np.floor((times if every else times[np.isin(ids, done["req_id"])]) - t0_s).astype(np.int64)
         per_s += np.bincount(bucket[(bucket >= 0) & (bucket < num_buckets)], minlength=num_buckets)
-    first = np.floor(done["arrival_s"] - t0_s).astype(np.int64)
-    last = np.floor(done["finished_s"] - t0_s).astype(np.int64)
     delta = np.zeros(num_buckets + 1, dtype=np.int64)
-    np.add.at(delta, first, 1)
-    np.add.at(delta, last + 1, -1)
+    rows = PEAK_ROWS                     # requests at a time: a million would take 8 MB a temporary
+    for lo in range(0, len(done["arrival_s"]), rows):
+        np.add.at(delta, np.floor(done["arrival_s"][lo:lo + rows] - t0_s).astype(np.int64), 1)
+        np.add.at(delta, np.floor(done["finished_s"][lo:lo + rows] - t0_s).astype(np.int64) + 1, -1)
     return float(per_s.max()), int(np.cumsum(delta)[:num_buckets].max())
 
 
@@ -250,6 +256,9 @@ def bench_result(run: RunResult, percentiles: Sequence[float], *, detailed: bool
         out.update(detailed_arrays(run.requests, run.tokens))
     for name, values in latency_series_s(requests, run.itl()):
         out.update(distribution_ms(name, values, percentiles))
+        del values
+        trim_heap()                        # its series and sorted copies, before the next one's
     out.update(policy=(cfg.get("policy") or {}).get("kind"), policy_knobs=meta.get("policy_knobs"),
                num_replicas=meta.get("num_replicas", 1), router=meta.get("router"), simulated=True)
+    trim_heap()                            # the series' columns and sorted copies
     return out

@@ -1,6 +1,7 @@
 """The layers of the tree: what may import what (read from the source, not by importing).
 
-- sim's core types (request, batch, kv, state, logs; strict for ConfigError)
+- sim's core types (request, batch, kv, state, logs; strict for ConfigError,
+  heap for the C heap)
   import nothing else of the project;
 - policies import only policies and the core types;
 - reports.experiments never imports reports.presentation;
@@ -15,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("sim", "policies", "calibrate", "workloads", "reports")
-CORE = {"sim.request", "sim.batch", "sim.kv", "sim.state", "sim.logs", "sim.strict"}
+CORE = {"sim.request", "sim.batch", "sim.kv", "sim.state", "sim.logs", "sim.strict", "sim.heap"}
 
 
 def _module_name(path: Path) -> str:

@@ -13,6 +13,7 @@ import pytest
 from conftest import WORKLOADS
 
 import sim.runner
+import sim.vllm_result
 from calibrate.serving.measured import bench_run, read_bench_json
 from sim.chrome_trace import first_steps, trace_chunks
 from sim.cli import main
@@ -20,7 +21,7 @@ from sim.config import ConfigError
 from sim.io import RUN_FILES, prepare_run_dir
 from sim.metrics import summarize
 from sim.runner import RunResult
-from sim.vllm_result import bench_result, offered_load, parse_percentiles, policy_knobs
+from sim.vllm_result import bench_result, offered_load, parse_percentiles, peak_second, policy_knobs
 
 MIXED = str(WORKLOADS / "mixed_lengths.yaml")
 SMALL = ["--set", "num_requests=30", "--quiet"]
@@ -197,7 +198,7 @@ def hand_run() -> RunResult:
     return RunResult(req, steps, tokens, summarize(req, tokens, steps), meta)
 
 
-def test_vllm_bench_numbers_by_hand(tmp_path):
+def test_vllm_bench_numbers_by_hand(tmp_path, monkeypatch):
     b = bench_result(hand_run(), parse_percentiles("50,90,99.9"), detailed=True, date="20250101-000000")
     # TTFT ms sorted [100, 200, 300, 500]; numpy's linear percentile at rank p/100 * (4 - 1):
     # p50 rank 1.5 -> 200 + 0.5 * 100 = 250; p90 rank 2.7 -> 300 + 0.7 * 200 = 440;
@@ -218,6 +219,9 @@ def test_vllm_bench_numbers_by_hand(tmp_path):
     # one-second buckets from t = 0: tokens 0.10 0.15 0.25 0.70 land in the first -> 4 tok/s; requests 0
     # ([0, 0.25]) and 1 ([0.5, 0.7]) are both in flight in it -> 2
     assert (b["max_output_tokens_per_s"], b["max_concurrent_requests"]) == (4.0, 2)
+    monkeypatch.setattr(sim.vllm_result, "PEAK_ROWS", 1)      # requests counted one at a time: the same
+    run = hand_run()
+    assert peak_second(run.requests, run.token_chunks()) == (4.0, 2)
     assert b["request_rate"] == 1.0 and b["num_prompts"] == 5
     assert b["output_lens"] == [3, 1, 2, 2, 0] and b["input_lens"] == [10, 20, 30, 40, 50]
     assert b["ttfts"] == pytest.approx([0.1, 0.2, 0.3, 0.5, 0.0])
