@@ -177,3 +177,41 @@ def test_csv_columns_is_to_csv() -> None:
     assert io.StringIO(text).readline().rstrip() == "replica,t_s,duration_s,predicted_s,batch_size," \
         "num_prefill_tokens,num_decode_tokens,num_pad_tokens,num_prefill_seqs,num_waiting,num_running," \
         "kv_used_blocks,kv_total_blocks"
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="finds processes through /proc (Linux)")
+def test_killing_sim_run_ends_the_process_and_its_files(tmp_path) -> None:
+    """kill -9 of `sim run` mid-run: the second process reads the end of its
+    stdin, removes its half-written files and exits; nothing is left running."""
+    cfg = {"name": "t", "seed": 1, "num_requests": 200_000, "arrivals": {"kind": "poisson", "rate": 50},
+           "lengths": {"kind": "fixed", "prompt_tokens": 40, "output_tokens": 30}, "policy": {"kind": "vllm"}}
+    (tmp_path / "w.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    run = subprocess.Popen([sys.executable, "-m", "sim.cli", "run", str(tmp_path / "w.yaml"), "--out", str(out),
+                            "--quiet"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):                            # until the second process writes (up to 60 s)
+            if out.is_dir() and list(out.glob(".steps.csv.*.tmp")):
+                break
+            time.sleep(0.1)
+        assert list(out.glob(".steps.csv.*.tmp")), "the second process never started writing"
+    finally:
+        run.kill()
+        run.wait()
+
+    def writers() -> list[int]:
+        found = []
+        for proc in Path("/proc").iterdir():
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"sim.runfiles" in argv and any(str(out).encode() in a for a in argv):
+                found.append(int(proc.name))
+        return found
+
+    for _ in range(300):                                # it notices within a chunk's formatting (up to 30 s)
+        if not writers() and not list(out.iterdir()):
+            break
+        time.sleep(0.1)
+    assert writers() == [] and list(out.iterdir()) == []
