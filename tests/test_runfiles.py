@@ -91,6 +91,16 @@ def test_sim_run_uses_the_process_and_says_nothing_of_it(tmp_path, capsys, monke
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["completed"] == 30
 
 
+def test_many_replicas_write_in_process(tmp_path) -> None:
+    # 17 > MAX_REPLICAS = 16: nothing is started (each replica would spill its last rows alone)
+    files = RunFilesProcess(tmp_path)
+    logs = [sim.logs.StepLog() for _ in range(17)]
+    assert not files.start(logs, [sim.logs.TokenLog() for _ in logs], range(17), 10) and not files.started
+    assert files.start(logs[:16], [sim.logs.TokenLog() for _ in logs[:16]], range(16), 10) and files.started
+    files.close()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_failing_process_leaves_no_file_and_no_summary(tmp_path, capsys) -> None:
     cfg = {"name": "t", "num_requests": 20, "arrivals": {"kind": "poisson", "rate": 5},
            "lengths": {"kind": "fixed", "prompt_tokens": 100, "output_tokens": 10}, "policy": {"kind": "vllm"}}
