@@ -41,13 +41,11 @@ from typing import IO, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from sim.heap import trim_heap
-from sim.logs import read_chunk, token_chunk
+from sim.logs import StepLog, read_chunk, token_chunk
 
 # steps.csv's columns: replica, StepLog.COLUMNS, kv_total_blocks (sim.runner.step_frame's order).
-STEP_COLUMNS = ("replica", "t_s", "duration_s", "predicted_s", "batch_size", "num_prefill_tokens",
-                "num_decode_tokens", "num_pad_tokens", "num_prefill_seqs", "num_waiting", "num_running",
-                "kv_used_blocks", "kv_total_blocks")
-NUM_INTS = 8                    # StepLog's integer columns, after its three float columns
+STEP_COLUMNS = ("replica", *StepLog.COLUMNS, "kv_total_blocks")
+NUM_INTS = StepLog.NUM_INTS     # StepLog's integer columns, after its three float columns
 STREAM_STEP_CHUNK = 65_536      # steps a log holds before it spills while a process formats them
 # Beyond this many replicas sim run writes its files itself: each replica's last rows would be
 # spilled to a folder of its own just to be announced (400 replicas of 300 requests: +0.5 s on 2 s).
