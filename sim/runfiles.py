@@ -243,9 +243,11 @@ class RunFilesProcess:
         return None
 
     def _wait(self) -> str:
-        """Close its stdin, read its stderr, reap it; its stderr. Where the
-        system reports it (``os.wait4``), ``peak_rss_mib`` is the process's own
-        peak resident memory: a run's footprint is this process's and that."""
+        """Close its stdin, read its stderr, reap it; its stderr, less the
+        line ``peak_rss_kib N`` by which it reports its own peak resident
+        memory (``peak_rss_mib``; a run's footprint is this process's and
+        that). Not ``os.wait4``'s ``ru_maxrss``: Linux counts in it the
+        memory of this process at the moment the child was spawned."""
         proc = self.proc
         assert proc is not None and proc.stdin is not None and proc.stderr is not None, "started"
         try:
@@ -257,13 +259,14 @@ class RunFilesProcess:
         except OSError:
             err = ""
         proc.stderr.close()
-        if hasattr(os, "wait4"):
-            _, status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = os.waitstatus_to_exitcode(status)       # reaped here, not by Popen
-            self.peak_rss_mib = usage.ru_maxrss / 1024                 # KiB on Linux
-        else:
-            proc.wait()
-        return err
+        proc.wait()
+        lines = []
+        for line in err.splitlines():
+            if line.startswith("peak_rss_kib "):
+                self.peak_rss_mib = int(line.split()[1]) / 1024
+            else:
+                lines.append(line)
+        return "\n".join(lines)
 
     def close(self) -> None:
         """Stop the process if it was not committed, and remove its files."""
@@ -347,13 +350,29 @@ def _serve(steps_tmp: Path, tokens_tmp: Path, kv_total_blocks: int, messages: IO
     return 0
 
 
+def _peak_rss_kib() -> int | None:
+    """This process's peak resident memory since it started (VmHWM), where /proc says."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def main(argv: Sequence[str]) -> int:
     """The second process's entry: ``python -m sim.runfiles STEPS_TMP TOKENS_TMP KV_TOTAL_BLOCKS``,
     messages on stdin. A failure: one line ``FILE: why`` on stderr, no file left, status 1."""
     steps_tmp, tokens_tmp, kv_total_blocks = Path(argv[0]), Path(argv[1]), int(argv[2])
     doing = ["steps.csv"]
     try:
-        return _serve(steps_tmp, tokens_tmp, kv_total_blocks, sys.stdin, doing)
+        code = _serve(steps_tmp, tokens_tmp, kv_total_blocks, sys.stdin, doing)
+        peak = _peak_rss_kib()
+        if peak is not None:
+            print(f"peak_rss_kib {peak}", file=sys.stderr)
+        return code
     except BaseException as exc:
         for tmp in (steps_tmp, tokens_tmp):
             _remove(tmp)

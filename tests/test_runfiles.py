@@ -70,6 +70,7 @@ def test_the_process_writes_the_bytes_write_run_writes(tmp_path, monkeypatch, re
                                                    "tokens.npz"]
     with np.load(out / "tokens.npz") as z:                   # what readers get
         assert len(z["req_id"]) == result.num_tokens == len(result.tokens)
+    assert 10 < files.peak_rss_mib < 1000                     # reported by the process itself
 
 
 def test_sim_run_uses_the_process_and_says_nothing_of_it(tmp_path, capsys, monkeypatch) -> None:
@@ -164,7 +165,8 @@ def test_the_process_checks_what_it_was_told(tmp_path) -> None:
     rc, err = serve(tmp_path, f"C 0 0 {tmp_path / 'missing.npy'}\nE 0 0\n")
     assert rc == 1 and err.startswith("steps.csv: No such file") and not (tmp_path / "s.tmp").exists()
     # replica 1's chunk comes first but is written after replica 0's
-    assert serve(tmp_path, f"C 1 7 {b}\nC 0 4 {a}\nE 5 0\n") == (0, "")
+    rc, err = serve(tmp_path, f"C 1 7 {b}\nC 0 4 {a}\nE 5 0\n")
+    assert rc == 0 and err.startswith("peak_rss_kib ") and int(err.split()[1]) > 1000   # its own, > 1 MiB
     rows = (tmp_path / "s.tmp").read_text().splitlines()
     assert rows[0] == ",".join(STEP_COLUMNS) and [r.split(",")[0] for r in rows[1:]] == ["4"] * 3 + ["7"] * 2
     # the second step of replica 4: t = 1/4; ints 8..15; kv_total_blocks 100
