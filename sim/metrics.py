@@ -48,16 +48,21 @@ MAX_GATHER = 200_000                # radix selection sorts a bucket once it hol
 
 class SpilledValues:
     """A float64 sample too large for memory, written to a temporary folder
-    chunk by chunk; ``chunks()`` reads it back, as often as needed."""
+    chunk by chunk; ``chunks()`` reads it back, as often as needed.
+    ``known`` keeps what ``stats_ms`` found (mean, std in ms, and the values
+    at the ranks it selected): the summary and vllm_bench.json ask for the
+    same sample's statistics, and each pass over it reads it from disk."""
 
     def __init__(self) -> None:
         self._count = 0
         self._spill = SpillFolder()
+        self.known: dict[str, Any] = {}
 
     def add(self, values: np.ndarray) -> None:
         if len(values):
             self._spill.write(np.asarray(values, dtype=np.float64))
             self._count += len(values)
+            self.known = {}             # a new sample
 
     def chunks(self) -> Iterator[np.ndarray]:
         for (values,) in self._spill.read(1):
@@ -116,13 +121,20 @@ def stats_ms(values_s: Values, percentiles: Sequence[float]) -> tuple[float, flo
         quantiles = [float(q) for q in np.percentile(v, list(percentiles), overwrite_input=True)]
         return mean, float(np.median(v, overwrite_input=True)), std, quantiles
     n = len(values_s)
-    mean = math.fsum(float((c * 1e3).sum()) for c in values_s.chunks()) / n
-    std = math.sqrt(math.fsum(float(np.square(c * 1e3 - mean).sum()) for c in values_s.chunks()) / n)
+    known = values_s.known                 # what an earlier call on this sample found
+    if "mean" not in known:
+        known["mean"] = math.fsum(float((c * 1e3).sum()) for c in values_s.chunks()) / n
+        known["std"] = math.sqrt(math.fsum(float(np.square(c * 1e3 - known["mean"]).sum())
+                                           for c in values_s.chunks()) / n)
+    mean, std = known["mean"], known["std"]
     # Scaling by 1e3 rounds monotonically: the ms value at a rank is the seconds value there x 1e3.
     mid = [n // 2] if n % 2 else [n // 2 - 1, n // 2]      # np.median: the mean of these
     index, weight, last = _linear_indexes(n, percentiles)
     ranks = {*mid, *index.tolist(), *(index + 1)[~last].tolist(), n - 1}
-    at = {r: v * 1e3 for r, v in order_statistics(values_s.chunks, ranks).items()}
+    at = known.setdefault("at", {})
+    missing = ranks - at.keys()
+    if missing:
+        at.update((r, v * 1e3) for r, v in order_statistics(values_s.chunks, missing).items())
     median = float(np.mean(np.array([at[r] for r in mid])))
     return mean, median, std, _linear_percentiles(at, index, weight, last, n)
 

@@ -206,6 +206,24 @@ def test_exact_percentiles_match_numpy(name, spill_dir, monkeypatch) -> None:
     assert mean == pytest.approx(v.mean(), rel=1e-12, abs=1e-12)
     assert std == pytest.approx(v.std(), rel=1e-9, abs=1e-12)
     assert distribution("x", spilled)["count_x"] == len(values_s)
+    # Asked again (vllm_bench.json after the summary), the sample is not read again for what is
+    # known; new percentiles select only their own ranks, and the answers are the same.
+    calls: list[set] = []
+    select = sim.metrics.order_statistics
+    monkeypatch.setattr(sim.metrics, "order_statistics", lambda chunks, ranks: calls.append(set(ranks)) or
+                        select(chunks, ranks))
+    assert stats_ms(spilled, percentiles) == (mean, median, std, got) and calls == []
+    known_before = set(spilled.known["at"])
+    again = stats_ms(spilled, (25, 99))
+    assert again[3] == np.percentile(v, (25, 99)).tolist() and again[:3] == (mean, median, std)
+    # p25's virtual rank (n - 1) / 4 needs its floor and the rank above it (below the top);
+    # only those not known from the first call are selected
+    n = len(values_s)
+    low = (n - 1) // 4
+    wanted = ({low, low + 1} if low + 1 < n else {low}) - known_before
+    assert calls == ([wanted] if wanted else [])
+    spilled.add(np.array([1.0]))                              # a new sample: nothing is known of it
+    assert spilled.known == {} and stats_ms(spilled, (100,))[3] == [max(v.max(), 1e3)]
     spilled.close()
     assert list(spill_dir.iterdir()) == []
 
