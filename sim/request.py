@@ -107,7 +107,6 @@ class RequestRecords:
     def __init__(self) -> None:
         self._columns = {name: array(code) for name, code in self.COLUMNS}    # the chunks being filled
         self._full: dict[str, list[array]] = {name: [] for name, _ in self.COLUMNS}
-        self._num_full = 0              # rows in the full chunks
         self._bind()
 
     def _bind(self) -> None:
@@ -119,7 +118,7 @@ class RequestRecords:
                          c["finished_s"].append, c["num_preemptions"].append)
 
     def __len__(self) -> int:
-        return self._num_full + len(self._columns["req_id"])
+        return sum(map(len, self._full["req_id"])) + len(self._columns["req_id"])
 
     def add(self, req: Request, output_tokens: int) -> None:
         """Record ``req`` (FINISHED or REJECTED, ``finished_s`` set); ``output_tokens``
@@ -142,7 +141,6 @@ class RequestRecords:
 
     def _next_chunk(self) -> None:
         """Put the filled chunks aside and start new ones."""
-        self._num_full += len(self._columns["req_id"])
         for name, code in self.COLUMNS:
             self._full[name].append(self._columns[name])
             self._columns[name] = array(code)
@@ -157,6 +155,4 @@ class RequestRecords:
         self._full[name] = []
         self._columns[name] = array(chunks[0].typecode)
         self._bind()                # else the old append would keep the column alive here
-        if name == "req_id":        # the length is the ids' (the table takes them first)
-            self._num_full = 0
         return np.concatenate([np.frombuffer(c, dtype=np.dtype(c.typecode)) for c in chunks])

@@ -225,13 +225,12 @@ class RunFilesProcess:
         assert self.proc is not None, "started"
         if not self._finished:
             return "the run did not finish"
-        err = self._wait()
+        said = self._wait()
         proc, self.proc = self.proc, None
         doing = self.NAMES[0]
         try:
             if proc.returncode != 0:
-                lines = [x for x in (err or "").strip().splitlines() if x.strip()]
-                return lines[-1] if lines else f"steps.csv: the writer process exited with status {proc.returncode}"
+                return said[-1] if said else f"steps.csv: the writer process exited with status {proc.returncode}"
             for tmp, path in zip(self.tmps, self.paths):
                 doing = path.name
                 os.replace(tmp, path)
@@ -242,9 +241,9 @@ class RunFilesProcess:
                 _remove(tmp)
         return None
 
-    def _wait(self) -> str:
-        """Close its stdin, read its stderr, reap it; its stderr, less the
-        line ``peak_rss_kib N`` by which it reports its own peak resident
+    def _wait(self) -> list[str]:
+        """Close its stdin, read its stderr, reap it; the non-blank lines of
+        its stderr, less the line ``peak_rss_kib N`` by which it reports its own peak resident
         memory (``peak_rss_mib``; a run's footprint is this process's and
         that). Not ``os.wait4``'s ``ru_maxrss``: Linux counts in it the
         memory of this process at the moment the child was spawned."""
@@ -264,9 +263,9 @@ class RunFilesProcess:
         for line in err.splitlines():
             if line.startswith("peak_rss_kib "):
                 self.peak_rss_mib = int(line.split()[1]) / 1024
-            else:
-                lines.append(line)
-        return "\n".join(lines)
+            elif line.strip():
+                lines.append(line.strip())
+        return lines
 
     def close(self) -> None:
         """Stop the process if it was not committed, and remove its files."""

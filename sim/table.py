@@ -58,13 +58,14 @@ class RequestTable:
         index = np.int32 if n <= np.iinfo(np.int32).max else np.int64
         parts = [r.pop("req_id").astype(index) for r in records]
         ids = np.concatenate(parts) if parts else np.empty(0, dtype=index)
-        if len(ids) != n or (n and (ids.min() < 0 or ids.max() >= n)):
+        once = len(ids) == n and (not n or (ids.min() >= 0 and ids.max() < n))
+        if once and n:                      # n ids in 0..n-1, each seen: each exactly once
+            seen = np.zeros(n, dtype=bool)
+            seen[ids] = True
+            once = bool(seen.all())
+            del seen
+        if not once:
             raise RuntimeError(f"the servers' records hold {len(ids)} requests, not each of 0..{n - 1} once")
-        seen = np.zeros(n, dtype=bool)      # n ids in 0..n-1, each seen: each exactly once
-        seen[ids] = True
-        if not seen.all():
-            raise RuntimeError(f"the servers' records hold {len(ids)} requests, not each of 0..{n - 1} once")
-        del seen
         bounds = np.cumsum([0] + [len(p) for p in parts])
         del parts
         cols: dict[str, np.ndarray] = {"replica": np.empty(n, dtype=np.int32)}
@@ -76,7 +77,6 @@ class RequestTable:
                 out[ids[bounds[k]:bounds[k + 1]]] = r.pop(name)
             cols[name] = out
             trim_heap()     # the column's record chunks, freed in holes the next column cannot use
-        trim_heap()
         return cls(cols)
 
     def __len__(self) -> int:
@@ -125,12 +125,13 @@ class RequestTable:
             for name in direct:
                 if name == "req_id":
                     values = np.arange(len(self), dtype=np.int64)
-                elif name in ("status", "reject_reason"):
-                    values = (STATUS_TEXT[self.cols["status"]] if name == "status"
-                              else REASON_TEXT[self.cols["reason"]])
+                elif name == "status":
+                    values = STATUS_TEXT[self.cols["status"]]
+                elif name == "reject_reason":
+                    values = REASON_TEXT[self.cols["reason"]]
                 else:                       # selected, then widened: one copy the size of the result
-                    raw = self.cols[name] if keep is None else self.cols[name][keep]
-                    out[name] = raw.astype(np.int64) if raw.dtype.kind == "i" else raw
+                    values = self.cols[name] if keep is None else self.cols[name][keep]
+                    out[name] = values.astype(np.int64) if values.dtype.kind == "i" else values
                     continue
                 out[name] = values if keep is None else values[keep]
         derived = [n for n in names if n in LATENCIES]
