@@ -33,7 +33,7 @@ class ArrivalsConfig:
     rate_scale: float = 1.0        # trace: multiply the arrival rate (2 = twice the traffic)
     start_s: float = 0.0           # trace: skip arrivals before this time
     columns: dict[str, str] | None = None  # trace: {arrival, prompt, output} column names
-    time_unit: str | None = None   # trace: s | ms | us | datetime (guessed when omitted)
+    time_unit: str | None = None   # trace: s | ms | us | ns | datetime (guessed when omitted)
     repeat: int = 1                # trace: replay the trace this many times back to back
     # A closed-loop client population (vllm bench serve --max-concurrency):
     # at most this many requests in flight; each client sends its next request
@@ -60,6 +60,7 @@ class LengthsConfig:
     alpha: float = 1.2                   # zipf exponent
     path: str | None = None              # empirical: a length file (prompt_tokens, output_tokens)
     sample: str = "random"               # empirical: random (with replacement) | sequential
+    columns: dict[str, str] | None = None  # empirical: {prompt, output} column names
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +149,9 @@ class WorkloadConfig:
             return p
         local = Path(self.base_dir) / p
         root = Path(__file__).resolve().parent.parent
-        for candidate in (local, root / "workloads" / "traces" / p.name, root / p):
+        # A bare name or traces/NAME may name a bundled trace; any other folder is the user's own.
+        bundled = (root / "workloads" / "traces" / p.name,) if p.parent in (Path("."), Path("traces")) else ()
+        for candidate in (local, *bundled, root / p):
             if candidate.exists():
                 return candidate
         return local
@@ -192,9 +195,21 @@ def _check_arrivals(a: ArrivalsConfig, src: str) -> None:
         _positive(src, f"arrivals.{name}", getattr(a, name))
     _positive(src, "arrivals.start_s", a.start_s, allow_zero=True)
     _positive(src, "arrivals.repeat", a.repeat)
-    if a.time_unit not in (None, "s", "ms", "us", "datetime"):
-        raise ConfigError(f"{src}: field 'arrivals.time_unit' must be s, ms, us or datetime, "
+    if a.time_unit not in TIME_UNITS:
+        raise ConfigError(f"{src}: field 'arrivals.time_unit' must be one of {', '.join(TIME_UNITS[1:])}, "
                           f"got {a.time_unit!r}")
+    _check_columns(a.columns, "arrivals.columns", ("arrival", "prompt", "output", "max_tokens"), src)
+
+
+TIME_UNITS = (None, "s", "ms", "us", "ns", "datetime")
+
+
+def _check_columns(columns: dict[str, str] | None, name: str, roles: tuple[str, ...], src: str) -> None:
+    """A trace's column mapping names only roles the loader knows, each a column name."""
+    for role, column in (columns or {}).items():
+        if role not in roles:
+            raise ConfigError(f"{src}: field '{name}.{role}' is unknown{did_you_mean(role, roles)}; "
+                              f"expected some of {', '.join(roles)}")
 
 
 def _check_lengths(ln: LengthsConfig, src: str) -> None:
@@ -217,6 +232,10 @@ def _check_lengths(ln: LengthsConfig, src: str) -> None:
                               f"lengths.{lo} ({getattr(ln, lo)})")
     if ln.sample not in ("random", "sequential"):
         raise ConfigError(f"{src}: field 'lengths.sample' must be random or sequential, got {ln.sample!r}")
+    _check_columns(ln.columns, "lengths.columns", ("prompt", "output"), src)
+    if ln.columns and ln.kind != "empirical":
+        raise ConfigError(f"{src}: field 'lengths.columns' applies to lengths.kind empirical (a length file); "
+                          f"a trace's columns are arrivals.columns")
 
 
 def _fold_num_requests(cfg: WorkloadConfig, src: str) -> WorkloadConfig:

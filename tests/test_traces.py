@@ -121,3 +121,111 @@ def test_trace_rate_applies_to_the_replayed_sample():
     specs = generate(workload_from_dict(d))
     assert len(specs) == 600
     assert (len(specs) - 1) / specs.arrival_s[-1] == pytest.approx(20.0)
+
+
+def _arrivals(path, text, **kw):
+    path.write_text(text) if isinstance(text, str) else path.write_bytes(text)
+    return load_trace(path, need_arrivals=True, **kw).arrival_s.tolist()
+
+
+def test_azure_2024_datetimes_with_microseconds_and_offsets(tmp_path):
+    # Azure's 2024 traces write 6 fractional digits and +00:00, which pandas parses at microsecond
+    # resolution: the arrivals must still be seconds (10 and 30 s after the first), not 1,000x less.
+    text = ("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00.009930+00:00,100,10\n"
+            "2024-05-10 00:00:10.009930+00:00,200,20\n2024-05-10 00:00:30.509930+00:00,300,30\n")
+    assert _arrivals(tmp_path / "az24.csv", text) == [0.0, 10.0, 30.5]
+    # whole seconds, Z and another offset: 00:00:00Z, 02:00:05+02:00 (= 00:00:05Z), 00:00:07Z
+    text = ("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10T00:00:00Z,1,1\n"
+            "2024-05-10T02:00:05+02:00,1,1\n2024-05-10T00:00:07Z,1,1\n")
+    assert _arrivals(tmp_path / "z.csv", text) == [0.0, 5.0, 7.0]
+
+
+def test_numeric_time_units_by_format_and_magnitude(tmp_path):
+    # BurstGPT: integer seconds from the start, even a day in (86,400 s): gaps of 10 and 20 s
+    burst = ("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+             "86400,ChatGPT,100,10,110,Conversation log\n86410,ChatGPT,200,20,220,Conversation log\n"
+             "86430,GPT-4,300,30,330,API log\n")
+    assert _arrivals(tmp_path / "burst.csv", burst) == [0.0, 10.0, 30.0]
+    # Mooncake: milliseconds from the start, even when the trace is short (6,000 ms = 6 s)
+    mooncake = "".join(json.dumps({"timestamp": t, "input_length": 5, "output_length": 2}) + "\n"
+                       for t in (0, 2000, 6000))
+    assert _arrivals(tmp_path / "mc.jsonl", mooncake) == [0.0, 2.0, 6.0]
+    # Epoch times in any column, told apart by magnitude: 1715299200 s = 1.7e9 (seconds),
+    # x1e3 (ms), x1e9 (ns); each trace's rows are 2 and 6 s after its first.
+    for scale in (1, 1000, 10**9):
+        text = "arrival_time,prompt_len,output_len\n" + "".join(
+            f"{(1715299200 + d) * scale},1,1\n" for d in (0, 2, 6))
+        assert _arrivals(tmp_path / f"epoch{scale}.csv", text) == [0.0, 2.0, 6.0]
+    # an explicit unit wins: the same small numbers read as ns are 2e-9 s apart
+    assert _arrivals(tmp_path / "ns.csv", "t,prompt_tokens,output_tokens\n0,1,1\n2,1,1\n",
+                     columns={"arrival": "t"}, time_unit="ns") == [0.0, 2e-9]
+
+
+def test_times_of_day_cross_midnight_in_file_order(tmp_path):
+    # 23:59:50.5 -> 23:59:59 (+8.5 s) -> 00:00:10.5 the next day (+11.5 s: 20 s after the first)
+    text = "time,prompt_tokens,output_tokens\n23:59:50.5,1,1\n23:59:59,2,2\n00:00:10.5,3,3\n"
+    assert _arrivals(tmp_path / "tod.csv", text) == [0.0, 8.5, 20.0]
+
+
+def test_ambiguous_dates_are_read_in_one_format_or_refused(tmp_path):
+    # 12/05 is read month-first from the first row; 13/05 then cannot be, and is refused (not read
+    # day-first behind the user's back, which reorders rows)
+    p = tmp_path / "d.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n12/05/2024 23:59:50,1,1\n13/05/2024 00:00:01,2,2\n")
+    with pytest.raises(ConfigError, match=r"d.csv: column 'TIMESTAMP' row 3: cannot parse timestamp '13/05/2024"):
+        load_trace(p, need_arrivals=True)
+
+
+def test_json_arrays_bom_gzip_and_separators(tmp_path):
+    import gzip
+    rows = [{"timestamp": 0, "input_length": 5, "output_length": 2},
+            {"timestamp": 1500, "input_length": 6, "output_length": 3}]
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    assert _arrivals(tmp_path / "a.json", json.dumps(rows, indent=2)) == [0.0, 1.5]     # an array
+    assert _arrivals(tmp_path / "b.jsonl", "\ufeff" + lines) == [0.0, 1.5]              # a byte-order mark
+    assert _arrivals(tmp_path / "c.JSONL.gz", gzip.compress(lines.encode())) == [0.0, 1.5]
+    assert _arrivals(tmp_path / "d.ndjson", lines) == [0.0, 1.5]
+    tsv = "arrival_time_s\tprompt_tokens\toutput_tokens\n0\t5\t2\n1.5\t6\t3\n"
+    assert _arrivals(tmp_path / "e.tsv", tsv) == [0.0, 1.5]
+    assert _arrivals(tmp_path / "f.csv", tsv.replace("\t", ";")) == [0.0, 1.5]
+
+
+def test_json_errors_name_the_line(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2}\n\n'
+                 '{"timestamp": 1, "input_length": -4, "output_length": 3}\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl: column 'input_length' line 3: expected a non-negative"):
+        load_trace(p, need_arrivals=True)
+    p.write_text('{"timestamp": 0, "input_length": 5}\n{"timestamp": 1, oops}\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl: line 2: cannot parse as JSON"):
+        load_trace(p, need_arrivals=True)
+    p.write_text("[1, 2, 3]")
+    with pytest.raises(ConfigError, match="expected JSON objects, one per request"):
+        load_trace(p, need_arrivals=True)
+
+
+def test_column_mappings_are_checked_and_length_files_take_them(tmp_path):
+    p = tmp_path / "t.csv"
+    p.write_text("t,in,out\n0,5,6\n2,7,8\n")
+    with pytest.raises(ConfigError, match=r"field 'arrivals.columns.arrivals' is unknown \(did you mean 'arrival'"):
+        workload_from_dict({"name": "c", "arrivals": {"kind": "trace", "path": str(p),
+                                                       "columns": {"arrivals": "t"}}})
+    lengths = tmp_path / "l.csv"
+    lengths.write_text("in,out\n5,0\n7,3\n9,4\n")
+    cfg = workload_from_dict({"name": "e", "num_requests": 4, "arrivals": {"kind": "constant", "rate": 1.0},
+                              "lengths": {"kind": "empirical", "path": str(lengths), "sample": "sequential",
+                                          "columns": {"prompt": "in", "output": "out"}}})
+    with pytest.warns(UserWarning, match="1 rows of lengths.path with a zero token count were dropped"):
+        specs = generate(cfg)
+    assert specs.prompt_tokens.tolist() == [7, 9, 7, 9]           # the kept rows in turn
+    bad = workload_from_dict({**cfg.raw, "lengths": {**cfg.raw["lengths"], "columns": {"prompt": "x"}}})
+    with pytest.raises(ConfigError, match=r"column 'x' \(lengths.columns.prompt\) not found"):
+        generate(bad)
+
+
+def test_a_missing_file_in_the_users_folder_is_not_replaced_by_a_bundled_one(tmp_path):
+    cfg = workload_from_dict({"name": "m", "arrivals": {"kind": "trace", "path": "mydata/azure_llm_2023_conv.csv"},
+                              "lengths": {"kind": "trace"}}, str(tmp_path / "w.yaml"), tmp_path)
+    with pytest.raises(ConfigError, match="mydata/azure_llm_2023_conv.csv: trace file not found"):
+        generate(cfg)
+    assert len(generate(_conv())) == 19366          # a bare name still finds the bundled trace

@@ -77,7 +77,11 @@ def _lengths(cfg: WorkloadConfig, streams: list[np.random.Generator], n: int) ->
         return (_bounded_zipf(rp, ln.prompt_min, ln.prompt_max, ln.alpha, n),
                 _bounded_zipf(ro, ln.output_min, ln.output_max, ln.alpha, n))
     # empirical: pairs from a length file, keeping prompt/output correlated
-    data = load_trace(cfg.resolve_path(ln.path), need_arrivals=False)
+    data = load_trace(cfg.resolve_path(ln.path), need_arrivals=False, columns=ln.columns,
+                      columns_field="lengths.columns")
+    if data.num_dropped:
+        warnings.warn(f"{cfg.source}: {data.num_dropped} rows of lengths.path with a zero token count were "
+                      f"dropped (they cannot be replayed)", stacklevel=2)
     if ln.sample == "sequential":
         idx = np.arange(n) % len(data.prompt_tokens)
     else:

@@ -7,6 +7,12 @@ Understood out of the box (column names matched case-insensitively):
   Mooncake (JSONL):    timestamp (ms), input_length, output_length
   BurstGPT:            Timestamp (s), Request tokens, Response tokens
 Other names can be given with ``arrivals.columns: {arrival, prompt, output}``.
+
+Files: CSV (comma, tab or semicolon separated), JSON lines or a JSON array of
+objects (``.jsonl``, ``.json``, ``.ndjson``), each optionally gzipped (``.gz``).
+Numeric times without ``arrivals.time_unit`` are seconds from the start
+(Mooncake's: milliseconds), or epoch times in s, ms, us or ns told apart by
+their magnitude; datetimes are ISO 8601 or one consistent format.
 An optional ``max_tokens`` column gives each request its own client cap.
 
 Rows with a zero output (BurstGPT logs failed calls that way) cannot be
@@ -16,7 +22,11 @@ that names the file, the row and the column.
 
 from __future__ import annotations
 
+import gzip
 import json
+import re
+import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,26 +57,89 @@ class TraceData:
     max_tokens: np.ndarray | None = None    # per-request client max_tokens, if the file has it
 
 
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+def _kind(path: Path) -> str:
+    """'json' for JSON lines or a JSON array (``.jsonl``, ``.json``, ``.ndjson``,
+    any case, optionally gzipped), else 'csv'."""
+    name = path.name.lower()
+    name = name[:-3] if name.endswith(".gz") else name
+    return "json" if name.endswith(JSON_SUFFIXES) else "csv"
+
+
+def _read_text(path: Path) -> str:
+    """The file's text (gunzipped if it ends in .gz), without a UTF-8 byte-order mark."""
+    data = path.read_bytes()
+    if path.name.lower().endswith(".gz"):
+        data = gzip.decompress(data)
+    return data.decode("utf-8-sig")
+
+
+def _read_json(path: Path, text: str) -> pd.DataFrame:
+    """A JSON array of objects, or JSON lines (one object per line); the
+    frame's ``attrs['where']`` names each row's place in the file."""
+    if text.lstrip().startswith("["):
+        rows = json.loads(text)
+        where = [f"item {k + 1}" for k in range(len(rows))]
+    else:
+        rows, where = [], []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(f"{path}: line {number}: cannot parse as JSON: {exc.msg} "
+                                      f"(column {exc.colno})") from None
+                where.append(f"line {number}")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ConfigError(f"{path}: expected JSON objects, one per request (JSON lines, or an array of "
+                          f"objects), with an arrival time and token counts")
+    df = pd.DataFrame(rows)
+    df.attrs["where"] = where
+    return df
+
+
+def _separator(header: str) -> str:
+    """The CSV's field separator, from its header line: a comma, else a tab or a semicolon."""
+    if "," not in header:
+        for sep in ("\t", ";"):
+            if sep in header:
+                return sep
+    return ","
+
+
 def _read_table(path: Path) -> pd.DataFrame:
     if not path.is_file():
         raise ConfigError(f"{path}: trace file not found (check arrivals.path / lengths.path)")
+    kind = _kind(path)
     try:
-        if path.suffix in (".jsonl", ".json"):
-            with open(path) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-            return pd.DataFrame(rows)
-        return pd.read_csv(path, skipinitialspace=True)
-    except (json.JSONDecodeError, pd.errors.ParserError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot parse as {'JSON lines' if path.suffix.startswith('.json') else 'CSV'}: "
-                          f"{str(exc).splitlines()[0]}") from None
+        if kind == "json":
+            return _read_json(path, _read_text(path))
+        opener = gzip.open if path.name.lower().endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8-sig") as f:
+            header = f.readline()
+        return pd.read_csv(path, sep=_separator(header), skipinitialspace=True, encoding="utf-8-sig")
+    except (json.JSONDecodeError, pd.errors.ParserError, UnicodeDecodeError, gzip.BadGzipFile, EOFError,
+            zlib.error) as exc:
+        what = "JSON lines or a JSON array" if kind == "json" else "CSV"
+        raise ConfigError(f"{path}: cannot parse as {what}: {str(exc).splitlines()[0]}") from None
     except pd.errors.EmptyDataError:
         raise ConfigError(f"{path}: the file is empty (expected a header and rows)") from None
 
 
-def _find(df: pd.DataFrame, role: str, given: dict[str, str] | None, path: Path) -> str | None:
+def _where(df: pd.DataFrame, row: int) -> str:
+    """Where data row ``row`` (0-based) is in the file: a CSV's row number
+    counting the header as row 1, a JSON line's line number."""
+    where = df.attrs.get("where")
+    return where[row] if where else f"row {row + 2}"
+
+
+def _find(df: pd.DataFrame, role: str, given: dict[str, str] | None, path: Path,
+          field: str = "arrivals.columns") -> str | None:
     if given and role in given:
         if given[role] not in df.columns:
-            raise ConfigError(f"{path}: column '{given[role]}' (arrivals.columns.{role}) not found; "
+            raise ConfigError(f"{path}: column '{given[role]}' ({field}.{role}) not found; "
                               f"columns are: {', '.join(map(str, df.columns))}")
         return given[role]
     lower = {str(c).strip().lower(): c for c in df.columns}
@@ -85,53 +158,100 @@ def _tokens(df: pd.DataFrame, col: str, path: Path) -> np.ndarray:
     bad = values.isna() | (values < 0) | (values > MAX_TOKENS) | (values != np.floor(values.fillna(0)))
     if bad.any():
         row = int(np.flatnonzero(bad.to_numpy())[0])
-        raise ConfigError(f"{path}: column '{col}' row {row + 2}: expected a non-negative integer "
+        raise ConfigError(f"{path}: column '{col}' {_where(df, row)}: expected a non-negative integer "
                           f"token count up to {MAX_TOKENS}, got {str(df[col].iloc[row])!r}")
     return values.to_numpy(dtype=np.int64)
 
 
-def _times(df: pd.DataFrame, col: str, unit: str | None, path: Path) -> np.ndarray:
+# Epoch timestamps, by magnitude: seconds since 1970 are ~1.7e9 today, milliseconds
+# ~1.7e12, microseconds ~1.7e15, nanoseconds ~1.7e18. Times relative to a trace's
+# start lie far below 1e9 s (31 years) in any of these units.
+EPOCH_UNITS = ((1e17, "ns"), (1e14, "us"), (1e11, "ms"), (1e9, "s"))
+UNIT_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+TIME_OF_DAY = re.compile(r"\s*\d{1,2}:\d{2}(:\d{2}(\.\d+)?)?\s*")
+
+
+def numeric_unit(t: np.ndarray, relative_ms: bool) -> str:
+    """The unit of numeric timestamps given without ``time_unit``: epoch
+    times by their magnitude; times relative to the start in seconds, or in
+    milliseconds where the format says so (``relative_ms``: Mooncake's
+    ``timestamp``)."""
+    first = float(t.min())
+    for bound, unit in EPOCH_UNITS:
+        if first >= bound:
+            return unit
+    return "ms" if relative_ms else "s"
+
+
+def _datetimes_s(raw: pd.Series, col: str, path: Path, df: pd.DataFrame) -> np.ndarray:
+    """Seconds since the earliest of datetime strings: ISO 8601 (any
+    fraction of a second, any offset), else one format inferred from the
+    first row and held for all (so 05/12 is never read one way in one row
+    and the other way in the next); times of day without a date, in file
+    order, cross midnight into the next day when they go back in time."""
+    if TIME_OF_DAY.fullmatch(str(raw.iloc[0])):
+        seconds = pd.to_timedelta(raw.astype(str).str.strip(), errors="coerce")
+        bad = seconds.isna()
+        if not bad.any():
+            s = seconds.dt.total_seconds().to_numpy()
+            days = np.cumsum(np.r_[0, np.diff(s) < -43_200])     # a jump back by over 12 h: past midnight
+            s = s + 86_400 * days
+            return s - s.min()
+    else:
+        parsed = pd.to_datetime(raw, errors="coerce", utc=True, format="ISO8601")
+        if parsed.isna().any():
+            with warnings.catch_warnings():     # "could not infer format": then it fails below
+                warnings.simplefilter("ignore")
+                parsed = pd.to_datetime(raw, errors="coerce", utc=True)
+        bad = parsed.isna()
+        if not bad.any():
+            ns = parsed.dt.as_unit("ns").astype("int64").to_numpy()    # any resolution, as nanoseconds
+            return (ns - ns.min()) / 1e9
+    row = int(np.flatnonzero(bad.to_numpy())[0])
+    raise ConfigError(f"{path}: column '{col}' {_where(df, row)}: cannot parse timestamp {raw.iloc[row]!r} "
+                      f"(expected ISO 8601 like 2024-05-10 00:00:01.5+00:00, the format of the first row "
+                      f"throughout, or numbers with arrivals.time_unit)")
+
+
+def _times(df: pd.DataFrame, col: str, unit: str | None, path: Path, relative_ms: bool = False) -> np.ndarray:
     raw = df[col]
     numeric = pd.to_numeric(raw, errors="coerce")
     if unit == "datetime" or (unit is None and numeric.isna().all()):
-        parsed = pd.to_datetime(raw, errors="coerce", utc=True, format="mixed")
-        if parsed.isna().any():
-            row = int(np.flatnonzero(parsed.isna().to_numpy())[0])
-            raise ConfigError(f"{path}: column '{col}' row {row + 2}: cannot parse timestamp {raw.iloc[row]!r}")
-        ns = parsed.astype("int64").to_numpy()
-        return (ns - ns.min()) / 1e9
+        return _datetimes_s(raw, col, path, df)
     bad = numeric.isna() | ~np.isfinite(numeric.fillna(0))
     if bad.any():
         row = int(np.flatnonzero(bad.to_numpy())[0])
-        raise ConfigError(f"{path}: column '{col}' row {row + 2}: expected a finite number, got {str(raw.iloc[row])!r}")
+        raise ConfigError(f"{path}: column '{col}' {_where(df, row)}: expected a finite number, "
+                          f"got {str(raw.iloc[row])!r}")
     t = numeric.to_numpy(dtype=np.float64)
-    if unit is None:
-        # Mooncake stores integer milliseconds in 'timestamp'.
-        unit = "ms" if str(col).lower() == "timestamp" and np.all(t == np.floor(t)) and t.max() > 1e4 else "s"
-    t = t * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
+    t = t * UNIT_SECONDS[unit or numeric_unit(t, relative_ms)]
     return t - t.min()
 
 
 def load_trace(path: Path, *, need_arrivals: bool, columns: dict[str, str] | None = None,
-               time_unit: str | None = None) -> TraceData:
-    """Load a timed trace or a length-only file into arrays, in arrival order."""
+               time_unit: str | None = None, columns_field: str = "arrivals.columns") -> TraceData:
+    """Load a timed trace or a length-only file into arrays, in arrival order
+    (``columns``: the file's column names by role, from the workload's
+    ``columns_field``)."""
     df = _read_table(path)
     if len(df) == 0:
         raise ConfigError(f"{path}: the file has a header but no rows")
-    prompt_col = _find(df, "prompt", columns, path)
-    output_col = _find(df, "output", columns, path)
-    arrival_col = _find(df, "arrival", columns, path)
+    prompt_col = _find(df, "prompt", columns, path, columns_field)
+    output_col = _find(df, "output", columns, path, columns_field)
+    arrival_col = _find(df, "arrival", columns, path, columns_field)
     missing = [r for r, c in (("prompt", prompt_col), ("output", output_col)) if c is None]
     if need_arrivals and arrival_col is None:
         missing.insert(0, "arrival")
     if missing:
         want = {"arrival": "arrival_time_s", "prompt": "prompt_tokens", "output": "output_tokens"}
         raise ConfigError(f"{path}: missing column(s) {', '.join(want[m] for m in missing)}; found "
-                          f"{', '.join(map(str, df.columns))}; rename them or set arrivals.columns")
+                          f"{', '.join(map(str, df.columns))}; rename them or set {columns_field}")
     prompt = _tokens(df, prompt_col, path)
     output = _tokens(df, output_col, path)
-    arrival = _times(df, arrival_col, time_unit, path) if (need_arrivals and arrival_col) else None
-    max_col = _find(df, "max_tokens", columns, path)
+    # Mooncake's traces give 'timestamp' in milliseconds from the start (with input_length).
+    mooncake = str(arrival_col).lower() == "timestamp" and str(prompt_col).lower() == "input_length"
+    arrival = _times(df, arrival_col, time_unit, path, mooncake) if (need_arrivals and arrival_col) else None
+    max_col = _find(df, "max_tokens", columns, path, columns_field)
     max_tokens = _tokens(df, max_col, path) if max_col is not None else None
     keep = (prompt > 0) & (output > 0)
     if arrival is not None:
