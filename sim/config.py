@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import yaml
 
 from policies import POLICIES
-from sim.strict import ConfigError, _positive, _require, build, did_you_mean
+from sim.strict import ConfigError, _positive, _require, build, did_you_mean, load_yaml
 
 __all__ = ["ConfigError", "WorkloadConfig", "load_workload", "load_yaml_mapping", "parse_override",
            "set_dotted", "workload_from_dict"]
@@ -360,6 +360,8 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
     if "name" in top and not isinstance(top["name"], str):
         raise ConfigError(f"{source}: field 'name' must be a string (or left out: the file's name), "
                           f"got {top['name']!r}")
+    if "name" in top:
+        _check_name(top["name"], source)
     top.setdefault("name", Path(source).stem)
     sections = {k: build(cls, data.get(k), k, source) for k, cls in SECTIONS.items() if k != "slo"}
     slo = _workload_slo(data["slo"], source) if data.get("slo") is not None else None
@@ -408,6 +410,16 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
     return cfg
 
 
+def _check_name(name: str, source: str) -> None:
+    """A run's name becomes its folder (runs/<name>), so it must be one plain folder name."""
+    bad = (not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0") or len(name) > 200
+           or any(ord(c) < 32 for c in name))
+    if bad:
+        raise ConfigError(f"{source}: field 'name' must be a plain folder name (no '/', '\\', control characters, "
+                          f"'.' or '..', at most 200 characters), got {name!r}; it names the run's folder "
+                          f"runs/<name> (choose the folder itself with --out)")
+
+
 # ---- files and overrides ------------------------------------------------------
 def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
     """Read a YAML file that must hold a mapping, with one-line errors."""
@@ -415,7 +427,7 @@ def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -434,7 +446,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {text!r}: expected key=value, e.g. policy.max_num_seqs=128")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = load_yaml(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
     return key.strip(), value

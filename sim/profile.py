@@ -33,6 +33,7 @@ import yaml
 from sim.atomic import write_text_atomic
 from sim.batch import Batch
 from sim.curves import Curve1D, Curve2D
+from sim.strict import load_yaml
 
 FORMAT_VERSION = 1
 GIB = 1024**3
@@ -385,6 +386,32 @@ def _finite(value: Any, where: str, source: str, *, minimum: float = 0.0, strict
     return x
 
 
+ENGINE_COUNTS = ("max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks", "block_size", "max_model_len")
+ENGINE_SECONDS = ("request_overhead_s", "request_overhead_idle_s", "request_overhead_busy_s")
+
+
+def _engine(value: Any, source: str) -> dict[str, Any]:
+    """The ``engine`` mapping with the knobs the simulator reads checked: counts are positive
+    integers and request overheads finite seconds >= 0 (either may be null: not measured)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ProfileError(f"{source}: field 'engine' must be a mapping of the server's knobs, got {value!r}")
+    out = dict(value)
+    for key in ENGINE_COUNTS:
+        v = out.get(key)
+        if v is None:
+            continue
+        if isinstance(v, float) and v.is_integer():
+            v = out[key] = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ProfileError(f"{source}: field 'engine.{key}' must be a positive integer, got {v!r}")
+    for key in ENGINE_SECONDS:
+        if out.get(key) is not None:
+            out[key] = _finite(out[key], f"engine.{key}", source)
+    return out
+
+
 def _check_curve(where: str, axes: dict[str, Any], values: Any, source: str) -> None:
     """Grid axes finite, >= 0 and strictly increasing; costs finite, >= 0 and
     non-decreasing along every axis (more work never costs less). A file that
@@ -482,7 +509,7 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
             provenance=dict(data.get("provenance") or {}),
             fit_error=dict(data.get("fit_error") or {}),
             efficiency=dict(data.get("efficiency") or {}),
-            engine=dict(data.get("engine") or {}),
+            engine=_engine(data.get("engine"), source),
         )
     except ProfileError:
         raise
@@ -502,7 +529,7 @@ def load_profile(path: str | Path) -> Profile:
         raise ProfileError(f"{path}: profile file not found")
     try:
         text = path.read_text()
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if path.suffix == ".json" else load_yaml(text)
     except UnicodeDecodeError:
         raise ProfileError(f"{path}: not a text file (expected a YAML or JSON profile)") from None
     except (yaml.YAMLError, json.JSONDecodeError) as exc:

@@ -10,17 +10,48 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from typing import Any
+
+import yaml
 
 
 class ConfigError(ValueError):
     """Bad user input. The message is one line: file, field, expected, fix."""
 
 
+class StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with two YAML 1.2 habits users expect: ``1e3`` and ``2.5E-6`` are
+    numbers (YAML 1.1 wants a dot, ``1.0e3``, and reads ``1e3`` as a string), and a key given
+    twice in one mapping is an error at its line instead of the last one silently winning."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"duplicate key {key!r} (each field once)", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML text with ``StrictLoader`` (a ``yaml.YAMLError`` on bad input)."""
+    return yaml.load(text, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
-    """Check (and gently coerce int -> float) a YAML value against a type hint."""
+    """Check (and gently coerce int -> float, and a whole float such as ``1e6`` -> int) a YAML
+    value against a type hint."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         for arg in typing.get_args(hint):
@@ -35,6 +66,8 @@ def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
     if hint is bool:
         return isinstance(value, bool), value
     if hint is int:
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            return True, int(value)
         return isinstance(value, int) and not isinstance(value, bool), value
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
