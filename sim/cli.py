@@ -8,6 +8,9 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import errno
+import math
+import os
 import sys
 import time
 import warnings
@@ -74,24 +77,35 @@ def format_summary(summary: dict[str, Any], title: str = "", *, load: Any = None
 def cmd_run(args: argparse.Namespace) -> int:
     from sim.chrome_trace import first_steps, trace_chunks
     from sim.config import load_workload, parse_override
-    from sim.io import prepare_run_dir, write_run
+    from sim.io import prepare_run_dir, remove_if_empty, write_run
     from sim.runfiles import RunFilesProcess
     from sim.runner import run_workload
     from sim.vllm_result import DEFAULT_PERCENTILES, bench_result, offered_load, parse_percentiles
 
-    percentiles = parse_percentiles(args.metric_percentiles or DEFAULT_PERCENTILES)
+    from sim.config import ConfigError
+    percentiles = parse_percentiles(DEFAULT_PERCENTILES if args.metric_percentiles is None
+                                    else args.metric_percentiles)
+    if args.replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.out is not None and not args.out.strip():
+        raise ConfigError("--out '': expected a folder path (without --out, the run goes to runs/<name>)")
     overrides = dict(parse_override(t) for t in args.set or [])
     if args.seed is not None:
         overrides["seed"] = args.seed
     cfg = load_workload(args.workload, overrides)
-    out, taken = prepare_run_dir(args.out, Path("runs") / cfg.name, overwrite=args.overwrite)   # before the work
-    # steps.csv and tokens.npz are written by a second process while the run goes on (sim.runfiles)
-    with RunFilesProcess(out) as files:
-        result = run_workload(cfg, num_replicas=args.replicas, router=args.router, progress=not args.quiet,
-                              strict=args.strict, files=files)
-        traced = first_steps(result.steps) if args.trace else None
-        write_run(result, out, bench=bench_result(result, percentiles, detailed=args.save_detailed),
-                  trace=trace_chunks(traced) if traced is not None else None, files=files)
+    run_dir = prepare_run_dir(args.out, Path("runs") / cfg.name, overwrite=args.overwrite)   # before the work
+    out, taken = run_dir.path, run_dir.taken
+    try:
+        # steps.csv and tokens.npz are written by a second process while the run goes on (sim.runfiles)
+        with RunFilesProcess(out) as files:
+            result = run_workload(cfg, num_replicas=args.replicas, router=args.router, progress=not args.quiet,
+                                  strict=args.strict, files=files)
+            traced = first_steps(result.steps) if args.trace else None
+            write_run(result, out, bench=bench_result(result, percentiles, detailed=args.save_detailed),
+                      trace=trace_chunks(traced) if traced is not None else None, files=files)
+    except BaseException:
+        remove_if_empty(run_dir)
+        raise
     meta = result.meta
     title = (f"{cfg.name}: policy {cfg.policy.kind}, profile {meta['profile_name']} "
              f"({result.summary['profile_source']}), {meta['num_blocks']:,} KV blocks x "
@@ -176,7 +190,8 @@ def cmd_schema(args: argparse.Namespace) -> int:
     from sim.atomic import write_text_atomic
     from sim.schema import workload_schema
     text = json.dumps(workload_schema(), indent=2) + "\n"
-    if args.out:
+    if args.out is not None:
+        check_out_file(args.out, "workload.schema.json")
         write_text_atomic(Path(args.out), text)
         print(f"wrote {args.out}")
     else:
@@ -184,7 +199,25 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_out_file(out: str, example: str) -> None:
+    """An ``--out`` that names a file to write: not a folder, in a folder that exists."""
+    from sim.config import ConfigError
+    target = Path(out)
+    if not out.strip() or target.is_dir() or not target.parent.is_dir():
+        problem = "is a folder" if out.strip() and target.is_dir() else "its folder does not exist"
+        raise ConfigError(f"--out {out!r}: {problem}; give a file path in an existing folder, e.g. --out {example}")
+
+
+def check_budget(budget_s: float | None) -> None:
+    from sim.config import ConfigError
+    if budget_s is not None and not (math.isfinite(budget_s) and budget_s > 0):
+        raise ConfigError(f"--budget-s must be a finite number of seconds > 0, got {budget_s}")
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    check_budget(args.budget_s)
+    if args.out:
+        check_out_file(args.out, "my-profile.yaml")
     if args.server:                     # black box: time a running server from outside (no torch)
         from calibrate.serving.calibrate_server import main as calibrate_server_main
         return calibrate_server_main(args)
@@ -193,6 +226,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    check_budget(args.budget_s)
     if args.server or args.measured:    # a real vLLM server, live or from a saved benchmark (no torch)
         from calibrate.serving.validate_server import main as validate_server_main
         return validate_server_main(args)
@@ -353,7 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.showwarning = _warning_line
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()              # here, so that a reader that left is caught below
+        return status
     except (ConfigError, ProfileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -366,6 +402,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:             # `sim run ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as exc:              # a path the user gave that cannot be read or written
+        if exc.filename is None:
+            raise
+        print(f"error: {exc.filename}: {_os_problem(exc)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _os_problem(exc: OSError) -> str:
+    """What an OSError on a user's path means, in words, with the fix where there is one."""
+    hints = {errno.EEXIST: "a file is in the way of a folder the command writes; choose another path",
+             errno.ENOTDIR: "part of the path is a file, not a folder; choose another path",
+             errno.EISDIR: "is a folder; give a file path",
+             errno.EACCES: "permission denied; choose a folder you can write",
+             errno.EROFS: "read-only file system; choose another folder",
+             errno.ENOENT: "no such file or folder",
+             errno.ENOSPC: "no space left on the device"}
+    return hints.get(exc.errno or -1, exc.strerror or str(exc))
 
 
 if __name__ == "__main__":

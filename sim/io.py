@@ -20,7 +20,7 @@ import json
 import platform
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, TextIO
+from typing import Any, Iterable, NamedTuple, TextIO
 
 import numpy as np
 import pandas as pd
@@ -71,7 +71,13 @@ def holds_run(out_dir: Path) -> bool:
     return any((out_dir / name).exists() for name in RUN_FILES) or (out_dir / "figures").is_dir()
 
 
-def prepare_run_dir(out: str | Path | None, default: Path, *, overwrite: bool = False) -> tuple[Path, Path | None]:
+class RunDir(NamedTuple):
+    path: Path                 # where the run goes
+    taken: Path | None         # the folder it was kept out of, if any
+    made: Path | None          # the top-most folder this call created (removed if the run fails)
+
+
+def prepare_run_dir(out: str | Path | None, default: Path, *, overwrite: bool = False) -> RunDir:
     """The folder a run goes to, checked writable before any work, and the
     folder it was kept out of (None if none). ``out`` holding a run is refused
     unless ``overwrite``; without ``out``, ``default`` is used if free (or with
@@ -80,12 +86,29 @@ def prepare_run_dir(out: str | Path | None, default: Path, *, overwrite: bool = 
         if holds_run(Path(out)) and not overwrite:
             raise OutputError(f"--out {out}: already holds a run; pass --overwrite to replace it, or choose "
                               f"another --out")
-        return ensure_writable(out), None
-    path, k = default, 1
-    while holds_run(path) and not overwrite:
-        k += 1
-        path = default.with_name(f"{default.name}-{k}")
-    return ensure_writable(path), (default if path != default else None)
+        path, taken = Path(out), None
+    else:
+        path, k = default, 1
+        while holds_run(path) and not overwrite:
+            k += 1
+            path = default.with_name(f"{default.name}-{k}")
+        taken = default if path != default else None
+    made = next((p for p in reversed((path, *path.parents)) if not p.exists()), None)
+    return RunDir(ensure_writable(path), taken, made)
+
+
+def remove_if_empty(run_dir: RunDir) -> None:
+    """After a failed run: remove the folders ``prepare_run_dir`` made, if nothing is in them,
+    so that a run that never happened leaves no empty folder that looks like one."""
+    if run_dir.made is None:
+        return
+    for folder in (run_dir.path, *run_dir.path.parents):
+        try:
+            folder.rmdir()                 # only an empty folder goes
+        except OSError:
+            return
+        if folder == run_dir.made:
+            return
 
 
 def clear_run(out_dir: Path) -> None:

@@ -107,7 +107,7 @@ def test_malformed_traces(tmp_path, capsys, csv, expect):
     rc, out, err, outdir = run_cli(tmp_path, TRACE_WL, capsys=capsys)
     assert rc == 2, err
     assert expect in err and "trace.csv" in err
-    assert not (outdir / "summary.json").exists()
+    assert not outdir.exists()        # the folder the run made is gone again: no empty run folder
 
 
 def test_over_context_requests_are_rejected_and_counted(tmp_path, capsys):
@@ -171,3 +171,131 @@ def test_version(capsys):
         main(["--version"])
     assert exc.value.code == 0
     assert capsys.readouterr().out.strip() == f"batchsim {metadata.version('batchsim')}"
+
+
+def test_yaml_numbers_with_exponents_and_duplicate_keys(tmp_path, capsys):
+    # YAML 1.1 reads 2e1 as a string; batchsim reads it as YAML 1.2 does: 20 requests at 5 req/s
+    rc, out, err, outdir = run_cli(tmp_path, GOOD.replace("num_requests: 20", "num_requests: 2e1")
+                                   .replace("rate: 5", "rate: 5e0"), capsys=capsys)
+    assert rc == 0, err
+    assert json.loads((outdir / "summary.json").read_text())["completed"] == 20
+    # a key given twice is an error at its second line, not the last one silently winning
+    rc, out, err, outdir = run_cli(tmp_path, GOOD + "num_requests: 30\n", "--overwrite", capsys=capsys)
+    assert rc == 2 and "duplicate key 'num_requests'" in err and "line 7" in err, err
+    rc, out, err, _ = run_cli(tmp_path, GOOD, "--overwrite", "--set", "num_requests=2.5e1", capsys=capsys)
+    assert rc == 0 and "completed 25" in out, err
+
+
+@pytest.mark.parametrize("name", ["../..", "/tmp/x", "", ".", "a/b", "nul\0byte", "x" * 201])
+def test_a_name_that_is_not_a_folder_name_is_refused(tmp_path, capsys, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w.yaml").write_text(GOOD + f"name: {json.dumps(name)}\n".replace("name: t\n", ""))
+    text = GOOD.replace("name: t", f"name: {json.dumps(name)}")
+    (tmp_path / "w.yaml").write_text(text)
+    rc = main(["run", str(tmp_path / "w.yaml"), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "field 'name' must be a plain folder name" in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_existing_empty_folder_stays_when_the_run_fails(tmp_path, capsys):
+    (tmp_path / "trace.csv").write_text("arrival_time_s,prompt_tokens,output_tokens\n0,10,5\n1,nan,5\n")
+    (tmp_path / "out").mkdir()                       # the user's own folder: not ours to remove
+    rc, out, err, outdir = run_cli(tmp_path, TRACE_WL, capsys=capsys)
+    assert rc == 2 and "row 3" in err and outdir.is_dir()
+
+
+def test_paths_in_the_way_are_one_line_errors(tmp_path, capsys):
+    (tmp_path / "d").mkdir()
+    for target, expect in ((tmp_path / "d", "is a folder"), (tmp_path / "no" / "s.json", "its folder does not exist")):
+        assert main(["schema", "--out", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert expect in err and "Traceback" not in err, err
+    # --report into a run folder where a file sits at figures/: the run is written, the report names the file
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "figures").write_text("mine")
+    rc, out, err, outdir = run_cli(tmp_path, GOOD, "--report", capsys=capsys)
+    assert rc == 2 and f"{outdir / 'figures'}: a file is in the way" in err, err
+    assert (tmp_path / "out" / "figures").read_text() == "mine"
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--replicas", "0"], "--replicas must be >= 1, got 0"),
+    (["--metric-percentiles", ""], "--metric-percentiles: '' is not a number"),
+])
+def test_bad_flags_of_a_run_are_found_before_its_folder(tmp_path, capsys, argv, expect):
+    rc, out, err, outdir = run_cli(tmp_path, GOOD, *argv, capsys=capsys)
+    assert rc == 2 and expect in err and not outdir.exists(), err
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["run", "W", "--out", ""], "--out '': expected a folder path"),
+    (["calibrate", "--budget-s", "inf", "--out", "p.yaml"], "--budget-s must be a finite number of seconds > 0"),
+    (["calibrate", "--out", "."], "--out '.': is a folder"),
+    (["calibrate", "--out", "no/such/p.yaml"], "its folder does not exist"),
+    (["validate", "W", "--budget-s", "nan"], "--budget-s must be a finite number of seconds > 0, got nan"),
+    (["schema", "--out", ""], "its folder does not exist"),
+])
+def test_bad_paths_and_budgets_are_refused_before_the_work(tmp_path, capsys, monkeypatch, argv, expect):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w.yaml").write_text(GOOD)
+    assert main([str(tmp_path / "w.yaml") if a == "W" else a for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.yaml"]      # nothing written
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    import subprocess
+    import sys
+    (tmp_path / "w.yaml").write_text(GOOD)
+    cmd = (f"{sys.executable} -m sim.cli run {tmp_path / 'w.yaml'} --out {tmp_path / 'o'} --quiet | true; "
+           f"exit ${{PIPESTATUS[0]}}")                  # the reader is gone before the summary is printed
+    p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in p.stderr and p.stderr == "", p.stderr
+    assert p.returncode == 141 and (tmp_path / "o" / "summary.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("saved")
+    (d / "w.yaml").write_text(GOOD)
+    assert main(["run", str(d / "w.yaml"), "--out", str(d / "run"), "--quiet"]) == 0
+    return d / "run"
+
+
+@pytest.mark.parametrize("damage, expect", [
+    (lambda d: (d / "summary.json").write_text("{bad"), "summary.json: damaged (Expecting property name"),
+    (lambda d: (d / "summary.json").write_text("[1, 2]"), "summary.json: damaged (expected a JSON object)"),
+    (lambda d: (d / "meta.json").write_text(""), "meta.json: damaged (Expecting value"),
+    (lambda d: (d / "requests.csv").unlink(), "this run folder has no requests.csv"),
+    (lambda d: (d / "steps.csv").write_bytes(b"\x8c\xff\x00"), "steps.csv: damaged ("),
+    (lambda d: (d / "tokens.npz").write_bytes(b"PK\x03"), "files are damaged or from another version"),
+    (lambda d: (d / "requests.csv").write_text("a,b\n1,2\n"), "missing field or column 'arrival_s'"),
+])
+def test_report_on_a_damaged_run_folder_names_the_file(saved_run, tmp_path, capsys, damage, expect):
+    import shutil
+    d = tmp_path / "run"
+    shutil.copytree(saved_run, d)
+    damage(d)
+    assert main(["report", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and "fix: run the workload again" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_profile_with_bad_engine_knobs_is_refused(tmp_path, capsys):
+    import yaml
+    root = Path(__file__).resolve().parent.parent
+    data = yaml.safe_load((root / "calibrate/profiles/cpu/tiny-llama/float32.yaml").read_text())
+    for engine, expect in (({"max_num_seqs": -4}, "'engine.max_num_seqs' must be a positive integer, got -4"),
+                           ({"block_size": "x"}, "'engine.block_size' must be a positive integer, got 'x'"),
+                           ({"request_overhead_s": float("nan")}, "'engine.request_overhead_s' must be a finite"),
+                           ([1, 2], "'engine' must be a mapping")):
+        (tmp_path / "p.yaml").write_text(yaml.safe_dump({**data, "engine": engine}))
+        rc, out, err, _ = run_cli(tmp_path, GOOD + "profile: {path: p.yaml}\n", "--overwrite", capsys=capsys)
+        assert rc == 2 and expect in err and "p.yaml" in err, err
+    # whole numbers written as floats (1e3, 16.0) are the integers they name
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({**data, "engine": {"block_size": 16.0, "max_num_seqs": 8}}))
+    rc, out, err, outdir = run_cli(tmp_path, GOOD + "profile: {path: p.yaml}\n", "--overwrite", capsys=capsys)
+    assert rc == 0 and "x 16 tokens" in out, err

@@ -8,7 +8,13 @@ DIR/report.html.
 
 from __future__ import annotations
 
+import errno
+import json
+import zipfile
 from pathlib import Path
+from typing import Callable
+
+import pandas as pd
 
 from reports.presentation.planreport import plan_report
 from reports.presentation.runreport import run_report
@@ -20,13 +26,52 @@ def regenerate(directory: Path) -> list[Path]:
     """Rebuild figures and report of a sweep, plan or run directory; return the files written."""
     d = Path(directory)
     if (d / "plan.json").is_file():
-        return _prune(d, plan_report(d))
+        return _prune(d, _build(d, "plan", plan_report, json_files=("plan.json",), tables=("ranked.csv",),
+                                others=("trials.csv",)))
     if (d / "results.csv").is_file():
-        return _prune(d, sweep_report(d))
+        return _prune(d, _build(d, "sweep", sweep_report, json_files=("sweep.json",), tables=("results.csv",)))
     if (d / "summary.json").is_file():
-        return _prune(d, run_report(d))
+        return _prune(d, _build(d, "run", run_report, json_files=("summary.json", "meta.json"),
+                                tables=("requests.csv", "steps.csv"), others=("tokens.npz",)))
     raise ConfigError(f"{d}: not a sweep, plan or run directory (expected results.csv, plan.json or summary.json); "
                       f"fix: pass the --out directory of `sim sweep`, `sim plan` or `sim run`")
+
+
+# What a damaged or hand-edited results file raises while a report reads it.
+DAMAGED = (ValueError, KeyError, IndexError, TypeError, AttributeError, zipfile.BadZipFile, EOFError)
+
+
+def _build(d: Path, kind: str, report: Callable[[Path], list[Path]], *, json_files: tuple[str, ...],
+           tables: tuple[str, ...], others: tuple[str, ...] = ()) -> list[Path]:
+    """Check the folder's files (present, JSON objects, tables with a header), then build its
+    report; a file that is missing or damaged is a one-line error naming it, not a traceback."""
+    fix = (f"fix: {'run the workload' if kind == 'run' else 'run the ' + kind} again into a new folder "
+           f"(sim {kind} ... --out NEW); the report is rebuilt from its saved results")
+    for name in (*json_files, *tables, *others):
+        path = d / name
+        if not path.is_file():
+            if name in ("meta.json", "sweep.json"):      # older folders lack them; the report copes
+                continue
+            raise ConfigError(f"{d}: this {kind} folder has no {name}; {fix}")
+        try:
+            if name in json_files and not isinstance(json.loads(path.read_text()), dict):
+                raise ValueError("expected a JSON object")
+            if name in tables:
+                pd.read_csv(path, nrows=1)
+        except (ValueError, pd.errors.ParserError) as exc:
+            raise ConfigError(f"{path}: damaged ({str(exc).splitlines()[0] or type(exc).__name__}); {fix}") from None
+    try:
+        return report(d)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{d}: this {kind} folder has no {Path(exc.filename or '?').name}; {fix}") from None
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTDIR, errno.EACCES, errno.EROFS, errno.ENOSPC):
+            raise                          # where the report goes, not what it reads: sim.cli says which
+        raise ConfigError(f"{d}: cannot read this {kind} folder ({exc}); {fix}") from None
+    except DAMAGED as exc:
+        what = f"missing field or column {exc}" if isinstance(exc, KeyError) else str(exc).splitlines()[0]
+        raise ConfigError(f"{d}: this {kind} folder's files are damaged or from another version "
+                          f"({type(exc).__name__}: {what}); {fix}") from None
 
 
 def _prune(d: Path, written: list[Path]) -> list[Path]:
