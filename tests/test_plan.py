@@ -222,7 +222,16 @@ def test_plan_report_opens_in_headless_chromium(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("changes, message", [
     ({"target_rate": None}, "field 'target_rate' is missing"),
-    ({"target_rate": -5}, "field 'target_rate' must be a number > 0"),
+    ({"target_rate": -5}, "field 'target_rate' must be a finite number > 0, got -5"),
+    ({"target_rate": float("nan")}, "field 'target_rate' must be a finite number > 0, got nan"),
+    ({"target_rate": float("inf")}, "field 'target_rate' must be a finite number > 0, got inf"),
+    ({"verify": {"min_duration_s": float("inf")}}, "field 'verify.min_duration_s' must be a finite number"),
+    ({"candidates": [{"profile": {"gpu": "h100-sxm"}, "price_per_gpu_hour": float("nan")}]},
+     "candidates\\[0\\].price_per_gpu_hour' must be a finite number"),
+    ({"candidates": [{"profile": {"gpu": "h100-sxm"}, "price_per_gpu_hour": 2, "server": [1, 2]}]},
+     "candidates\\[0\\].server' must be a mapping of server fields, got \\[1, 2\\]"),
+    ({"target_utilization": 1e-9}, "field 'target_utilization' must be in \\[0.05, 1\\], got 1e-09"),
+    ({"out": 5}, "field 'out' must be a folder path, got 5"),
     ({"slo": {"ttft_ms": 500, "p99": 1}}, "field 'slo.p99' is unknown"),
     ({"slo": {"attainment": 0.9}}, "field 'slo' sets no threshold"),
     ({"slo": {"ttft_ms": 500, "attainment": 1.5}}, "field 'slo.attainment' must be in"),
@@ -256,8 +265,8 @@ def test_set_overrides_the_plan_and_the_base_traffic(tmp_path: Path) -> None:
     ({"arrivals.rate": 5}, "--set arrivals.rate: the plan sets 'arrivals.rate' itself.*--set target_rate=N"),
     ({"num_requests": 5}, "--set num_requests: the plan sets 'num_requests' itself"),
     ({"candidates": []}, "--set candidates: 'candidates' can only be edited in the file"),
-    ({"target_utilization": 1.2}, "field 'target_utilization' must be in \\(0, 1\\], got 1.2"),
-    ({"target_utilization": 0}, "field 'target_utilization' must be a number > 0"),
+    ({"target_utilization": 1.2}, "field 'target_utilization' must be in \\[0.05, 1\\], got 1.2"),
+    ({"target_utilization": 0}, "field 'target_utilization' must be a finite number > 0"),
     ({"verify.num_requests_per_replica": 400}, "field 'verify.num_requests_per_replica' is unknown; fix: use one "
                                                "of: min_duration_s, min_requests"),
 ])

@@ -59,6 +59,8 @@ def test_mapping_values_replace_a_section_and_become_columns(tmp_path: Path) -> 
     ({"vary": {"arrivals.rate": [1.0, 1.0]}}, "lists a value twice"),
     ({"vary": {"seed": [1, 2]}}, "use 'repetitions: N'"),
     ({"vary": {"arrivals.rate": [1.0]}, "repetitions": 0}, "field 'repetitions' must be an integer >= 1"),
+    ({"vary": {"arrivals.rate": [1.0]}, "save_runs": "no"}, "field 'save_runs' must be true or false, got 'no'"),
+    ({"vary": {"arrivals.rate": [1.0]}, "out": 5}, "field 'out' must be a folder path, got 5"),
 ])
 def test_bad_sweep_files_name_the_field_and_the_fix(tmp_path: Path, sweep: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as info:
@@ -95,6 +97,27 @@ def test_every_variant_is_validated_before_any_run(tmp_path: Path, vary: dict, m
     with pytest.raises(ConfigError, match=message):
         run_sweep_file(write_files(tmp_path, {"vary": vary}), out=tmp_path / "out", jobs=1, progress=False)
     assert not NEVER_CALLED and not (tmp_path / "out" / "results.csv").exists()
+
+
+def test_what_fails_before_any_run_writes_nothing(tmp_path: Path, capsys) -> None:
+    # a malformed trace in the base workload is read once, before the output folder exists
+    (tmp_path / "tr.csv").write_text("arrival_time_s,prompt_tokens,output_tokens\n0,10,5\n1,abc,5\n")
+    workload = {**WORKLOAD, "arrivals": {"kind": "trace", "path": "tr.csv"}, "lengths": {"kind": "trace"}}
+    del workload["num_requests"]
+    path = write_files(tmp_path, {"vary": {"policy.kind": ["vllm", "sarathi"]}}, workload)
+    assert main(["sweep", str(path), "--out", str(tmp_path / "out"), "--quiet", "-j", "1"]) == 2
+    assert "tr.csv: column 'prompt_tokens' row 3" in capsys.readouterr().err
+    # bad --jobs and --cluster are found before the lock and sweep.json are written
+    (tmp_path / "tr.csv").write_text("arrival_time_s,prompt_tokens,output_tokens\n0,10,5\n1,12,5\n")
+    for flags, message in ((["-j", "0"], "--jobs must be >= 1, got 0"),
+                           (["--cluster", "foo://x"], "expected 'local' or a scheduler address")):
+        assert main(["sweep", str(path), "--out", str(tmp_path / "out"), "--quiet", *flags]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    # an output path that is a file
+    (tmp_path / "afile").write_text("")
+    assert main(["sweep", str(path), "--out", str(tmp_path / "afile"), "--quiet"]) == 2
+    assert f"--out {tmp_path / 'afile'} is a file, not a folder" in capsys.readouterr().err
 
 
 class Interrupt(KeyboardInterrupt):

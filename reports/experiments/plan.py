@@ -31,7 +31,7 @@ import pandas as pd
 from reports.experiments.capacity import (SearchSettings, find_capacity, fleet_cost, judge, queue_trend, replicas_for,
                                utilization)
 from reports.experiments.planspec import Candidate, PlanSpec, Verify, parse_plan, spec_summary
-from reports.experiments.pool import run_tasks
+from reports.experiments.pool import check_pool_args, run_tasks
 from sim.atomic import write_text_atomic
 from reports.experiments.sweep import offered_rate, scalar_summary
 from sim.config import ConfigError, Slo, set_dotted, workload_from_dict
@@ -237,4 +237,5 @@ def run_plan_file(path: str | Path, *, out: Path | None = None, jobs: int | None
     """`sim plan FILE`: validate the plan, evaluate every candidate, write the report; return its directory.
 
     ``overrides``: ``--set``/``--seed`` pairs (``reports.experiments.planspec``)."""
+    check_pool_args(jobs, cluster)
     return run_plan(parse_plan(path, out, overrides), jobs=jobs, cluster=cluster, progress=progress)

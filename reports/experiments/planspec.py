@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from reports.experiments.capacity import SearchSettings
-from reports.experiments.spec import (apply_set, check_keys, check_runnable, fail, load_base, positive_int,
-                          split_overrides, validate_run_settings, within)
+from reports.experiments.spec import (apply_set, check_keys, check_runnable, fail, load_base, out_dir,
+                          positive_int, split_overrides, validate_run_settings, within)
 from sim.config import ConfigError, Slo, load_yaml_mapping, set_dotted, workload_from_dict
 
 PLAN_KEYS = ("name", "description", "base", "set", "target_rate", "target_utilization", "slo", "router", "search",
@@ -53,6 +53,7 @@ SLO_KEYS = ("ttft_ms", "itl_ms", "tpot_ms", "attainment")
 # step-cost model's own error, and its p99 latencies sit on the steep part of that curve; capacity planners
 # commonly aim at 70-80%.
 DEFAULT_TARGET_UTILIZATION = 0.8
+MIN_TARGET_UTILIZATION = 0.05                # a fleet sized to run at 5% of its capacity: 16x the default
 # Workload fields the plan decides itself: a `set` or --set of them would be overwritten.
 PLAN_OWNED = {"policy": "the candidates choose it: edit 'policies' (or --set policies=[...])",
               "profile": "the candidates choose it: edit 'candidates'",
@@ -116,8 +117,10 @@ class PlanSpec:
 
 
 def _number(source: Path, field: str, value: Any, *, positive: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0):
-        raise fail(source, field, f"must be a number > 0, got {value!r}", f"set {field} to a positive number")
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or (positive and value <= 0)):
+        raise fail(source, field, f"must be a finite number{' > 0' if positive else ''}, got {value!r}",
+                   f"set {field} to a {'positive ' if positive else ''}number")
     return float(value)
 
 
@@ -188,6 +191,9 @@ def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Pa
             raw = set_dotted(raw, "policy", policy)
             raw = apply_set(source, raw, {"slo": workload_slo} if workload_slo else None)
             if item.get("server") is not None:
+                if not isinstance(item["server"], dict):
+                    raise fail(source, f"{where}.server", f"must be a mapping of server fields, got {item['server']!r}",
+                               "server: {gpu_memory_utilization: 0.9}")
                 raw = apply_set(source, raw, {f"server.{k}": v for k, v in dict(item["server"]).items()})
             label = f"{source} [{where}, policy {_policy_label(policy)}]"
             check_runnable(workload_from_dict(raw, label, base_dir), checked)
@@ -211,8 +217,8 @@ def _check_not_owned(source: Path, overrides: dict[str, Any] | None, label: str)
 
 def _target_utilization(source: Path, value: Any) -> float:
     u = _number(source, "target_utilization", value)
-    if u > 1:
-        raise fail(source, "target_utilization", f"must be in (0, 1], got {u:g}",
+    if not MIN_TARGET_UTILIZATION <= u <= 1:           # below it, fleets of 20x what the traffic needs
+        raise fail(source, "target_utilization", f"must be in [{MIN_TARGET_UTILIZATION:g}, 1], got {u:g}",
                    f"target_utilization: {DEFAULT_TARGET_UTILIZATION} (size fleets to run at 80% of capacity)")
     return u
 
@@ -253,7 +259,7 @@ def parse_plan(path: str | Path, out: Path | None = None, overrides: dict[str, A
         verify=_section(source, "verify", data.get("verify"), Verify),
         target_utilization=_target_utilization(source, data.get("target_utilization", DEFAULT_TARGET_UTILIZATION)),
         candidates=_candidates(source, data, base_raw, slo, base_path.parent), assumptions=list(assumptions),
-        out=out or (Path(data["out"]) if data.get("out") else Path("runs") / source.stem))
+        out=out_dir(source, data, out))
 
 
 def spec_summary(spec: PlanSpec) -> dict[str, Any]:

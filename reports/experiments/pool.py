@@ -38,6 +38,17 @@ def default_jobs(num_tasks: int, jobs: int | None) -> int:
     return max(1, min(jobs or os.cpu_count() or 1, num_tasks))
 
 
+def check_pool_args(jobs: int | None, cluster: Any) -> None:
+    """``--jobs`` and the form of ``--cluster``, checked before a sweep or plan writes anything."""
+    if jobs is not None and jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {jobs}")
+    if cluster is None or cluster == "local" or type(cluster).__name__ == "Client":
+        return
+    if not isinstance(cluster, str) or not cluster.startswith(("tcp://", "tls://", "ucx://", "inproc://")):
+        raise ConfigError(f"--cluster {cluster!r}: expected 'local' or a scheduler address such as "
+                          f"tcp://10.0.0.5:8786; fix: start one with `dask scheduler` or omit --cluster")
+
+
 def _progress(total: int, progress: bool, desc: str):
     from tqdm import tqdm
     return tqdm(total=total, file=sys.stderr, disable=not progress, unit="run", desc=desc, dynamic_ncols=True)
@@ -126,9 +137,7 @@ def _connect(cluster: Any, n_jobs: int, stack: ExitStack, module: str):
         local = stack.enter_context(LocalCluster(n_workers=n_jobs, threads_per_worker=1, processes=True,
                                                  dashboard_address=None, silence_logs=40))
         return stack.enter_context(Client(local))
-    if not isinstance(cluster, str) or not cluster.startswith(("tcp://", "tls://", "ucx://", "inproc://")):
-        raise ConfigError(f"--cluster {cluster!r}: expected 'local' or a scheduler address such as "
-                          f"tcp://10.0.0.5:8786; fix: start one with `dask scheduler` or omit --cluster")
+    check_pool_args(n_jobs, cluster)
     try:
         client = stack.enter_context(Client(cluster, timeout="15s"))
         client.wait_for_workers(1, timeout=60)

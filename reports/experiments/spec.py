@@ -224,13 +224,32 @@ def parse_sweep(path: str | Path, out: Path | None = None, overrides: dict[str, 
                 raise ConfigError(f"{source}: --set {key}: the sweep varies '{varied}', which would overwrite it in "
                                   f"every run; fix: drop --set {key}, or change vary.{varied} in the file")
     base_raw = apply_set(source, base_raw, workload, "--set")
-    out_dir = out or (Path(data["out"]) if data.get("out") else Path("runs") / source.stem)
+    save_runs = data.get("save_runs", False)
+    if not isinstance(save_runs, bool):
+        raise fail(source, "save_runs", f"must be true or false, got {save_runs!r}", "save_runs: true")
     return SweepSpec(
         source=source, name=str(data.get("name") or source.stem), base_path=base_path, base_raw=base_raw,
         vary={str(k): list(v) for k, v in vary.items()},
         repetitions=positive_int(source, "repetitions", data.get("repetitions", 1)),
         num_replicas=positive_int(source, "num_replicas", data.get("num_replicas", 1)),
-        router=str(data.get("router", "round_robin")), save_runs=bool(data.get("save_runs", False)), out=out_dir)
+        router=str(data.get("router", "round_robin")), save_runs=save_runs, out=out_dir(source, data, out))
+
+
+def out_dir(source: Path, data: dict[str, Any], cli_out: Path | None) -> Path:
+    """The output folder: ``--out``, else the file's ``out`` field, else runs/<file stem>. A file
+    already at that path, or an ``out`` that is not a path, is an error before any run starts."""
+    value = data.get("out")
+    if cli_out is None and value is not None and (not isinstance(value, str) or not value.strip()):
+        raise fail(source, "out", f"must be a folder path, got {value!r}", f"out: runs/{source.stem}")
+    out = cli_out or (Path(value) if value else Path("runs") / source.stem)
+    for parent in (out, *out.parents):
+        if parent.exists() and not parent.is_dir():
+            where = "--out" if cli_out is not None else "field 'out'"
+            problem = "is a file, not a folder" if parent == out else f"runs through {parent}, which is a file"
+            raise ConfigError(f"{source}: {where} {out} {problem}; fix: choose another folder (--out DIR)")
+        if parent.exists():
+            break
+    return out
 
 
 def validate_run_settings(source: str, num_replicas: Any, router: Any) -> None:
@@ -242,14 +261,28 @@ def validate_run_settings(source: str, num_replicas: Any, router: Any) -> None:
 
 
 def check_runnable(cfg: WorkloadConfig, checked: dict[str, None]) -> None:
-    """Build the profile and KV pool once per distinct (profile, server) so that an
-    unknown GPU or a model that does not fit fails before any run starts."""
+    """Build the profile and KV pool once per distinct (profile, server), and read each
+    distinct trace file once, so that an unknown GPU, a model that does not fit or a
+    malformed trace fails before any run starts."""
     from sim.runner import build_profile, kv_blocks
+    from workloads.traces import load_trace
     resolved = cfg.to_dict()
     key = json.dumps([resolved["profile"], resolved["server"]], sort_keys=True, default=str)
     if key not in checked:
         kv_blocks(cfg, build_profile(cfg))
         checked[key] = None
+    a, ln = cfg.arrivals, cfg.lengths
+    traces = []
+    if a.kind == "trace" and a.path:
+        traces.append((cfg.resolve_path(a.path), dict(need_arrivals=True, columns=a.columns, time_unit=a.time_unit)))
+    if ln.kind == "empirical" and ln.path:
+        traces.append((cfg.resolve_path(ln.path), dict(need_arrivals=False, columns=ln.columns,
+                                                       columns_field="lengths.columns")))
+    for path, how in traces:
+        key = json.dumps([str(path), how], sort_keys=True, default=str)
+        if key not in checked:
+            load_trace(path, **how)
+            checked[key] = None
 
 
 def expand(spec: SweepSpec) -> list[RunTask]:

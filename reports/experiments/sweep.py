@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from reports.experiments.pool import run_tasks
+from reports.experiments.pool import check_pool_args, run_tasks
 from reports.experiments.spec import RunTask, SweepSpec, expand, parse_sweep
 from reports.experiments.table import ResultsTable, drop_damaged, grid_columns_of, scan_table, table_row
 from sim.config import ConfigError
@@ -193,5 +193,6 @@ def run_sweep_file(path: str | Path, *, jobs: int | None = None, cluster: str | 
     ConfigError before any run. ``overrides``: ``--set``/``--seed`` pairs
     (``reports.experiments.spec``).
     """
+    check_pool_args(jobs, cluster)
     spec = parse_sweep(path, out, overrides)
     return run_sweep(spec, expand(spec), jobs=jobs, cluster=cluster, progress=progress)
