@@ -153,6 +153,8 @@ def distribution_ms(name: str, values_s: Values, percentiles: Sequence[float]) -
 
 
 PEAK_ROWS = 65_536
+DENSE_SECONDS = 1 << 22      # runs up to 48 days long count in an array of one-second buckets (32 MB)
+MERGE_ROWS = 1 << 20         # longer ones keep (bucket, count) pairs, merged past this many
 
 
 def peak_second(requests: pd.DataFrame, token_chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> tuple[float, int]:
@@ -160,18 +162,23 @@ def peak_second(requests: pd.DataFrame, token_chunks: Iterable[tuple[np.ndarray,
     from the first finished request's arrival: output tokens landing in a bucket, and finished
     requests in flight in it (from the bucket of the arrival to that of the finish, both
     counted); each is its own maximum, not necessarily in the same bucket. ``token_chunks``:
-    (req_id, t_s) of the tokens, chunk by chunk."""
+    (req_id, t_s) of the tokens, chunk by chunk. A run longer than ``DENSE_SECONDS`` counts only
+    the buckets that hold something (the same maxima, in memory that follows the tokens)."""
     done = finished_columns(requests, ("req_id", "arrival_s", "finished_s"))
     if not len(done["req_id"]):
         return 0.0, 0
     t0_s = float(np.nanmin(done["arrival_s"]))
-    num_buckets = int(math.ceil(float(np.nanmax(done["finished_s"])) - t0_s)) + 1
+    span_s = float(np.nanmax(done["finished_s"])) - t0_s
     every = len(done["req_id"]) == len(requests)          # all finished: no token to leave out
     if every:
         del done["req_id"]
+    chunks = ((times if every else times[np.isin(ids, done["req_id"])]) - t0_s for ids, times in token_chunks)
+    if span_s >= DENSE_SECONDS:
+        return _peak_sparse(done, chunks, t0_s)
+    num_buckets = int(math.ceil(span_s)) + 1
     per_s = np.zeros(num_buckets, dtype=np.int64)
-    for ids, times in token_chunks:
-        bucket = np.floor((times if every else times[np.isin(ids, done["req_id"])]) - t0_s).astype(np.int64)
+    for since in chunks:
+        bucket = np.floor(since).astype(np.int64)
         per_s += np.bincount(bucket[(bucket >= 0) & (bucket < num_buckets)], minlength=num_buckets)
     delta = np.zeros(num_buckets + 1, dtype=np.int64)
     rows = PEAK_ROWS                     # requests at a time: a million would take 8 MB a temporary
@@ -179,6 +186,33 @@ def peak_second(requests: pd.DataFrame, token_chunks: Iterable[tuple[np.ndarray,
         np.add.at(delta, np.floor(done["arrival_s"][lo:lo + rows] - t0_s).astype(np.int64), 1)
         np.add.at(delta, np.floor(done["finished_s"][lo:lo + rows] - t0_s).astype(np.int64) + 1, -1)
     return float(per_s.max()), int(np.cumsum(delta)[:num_buckets].max())
+
+
+def _peak_sparse(done: dict[str, np.ndarray], chunks: Iterable[np.ndarray], t0_s: float) -> tuple[float, int]:
+    """``peak_second`` over the occupied buckets only, as float bucket numbers (a span of 1e300 s
+    fits no integer array); tokens are counted per chunk and the (bucket, count) pairs merged."""
+    def merge(buckets: list[np.ndarray], counts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        keys, at = np.unique(np.concatenate(buckets), return_inverse=True)
+        return keys, np.bincount(at, weights=np.concatenate(counts)).astype(np.int64)
+
+    buckets: list[np.ndarray] = [np.zeros(0)]
+    counts: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
+    held = 0
+    for since in chunks:
+        keys, n = np.unique(np.floor(since[since >= 0]), return_counts=True)
+        buckets.append(keys)
+        counts.append(n)
+        held += len(keys)
+        if held > MERGE_ROWS:
+            keys, n = merge(buckets, counts)
+            buckets, counts, held = [keys], [n], len(keys)
+    per_s = merge(buckets, counts)[1]
+    # in flight: +1 at the arrival's bucket, -1 after the finish's; the count only changes at those
+    starts = np.floor(done["arrival_s"] - t0_s)
+    ends = np.floor(done["finished_s"] - t0_s) + 1
+    keys, at = np.unique(np.concatenate([starts, ends]), return_inverse=True)
+    steps = np.bincount(at, weights=np.concatenate([np.ones(len(starts)), -np.ones(len(ends))]))
+    return float(per_s.max()) if len(per_s) else 0.0, int(np.cumsum(steps).max())
 
 
 def traffic(arrivals: dict[str, Any], load: Load) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from sim.chrome_trace import first_steps, trace_chunks
 from sim.cli import main
 from sim.config import ConfigError
 from sim.io import RUN_FILES, prepare_run_dir
-from sim.metrics import summarize
+from sim.metrics import add_request_metrics, summarize
 from sim.runner import RunResult
 from sim.vllm_result import bench_result, offered_load, parse_percentiles, peak_second, policy_knobs
 
@@ -60,15 +60,15 @@ def test_any_artefact_marks_a_folder_taken(tmp_path, artefact):
     base = tmp_path / "runs" / "w"
     base.mkdir(parents=True)
     (base / artefact).mkdir() if artefact == "figures" else (base / artefact).write_text("")
-    assert prepare_run_dir(None, base) == (base.with_name("w-2"), base)
+    assert prepare_run_dir(None, base)[:2] == (base.with_name("w-2"), base)
 
 
 def test_a_folder_without_run_files_is_used(tmp_path):
     base = tmp_path / "w"
     base.mkdir()
     (base / "notes.txt").write_text("mine")          # not batchsim's: does not make it a run
-    assert prepare_run_dir(None, base) == (base, None)
-    assert prepare_run_dir(None, base, overwrite=True) == (base, None)
+    assert prepare_run_dir(None, base)[:2] == (base, None)
+    assert prepare_run_dir(None, base, overwrite=True)[:2] == (base, None)
 
 
 def test_out_holding_a_run_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
@@ -162,6 +162,96 @@ def test_resolved_policy_knobs_are_recorded_never_null(tmp_path, capsys):
     assert json.loads((out / "vllm_bench.json").read_text())["policy_knobs"] == meta["policy_knobs"]
 
 
+def test_peak_second_of_a_run_a_trillion_seconds_long():
+    # hand_run with request 3 moved 1e12 s later (arrival 1e12 + 3.0, tokens 1e12 + 3.5 and 3.8):
+    # one array bucket per second would take 8 TB; the occupied buckets are 0, 2 and 1e12 + 3.
+    # Tokens: bucket 0 holds 0.10 0.15 0.25 0.70 -> 4; bucket 2 holds 2.30 2.40 -> 2; the last 2.
+    # In flight: requests 0 and 1 in bucket 0 -> 2; request 2 alone in bucket 2; request 3 alone.
+    run = hand_run()
+    req, tok = run.requests.copy(), run.tokens.copy()
+    for col in ("arrival_s", "first_scheduled_s", "first_token_s", "finished_s"):
+        req.loc[3, col] += 1e12
+    tok.loc[tok["req_id"] == 3, "t_s"] += 1e12
+    assert peak_second(req, [(tok["req_id"].to_numpy(), tok["t_s"].to_numpy())]) == (4.0, 2)
+    # the same with four tokens of request 3 in its second: the token peak moves there
+    extra = pd.DataFrame({"req_id": [3, 3], "t_s": [1e12 + 3.6, 1e12 + 3.7]})
+    tok = pd.concat([tok, extra], ignore_index=True)
+    assert peak_second(req, [(tok["req_id"].to_numpy(), tok["t_s"].to_numpy())]) == (4.0, 2)
+    extra = pd.DataFrame({"req_id": [3], "t_s": [1e12 + 3.65]})
+    tok = pd.concat([tok, extra], ignore_index=True)
+    assert peak_second(req, [(tok["req_id"].to_numpy(), tok["t_s"].to_numpy())]) == (5.0, 2)
+
+
+def requests_frame(rows: list[tuple]) -> pd.DataFrame:
+    """(arrival, first token, finished, output tokens, status) rows as a requests table."""
+    req = pd.DataFrame(rows, columns=["arrival_s", "first_token_s", "finished_s", "output_tokens", "status"])
+    req.insert(0, "req_id", range(len(req)))
+    req["replica"], req["prompt_tokens"], req["num_preemptions"] = 0, 10, 0
+    req["first_scheduled_s"] = req["arrival_s"]
+    req["reject_reason"] = np.where(req["status"] == "finished", "", "context")
+    return add_request_metrics(req)
+
+
+def test_duration_runs_from_the_first_arrival_to_the_last_completion():
+    # A request refused at -1.0 s counts for the start (vLLM's clock starts before the first send);
+    # a failed request that ended at 9.0 s (a measured error) does not count for the end.
+    # duration = 3.8 - (-1.0) = 4.8 s; 2 completed -> 2 / 4.8 req/s; output 2 + 3 = 5 tokens / 4.8
+    req = requests_frame([(-1.0, np.nan, 9.0, 4, "rejected"), (0.0, 0.1, 0.25, 2, "finished"),
+                          (3.0, 3.5, 3.8, 3, "finished")])
+    tokens = pd.DataFrame({"req_id": [1, 1, 2, 2, 2], "t_s": [0.1, 0.25, 3.5, 3.6, 3.8]})
+    steps = pd.DataFrame({c: pd.Series(dtype=float) for c in ("replica", "duration_s", "batch_size", "kv_used_blocks")})
+    s = summarize(req, tokens, steps)
+    assert s["duration_s"] == pytest.approx(4.8) and s["completed"] == 2 and s["failed"] == 1
+    assert s["request_throughput"] == pytest.approx(2 / 4.8) and s["output_throughput"] == pytest.approx(5 / 4.8)
+
+
+def test_a_one_token_request_has_no_tpot_even_when_its_batch_ends_later():
+    # Static batching: a request finishes with its group, so E2E 2.0 s > TTFT 0.5 s even with one
+    # token. TPOT = (E2E - TTFT) / (N - 1) only exists for N > 1: NaN here, not (1.5 / 0 =) inf;
+    # with a TPOT SLO the request is good (vLLM counts a missing TPOT as 0).
+    req = requests_frame([(0.0, 0.5, 2.0, 1, "finished"), (0.0, 0.5, 2.0, 4, "finished")])
+    assert np.isnan(req.loc[0, "tpot_s"]) and req.loc[1, "tpot_s"] == pytest.approx(1.5 / 3)
+    tokens = pd.DataFrame({"req_id": [0, 1, 1, 1, 1], "t_s": [0.5, 0.5, 1.0, 1.5, 2.0]})
+    steps = pd.DataFrame({c: pd.Series(dtype=float) for c in ("replica", "duration_s", "batch_size", "kv_used_blocks")})
+    s = summarize(req, tokens, steps, slo={"tpot_ms": 600})
+    # goodput: both good (NaN -> 0 <= 600 ms; 500 ms <= 600 ms) over the 2.0 s duration = 1 req/s
+    assert s["request_goodput"] == pytest.approx(1.0) and s["count_tpot"] == 1
+
+
+def test_bench_peaks_count_from_the_first_finished_arrival_and_from_arrivals():
+    # Finished: A arrives 0.0, tokens 1.0 1.1 1.2, done 1.2; B arrives 0.02, token 0.05, done 0.05.
+    # A request refused at -0.85 s does not move the buckets: they start at 0.0 (the first finished
+    # arrival). Tokens, floor(t - 0.0): B's in bucket 0, A's three in bucket 1 -> 3 tok/s. (From
+    # -0.85, A's would land at 1.85 1.95 2.05, split 2 + 1; with ceil, 1.0 -> 1 but 1.1, 1.2 -> 2.)
+    # In flight from the arrival's bucket to the finish's: bucket 0 holds A and B -> 2 (from the
+    # first token or the finish, A would start in bucket 1, after B, and the peak be 1).
+    req = requests_frame([(-0.85, np.nan, np.nan, 5, "rejected"), (0.0, 1.0, 1.2, 3, "finished"),
+                          (0.02, 0.05, 0.05, 1, "finished")])
+    tokens = pd.DataFrame({"req_id": [2, 1, 1, 1], "t_s": [0.05, 1.0, 1.1, 1.2]})
+    assert peak_second(req, [(tokens["req_id"].to_numpy(), tokens["t_s"].to_numpy())]) == (3.0, 2)
+
+
+def test_bench_traffic_burstiness_and_empty_metrics():
+    from sim.vllm_result import traffic
+    load = offered_load(requests_frame([(0.0, 0.1, 0.2, 2, "finished"), (1.0, 1.1, 1.2, 2, "finished")]))
+    # vllm bench serve: gamma gaps of shape k have CV 1/sqrt(k), so CV 2 is burstiness 1/2^2 = 0.25
+    assert traffic({"kind": "gamma", "rate": 4.0, "cv": 2.0}, load)["burstiness"] == 0.25
+    assert traffic({"kind": "gamma", "rate": 4.0, "cv": 0.5}, load)["burstiness"] == 4.0
+    assert traffic({"kind": "constant", "rate": 4.0}, load)["burstiness"] == "inf"
+    assert traffic({"kind": "poisson", "rate": 4.0}, load) == {"request_rate": 4.0, "burstiness": 1.0,
+                                                              "max_concurrency": None}
+    # every request refused: vLLM reports 0.0 for a metric without values, not NaN or null
+    run = hand_run()
+    req = run.requests.assign(status="rejected", reject_reason="context")
+    for col in ("first_token_s", "finished_s", "ttft_s", "e2e_s", "tpot_s", "queue_s"):
+        req[col] = np.nan
+    empty = RunResult(req, run.steps, run.tokens.iloc[:0], summarize(req, run.tokens.iloc[:0], run.steps),
+                      run.meta)
+    b = bench_result(empty, parse_percentiles("50,99"), date="20250101-000000")
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        assert [b[f"{k}_{metric}_ms"] for k in ("mean", "median", "std", "p50", "p99")] == [0.0] * 5
+
+
 def test_every_policys_default_knobs_resolve():
     from policies import POLICIES, make_policy
     for kind, (cfg_cls, _) in POLICIES.items():
@@ -222,9 +312,14 @@ def test_vllm_bench_numbers_by_hand(tmp_path, monkeypatch):
     monkeypatch.setattr(sim.vllm_result, "PEAK_ROWS", 1)      # requests counted one at a time: the same
     run = hand_run()
     assert peak_second(run.requests, run.token_chunks()) == (4.0, 2)
+    # only the occupied buckets, merged after every chunk (a run too long for an array): the same
+    monkeypatch.setattr(sim.vllm_result, "DENSE_SECONDS", 0)
+    monkeypatch.setattr(sim.vllm_result, "MERGE_ROWS", 1)
+    assert peak_second(run.requests, run.token_chunks()) == (4.0, 2)
     assert b["request_rate"] == 1.0 and b["num_prompts"] == 5
     assert b["output_lens"] == [3, 1, 2, 2, 0] and b["input_lens"] == [10, 20, 30, 40, 50]
     assert b["ttfts"] == pytest.approx([0.1, 0.2, 0.3, 0.5, 0.0])
+    assert b["start_times"] == [0.0, 0.5, 2.0, 3.0, 4.0]          # each request's send: its arrival
     assert [pytest.approx(g) for g in b["itls"]] == [[0.05, 0.1], [], [0.1], [0.3], []]
     assert b["errors"] == ["", "", "", "", "rejected: context"]
     # read back by `sim validate --measured`'s reader, the percentiles survive

@@ -188,6 +188,9 @@ SAMPLES = {
     "signed": lambda rng: rng.normal(0.0, 1.0, 999),
     "one value": lambda rng: np.array([0.25]),
     "two values": lambda rng: np.array([0.3, 0.1]),
+    # p90 of [361, 641, 703, 860] ms sits at rank 2.7: numpy weighs from the upper value when the
+    # weight is >= 0.5, 860 - 157 x 0.3 = 812.9, where 703 + 157 x 0.7 rounds to 812.9000000000001
+    "upper-weight rounding": lambda rng: np.array([0.361, 0.703, 0.86, 0.641]),
 }
 
 
