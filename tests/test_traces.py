@@ -123,6 +123,20 @@ def test_trace_rate_applies_to_the_replayed_sample():
     assert (len(specs) - 1) / specs.arrival_s[-1] == pytest.approx(20.0)
 
 
+def test_a_trace_shorter_than_asked_or_without_a_span_says_so(tmp_path):
+    (tmp_path / "t.csv").write_text("arrival_time_s,prompt_tokens,output_tokens\n0,10,5\n1,12,5\n")
+    d = {"name": "a", "num_requests": 5, "arrivals": {"kind": "trace", "path": str(tmp_path / "t.csv")},
+         "lengths": {"kind": "trace"}}
+    # 5 asked of 2 rows: the 2 are replayed, and repeat: ceil(5 / 2) = 3 is the way to get 5+
+    with pytest.warns(UserWarning, match="num_requests is 5 but the trace holds 2 requests; replaying those 2 "
+                                         "\\(arrivals.repeat: 3"):
+        assert len(generate(workload_from_dict(d))) == 2
+    (tmp_path / "t.csv").write_text("arrival_time_s,prompt_tokens,output_tokens\n7,10,5\n")
+    d = {**d, "num_requests": None, "arrivals": {**d["arrivals"], "rate": 5.0}}
+    with pytest.warns(UserWarning, match="arrivals.rate has no effect"):
+        assert generate(workload_from_dict(d)).arrival_s.tolist() == [0.0]
+
+
 def _arrivals(path, text, **kw):
     path.write_text(text) if isinstance(text, str) else path.write_bytes(text)
     return load_trace(path, need_arrivals=True, **kw).arrival_s.tolist()

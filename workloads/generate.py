@@ -137,8 +137,15 @@ def _trace(cfg: WorkloadConfig) -> RequestSpecs:
     t = t * a.time_scale / a.rate_scale
     if cfg.num_requests is not None:               # the rate below is the replayed sample's
         n = cfg.num_requests
+        if n > len(t):
+            warnings.warn(f"{cfg.source}: num_requests is {n:,} but the trace holds {len(t):,} requests"
+                          f"{' after arrivals.start_s' if a.start_s else ''}; replaying those {len(t):,} "
+                          f"(arrivals.repeat: {-(-n // len(t))} would replay it back to back)", stacklevel=2)
         t, prompt, output = t[:n], prompt[:n], output[:n]
         max_tokens = max_tokens[:n] if max_tokens is not None else None
+    if a.rate is not None and not (len(t) > 1 and t[-1] > 0):
+        warnings.warn(f"{cfg.source}: arrivals.rate has no effect: the replayed requests all arrive at "
+                      f"once (one request, or one timestamp), so there is no rate to rescale", stacklevel=2)
     if a.rate is not None and len(t) > 1 and t[-1] > 0:
         # arrivals.rate: the mean rate of the requests replayed, (n - 1) / span
         t = t * ((len(t) - 1) / t[-1]) / a.rate       # rescale to the requested mean rate
