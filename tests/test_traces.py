@@ -137,6 +137,14 @@ def test_a_trace_shorter_than_asked_or_without_a_span_says_so(tmp_path):
         assert generate(workload_from_dict(d)).arrival_s.tolist() == [0.0]
 
 
+def test_datetime_unit_on_a_numeric_column_is_refused(tmp_path):
+    # pandas would read 1.5 as 1.5 ns past 1970 and the whole trace would arrive within nanoseconds
+    with pytest.raises(ConfigError, match="column 'arrival_time_s' holds numbers \\(first .*\\), but "
+                                          "arrivals.time_unit is datetime"):
+        _arrivals(tmp_path / "t.csv", "arrival_time_s,prompt_tokens,output_tokens\n0,10,5\n1.5,12,5\n",
+                  time_unit="datetime")
+
+
 def _arrivals(path, text, **kw):
     path.write_text(text) if isinstance(text, str) else path.write_bytes(text)
     return load_trace(path, need_arrivals=True, **kw).arrival_s.tolist()

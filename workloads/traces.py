@@ -216,6 +216,10 @@ def _datetimes_s(raw: pd.Series, col: str, path: Path, df: pd.DataFrame) -> np.n
 def _times(df: pd.DataFrame, col: str, unit: str | None, path: Path, relative_ms: bool = False) -> np.ndarray:
     raw = df[col]
     numeric = pd.to_numeric(raw, errors="coerce")
+    if unit == "datetime" and numeric.notna().all():
+        raise ConfigError(f"{path}: column '{col}' holds numbers (first {str(raw.iloc[0])!r}), but "
+                          f"arrivals.time_unit is datetime; fix: give the numbers' unit (s, ms, us or ns), "
+                          f"or leave time_unit out to have it guessed")
     if unit == "datetime" or (unit is None and numeric.isna().all()):
         return _datetimes_s(raw, col, path, df)
     bad = numeric.isna() | ~np.isfinite(numeric.fillna(0))
