@@ -197,7 +197,14 @@ def kv_blocks(cfg: WorkloadConfig, profile: Profile) -> tuple[int, int]:
     activations, the activations sized (as vLLM's profiling run does) for the
     policy's token budget; max_model_len is the model's context."""
     s = cfg.server
-    max_model_len = s.max_model_len or profile.model.max_position_embeddings
+    context = profile.model.max_position_embeddings
+    if s.max_model_len is not None and s.max_model_len > context:
+        # vLLM refuses this at start-up too (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1): positions past
+        # the trained context give garbage, and a simulated server must not take what a real one won't
+        raise ConfigError(f"{cfg.source}: field 'server.max_model_len' ({s.max_model_len:,}) is longer than the "
+                          f"model's context ({profile.model.name}: max_position_embeddings {context:,}); "
+                          f"set server.max_model_len <= {context:,} or leave it out")
+    max_model_len = s.max_model_len or context
     if s.num_blocks is not None:
         num_blocks = s.num_blocks
         where = "server.num_blocks"

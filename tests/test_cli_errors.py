@@ -53,6 +53,8 @@ def test_good_file_runs_and_writes_outputs(tmp_path, capsys):
     (GOOD.replace("{kind: vllm}", "{kind: vllm, max_num_seqz: 4}"), "unknown field 'policy.max_num_seqz'"),
     (GOOD.replace("prompt_tokens: 100, ", ""), "'lengths.prompt_tokens' is required for lengths.kind fixed"),
     (GOOD + "server: {num_blocks: 4, max_model_len: 4096}\n", "fewer than one request of max_model_len 4096"),
+    (GOOD + "server: {max_model_len: 200000}\n", "'server.max_model_len' (200,000) is longer than the model's "
+                                                  "context (llama-3.1-8b: max_position_embeddings 131,072)"),
     (GOOD + "profile: {model: llama-3.1-70b, gpu: l40s}\n", "weights do not fit"),
     (GOOD + "profile: {model: gpt-7, gpu: h100-sxm}\n", "gpt-7"),
     (GOOD + "profile: {path: nowhere.yaml}\n", "profile file not found"),
