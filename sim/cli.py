@@ -148,7 +148,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     try:
         table = run_sweep_file(args.sweep, jobs=args.jobs, cluster=args.cluster, out=Path(args.out) if args.out
                                else None, progress=not args.quiet and sys.stderr.isatty(),
-                               overrides=cli_overrides(args.set, args.seed))
+                               overrides=cli_overrides(args.set, args.seed), announce=not args.quiet)
     except SweepFailed as exc:
         if exc.table.is_file():
             regenerate(exc.table.parent)
@@ -395,8 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except ModuleNotFoundError as exc:
         if exc.name == "torch":
-            print("error: this command needs PyTorch: pip install 'batchsim[calibrate]' "
-                  "(or pip install torch)", file=sys.stderr)
+            print("error: this command needs PyTorch: pip install torch==2.13.0 && pip install -e '.[calibrate]' "
+                  "(the CPU build; see the README's Tests section)", file=sys.stderr)
             return EXIT_BAD_INPUT
         raise
     except KeyboardInterrupt:

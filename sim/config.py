@@ -424,6 +424,8 @@ def _check_name(name: str, source: str) -> None:
 def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
     """Read a YAML file that must hold a mapping, with one-line errors."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a folder; give a YAML file (e.g. {path / 'azure_conv.yaml'})")
     if not path.is_file():
         raise ConfigError(f"{path}: file not found")
     try:

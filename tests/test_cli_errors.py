@@ -247,6 +247,22 @@ def test_bad_paths_and_budgets_are_refused_before_the_work(tmp_path, capsys, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.yaml"]      # nothing written
 
 
+@pytest.mark.parametrize("argv, expect", [
+    (["sweep", "W"], "this is a workload file (it has arrivals, lengths, policy, num_requests), not a sweep file; "
+                     "fix: run it "
+                     "with `sim run"),
+    (["plan", "W"], "not a plan file"),
+    (["run", "."], ": is a folder; give a YAML file"),
+    (["report", "nowhere"], "nowhere: no such folder"),
+])
+def test_the_wrong_kind_of_file_or_folder_is_named(tmp_path, capsys, monkeypatch, argv, expect):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w.yaml").write_text(GOOD)
+    assert main([str(tmp_path / "w.yaml") if a == "W" else a for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_a_closed_pipe_ends_quietly(tmp_path):
     import subprocess
     import sys

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import math
 import os
 import subprocess
@@ -15,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 from reports.experiments.capacity import (SearchSettings, find_capacity, judge, queue_trend, replicas_for, sweep_capacity,
                                utilization)
 from reports.experiments.plan import CandidateTask, check_queue, plan_candidate, run_plan_file, simulate
-from reports.experiments.planspec import Verify, parse_plan
+from reports.experiments.planspec import Verify, parse_plan, spec_summary
 from reports.presentation.report import regenerate
 from sim.cli import main
 from sim.config import ConfigError, Slo
@@ -273,6 +275,20 @@ def test_set_overrides_the_plan_and_the_base_traffic(tmp_path: Path) -> None:
 def test_bad_overrides_of_a_plan_name_the_fix(tmp_path: Path, overrides: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_plan(write_plan(tmp_path), overrides=overrides)
+
+
+def test_a_plan_for_another_question_goes_next_to_the_first(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = write_plan(tmp_path)
+    spec = parse_plan(path)
+    assert spec.out == Path("runs/plan") and spec.kept_out_of is None
+    spec.out.mkdir(parents=True)
+    (spec.out / "plan.json").write_text(json.dumps({"plan": spec_summary(spec), "results": []}))
+    assert parse_plan(path).out == Path("runs/plan")                 # the same question: its folder
+    what_if = parse_plan(path, overrides={"target_rate": 80})
+    assert what_if.out == Path("runs/plan-2") and what_if.kept_out_of == Path("runs/plan")
+    with pytest.raises(ConfigError, match="--out runs/plan holds a plan for another question"):
+        parse_plan(path, out=Path("runs/plan"), overrides={"target_rate": 80})
 
 
 def test_a_plans_own_set_cannot_touch_what_the_plan_decides(tmp_path: Path) -> None:

@@ -120,6 +120,25 @@ def test_what_fails_before_any_run_writes_nothing(tmp_path: Path, capsys) -> Non
     assert f"--out {tmp_path / 'afile'} is a file, not a folder" in capsys.readouterr().err
 
 
+def test_another_sweep_in_the_default_folder_goes_next_to_it(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = write_files(tmp_path, {"vary": {"arrivals.rate": [4.0]}})
+    assert main(["sweep", str(path), "-j", "1"]) == 0
+    assert (tmp_path / "runs" / "sweep" / "results.csv").is_file()
+    # the same sweep again: its folder, its one run already there
+    assert main(["sweep", str(path), "-j", "1"]) == 0
+    assert "1 runs, 1 already in runs/sweep/results.csv, running 0" in capsys.readouterr().err
+    # a what-if (--set) is another sweep: it goes to runs/sweep-2, saying so; the first stays
+    assert main(["sweep", str(path), "-j", "1", "--set", "num_requests=30"]) == 0
+    err = capsys.readouterr().err
+    assert "note: runs/sweep/ holds another sweep" in err and "goes to runs/sweep-2/" in err, err
+    assert len(pd.read_csv(tmp_path / "runs" / "sweep" / "results.csv")) == 1
+    assert pd.read_csv(tmp_path / "runs" / "sweep-2" / "results.csv")["completed"].tolist() == [30]
+    # an explicit --out holding another sweep is still refused
+    assert main(["sweep", str(path), "-j", "1", "--set", "num_requests=20", "--out", "runs/sweep"]) == 2
+    assert "holds results of a different sweep" in capsys.readouterr().err
+
+
 class Interrupt(KeyboardInterrupt):
     pass
 

@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         print(write_preset(args.out, args.preset, seed=args.seed, dtype=args.dtype))
     except (ValueError, FileExistsError) as exc:
         parser.exit(2, f"error: {exc}\n")
+    except ModuleNotFoundError as exc:
+        parser.exit(2, f"error: writing a model folder needs {exc.name} (torch and transformers): "
+                       f"pip install -e '.[calibrate,vllm]' (the README's Tests section)\n")
     return 0
 
 

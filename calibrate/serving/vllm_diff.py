@@ -278,7 +278,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    diff, num_steps = first_difference(case)
+    try:
+        diff, num_steps = first_difference(case)
+    except ModuleNotFoundError as exc:
+        print(f"error: the comparison runs vLLM's own scheduler, which needs {exc.name}: pip install -e "
+              f"'.[calibrate,test,vllm]' (the README's Tests section)", file=sys.stderr)
+        return 2
     print(f"{len(case.prompts)} requests, max_num_seqs {case.max_num_seqs}, max_num_batched_tokens "
           f"{case.max_num_batched_tokens}, {case.num_blocks} blocks x {case.block_size}")
     if diff is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -238,4 +239,8 @@ def run_plan_file(path: str | Path, *, out: Path | None = None, jobs: int | None
 
     ``overrides``: ``--set``/``--seed`` pairs (``reports.experiments.planspec``)."""
     check_pool_args(jobs, cluster)
-    return run_plan(parse_plan(path, out, overrides), jobs=jobs, cluster=cluster, progress=progress)
+    spec = parse_plan(path, out, overrides)
+    if spec.kept_out_of is not None:
+        print(f"note: {spec.kept_out_of}/ holds a plan for another question (other traffic, SLOs, candidates or "
+              f"settings), so this one goes to {spec.out}/ (--out DIR to choose)", file=sys.stderr)
+    return run_plan(spec, jobs=jobs, cluster=cluster, progress=progress)

@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import json
 import math
+import dataclasses
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from reports.experiments.capacity import SearchSettings
-from reports.experiments.spec import (apply_set, check_keys, check_runnable, fail, load_base, out_dir,
+from reports.experiments.spec import (apply_set, check_keys, check_runnable, fail, free_folder, load_base, out_dir,
                           positive_int, split_overrides, validate_run_settings, within)
 from sim.config import ConfigError, Slo, load_yaml_mapping, set_dotted, workload_from_dict
 
@@ -114,6 +115,7 @@ class PlanSpec:
     candidates: list[Candidate]
     assumptions: list[str]
     out: Path
+    kept_out_of: Path | None = None     # the default folder, when it held another plan
 
 
 def _number(source: Path, field: str, value: Any, *, positive: bool = True) -> float:
@@ -253,13 +255,36 @@ def parse_plan(path: str | Path, out: Path | None = None, overrides: dict[str, A
         raise fail(source, "assumptions", "must be a list of strings", 'assumptions: ["prices: on-demand, 2025"]')
     # Runs are sized by request count (search.num_requests, verify.num_requests()), not duration.
     base_raw = set_dotted({k: v for k, v in base_raw.items() if k != "duration_s"}, "num_requests", search.num_requests)
-    return PlanSpec(
+    folder, default = out_dir(source, data, out)
+    spec = PlanSpec(
         source=source, name=str(data.get("name") or source.stem), base_path=base_path,
         target_rate=_number(source, "target_rate", data["target_rate"]), slo=slo, router=router, search=search,
         verify=_section(source, "verify", data.get("verify"), Verify),
         target_utilization=_target_utilization(source, data.get("target_utilization", DEFAULT_TARGET_UTILIZATION)),
         candidates=_candidates(source, data, base_raw, slo, base_path.parent), assumptions=list(assumptions),
-        out=out_dir(source, data, out))
+        out=folder)
+    summary = spec_summary(spec)
+    if default:
+        free = free_folder(folder, lambda d: _other_plan(d, summary))
+        if free != folder:
+            spec = dataclasses.replace(spec, out=free, kept_out_of=folder)
+    elif _other_plan(folder, summary):
+        raise ConfigError(f"{source}: {'--out' if out is not None else 'field out'} {folder} holds a plan for "
+                          f"another question (other traffic, SLOs, candidates or settings); fix: choose another "
+                          f"folder (--out DIR), or delete {folder / 'plan.json'} to replace it")
+    return spec
+
+
+def _other_plan(d: Path, summary: dict[str, Any]) -> bool:
+    """Whether ``d`` holds a plan that asked another question (or is not a folder)."""
+    if d.exists() and not d.is_dir():
+        return True
+    if not (d / "plan.json").is_file():
+        return False
+    try:
+        return json.loads((d / "plan.json").read_text()).get("plan") != summary
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 def spec_summary(spec: PlanSpec) -> dict[str, Any]:

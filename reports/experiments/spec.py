@@ -30,13 +30,14 @@ repetition (common random numbers), so they see the same traffic.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -52,9 +53,19 @@ def fail(source: Path | str, field: str, problem: str, fix: str) -> ConfigError:
     return ConfigError(f"{source}: field '{field}' {problem}; fix: {fix}")
 
 
+WORKLOAD_ONLY = ("arrivals", "lengths", "policy", "server", "profile", "num_requests", "duration_s")
+
+
 def check_keys(source: Path | str, where: str, data: dict, allowed: tuple[str, ...],
                required: tuple[str, ...] = ()) -> None:
-    """Reject unknown keys (listing the allowed ones) and missing required ones."""
+    """Reject unknown keys (listing the allowed ones) and missing required ones; a workload file
+    given where a sweep or plan belongs is named as one."""
+    if not where and "base" not in data and "base" in required:
+        own = [k for k in WORKLOAD_ONLY if k in data]
+        if own:
+            kind = "sweep" if "vary" in required else "plan"
+            raise ConfigError(f"{source}: this is a workload file (it has {', '.join(own)}), not a {kind} file; "
+                              f"fix: run it with `sim run {source}`, or write a {kind} file whose 'base:' names it")
     for key in data:
         if key not in allowed:
             field = f"{where}.{key}" if where else str(key)
@@ -187,6 +198,7 @@ class SweepSpec:
     router: str
     save_runs: bool
     out: Path
+    kept_out_of: Path | None = None     # the default folder, when it held another sweep
 
     def fingerprint(self) -> str:
         """What a results table depends on besides its run ids: base, grid keys, run settings."""
@@ -227,21 +239,53 @@ def parse_sweep(path: str | Path, out: Path | None = None, overrides: dict[str, 
     save_runs = data.get("save_runs", False)
     if not isinstance(save_runs, bool):
         raise fail(source, "save_runs", f"must be true or false, got {save_runs!r}", "save_runs: true")
-    return SweepSpec(
+    folder, default = out_dir(source, data, out)
+    spec = SweepSpec(
         source=source, name=str(data.get("name") or source.stem), base_path=base_path, base_raw=base_raw,
         vary={str(k): list(v) for k, v in vary.items()},
         repetitions=positive_int(source, "repetitions", data.get("repetitions", 1)),
         num_replicas=positive_int(source, "num_replicas", data.get("num_replicas", 1)),
-        router=str(data.get("router", "round_robin")), save_runs=save_runs, out=out_dir(source, data, out))
+        router=str(data.get("router", "round_robin")), save_runs=save_runs, out=folder)
+    if default:
+        free = free_folder(folder, lambda d: _other_sweep(d, spec.fingerprint()))
+        if free != folder:
+            spec = dataclasses.replace(spec, out=free, kept_out_of=folder)
+    return spec
 
 
-def out_dir(source: Path, data: dict[str, Any], cli_out: Path | None) -> Path:
-    """The output folder: ``--out``, else the file's ``out`` field, else runs/<file stem>. A file
-    already at that path, or an ``out`` that is not a path, is an error before any run starts."""
+def _other_sweep(d: Path, fingerprint: str) -> bool:
+    """Whether ``d`` holds the results of a sweep with another fingerprint (or is not a folder)."""
+    if d.exists() and not d.is_dir():
+        return True
+    if not (d / "results.csv").is_file():
+        return False
+    try:
+        return json.loads((d / "sweep.json").read_text()).get("fingerprint") != fingerprint
+    except (OSError, ValueError, AttributeError):
+        return True
+
+
+def free_folder(default: Path, taken: Callable[[Path], bool]) -> Path:
+    """``default``, or the first of DEFAULT-2, DEFAULT-3, ... that ``taken`` does not refuse (as
+    ``sim run`` picks a folder: results of another question are never overwritten)."""
+    path, k = default, 1
+    while taken(path):
+        k += 1
+        path = default.with_name(f"{default.name}-{k}")
+    return path
+
+
+def out_dir(source: Path, data: dict[str, Any], cli_out: Path | None) -> tuple[Path, bool]:
+    """The output folder: ``--out``, else the file's ``out`` field, else runs/<file stem>, and
+    whether it is a default (not ``--out``: a sweep or plan that asks another question then goes
+    to a free sibling folder instead). A file at a given path, or an ``out`` that is not a path,
+    is an error before any run starts."""
     value = data.get("out")
     if cli_out is None and value is not None and (not isinstance(value, str) or not value.strip()):
         raise fail(source, "out", f"must be a folder path, got {value!r}", f"out: runs/{source.stem}")
     out = cli_out or (Path(value) if value else Path("runs") / source.stem)
+    if cli_out is None and not value:
+        return out, True
     for parent in (out, *out.parents):
         if parent.exists() and not parent.is_dir():
             where = "--out" if cli_out is not None else "field 'out'"
@@ -249,7 +293,7 @@ def out_dir(source: Path, data: dict[str, Any], cli_out: Path | None) -> Path:
             raise ConfigError(f"{source}: {where} {out} {problem}; fix: choose another folder (--out DIR)")
         if parent.exists():
             break
-    return out
+    return out, cli_out is None
 
 
 def validate_run_settings(source: str, num_replicas: Any, router: Any) -> None:

@@ -126,7 +126,8 @@ def _remove_stale_tmp(out: Path) -> None:
 
 
 def run_sweep(spec: SweepSpec, tasks: Sequence[RunTask], *, jobs: int | None = None, cluster: Any = None,
-              progress: bool = True, runner: Callable[[RunTask], dict[str, Any]] = run_task) -> Path:
+              progress: bool = True, runner: Callable[[RunTask], dict[str, Any]] = run_task,
+              announce: bool = False) -> Path:
     """Run the tasks not yet in ``spec.out/results.csv``, appending each as it finishes.
 
     Returns the table's path. Raises SweepFailed (after every other run has
@@ -136,13 +137,14 @@ def run_sweep(spec: SweepSpec, tasks: Sequence[RunTask], *, jobs: int | None = N
     out.mkdir(parents=True, exist_ok=True)
     lock = lock_folder(out)
     try:
-        return _run_locked(spec, tasks, out, jobs=jobs, cluster=cluster, progress=progress, runner=runner)
+        return _run_locked(spec, tasks, out, jobs=jobs, cluster=cluster, progress=progress, runner=runner,
+                           announce=announce or progress)
     finally:
         lock.close()
 
 
 def _run_locked(spec: SweepSpec, tasks: Sequence[RunTask], out: Path, *, jobs: int | None, cluster: Any,
-                progress: bool, runner: Callable[[RunTask], dict[str, Any]]) -> Path:
+                progress: bool, runner: Callable[[RunTask], dict[str, Any]], announce: bool) -> Path:
     _remove_stale_tmp(out)
     table_path, meta_path, failed_path = out / TABLE, out / "sweep.json", out / "failed.jsonl"
     _check_same_sweep(spec, meta_path, table_path)
@@ -157,7 +159,7 @@ def _run_locked(spec: SweepSpec, tasks: Sequence[RunTask], out: Path, *, jobs: i
             print(line, file=sys.stderr)
     header, done = scan.header, scan.ids
     todo = [t for t in tasks if t.run_id not in done]
-    if progress:
+    if announce:
         where = f"Dask cluster {cluster}" if cluster is not None else f"{jobs or 'all'} local worker(s)"
         print(f"sweep {spec.name}: {len(tasks)} runs, {len(tasks) - len(todo)} already in {table_path}, "
               f"running {len(todo)} on {where}", file=sys.stderr)
@@ -185,14 +187,20 @@ def _run_locked(spec: SweepSpec, tasks: Sequence[RunTask], out: Path, *, jobs: i
 
 
 def run_sweep_file(path: str | Path, *, jobs: int | None = None, cluster: str | None = None,
-                   out: Path | None = None, progress: bool = True, overrides: dict[str, Any] | None = None) -> Path:
+                   out: Path | None = None, progress: bool = True, overrides: dict[str, Any] | None = None,
+                   announce: bool = False) -> Path:
     """`sim sweep FILE`: parse, validate every run, run the missing ones.
 
     Returns the results table's path (its folder is what the report is built
     from, ``reports.presentation.report.regenerate``). Bad files raise
     ConfigError before any run. ``overrides``: ``--set``/``--seed`` pairs
-    (``reports.experiments.spec``).
+    (``reports.experiments.spec``). ``announce``: say on stderr where the sweep goes and how
+    many of its runs are already done, terminal or not.
     """
     check_pool_args(jobs, cluster)
     spec = parse_sweep(path, out, overrides)
-    return run_sweep(spec, expand(spec), jobs=jobs, cluster=cluster, progress=progress)
+    tasks = expand(spec)
+    if spec.kept_out_of is not None:
+        print(f"note: {spec.kept_out_of}/ holds another sweep (another base, set or grid), so this one goes to "
+              f"{spec.out}/ (--out DIR to choose)", file=sys.stderr)
+    return run_sweep(spec, tasks, jobs=jobs, cluster=cluster, progress=progress, announce=announce)

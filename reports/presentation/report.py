@@ -25,6 +25,8 @@ from sim.config import ConfigError
 def regenerate(directory: Path) -> list[Path]:
     """Rebuild figures and report of a sweep, plan or run directory; return the files written."""
     d = Path(directory)
+    if not d.exists():
+        raise ConfigError(f"{d}: no such folder; fix: pass the --out folder of `sim sweep`, `sim plan` or `sim run`")
     if (d / "plan.json").is_file():
         return _prune(d, _build(d, "plan", plan_report, json_files=("plan.json",), tables=("ranked.csv",),
                                 others=("trials.csv",)))
