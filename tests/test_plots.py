@@ -142,3 +142,21 @@ def test_report_regenerates_a_run_dir_from_files_alone(tmp_path: Path) -> None:
 def test_report_of_an_unknown_directory_says_what_it_expected(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not a sweep, plan or run directory"):
         regenerate(tmp_path)
+
+
+def test_a_cdf_draws_at_most_ecdf_points_steps_each_exact() -> None:
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots()
+    values = np.arange(100_000, 0, -1, dtype=float)        # 100,000 .. 1 ms, unsorted
+    assert runplots._ecdf(ax, values, "x", "C0") == 100_000   # the count is of every value
+    x, y = ax.lines[0].get_data()
+    assert len(x) == runplots.ECDF_POINTS
+    # sorted, rank r holds r + 1 ms at fraction (r + 1) / 100,000: every drawn step is on the true
+    # CDF, and the smallest and largest values are drawn
+    assert x[0] == 1.0 and y[0] == 1e-5 and x[-1] == 100_000.0 and y[-1] == 1.0
+    np.testing.assert_allclose(y * 100_000, x, rtol=1e-12)
+    # fewer values than that: every one
+    ax.clear()
+    runplots._ecdf(ax, np.array([3.0, 1.0, 2.0]), "x", "C0")
+    assert ax.lines[0].get_data()[0].tolist() == [1.0, 2.0, 3.0]
+    plt.close(fig)
