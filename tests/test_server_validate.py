@@ -169,6 +169,17 @@ def test_bench_reader_without_start_times_takes_given_arrivals(tmp_path):
     assert run.meta["arrivals_measured"] is False
 
 
+def test_a_closed_loop_file_without_start_times_is_refused(tmp_path):
+    from calibrate.serving.measured import measure_file
+    from sim.config import workload_from_dict
+    data = bench_dict()
+    del data["start_times"]
+    cfg = workload_from_dict({"name": "c", "num_requests": 3, "arrivals": {"kind": "concurrency", "max_concurrency": 2},
+                              "lengths": {"kind": "fixed", "prompt_tokens": 10, "output_tokens": 3}})
+    with pytest.raises(ConfigError, match="'start_times' is missing and the workload is closed-loop"):
+        measure_file(cfg, str(write(tmp_path, data)))
+
+
 @pytest.mark.parametrize("edit, expect", [
     (lambda d: d.pop("itls"), "field 'itls' is missing (save the result with vllm bench serve --save-result"),
     (lambda d: d.pop("completed"), "field 'completed' is missing"),
@@ -188,6 +199,17 @@ def test_bench_reader_without_start_times_takes_given_arrivals(tmp_path):
     (lambda d: d.update(input_lens=[], output_lens=[], ttfts=[], itls=[], start_times=[], latencies=[],
                         errors=[], completed=0), "field 'input_lens' is empty"),
     (lambda d: d.update(request_rate="fast"), "field 'request_rate' must be a number"),
+    (lambda d: d["input_lens"].__setitem__(0, 10**30), "field 'input_lens[0]' is 1e+30, too large for a token count"),
+    (lambda d: d["input_lens"].__setitem__(0, 0), "field 'input_lens[0]' is 0 for a completed request"),
+    (lambda d: d.update(duration=0), "field 'duration' is 0: the benchmark's wall time must be > 0 s"),
+    # duration 1.5 s: anything past 1.5 x 1.01 + 1 = 2.515 s is not from this benchmark
+    (lambda d: d["ttfts"].__setitem__(0, 1e300), "field 'ttfts[0]' is 1e+300 s, longer than the file's duration 1.5"),
+    (lambda d: d["latencies"].__setitem__(1, 2.6), "field 'latencies[1]' is 2.6 s, longer than the file's duration"),
+    (lambda d: d.update(start_times=[0.0, 1e300, 1e300]), "field 'start_times' span 1e+300 s, longer than the file"),
+    (lambda d: d.update(request_rate=0), "field 'request_rate' is 0 (expected a number > 0, or \"inf\")"),
+    (lambda d: d.update(burstiness=0), "field 'burstiness' is 0"),
+    (lambda d: d.update(max_concurrency=0), "field 'max_concurrency' is 0 (expected an integer >= 1, or null)"),
+    (lambda d: d.update(max_concurrency=2.5), "field 'max_concurrency' is 2.5"),
 ])
 def test_bench_reader_rejects_malformed_files(tmp_path, edit, expect):
     data = bench_dict()
@@ -203,6 +225,7 @@ def test_bench_reader_rejects_malformed_files(tmp_path, edit, expect):
     ("{not json", "invalid JSON at line 1"),
     (json.dumps(bench_dict()) + "\n" + json.dumps(bench_dict()), "--append-result"),
     ("[1, 2]", "expected a JSON object"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply to be a vllm bench serve result"),
 ])
 def test_bench_reader_rejects_non_results(tmp_path, text, expect):
     with pytest.raises(ConfigError, match=re.escape(expect)):

@@ -133,6 +133,9 @@ class BenchFile:
         return len(self.input_lens)
 
 
+MAX_COUNT = 2**31 - 1            # token counts, as the trace loader takes them
+
+
 def _fail(path: Path, key: str, what: str) -> ConfigError:
     return ConfigError(f"{path}: field '{key}' {what}")
 
@@ -144,6 +147,8 @@ def _number(path: Path, key: str, value: Any, *, integer: bool = False, minimum:
         raise _fail(path, key, f"is {value} (expected a finite number)")
     if integer and value != int(value):
         raise _fail(path, key, f"must be an integer, got {value!r}")
+    if integer and value > MAX_COUNT:
+        raise _fail(path, key, f"is {value:.3g}, too large for a token count (at most {MAX_COUNT:,})")
     if value < minimum:
         raise _fail(path, key, f"must be >= {minimum:g}, got {value!r}")
     return float(value)
@@ -159,6 +164,25 @@ def _array(path: Path, data: dict[str, Any], key: str, n: int | None, *, integer
                              else 0.0) for i, v in enumerate(values)], dtype=np.int64 if integer else np.float64)
 
 
+def _within_duration(p: Path, data: dict[str, Any], ttfts: np.ndarray, ok: np.ndarray, starts: np.ndarray | None,
+                     duration: float) -> None:
+    """The per-request times fit the benchmark's wall time: a completed request's TTFT and
+    latency, and the span of the sends, are at most ``duration`` (plus 1% and 1 s of slack for
+    the client's own clock reads)."""
+    limit = duration * 1.01 + 1.0
+    checks = [("ttfts", ttfts)]
+    if "latencies" in data:
+        checks.append(("latencies", np.asarray(data["latencies"], dtype=np.float64)))
+    for key, values in checks:
+        bad = np.flatnonzero(ok & (values > limit))
+        if len(bad):
+            raise _fail(p, f"{key}[{bad[0]}]", f"is {float(values[bad[0]]):.6g} s, longer than the file's duration "
+                                               f"{duration:g} s")
+    if starts is not None and len(starts) and float(starts.max() - starts.min()) > limit:
+        raise _fail(p, "start_times", f"span {float(starts.max() - starts.min()):.6g} s, longer than the file's "
+                                      f"duration {duration:g} s")
+
+
 def read_bench_json(path: str | Path) -> BenchFile:
     """Read and check a ``vllm bench serve --save-result --save-detailed`` file. ConfigError (one line:
     file, field, what is wrong) for a missing file or key, arrays of other lengths, a NaN, infinite or
@@ -169,6 +193,8 @@ def read_bench_json(path: str | Path) -> BenchFile:
                           f"--save-detailed)")
     try:
         data = json.loads(p.read_text())
+    except RecursionError:
+        raise ConfigError(f"{p}: nested too deeply to be a vllm bench serve result") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{p}: not a text file (expected JSON)") from None
     except json.JSONDecodeError as exc:
@@ -210,9 +236,21 @@ def read_bench_json(path: str | Path) -> BenchFile:
     bad = np.flatnonzero(ok & (ttfts <= 0))
     if len(bad):
         raise _fail(p, f"ttfts[{bad[0]}]", f"is {float(ttfts[bad[0]])!r} for a completed request (expected > 0 s)")
+    bad = np.flatnonzero(ok & (input_lens <= 0))
+    if len(bad):
+        raise _fail(p, f"input_lens[{bad[0]}]", "is 0 for a completed request (a prompt has at least one token)")
     duration = _number(p, "duration", data["duration"])
+    if duration <= 0:
+        raise _fail(p, "duration", f"is {duration:g}: the benchmark's wall time must be > 0 s")
+    _within_duration(p, data, ttfts, ok, starts, duration)
     opt = {k: None if data.get(k) is None else math.inf if data[k] == "inf" else _number(p, k, data[k])
            for k in ("request_rate", "burstiness", "max_concurrency")}
+    for key in ("request_rate", "burstiness"):
+        if opt[key] is not None and opt[key] <= 0:
+            raise _fail(p, key, f"is {data[key]!r} (expected a number > 0, or \"inf\")")
+    if opt["max_concurrency"] is not None and not math.isinf(opt["max_concurrency"]) and (
+            opt["max_concurrency"] < 1 or opt["max_concurrency"] != int(opt["max_concurrency"])):
+        raise _fail(p, "max_concurrency", f"is {data['max_concurrency']!r} (expected an integer >= 1, or null)")
     scalars = {k: v for k, v in data.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
     conc = opt["max_concurrency"]
     return BenchFile(p, input_lens, output_lens, ttfts, itls, starts, completed, duration, opt["request_rate"],
@@ -253,6 +291,10 @@ def replay_table(run: RunResult) -> pd.DataFrame:
 def measure_file(cfg: WorkloadConfig, path: str) -> Measurement:
     """A vllm bench serve detailed result as the measured run, with notes on what to mind."""
     bench = read_bench_json(path)
+    if bench.start_times_s is None and cfg.arrivals.kind == "concurrency":
+        raise ConfigError(f"{bench.path}: field 'start_times' is missing and the workload is closed-loop "
+                          f"(arrivals.kind concurrency): the send times follow the replies and cannot be rebuilt; "
+                          f"fix: save the result with vllm bench serve --save-detailed (it writes start_times)")
     notes = [] if bench.start_times_s is not None else [
         "arrival times were not measured (the file has no start_times): both sides use the workload's "
         "arrivals, which assumes the benchmark drew the same ones"]
