@@ -374,16 +374,50 @@ def _get(d: dict, key: str, where: str, source: str) -> Any:
     return d[key]
 
 
-def _finite(value: Any, where: str, source: str, *, minimum: float = 0.0, strict: bool = False) -> float:
-    """A number that is finite and >= minimum (> with ``strict``), else a ProfileError."""
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        raise ProfileError(f"{source}: field '{where}' must be a number, got {value!r}") from None
-    if not math.isfinite(x) or x < minimum or (strict and x == minimum):
+MAX_SECONDS = 1e6          # a curve point or overhead above 11 days a step is not a measurement
+MAX_BYTES = 2**50          # a PiB of memory per GPU
+
+
+def _finite(value: Any, where: str, source: str, *, minimum: float = 0.0, strict: bool = False,
+            maximum: float = math.inf) -> float:
+    """A number (not text, not a bool) that is finite, >= minimum (> with ``strict``) and
+    <= maximum, else a ProfileError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProfileError(f"{source}: field '{where}' must be a number, got {value!r}")
+    x = float(value)
+    if not math.isfinite(x) or x < minimum or (strict and x == minimum) or x > maximum:
+        bound = f" and <= {maximum:g}" if maximum < math.inf else ""
         raise ProfileError(f"{source}: field '{where}' must be a finite number "
-                           f"{'>' if strict else '>='} {minimum:g}, got {value!r}")
+                           f"{'>' if strict else '>='} {minimum:g}{bound}, got {value!r}")
     return x
+
+
+def _whole(value: Any, where: str, source: str, *, minimum: int = 1, maximum: float = 2**53) -> int:
+    """An integer (a whole float such as 1e9 too; not text, not a bool) in [minimum, maximum]."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ProfileError(f"{source}: field '{where}' must be a whole number >= {minimum}"
+                           f"{f' and <= {maximum:g}' if maximum < 2**53 else ''}, got {value!r}")
+    return value
+
+
+def _mapping(data: dict, key: str, source: str) -> dict[str, Any]:
+    value = data.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ProfileError(f"{source}: field '{key}' must be a mapping, got {value!r}")
+    return dict(value)
+
+
+def _fit_error(data: dict, source: str) -> dict[str, Any]:
+    """``fit_error``: a mapping whose percentages (``*_pct``) are finite numbers >= 0 or null."""
+    fe = _mapping(data, "fit_error", source)
+    for key, value in fe.items():
+        if str(key).endswith("_pct") and value is not None:
+            fe[key] = _finite(value, f"fit_error.{key}", source)
+    return fe
 
 
 ENGINE_COUNTS = ("max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks", "block_size", "max_model_len")
@@ -427,7 +461,7 @@ def _check_curve(where: str, axes: dict[str, Any], values: Any, source: str) -> 
     if not isinstance(rows, list) or len(rows) != (shape[0] if len(axes) == 2 else 1) or any(
             not isinstance(r, list) or len(r) != shape[-1] for r in rows):
         raise ProfileError(f"{source}: field '{where}.seconds' must have shape {' x '.join(map(str, shape))}")
-    grid = [[_finite(y, f"{where}.seconds", source) for y in r] for r in rows]
+    grid = [[_finite(y, f"{where}.seconds", source, maximum=MAX_SECONDS) for y in r] for r in rows]
     for i, r in enumerate(grid):
         for j in range(len(r)):
             for prev, axis in ((r[j - 1] if j else None, list(axes)[-1]),
@@ -442,13 +476,24 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
     if not isinstance(data, dict):
         raise ProfileError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
     version = data.get("format_version")
+    if "format_version" not in data:
+        raise ProfileError(f"{source}: field 'format_version' is missing (expected {FORMAT_VERSION}); is this a "
+                           f"profile written by `sim calibrate` or `python -m calibrate.vidur_import`?")
     if version != FORMAT_VERSION:
         raise ProfileError(f"{source}: field 'format_version' is {version!r}; this batchsim reads "
                            f"version {FORMAT_VERSION} (re-run `sim calibrate` or regenerate the profile)")
     try:
         m = _get(data, "model", "", source)
+        if not isinstance(m, dict):
+            raise ProfileError(f"{source}: field 'model' must be a mapping of the model's shape, got {m!r}")
         for key in _POSITIVE_INT_FIELDS:
-            _finite(_get(m, key, "model.", source), f"model.{key}", source, strict=True)
+            m = {**m, key: _whole(_get(m, key, "model.", source), f"model.{key}", source)}
+        for key in ("name", "mlp"):
+            if key in m and not isinstance(m[key], str):
+                raise ProfileError(f"{source}: field 'model.{key}' must be text, got {m[key]!r}")
+        for key in ("name", "device", "dtype"):
+            if key in data and not isinstance(data[key], str):
+                raise ProfileError(f"{source}: field '{key}' must be text, got {data[key]!r}")
         # rope_theta: written since it joined ModelShape; older files lack it (the default).
         rope = ({"rope_theta": _finite(m["rope_theta"], "model.rope_theta", source, strict=True)}
                 if "rope_theta" in m else {})
@@ -470,11 +515,16 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
         lin = _get(c, "linear", "curves.", source)
         pre = _get(c, "attn_prefill", "curves.", source)
         dec = _get(c, "attn_decode", "curves.", source)
-        for key in ("memory_bytes_per_gpu", "kv_bytes_per_token"):
-            _finite(_get(mem, key, "memory.", source), f"memory.{key}", source, strict=True)
-        for key in ("weight_bytes", "activation_bytes_per_gpu"):
-            _finite(_get(mem, key, "memory.", source), f"memory.{key}", source)
-        _finite(_get(c, "overhead_s", "curves.", source), "curves.overhead_s", source)
+        if not isinstance(mem, dict):
+            raise ProfileError(f"{source}: field 'memory' must be a mapping, got {mem!r}")
+        mem = dict(mem)
+        for key, least in (("memory_bytes_per_gpu", 1), ("kv_bytes_per_token", 1), ("weight_bytes", 0),
+                           ("activation_bytes_per_gpu", 0), ("activation_bytes_per_token_per_gpu", 0)):
+            if key in mem or least:
+                mem[key] = _whole(_get(mem, key, "memory.", source), f"memory.{key}", source, minimum=least,
+                                  maximum=MAX_BYTES)
+        tensor_parallel = _whole(data.get("tensor_parallel", 1), "tensor_parallel", source, maximum=1024)
+        _finite(_get(c, "overhead_s", "curves.", source), "curves.overhead_s", source, maximum=MAX_SECONDS)
         _check_curve("curves.linear", {"tokens": _get(lin, "tokens", "curves.linear.", source)},
                      _get(lin, "seconds", "curves.linear.", source), source)
         _check_curve("curves.attn_prefill", {"chunk": _get(pre, "chunk", "curves.attn_prefill.", source),
@@ -488,7 +538,7 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
             model=model,
             device=str(_get(data, "device", "", source)),
             dtype=str(_get(data, "dtype", "", source)),
-            tensor_parallel=int(data.get("tensor_parallel", 1)),
+            tensor_parallel=tensor_parallel,
             memory_bytes_per_gpu=int(_get(mem, "memory_bytes_per_gpu", "memory.", source)),
             weight_bytes=int(_get(mem, "weight_bytes", "memory.", source)),
             activation_bytes_per_gpu=int(_get(mem, "activation_bytes_per_gpu", "memory.", source)),
@@ -506,9 +556,9 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
                                 _get(dec, "context", "curves.attn_decode.", source),
                                 _get(dec, "seconds", "curves.attn_decode.", source),
                                 name="curves.attn_decode"),
-            provenance=dict(data.get("provenance") or {}),
-            fit_error=dict(data.get("fit_error") or {}),
-            efficiency=dict(data.get("efficiency") or {}),
+            provenance=_mapping(data, "provenance", source),
+            fit_error=_fit_error(data, source),
+            efficiency=_mapping(data, "efficiency", source),
             engine=_engine(data.get("engine"), source),
         )
     except ProfileError:
@@ -532,7 +582,11 @@ def load_profile(path: str | Path) -> Profile:
         data = json.loads(text) if path.suffix == ".json" else load_yaml(text)
     except UnicodeDecodeError:
         raise ProfileError(f"{path}: not a text file (expected a YAML or JSON profile)") from None
+    except RecursionError:
+        raise ProfileError(f"{path}: nested too deeply to be a profile") from None
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise ProfileError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
-                           f"{str(exc).splitlines()[0]}") from None
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ProfileError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}{at}: {problem}") from None
     return profile_from_dict(data, str(path))

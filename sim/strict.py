@@ -45,8 +45,12 @@ StrictLoader.add_implicit_resolver(
 
 
 def load_yaml(text: str) -> Any:
-    """Parse YAML text with ``StrictLoader`` (a ``yaml.YAMLError`` on bad input)."""
-    return yaml.load(text, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    """Parse YAML text with ``StrictLoader`` (a ``yaml.YAMLError`` on bad input, nesting deep
+    enough to exhaust Python's stack included)."""
+    try:
+        return yaml.load(text, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply to be a batchsim file") from None
 
 
 def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:

@@ -140,9 +140,23 @@ PROFILE_CASES = [
     (_decrease, "field 'curves.linear.seconds' decreases along 'tokens'"),
     (_set("curves.attn_decode.seqs", [4, 2, 8]), "field 'curves.attn_decode.seqs' must be strictly increasing"),
     (_set("curves.attn_prefill.seconds.0.0", INF), "field 'curves.attn_prefill.seconds' must be a finite number"),
-    (_set("memory.kv_bytes_per_token", -8), "field 'memory.kv_bytes_per_token' must be a finite number > 0"),
-    (_set("memory.weight_bytes", -1), "field 'memory.weight_bytes' must be a finite number >= 0"),
-    (_set("model.max_position_embeddings", 0), "field 'model.max_position_embeddings' must be a finite number > 0"),
+    (_set("memory.kv_bytes_per_token", -8), "field 'memory.kv_bytes_per_token' must be a whole number >= 1"),
+    (_set("memory.weight_bytes", -1), "field 'memory.weight_bytes' must be a whole number >= 0"),
+    (_set("model.max_position_embeddings", 0), "field 'model.max_position_embeddings' must be a whole number >= 1"),
+    # text, bools, fractions and absurd sizes are refused, not converted (int("4"), True -> 1, 256.5 -> 256)
+    (_set("model.num_layers", "4"), "field 'model.num_layers' must be a whole number >= 1, got '4'"),
+    (_set("model.hidden_size", 256.5), "field 'model.hidden_size' must be a whole number >= 1, got 256.5"),
+    (_set("memory.kv_bytes_per_token", True), "field 'memory.kv_bytes_per_token' must be a whole number >= 1"),
+    (_set("memory.memory_bytes_per_gpu", 1e300), "field 'memory.memory_bytes_per_gpu' must be a whole number >= 1 "
+                                                 "and <= 1.1259e+15"),
+    (_set("tensor_parallel", 0), "field 'tensor_parallel' must be a whole number >= 1"),
+    (_set("tensor_parallel", "one"), "field 'tensor_parallel' must be a whole number >= 1 and <= 1024, got 'one'"),
+    (_set("curves.overhead_s", 1e300), "field 'curves.overhead_s' must be a finite number >= 0 and <= 1e+06"),
+    (_set("curves.linear.seconds.1", 1e308), "field 'curves.linear.seconds' must be a finite number >= 0 and <= 1e+06"),
+    (_set("fit_error", {"holdout_mape_pct": "low"}), "field 'fit_error.holdout_mape_pct' must be a number, got 'low'"),
+    (_set("provenance", [1, 2]), "field 'provenance' must be a mapping, got [1, 2]"),
+    (_set("model.name", [1]), "field 'model.name' must be text, got [1]"),
+    (_del("format_version"), "field 'format_version' is missing (expected 1)"),
 ]
 
 

@@ -144,7 +144,7 @@ def test_fit_curves_multi_step_rows_and_an_extra_unknown():
 
 def _info(knobs_known: bool, L: int = 2048) -> ServerInfo:
     return ServerInfo("tiny", L, 512, 128, False, 16 if knobs_known else None, 256 if knobs_known else None,
-                      raw={"models": {"data": [{"root": "/nonexistent"}]}})
+                      raw={"models": {"data": [{"root": str(Path(__file__).parent / "no-such-model-folder")}]}})
 
 
 def test_calibration_recovers_the_profile_of_a_simulated_server():
