@@ -384,6 +384,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from sim.config import ConfigError
     from sim.profile import ProfileError
 
+    if sys.stdout is None:              # started with stdout closed (`sim run ... >&-`)
+        sys.stdout = open(os.devnull, "w")
+    if hasattr(sys.stdout, "reconfigure"):  # a name an ASCII terminal cannot show is escaped, not a crash
+        sys.stdout.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     warnings.showwarning = _warning_line
     try:
@@ -406,6 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except OSError as exc:              # a path the user gave that cannot be read or written
+        if exc.filename is None and exc.errno in (errno.ENOSPC, errno.EIO, errno.EBADF):
+            print(f"error: cannot write to standard output ({exc.strerror or exc})", file=sys.stderr)
+            return 1
         if exc.filename is None:
             raise
         print(f"error: {exc.filename}: {_os_problem(exc)}", file=sys.stderr)

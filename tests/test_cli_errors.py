@@ -274,6 +274,30 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
     assert p.returncode == 141 and (tmp_path / "o" / "summary.json").is_file()
 
 
+@pytest.mark.parametrize("redirect, rc, expect", [
+    (">&-", 0, ""),                                                        # stdout closed
+    ("> /dev/full", 1, "error: cannot write to standard output (No space left on device)\n"),
+])
+def test_an_unusable_stdout_is_not_a_traceback(tmp_path, redirect, rc, expect):
+    import subprocess
+    import sys
+    (tmp_path / "w.yaml").write_text(GOOD.replace("name: t", "name: café"))
+    cmd = f"{sys.executable} -m sim.cli run {tmp_path / 'w.yaml'} --out {tmp_path / 'o'} --quiet {redirect}"
+    p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "PYTHONIOENCODING": "ascii"})
+    assert (p.returncode, p.stderr) == (rc, expect) and (tmp_path / "o" / "summary.json").is_file()
+
+
+def test_a_name_an_ascii_terminal_cannot_show_is_escaped(tmp_path):
+    import subprocess
+    import sys
+    (tmp_path / "w.yaml").write_text(GOOD.replace("name: t", "name: café"))
+    p = subprocess.run([sys.executable, "-m", "sim.cli", "run", str(tmp_path / "w.yaml"), "--out",
+                        str(tmp_path / "o"), "--quiet"], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "PYTHONIOENCODING": "ascii"})
+    assert p.returncode == 0 and p.stdout.startswith("caf\\xe9: policy vllm"), p.stderr
+
+
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("saved")
