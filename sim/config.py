@@ -193,6 +193,9 @@ def _check_arrivals(a: ArrivalsConfig, src: str) -> None:
                           f"closed-loop client's pause; open-loop arrivals have no clients)")
     for name in ("rate", "cv", "time_scale", "rate_scale"):
         _positive(src, f"arrivals.{name}", getattr(a, name))
+    if not MIN_CV <= a.cv <= MAX_CV:        # gamma shape 1/cv^2: 1e-300 divides by zero, 1e6 is one burst
+        raise ConfigError(f"{src}: field 'arrivals.cv' must be in [{MIN_CV:g}, {MAX_CV:g}] (the gaps' coefficient "
+                          f"of variation: 1 is Poisson, < 1 more regular, > 1 burstier), got {a.cv:g}")
     _positive(src, "arrivals.start_s", a.start_s, allow_zero=True)
     _positive(src, "arrivals.repeat", a.repeat)
     if a.time_unit not in TIME_UNITS:
@@ -202,6 +205,8 @@ def _check_arrivals(a: ArrivalsConfig, src: str) -> None:
 
 
 TIME_UNITS = (None, "s", "ms", "us", "ns", "datetime")
+MIN_CV, MAX_CV = 0.001, 100.0
+MAX_TOKEN_COUNT = 2**31 - 1           # as traces hold token counts
 
 
 def _check_columns(columns: dict[str, str] | None, name: str, roles: tuple[str, ...], src: str) -> None:
@@ -390,6 +395,9 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
                           f"got {cfg.max_tokens!r}")
     if isinstance(cfg.max_tokens, int):
         _positive(source, "max_tokens", cfg.max_tokens)
+        if cfg.max_tokens > MAX_TOKEN_COUNT:
+            raise ConfigError(f"{source}: field 'max_tokens' must be at most {MAX_TOKEN_COUNT:,} (a token count), "
+                              f"got {cfg.max_tokens:,}")
     s = cfg.server
     for name in ("block_size", "max_model_len", "num_blocks"):
         _positive(source, f"server.{name}", getattr(s, name))
