@@ -160,3 +160,17 @@ def test_a_cdf_draws_at_most_ecdf_points_steps_each_exact() -> None:
     runplots._ecdf(ax, np.array([3.0, 1.0, 2.0]), "x", "C0")
     assert ax.lines[0].get_data()[0].tolist() == [1.0, 2.0, 3.0]
     plt.close(fig)
+
+
+def test_report_of_a_run_without_steps(tmp_path: Path, capsys) -> None:
+    # every request longer than max_model_len 8: all refused, no step ran; the report says so in its
+    # table and CDF titles and has no time line (it used to fail as "damaged" and leave figures/ half done)
+    from sim.cli import main
+    (tmp_path / "w.yaml").write_text("name: t\nnum_requests: 5\narrivals: {kind: poisson, rate: 4}\n"
+                                     "lengths: {kind: fixed, prompt_tokens: 10, output_tokens: 5}\n"
+                                     "server: {max_model_len: 8}\n")
+    rc = main(["run", str(tmp_path / "w.yaml"), "--out", str(tmp_path / "o"), "--quiet", "--report"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "5 of 5 requests were rejected" in err, err
+    assert (tmp_path / "o" / "report.html").is_file()
+    assert sorted(p.stem for p in (tmp_path / "o" / "figures").glob("*.png")) == ["run_cdf", "run_slots"]

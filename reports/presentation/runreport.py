@@ -77,6 +77,8 @@ def run_figures(figs: Figures, runs: dict[str, Any], *, prefix: str, slo_ttft_ms
                                 "Batch slots over time (first replica of each run): idle slots show as gaps, slots "
                                 "held by finished requests as dotted bars"))
     label, first = next(iter(runs.items()))
+    if not len(first.steps):            # every request refused, or a measured run: no steps to draw
+        return images
     images.append(figs.save(runplots.run_timeline(first.steps, title=f"Time line: {label}",
                                                   subtitle=describe_runs({label: first})), f"{prefix}timeline",
                             f"Time line of {label}: tokens computed per second (decode, prefill, padding stacked), "
