@@ -85,7 +85,10 @@ def _read(path: Path, required: Iterable[str]) -> list[dict[str, str]]:
             if missing:
                 raise VidurImportError(f"{path}: missing column(s) {missing}; is this Vidur's "
                                        f"{path.name} (data/profiling/compute/<device>/<model>/)?")
-            return list(reader)
+            rows = list(reader)
+            if not rows:
+                raise VidurImportError(f"{path}: the file has a header but no data rows")
+            return rows
     except (UnicodeDecodeError, csv.Error, OSError, EOFError) as exc:
         raise VidurImportError(f"{path}: not a readable CSV file ({type(exc).__name__}: "
                                f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
@@ -104,6 +107,15 @@ def _num(rows: list[dict[str, str]], i: int, col: str, path: Path, optional: boo
     if not math.isfinite(out) or out < 0:
         raise VidurImportError(f"{path}: line {i + 2}: column {col!r} must be a finite number >= 0, got {value!r}")
     return out
+
+
+def _count(rows: list[dict[str, str]], i: int, col: str, path: Path, minimum: int = 1) -> int:
+    """A whole-number column (tokens, sequences, context) that is at least ``minimum``."""
+    value = _num(rows, i, col, path)
+    if value != int(value) or value < minimum:
+        raise VidurImportError(f"{path}: line {i + 2}: column {col!r} must be a whole number >= {minimum}, "
+                               f"got {rows[i].get(col)!r}")
+    return int(value)
 
 
 def _median_by_key(points: Iterable[tuple[Any, float]]) -> dict[Any, float]:
@@ -223,17 +235,17 @@ def import_vidur(mlp_csv: str | Path, attention_csv: str | Path, model: str | Mo
 
     layers = shape.num_layers
     linear = _median_by_key(
-        (int(_num(mlp_rows, i, "num_tokens", mlp_path)),
+        (_count(mlp_rows, i, "num_tokens", mlp_path),
          MS * (layers * sum(_num(mlp_rows, i, c, mlp_path, op in OPTIONAL_OPS) for c, op in zip(ops, LAYER_OPS))
                + _num(mlp_rows, i, ops[-1], mlp_path, True))) for i in mlp_sel)
     save = "time_stats.attn_kv_cache_save.median"
     points: dict[bool, list[tuple[tuple[int, int], float]]] = {True: [], False: []}
     for i in attn_sel:
-        chunk = int(_num(attn_rows, i, "prefill_chunk_size", attn_path))
-        first = chunk or int(_num(attn_rows, i, "batch_size", attn_path))      # prefill: chunk; decode: seqs
+        chunk = _count(attn_rows, i, "prefill_chunk_size", attn_path, minimum=0)
+        first = chunk or _count(attn_rows, i, "batch_size", attn_path)      # prefill: chunk; decode: seqs
         col = "time_stats.attn_prefill.median" if chunk else "time_stats.attn_decode.median"
         value = MS * layers * (_num(attn_rows, i, col, attn_path) + _num(attn_rows, i, save, attn_path, True))
-        points[chunk > 0].append(((first, int(_num(attn_rows, i, "kv_cache_size", attn_path))), value))
+        points[chunk > 0].append(((first, _count(attn_rows, i, "kv_cache_size", attn_path, minimum=0)), value))
     pre, dec = _median_by_key(points[True]), _median_by_key(points[False])
     for name, table in (("prefill (prefill_chunk_size > 0)", pre), ("decode (prefill_chunk_size == 0)", dec)):
         if len({k[0] for k in table}) < 2 or len({k[1] for k in table}) < 2:
@@ -241,6 +253,14 @@ def import_vidur(mlp_csv: str | Path, attention_csv: str | Path, model: str | Mo
                                    f"kv_cache_size values for this model, found {len(table)} distinct shapes")
     if len(linear) < 2:
         raise VidurImportError(f"{mlp_path}: needs rows at >= 2 num_tokens values for this model, found {len(linear)}")
+    for path, name, values in ((mlp_path, "the MLP and norm times", linear.values()),
+                               (attn_path, "the prefill attention times", pre.values()),
+                               (attn_path, "the decode attention times", dec.values())):
+        values = list(values)
+        if not all(math.isfinite(v) for v in values):
+            raise VidurImportError(f"{path}: {name} overflow when summed over {layers} layers (values near 1e308?)")
+        if not any(v > 0 for v in values):
+            raise VidurImportError(f"{path}: {name} are all 0 for this model: nothing was measured")
 
     # attn_prefill: chunk x context, every node a profiled chunk and a profiled context.
     pre_rows = _rows_by_first(pre)
@@ -429,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         if out.suffix not in (".yaml", ".yml", ".json"):
             raise VidurImportError(f"--out {out}: use a .yaml or .json file name")
+        if out.is_dir() or not out.parent.is_dir():
+            raise VidurImportError(f"--out {out}: {'is a folder' if out.is_dir() else 'its folder does not exist'}; "
+                                   f"give a file path in an existing folder")
         prof = import_vidur(mlp, args.attention, model, gpu, args.tp, block_size=args.block_size)
         prof.save(out)
     except (ValueError, OSError) as exc:      # VidurImportError is a ValueError

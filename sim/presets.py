@@ -137,7 +137,10 @@ def _mlp_kind(cfg: Mapping[str, Any], name: str) -> str:
     if act is None:
         raise ValueError(f"model '{name}': config field 'hidden_act' is missing "
                          f"(or 'activation_function'; or give mlp: swiglu | gelu)")
-    return "swiglu" if str(act).lower() in _GATED_ACTS else "gelu"
+    if not isinstance(act, str):
+        raise ValueError(f"model '{name}': field 'hidden_act' must be the activation's name (silu, gelu, ...), "
+                         f"got {act!r}")
+    return "swiglu" if act.lower() in _GATED_ACTS else "gelu"
 
 
 def model_shape_from_hf(cfg: Mapping[str, Any], name: str | None = None) -> ModelShape:
@@ -168,7 +171,11 @@ def model_shape_from_hf(cfg: Mapping[str, Any], name: str | None = None) -> Mode
         values[field_name] = _positive_int(cfg, key, name)
     kv_key = next((k for k in ("num_key_value_heads", "num_kv_heads") if cfg.get(k) is not None), None)
     num_kv_heads = _positive_int(cfg, kv_key, name) if kv_key else values["num_heads"]
-    rope_theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    rope_parameters = cfg.get("rope_parameters") or {}
+    if not isinstance(rope_parameters, Mapping):
+        raise ValueError(f"model '{name}': field 'rope_parameters' must be a mapping (rope_theta, rope_type, ...), "
+                         f"got {rope_parameters!r}")
+    rope_theta = cfg.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
     shape = ModelShape(name=name, num_kv_heads=num_kv_heads, mlp=_mlp_kind(cfg, name),
                        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
                        rope_theta=rope_theta, **values)

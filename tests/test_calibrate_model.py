@@ -92,6 +92,8 @@ def test_torch_model_refuses_an_odd_head_dim() -> None:
         ({"num_key_value_heads": 5}, "num_kv_heads 5"),
         ({"head_dim": 64}, "head_dim"),
         ({"rope_theta": 0}, "rope_theta"),
+        ({"rope_parameters": [1]}, "field 'rope_parameters' must be a mapping"),
+        ({"hidden_act": ["silu"]}, "field 'hidden_act' must be the activation's name"),
     ],
 )
 def test_hf_import_rejects_bad_fields_by_name(change: dict[str, object], field: str) -> None:

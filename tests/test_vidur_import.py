@@ -225,6 +225,12 @@ def _replace_cell(src: Path, dst: Path, column: str, value: str) -> Path:
     ("binary", r"mlp.csv: not a readable CSV file"),
     ("gpu", r"--gpu 'tpu-v9': unknown"),
     ("out", r"--out .*profile.txt: use a .yaml or .json file name"),
+    ("out-folder", r"--out .*/no/such/p.yaml: its folder does not exist"),
+    ("header-only", r"mlp.csv: the file has a header but no data rows"),
+    ("tokens-fraction", r"mlp.csv: line 5: column 'num_tokens' must be a whole number >= 1, got '1.5'"),
+    ("tokens-zero", r"mlp.csv: line 5: column 'num_tokens' must be a whole number >= 1, got '0'"),
+    ("all-zero", r"mlp.csv: the MLP and norm times are all 0 for this model: nothing was measured"),
+    ("overflow", r"mlp.csv: the MLP and norm times overflow when summed over 32 layers"),
 ])
 def test_cli_bad_input_is_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                          case: str, expected: str) -> None:
@@ -242,6 +248,25 @@ def test_cli_bad_input_is_one_line_error(tmp_path: Path, capsys: pytest.CaptureF
         gpu = "tpu-v9"
     elif case == "out":
         out = tmp_path / "profile.txt"
+    elif case == "out-folder":
+        out = tmp_path / "no" / "such" / "p.yaml"
+    elif case == "header-only":
+        mlp = tmp_path / "mlp.csv"
+        mlp.write_text(A100_MLP.read_text().splitlines()[0] + "\n")
+    elif case in ("tokens-fraction", "tokens-zero"):
+        mlp = _replace_cell(A100_MLP, tmp_path / "mlp.csv", "num_tokens", "1.5" if case == "tokens-fraction" else "0")
+    elif case in ("all-zero", "overflow"):
+        with open(A100_MLP, newline="") as f:
+            rows = list(csv.DictReader(f))
+        for row in rows:
+            for col in row:
+                if col.startswith("time_stats.") and row[col] != "":
+                    row[col] = "0" if case == "all-zero" else "1e307"
+        mlp = tmp_path / "mlp.csv"
+        with open(mlp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
     code = vidur_main(["--mlp", str(mlp), "--attention", str(A100_ATTN), "--out", str(out), "--gpu", gpu,
                        "--model", "llama-2-7b"])
     err = capsys.readouterr().err
