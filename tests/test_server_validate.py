@@ -112,9 +112,12 @@ def test_targets_override_and_bad_targets():
     assert t["itl_p50"] == 10.0                                   # untouched defaults stay
     v = rv.verdict(table_with("p90_e2el_ms", 100.0, 114.0), {"p90_e2el_ms": 15.0})
     assert v["met"].all() and v["metric"][0] == "p90_e2el_ms"
-    for bad in ("throughput", "speed=5", "ttft_p50=-1", "ttft_p50=fast", "itl_p99=nan"):
+    for bad in ("throughput", "speed=5", "ttft_p50=-1", "ttft_p50=fast", "itl_p99=nan", "",
+                "throughput=500,throughput=1"):
         with pytest.raises(ConfigError, match="--targets"):
             rv.parse_targets(bad)
+    with pytest.raises(ConfigError, match="throughput is given twice"):
+        rv.parse_targets("throughput=500,throughput=1")
     text = rv.format_verdict(rv.verdict(table_with("p50_ttft_ms", 10.0, 12.0), {"ttft_p50": 10.0}))
     assert "MISSED" in text and text.endswith("ttft_p50)")
 
@@ -232,6 +235,8 @@ def test_bench_reader_rejects_non_results(tmp_path, text, expect):
         read_bench_json(write(tmp_path, text))
     with pytest.raises(ConfigError, match="file not found"):
         read_bench_json(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match="is a folder"):
+        read_bench_json(tmp_path)
 
 
 # ---- configuration and files ---------------------------------------------------------------------
@@ -278,6 +283,9 @@ def test_output_dir_never_reuses_a_non_empty_folder(tmp_path):
     assert output_dir(None, "w", "127.0.0.1:8000") == Path("runs") / "validate-w-127.0.0.1_8000"
     # a workload already named validate-... is not prefixed twice
     assert output_dir(None, "validate-tiny", None) == Path("runs") / "validate-tiny"
+    (tmp_path / "bench.json").write_text("{}")                    # a file at --out: refused, not bench.json-2/
+    with pytest.raises(ConfigError, match="bench.json: is a file; give a folder for the report"):
+        output_dir(str(tmp_path / "bench.json"), "w", None)
 
 
 def test_validate_measured_end_to_end_without_torch(tmp_path):

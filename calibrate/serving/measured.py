@@ -189,8 +189,8 @@ def read_bench_json(path: str | Path) -> BenchFile:
     negative value, ITLs that are not lists of numbers, a ``completed`` that disagrees with the outputs."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"{p}: file not found (expected the JSON of vllm bench serve --save-result "
-                          f"--save-detailed)")
+        what = "is a folder" if p.is_dir() else "is not a regular file" if p.exists() else "file not found"
+        raise ConfigError(f"{p}: {what} (expected the JSON of vllm bench serve --save-result --save-detailed)")
     try:
         data = json.loads(p.read_text())
     except RecursionError:

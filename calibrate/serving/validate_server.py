@@ -203,6 +203,9 @@ def output_dir(out: str | None, name: str, label: str | None) -> Path:
     if label:
         stem += "-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
     base = Path(out) if out else Path("runs") / stem
+    if out and base.exists() and not base.is_dir():
+        from sim.config import ConfigError
+        raise ConfigError(f"--out {out}: is a file; give a folder for the report")
     path, k = base, 1
     while path.exists() and (not path.is_dir() or any(path.iterdir())):
         k += 1

@@ -95,6 +95,9 @@ def parse_targets(text: str | None) -> dict[str, float]:
 
     out = {name: pct for name, (_, pct) in TARGETS.items()}
     known = {key for key, _ in metric_keys()}
+    if text is not None and not text.strip():
+        raise ConfigError("--targets '': expected NAME=PERCENT,... (leave --targets out for the defaults)")
+    seen: set[str] = set()
     for item in filter(None, (t.strip() for t in (text or "").split(","))):
         name, sep, value = item.partition("=")
         name = name.strip()
@@ -107,6 +110,9 @@ def parse_targets(text: str | None) -> dict[str, float]:
             pct = float("nan")
         if not pct >= 0 or pct == float("inf"):
             raise ConfigError(f"--targets: {item!r}: the percentage must be a number >= 0")
+        if name in seen:
+            raise ConfigError(f"--targets: {name} is given twice; give each target once")
+        seen.add(name)
         out[name] = pct
     return out
 
