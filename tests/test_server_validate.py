@@ -315,6 +315,24 @@ def test_validate_measured_end_to_end_without_torch(tmp_path):
     assert plain.returncode == 0 and "verdict: " in plain.stdout, plain.stderr
 
 
+def test_an_interrupted_report_leaves_no_folder(tmp_path, monkeypatch, capsys):
+    import calibrate.serving.validate_server as vs
+    import sim.io
+    wl = write(tmp_path, WORKLOAD, "w.yaml")
+    bench = write(tmp_path, bench_dict())
+    real = sim.io.write_run
+
+    def interrupted(result, out_dir, **kw):        # measured/ is written, then Ctrl-C before sim/
+        if Path(out_dir).name == "sim":
+            raise KeyboardInterrupt
+        return real(result, out_dir, **kw)
+    monkeypatch.setattr(sim.io, "write_run", interrupted)
+    from sim.cli import main
+    assert main(["validate", str(wl), "--measured", str(bench), "--profile", str(PROFILE),
+                 "--out", str(tmp_path / "out")]) == 130
+    assert not (tmp_path / "out").exists() and vs.output_dir(str(tmp_path / "out"), "w", None) == tmp_path / "out"
+
+
 def test_calibrate_server_flag_dispatches_to_the_server_calibration(monkeypatch):
     import types
     seen = {}

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import os
 import re
+import shutil
 import sys
 import tempfile
 import threading
@@ -312,13 +313,22 @@ def main(args: argparse.Namespace) -> int:
     """``sim validate WORKLOAD --server URL | --measured FILE``: prints the verdict; with
     ``--check``, exit status 1 when a target is missed."""
     cfg = load_workload(args.workload, dict(parse_override(t) for t in (getattr(args, "set", None) or [])))
+    if args.out:
+        output_dir(args.out, cfg.name, None)      # a file at --out is refused before the work
     v = validate_server(cfg, profile=args.profile, server=getattr(args, "server", None),
                         measured=getattr(args, "measured", None),
                         targets=rv.parse_targets(getattr(args, "targets", None)),
                         progress=not getattr(args, "quiet", False))
     m = v.measurement
-    out = output_dir(args.out, cfg.name, m.label)
-    paths = write_report(out, v)
+    out = output_dir(args.out, cfg.name, m.label)          # absent or empty: all in it is this report's
+    existed = out.exists()
+    try:
+        paths = write_report(out, v)
+    except BaseException:               # interrupted or failed: no folder that looks like a report
+        shutil.rmtree(out, ignore_errors=True)
+        if existed:
+            out.mkdir(exist_ok=True)
+        raise
     print(f"{cfg.name}: {len(m.run.requests)} requests, {m.traffic or describe_traffic(cfg)}; measured: {m.source} "
           f"(model {m.model or 'unknown'}); simulated: policy vllm_v1")
     print("knobs: " + ", ".join(f"{k} {v.knobs[k] if v.knobs[k] is not None else '-'} ({v.sources[k]})"
