@@ -485,4 +485,11 @@ def load_workload(path: str | Path, overrides: Mapping[str, Any] | None = None) 
         if isinstance(value, str):
             _, value = parse_override(f"{key}={value}")
         data = set_dotted(data, key, value)
-    return workload_from_dict(data, str(path), Path(path).resolve().parent)
+    try:
+        return workload_from_dict(data, str(path), Path(path).resolve().parent)
+    except ConfigError as exc:          # a field an override set: say so, the file does not hold it
+        named = [k for k in overrides or {} if k != "seed" and (f"'{k}'" in str(exc) or f"'{k}." in str(exc))]
+        if not named:
+            raise
+        given = ", ".join(f"{k}={overrides[k]}" for k in named)
+        raise ConfigError(f"{exc} (the value comes from --set {given})") from None

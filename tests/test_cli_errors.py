@@ -87,6 +87,9 @@ def test_missing_file(tmp_path, capsys):
 def test_bad_override(tmp_path, capsys):
     rc, out, err, _ = run_cli(tmp_path, GOOD, "--set", "arrivals.rate", capsys=capsys)
     assert rc == 2 and "expected key=value" in err
+    # a bad value from --set is blamed on --set, not only on the file that does not hold it
+    rc, out, err, _ = run_cli(tmp_path, GOOD, "--set", "arrivals.rate=-1", capsys=capsys)
+    assert rc == 2 and err.strip().endswith("got -1.0 (the value comes from --set arrivals.rate=-1)"), err
 
 
 TRACE_WL = """
