@@ -154,14 +154,28 @@ def _number(path: Path, key: str, value: Any, *, integer: bool = False, minimum:
     return float(value)
 
 
+def _numbers(path: Path, key: str, values: list[Any], *, integer: bool = False, minimum: float = 0.0) -> np.ndarray:
+    """``values`` checked as ``_number`` checks one, in numpy when every one is a plain int or
+    float (a 200k-request file: 21M ITL gaps in ~1 s instead of ~17 s); otherwise, or when one
+    fails, value by value, so the error names the first bad one as ``key[i]``."""
+    if all(type(v) is float or type(v) is int for v in values):
+        arr = np.array(values, dtype=np.float64)
+        ok = np.isfinite(arr) & (arr >= minimum)
+        if integer:
+            ok &= (arr == np.floor(arr)) & (arr <= MAX_COUNT)
+        if ok.all():
+            return arr.astype(np.int64) if integer else arr
+    return np.array([_number(path, f"{key}[{i}]", v, integer=integer, minimum=minimum) for i, v in enumerate(values)],
+                    dtype=np.int64 if integer else np.float64)
+
+
 def _array(path: Path, data: dict[str, Any], key: str, n: int | None, *, integer: bool = False) -> np.ndarray:
     values = data[key]
     if not isinstance(values, list):
         raise _fail(path, key, f"must be a list, got {type(values).__name__}")
     if n is not None and len(values) != n:
         raise _fail(path, key, f"has {len(values)} entries but input_lens has {n} (one per request)")
-    return np.array([_number(path, f"{key}[{i}]", v, integer=integer, minimum=-math.inf if key == "start_times"
-                             else 0.0) for i, v in enumerate(values)], dtype=np.int64 if integer else np.float64)
+    return _numbers(path, key, values, integer=integer, minimum=-math.inf if key == "start_times" else 0.0)
 
 
 def _within_duration(p: Path, data: dict[str, Any], ttfts: np.ndarray, ok: np.ndarray, starts: np.ndarray | None,
@@ -217,11 +231,15 @@ def read_bench_json(path: str | Path) -> BenchFile:
     if not isinstance(raw_itls, list) or len(raw_itls) != n:
         got = f"{len(raw_itls)} entries" if isinstance(raw_itls, list) else type(raw_itls).__name__
         raise _fail(p, "itls", f"must be a list of {n} lists (one per request), got {got}")
-    itls = []
     for i, gaps in enumerate(raw_itls):
         if not isinstance(gaps, list):
             raise _fail(p, f"itls[{i}]", f"must be a list of seconds, got {type(gaps).__name__}")
-        itls.append(np.array([_number(p, f"itls[{i}][{j}]", g) for j, g in enumerate(gaps)], dtype=np.float64))
+    counts = [len(gaps) for gaps in raw_itls]
+    try:                                # all gaps at once; a bad one is found again request by request
+        flat = _numbers(p, "itls", [g for gaps in raw_itls for g in gaps])
+        itls = np.split(flat, np.cumsum(counts)[:-1]) if n else []
+    except ConfigError:
+        itls = [_numbers(p, f"itls[{i}]", gaps) for i, gaps in enumerate(raw_itls)]
     starts = _array(p, data, "start_times", n) if data.get("start_times") is not None else None
     if "latencies" in data:
         _array(p, data, "latencies", n)
