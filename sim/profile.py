@@ -412,11 +412,12 @@ def _mapping(data: dict, key: str, source: str) -> dict[str, Any]:
 
 
 def _fit_error(data: dict, source: str) -> dict[str, Any]:
-    """``fit_error``: a mapping whose percentages (``*_pct``) are finite numbers >= 0 or null."""
+    """``fit_error``: a mapping whose percentages (``*_pct``: errors, signed or absolute) are
+    finite numbers or null."""
     fe = _mapping(data, "fit_error", source)
     for key, value in fe.items():
         if str(key).endswith("_pct") and value is not None:
-            fe[key] = _finite(value, f"fit_error.{key}", source)
+            fe[key] = _finite(value, f"fit_error.{key}", source, minimum=-math.inf)
     return fe
 
 
