@@ -193,6 +193,12 @@ def _check_arrivals(a: ArrivalsConfig, src: str) -> None:
                           f"closed-loop client's pause; open-loop arrivals have no clients)")
     for name in ("rate", "cv", "time_scale", "rate_scale"):
         _positive(src, f"arrivals.{name}", getattr(a, name))
+    if a.rate is not None and not MIN_RATE <= a.rate <= MAX_RATE:   # 1e300 req/s: gaps below float resolution
+        raise ConfigError(f"{src}: field 'arrivals.rate' must be in [{MIN_RATE:g}, {MAX_RATE:g}] requests per "
+                          f"second, got {a.rate:g}")
+    if a.think_time_s > MAX_THINK_S:
+        raise ConfigError(f"{src}: field 'arrivals.think_time_s' must be at most {MAX_THINK_S:g} s, "
+                          f"got {a.think_time_s:g}")
     if not MIN_CV <= a.cv <= MAX_CV:        # gamma shape 1/cv^2: 1e-300 divides by zero, 1e6 is one burst
         raise ConfigError(f"{src}: field 'arrivals.cv' must be in [{MIN_CV:g}, {MAX_CV:g}] (the gaps' coefficient "
                           f"of variation: 1 is Poisson, < 1 more regular, > 1 burstier), got {a.cv:g}")
@@ -206,6 +212,8 @@ def _check_arrivals(a: ArrivalsConfig, src: str) -> None:
 
 TIME_UNITS = (None, "s", "ms", "us", "ns", "datetime")
 MIN_CV, MAX_CV = 0.001, 100.0
+MIN_RATE, MAX_RATE = 1e-6, 1e6        # requests per second: one in 11 days .. a million a second
+MAX_THINK_S = 1e6
 MAX_TOKEN_COUNT = 2**31 - 1           # as traces hold token counts
 
 

@@ -53,6 +53,8 @@ WORKLOAD_CASES = [
     (with_("duration_s", INF), "field 'duration_s' must be a finite number"),
     (with_("max_tokens", NAN), "field 'max_tokens' must be a finite number"),
     (with_("max_tokens", 10**15), "field 'max_tokens' must be at most 2,147,483,647"),
+    (with_("arrivals.rate", 1e300), "field 'arrivals.rate' must be in [1e-06, 1e+06] requests per second, got 1e+300"),
+    (with_("arrivals.rate", 1e-300), "field 'arrivals.rate' must be in [1e-06, 1e+06]"),
     (with_("arrivals", {"kind": "gamma", "rate": 4, "cv": 1e-300}), "field 'arrivals.cv' must be in [0.001, 100]"),
     (with_("arrivals", {"kind": "gamma", "rate": 4, "cv": 1e6}), "field 'arrivals.cv' must be in [0.001, 100]"),
     (with_("server", {"gpu_memory_utilization": NAN}), "server.gpu_memory_utilization"),
