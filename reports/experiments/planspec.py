@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from reports.experiments.capacity import SearchSettings
-from reports.experiments.spec import (apply_set, check_keys, check_runnable, fail, free_folder, load_base, out_dir,
-                          positive_int, split_overrides, validate_run_settings, within)
+from reports.experiments.spec import (apply_set, check_keys, check_runnable, fail, free_folder, holds_other, load_base,
+                          out_dir, positive_int, split_overrides, validate_run_settings, within)
 from sim.config import ConfigError, Slo, load_yaml_mapping, set_dotted, workload_from_dict
 
 PLAN_KEYS = ("name", "description", "base", "set", "target_rate", "target_utilization", "slo", "router", "search",
@@ -277,14 +277,7 @@ def parse_plan(path: str | Path, out: Path | None = None, overrides: dict[str, A
 
 def _other_plan(d: Path, summary: dict[str, Any]) -> bool:
     """Whether ``d`` holds a plan that asked another question (or is not a folder)."""
-    if d.exists() and not d.is_dir():
-        return True
-    if not (d / "plan.json").is_file():
-        return False
-    try:
-        return json.loads((d / "plan.json").read_text()).get("plan") != summary
-    except (OSError, ValueError, AttributeError):
-        return True
+    return holds_other(d, "plan.json", "plan.json", "plan", summary)
 
 
 def spec_summary(spec: PlanSpec) -> dict[str, Any]:

@@ -247,20 +247,22 @@ def parse_sweep(path: str | Path, out: Path | None = None, overrides: dict[str, 
         num_replicas=positive_int(source, "num_replicas", data.get("num_replicas", 1)),
         router=str(data.get("router", "round_robin")), save_runs=save_runs, out=folder)
     if default:
-        free = free_folder(folder, lambda d: _other_sweep(d, spec.fingerprint()))
+        fingerprint = spec.fingerprint()
+        free = free_folder(folder, lambda d: holds_other(d, "results.csv", "sweep.json", "fingerprint", fingerprint))
         if free != folder:
             spec = dataclasses.replace(spec, out=free, kept_out_of=folder)
     return spec
 
 
-def _other_sweep(d: Path, fingerprint: str) -> bool:
-    """Whether ``d`` holds the results of a sweep with another fingerprint (or is not a folder)."""
+def holds_other(d: Path, results: str, record: str, key: str, expected: Any) -> bool:
+    """Whether ``d`` is not a folder, or holds ``results`` whose ``record`` JSON has another
+    ``key`` than ``expected`` (or cannot be read): another sweep's or plan's question."""
     if d.exists() and not d.is_dir():
         return True
-    if not (d / "results.csv").is_file():
+    if not (d / results).is_file():
         return False
     try:
-        return json.loads((d / "sweep.json").read_text()).get("fingerprint") != fingerprint
+        return json.loads((d / record).read_text()).get(key) != expected
     except (OSError, ValueError, AttributeError):
         return True
 
