@@ -208,6 +208,32 @@ def _check_arrivals(a: ArrivalsConfig, src: str) -> None:
         raise ConfigError(f"{src}: field 'arrivals.time_unit' must be one of {', '.join(TIME_UNITS[1:])}, "
                           f"got {a.time_unit!r}")
     _check_columns(a.columns, "arrivals.columns", ("arrival", "prompt", "output", "max_tokens"), src)
+    _warn_unused("arrivals", a, ARRIVAL_FIELD_KINDS, src)
+
+
+# Which kinds read a field (the others ignore it): a field set to other than its default
+# under another kind is set aside with a warning, as another policy's knob is, so one
+# file or sweep can switch kinds while a typo-like slip (cv on poisson) is still seen.
+_TRACE = ("trace",)
+ARRIVAL_FIELD_KINDS: dict[str, tuple[str, ...]] = {
+    "rate": ("poisson", "gamma", "constant", "trace"), "cv": ("gamma",), "path": _TRACE,
+    "time_scale": _TRACE, "rate_scale": _TRACE, "start_s": _TRACE, "columns": _TRACE, "time_unit": _TRACE,
+    "repeat": _TRACE}
+LENGTH_FIELD_KINDS: dict[str, tuple[str, ...]] = {
+    "prompt_tokens": ("fixed",), "output_tokens": ("fixed",),
+    "prompt_min": ("uniform", "lognormal", "zipf"), "output_min": ("uniform", "lognormal", "zipf"),
+    "prompt_max": ("uniform", "lognormal", "zipf"), "output_max": ("uniform", "lognormal", "zipf"),
+    "prompt_mean": ("lognormal",), "output_mean": ("lognormal",), "sigma": ("lognormal",),
+    "alpha": ("zipf",), "path": ("empirical",), "sample": ("empirical",), "columns": ("empirical",)}
+
+
+def _warn_unused(section: str, cfg: Any, uses: dict[str, tuple[str, ...]], src: str) -> None:
+    """Warn about fields set away from their default that ``cfg.kind`` does not read."""
+    unused = [f"{section}.{f.name} (read by kind {' / '.join(uses[f.name])})"
+              for f in dataclasses.fields(cfg)
+              if f.name in uses and cfg.kind not in uses[f.name] and getattr(cfg, f.name) != f.default]
+    if unused:
+        warnings.warn(f"{src}: {', '.join(unused)} not used by {section}.kind {cfg.kind} (ignored)", stacklevel=4)
 
 
 TIME_UNITS = (None, "s", "ms", "us", "ns", "datetime")
@@ -249,6 +275,7 @@ def _check_lengths(ln: LengthsConfig, src: str) -> None:
     if ln.columns and ln.kind != "empirical":
         raise ConfigError(f"{src}: field 'lengths.columns' applies to lengths.kind empirical (a length file); "
                           f"a trace's columns are arrivals.columns")
+    _warn_unused("lengths", ln, LENGTH_FIELD_KINDS, src)
 
 
 def _fold_num_requests(cfg: WorkloadConfig, src: str) -> WorkloadConfig:

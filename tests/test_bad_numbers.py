@@ -216,3 +216,34 @@ def test_plan_only_slo_keys_are_refused_in_a_workload(tmp_path, capsys, key):
     # ITL is per token gap and attainment a share: a plan's targets; goodput counts requests.
     rc, err, _ = run(tmp_path, {**GOOD, "slo": {"ttft_ms": 500, key: 0.5}}, capsys)
     assert rc == 2 and f"field 'slo.{key}' is a plan's target" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("arrivals, lengths, expect", [
+    ({"kind": "poisson", "rate": 5, "cv": 3}, None,
+     "arrivals.cv (read by kind gamma) not used by arrivals.kind poisson (ignored)"),
+    ({"kind": "constant", "rate": 5, "time_scale": 2, "repeat": 3}, None,
+     "arrivals.time_scale (read by kind trace), arrivals.repeat (read by kind trace) not used by "
+     "arrivals.kind constant"),
+    ({"kind": "poisson", "rate": 5}, {"kind": "fixed", "prompt_tokens": 10, "output_tokens": 5, "alpha": 2},
+     "lengths.alpha (read by kind zipf) not used by lengths.kind fixed (ignored)"),
+    ({"kind": "poisson", "rate": 5}, {"kind": "uniform", "prompt_max": 10, "output_max": 5, "sigma": 0.5},
+     "lengths.sigma (read by kind lognormal) not used by lengths.kind uniform"),
+])
+def test_a_field_another_kind_reads_is_flagged(tmp_path, capsys, arrivals, lengths, expect):
+    # Set away from its default under a kind that never reads it, a field is a slip (cv on
+    # poisson looks like burstiness but changes nothing): a warning, as for another policy's
+    # knob, so a sweep over kinds still runs; the run goes on.
+    data = {"name": "t", "num_requests": 5, "arrivals": arrivals,
+            "lengths": lengths or {"kind": "fixed", "prompt_tokens": 10, "output_tokens": 5}}
+    rc, err, out = run(tmp_path, data, capsys)
+    assert rc == 0, err
+    assert f"warning: {tmp_path / 'w.yaml'}: {expect}" in err, err
+    assert (out / "summary.json").exists()
+
+
+def test_a_default_value_or_a_reading_kind_is_not_flagged(tmp_path, capsys):
+    data = {"name": "t", "num_requests": 5, "arrivals": {"kind": "gamma", "rate": 5, "cv": 3},
+            "lengths": {"kind": "lognormal", "prompt_mean": 10, "output_mean": 5, "prompt_max": 40,
+                        "alpha": 1.2}}       # alpha at its default: nothing to say
+    rc, err, out = run(tmp_path, data, capsys)
+    assert rc == 0 and "warning" not in err, err
