@@ -139,7 +139,7 @@ def replay(row: Row, profile: Profile) -> tuple[float, StepTrace]:
         "profile": {"model": MODELS[row.model], "gpu": row.gpu, "tensor_parallel": row.tp, "dtype": "fp16"}})
     num_blocks, max_model_len = kv_blocks(cfg, profile)
     rec = _Recorder(profile)
-    (server,), _, _ = drive(cfg, profile, num_blocks, max_model_len, simpy.Environment(), rec)
+    (server,), _, _, _ = drive(cfg, profile, num_blocks, max_model_len, simpy.Environment(), rec)
     return max(server.state.records.pop("finished_s")), rec.trace
 
 

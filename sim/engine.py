@@ -13,6 +13,7 @@ population, whose send times follow the servers' replies.
 from __future__ import annotations
 
 import os
+from array import array
 from heapq import heappop, heappush
 from typing import TYPE_CHECKING, Callable, Collection, Generator, Iterable, Protocol, Sequence
 
@@ -207,6 +208,9 @@ class ClientPool:
         self.think_time_s = think_time_s
         self.ready_s = [0.0] * num_clients
         self._released: simpy.Event | None = None
+        # Each request's wait for a free client, send - drawn arrival, in release order (vLLM's
+        # client_queue_time: the time it waited on the benchmark's semaphore).
+        self.waits_s = array("d")
 
     def release(self, reply_s: float, num_clients: int = 1) -> None:
         """``num_clients`` got their reply at ``reply_s``."""
@@ -224,12 +228,14 @@ class ClientPool:
 
 
 def feed_capped(env: simpy.Environment, servers: Sequence[Server], requests: Collection[Request],
-                true_output_tokens: Iterable[int], max_concurrency: int, think_time_s: float = 0.0,
-                router: str = "round_robin", lag_s: float = 0.0) -> Generator:
+                true_output_tokens: Iterable[int], clients: ClientPool, router: str = "round_robin",
+                lag_s: float = 0.0) -> Generator:
     """The SimPy process that releases ``requests`` in order with at most
     ``max_concurrency`` in flight over all ``servers``: a closed-loop client
     population (``vllm bench serve --max-concurrency``, GuideLLM's concurrent
-    mode). Hooks the servers' ``on_finish`` now, before the run starts.
+    mode), ``clients`` (``ClientPool(env, min(max_concurrency, len(requests)),
+    think_time_s)``; its ``waits_s`` collects each request's wait for a client).
+    Hooks the servers' ``on_finish`` now, before the run starts.
 
     On entry a request's ``arrival_s`` is the earliest it may be sent (0 in a
     closed loop; its drawn arrival when a rate is capped, as vLLM's benchmark
@@ -242,7 +248,6 @@ def feed_capped(env: simpy.Environment, servers: Sequence[Server], requests: Col
     A request sent at the very end of a step misses the step that starts
     then: the server picks its next batch before the client has its reply.
     """
-    clients = ClientPool(env, min(max_concurrency, len(requests)), think_time_s)
     for s in servers:
         s.on_finish = clients.release
     return _release_capped(env, servers, requests, true_output_tokens, clients, router, lag_s)
@@ -257,6 +262,7 @@ def _release_capped(env: simpy.Environment, servers: Sequence[Server], requests:
         delay = send_s + lag_s - env.now
         if delay > 0:
             yield env.timeout(delay)
+        clients.waits_s.append(send_s - req.arrival_s)
         req.arrival_s = send_s
         if not pick_replica(router, servers, i).submit(req, true_output):
             clients.release(env.now)          # refused at once: the client has its reply

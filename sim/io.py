@@ -138,7 +138,30 @@ def versions() -> dict[str, str]:
 
 
 def write_json(path: Path, data: Any, indent: int | None = 2) -> None:
+    """``data`` as JSON; a compact (``indent`` None) mapping's numpy arrays (vllm_bench.json's
+    per-request series, a million values in a large run) are written as lists, chunk by chunk,
+    the text ``json.dumps`` of their lists would give without building either whole."""
+    if indent is None and isinstance(data, dict) and any(isinstance(v, np.ndarray) for v in data.values()):
+        write_text_chunks(path, _json_chunks(data))
+        return
     _atomic(path, lambda p: p.write_text(json.dumps(data, indent=indent, default=str) + "\n"))
+
+
+JSON_ROWS = 65_536          # values of an array per chunk of ``_json_chunks``
+
+
+def _json_chunks(data: dict[str, Any]) -> Iterable[str]:
+    yield "{"
+    for k, (key, value) in enumerate(data.items()):
+        yield (", " if k else "") + json.dumps(str(key)) + ": "
+        if not isinstance(value, np.ndarray):
+            yield json.dumps(value, default=str)
+            continue
+        yield "["
+        for lo in range(0, len(value), JSON_ROWS):
+            yield (", " if lo else "") + json.dumps(value[lo:lo + JSON_ROWS].tolist())[1:-1]
+        yield "]"
+    yield "}\n"
 
 
 def write_text_chunks(path: Path, chunks: Iterable[str]) -> None:

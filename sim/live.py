@@ -124,9 +124,9 @@ def run_recorded(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_mod
         recorders.append(StepRecorder(server.state, engine))
         return recorders[-1]
 
-    servers, num_requests, num_dropped = drive(cfg, profile, num_blocks, max_model_len, env, make_executor(env),
-                                               on_step=hook, live=live)
-    result = collect(cfg, servers, num_requests, num_blocks, profile)
+    servers, num_requests, num_dropped, client_queue_s = drive(cfg, profile, num_blocks, max_model_len, env,
+                                                               make_executor(env), on_step=hook, live=live)
+    result = collect(cfg, servers, num_requests, num_blocks, profile, client_queue_s)
     (recorder,) = recorders
     result.steps["batch"] = recorder.batches
     result.steps["forward_s"] = recorder.forward_s

@@ -377,12 +377,14 @@ def summarize_logs(requests: Any, itl_s: Values, steps: StepTotals,
     def done(name: str) -> np.ndarray:
         return finished_columns(requests, (name,))[name]
 
-    finished_s = done("finished_s")
-    num_done = len(finished_s)
+    num_done = len(done("finished_s"))
     failed = len(requests) - num_done
     start_s = float(np.nanmin(request_columns(requests, ("arrival_s",))["arrival_s"])) if len(requests) else 0.0
-    end_s = float(np.nanmax(finished_s)) if num_done else start_s
-    del finished_s
+    # As vLLM's benchmark_duration: until every request has returned, the failed ones too (a
+    # rejected request returns when it is refused, its finished_s), not only the completed ones.
+    ended_s = request_columns(requests, ("finished_s",))["finished_s"]
+    end_s = float(np.nanmax(ended_s)) if len(requests) and not np.isnan(ended_s).all() else start_s
+    del ended_s
     duration_s = max(end_s - start_s, 1e-12)
     total_in = int(np.nansum(done("prompt_tokens")))
     total_out = int(np.nansum(done("output_tokens")))

@@ -12,7 +12,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, Callable, Iterator, NamedTuple, TextIO
 
 import numpy as np
 import pandas as pd
@@ -21,7 +21,7 @@ import simpy
 from policies import Policy, make_policy
 from sim.batch import Batch, StepResult
 from sim.config import ConfigError, WorkloadConfig
-from sim.engine import ROUTERS, Executor, Server, SimExecutor, feed, feed_capped
+from sim.engine import ROUTERS, ClientPool, Executor, Server, SimExecutor, feed, feed_capped
 from sim.heap import trim_heap, tune_heap
 from sim.kv import BlockManager
 from sim.logs import StepLog, TokenLog
@@ -87,6 +87,9 @@ class RunResult:
         self._steps = steps
         self._tokens = tokens
         self._itl: Values | None = None
+        # Each request's wait for a free client under a concurrency cap, by request id (vLLM's
+        # client_queue_time; None: open-loop arrivals, sent when drawn).
+        self.client_queue_s: np.ndarray | None = None
 
     @property
     def requests(self) -> pd.DataFrame:
@@ -286,11 +289,20 @@ def make_requests(cfg: WorkloadConfig, specs: RequestSpecs, max_model_len: int) 
     return list(RequestStream(specs, request_max_tokens(cfg, specs, max_model_len)))
 
 
+class Driven(NamedTuple):
+    """What ``drive`` hands back."""
+
+    servers: list[Server]              # each request is in one server's ``state.records``
+    num_requests: int
+    num_dropped: int                   # trace rows that could not be replayed
+    client_queue_s: np.ndarray | None  # with max_concurrency: each request's wait for a free client
+
+
 def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len: int,
           env: simpy.Environment, executor: Executor, *, num_replicas: int = 1,
           router: str = "round_robin", on_step: OnStep | None = None,
           progress: bool = False, live: bool = False,
-          files: RunFilesProcess | None = None) -> tuple[list[Server], int, int]:
+          files: RunFilesProcess | None = None) -> Driven:
     """Run ``cfg``'s requests through ``num_replicas`` servers on ``env``.
 
     The one place that builds requests, policies, block pools and servers, for
@@ -302,8 +314,9 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     given, writes steps.csv and tokens.npz from the logs in a second process
     while the loop runs and after it (``sim.runfiles``). Returns the servers
     (each request is in one server's ``state.records``), the number of
-    requests and of trace rows dropped; nothing else of the request arrays
-    outlives the run.
+    requests and of trace rows dropped, and under a concurrency cap each
+    request's wait for a client (by request id); nothing else of the request
+    arrays outlives the run.
     Raises RuntimeError if a request is left unfinished (a policy that stalls).
     """
     specs = generate(cfg)
@@ -323,11 +336,12 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     # A measured server's per-request overhead delays arrivals in simulation; live, it happens.
     lag_s = 0.0 if live else float(profile.engine.get("request_overhead_s") or 0.0)
     a = cfg.arrivals
+    clients = None
     if a.max_concurrency is None:
         env.process(feed(env, servers, requests, requests.true_outputs(), router, lag_s))
     else:                                   # clients over the whole fleet, not per replica
-        env.process(feed_capped(env, servers, requests, requests.true_outputs(), a.max_concurrency, a.think_time_s,
-                                router, lag_s))
+        clients = ClientPool(env, min(a.max_concurrency, len(requests)), a.think_time_s)
+        env.process(feed_capped(env, servers, requests, requests.true_outputs(), clients, router, lag_s))
     profile.reset_counters()
     if files is not None:
         files.start([s.log for s in servers], [s.state.tokens for s in servers], [s.replica for s in servers],
@@ -345,7 +359,8 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
         raise RuntimeError(f"run ended with {num_done} of {len(specs)} requests done (policy {cfg.policy.kind})")
     if files is not None:
         files.finish()
-    return servers, len(specs), specs.num_dropped
+    return Driven(servers, len(specs), specs.num_dropped,
+                  np.frombuffer(clients.waits_s, dtype=np.float64) if clients is not None else None)
 
 
 def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "round_robin",
@@ -372,11 +387,11 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
     cfg = resolve_server(cfg, profile)
     num_blocks, max_model_len = kv_blocks(cfg, profile)
     loop0 = time.perf_counter()
-    servers, num_requests, num_dropped = drive(cfg, profile, num_blocks, max_model_len, simpy.Environment(),
-                                               SimExecutor(profile), num_replicas=num_replicas, router=router,
-                                               progress=progress, files=files)
+    servers, num_requests, num_dropped, client_queue_s = drive(
+        cfg, profile, num_blocks, max_model_len, simpy.Environment(), SimExecutor(profile),
+        num_replicas=num_replicas, router=router, progress=progress, files=files)
     loop_s = time.perf_counter() - loop0
-    result = collect(cfg, servers, num_requests, num_blocks, profile)
+    result = collect(cfg, servers, num_requests, num_blocks, profile, client_queue_s)
     rejected = result.summary["failed_by_reason"]
     if rejected:
         limit = servers[0].policy.max_prompt_tokens
@@ -517,7 +532,7 @@ def log_summary(requests: pd.DataFrame | RequestTable, steps: list[StepLog], tok
 
 
 def collect(cfg: WorkloadConfig, servers: list[Server], num_requests: int, num_blocks: int,
-            profile: Profile) -> RunResult:
+            profile: Profile, client_queue_s: np.ndarray | None = None) -> RunResult:
     table = request_table(servers, num_requests)
     logs = RunLogs([s.replica for s in servers], [s.log for s in servers], [s.state.tokens for s in servers],
                    num_blocks)
@@ -539,6 +554,7 @@ def collect(cfg: WorkloadConfig, servers: list[Server], num_requests: int, num_b
             "profile_provenance": profile.provenance, "profile_efficiency": profile.efficiency,
             "kv_block_size": cfg.server.block_size, "policy_knobs": policy_knobs(cfg.policy, servers[0].policy)}
     result.summary, result.meta = summary, meta
+    result.client_queue_s = client_queue_s
     return result
 
 

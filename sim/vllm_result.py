@@ -4,8 +4,9 @@
 0.32, ``vllm/benchmarks/serve.py``) writes, with its key names and units:
 latencies in ms as ``mean_/median_/std_/p{P}_{metric}_ms`` for ttft, tpot,
 itl and e2el; ``duration`` in s; ``request_rate`` "inf" for all-at-once
-traffic; with ``detailed`` (``--save-detailed``) the per-request arrays, in
-seconds. The metrics are defined as in ``sim.metrics`` (vLLM's definitions),
+traffic; the per-request ``latencies`` and ``queue_times`` (the wait for a
+free client under ``--max-concurrency``) always, as vLLM 0.32 writes them; with
+``detailed`` (``--save-detailed``) the other per-request arrays; all in seconds. The metrics are defined as in ``sim.metrics`` (vLLM's definitions),
 so the file agrees with summary.json wherever both name a number. As vLLM
 does, a metric with no values reports 0.0 and std is the population std.
 Extra top-level keys (``policy``, ``policy_knobs``, ...) are what vLLM's
@@ -246,8 +247,9 @@ def per_request_itls_s(requests: pd.DataFrame, tokens: pd.DataFrame) -> list[lis
 
 def detailed_arrays(requests: pd.DataFrame, tokens: pd.DataFrame) -> dict[str, list[Any]]:
     """``--save-detailed``'s per-request arrays, a failed request's as vLLM fills
-    them: output 0, ttft and latency 0.0, no gaps, "rejected: REASON" in errors
-    (a ``sim.request.REJECT_REASONS`` key). start_times are the arrivals (s)."""
+    them: output 0, ttft 0.0, no gaps, "rejected: REASON" in errors (a
+    ``sim.request.REJECT_REASONS`` key). start_times are the arrivals (s);
+    generated_texts are empty. (latencies and queue_times are written always.)"""
     ok = (requests["status"] == "finished").to_numpy()
 
     def seconds(col: str) -> list[float]:
@@ -259,8 +261,8 @@ def detailed_arrays(requests: pd.DataFrame, tokens: pd.DataFrame) -> dict[str, l
         "output_lens": np.where(ok, requests["output_tokens"].to_numpy(), 0).astype(int).tolist(),
         "ttfts": seconds("ttft_s"),
         "itls": per_request_itls_s(requests, tokens),
-        "latencies": seconds("e2e_s"),
         "start_times": requests["arrival_s"].astype(float).tolist(),
+        "generated_texts": [""] * len(requests),                  # no text is generated
         "errors": ["" if good else f"rejected: {reason or 'unknown'}" for good, reason in zip(ok, reasons)],
     }
 
@@ -269,7 +271,8 @@ def bench_result(run: RunResult, percentiles: Sequence[float], *, detailed: bool
                  date: str | None = None) -> dict[str, Any]:
     """``run`` as the JSON ``vllm bench serve --save-result [--save-detailed]`` writes.
     Throughputs, counts and goodput are summary.json's numbers; latencies come from the
-    same series summary.json's come from, at ``percentiles``."""
+    same series summary.json's come from, at ``percentiles``. ``latencies`` and
+    ``queue_times`` are numpy arrays (``sim.io.write_json`` writes them as lists)."""
     s, meta = run.summary, run.meta
     cfg = meta.get("config") or {}
     model = (meta.get("profile_provenance") or {}).get("model") or meta.get("profile_name")
@@ -285,7 +288,17 @@ def bench_result(run: RunResult, percentiles: Sequence[float], *, detailed: bool
         "request_throughput": s["request_throughput"], "request_goodput": s.get("request_goodput"),
         "output_throughput": s["output_throughput"], "total_token_throughput": s["total_token_throughput"],
         "max_output_tokens_per_s": max_tok_s, "max_concurrent_requests": max_conc,
+        "rtfx": 0.0,                       # vLLM's audio-only figure, 0.0 for text as vLLM writes it
     }
+    # Written with or without --save-detailed, as vLLM 0.32 does: each request's E2E latency
+    # (s; 0.0 for a failed one) and its wait for a free client (s; 0.0 unless concurrency is
+    # capped). Arrays, not lists (a million floats as Python objects would be 32 MB):
+    # sim.io.write_json writes them chunk by chunk.
+    cols = request_columns(requests, ("e2e_s", "status"))
+    out["latencies"] = np.where(cols["status"] == "finished", cols["e2e_s"], 0.0)
+    del cols
+    waits = run.client_queue_s
+    out["queue_times"] = waits.astype(np.float64) if waits is not None else np.zeros(len(requests))
     if detailed:
         out.update(detailed_arrays(run.requests, run.tokens))
     for name, values in latency_series_s(requests, run.itl()):

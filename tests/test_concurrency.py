@@ -27,6 +27,7 @@ from policies.vllm_v1 import VllmV1Config
 from sim.cli import main
 from sim.config import ConfigError, load_workload, workload_from_dict
 from sim.runner import RunResult, run_workload
+from sim.vllm_result import bench_result
 
 
 def exact(x: float) -> pytest.approx:
@@ -95,6 +96,10 @@ def test_closed_loop_by_hand(tmp_path: Path) -> None:
     assert res.summary["mean_ttft_ms"] == exact(16.0)
     assert res.summary["request_throughput"] == exact(5 / 0.09)
     assert res.meta["config"]["arrivals"]["max_concurrency"] == 2
+    # vLLM's client_queue_time (vllm_bench.json's queue_times): send - drawn arrival (0 in a closed
+    # loop): R2 0.02, R3 0.04, R4 0.05
+    assert list(res.client_queue_s) == [exact(t) for t in (0.0, 0.0, 0.02, 0.04, 0.05)]
+    assert bench_result(res, [99])["queue_times"].tolist() == list(res.client_queue_s)
 
 
 # 1 client, think 0.5 s, R (10, 2) x 3: each takes a prefill and a decode step, 0.02 s.
@@ -117,6 +122,9 @@ def test_capped_rate_by_hand(tmp_path: Path, rate: float, sent: tuple[float, ...
               {"kind": "fixed", "prompt_tokens": 10, "output_tokens": 2}, num_requests=4)
     assert list(res.requests["arrival_s"]) == [exact(t) for t in sent]
     assert list(res.requests["finished_s"]) == [exact(t + 0.02) for t in sent]
+    # the wait for the client, send - drawn: 100 req/s 0, 0.01, 0.02, 0.03; 10 req/s none
+    drawn = [k / rate for k in range(4)]
+    assert list(res.client_queue_s) == [pytest.approx(t - d, abs=1e-15) for t, d in zip(sent, drawn)]
 
 
 # A trace capped at 1: drawn 0, 0.005, 0.1; R (10, 2) takes 0.02 s.

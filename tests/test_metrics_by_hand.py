@@ -8,8 +8,9 @@ arrival; std is numpy's default (population, ddof 0); percentiles are numpy's
 linear interpolation; goodput counts completed requests with every metric <=
 its threshold (a one-token request's TPOT counts as 0). batchsim adds queue =
 first scheduled - arrival, count_*, duration = first arrival -> last
-completion, KV utilisation weighted by step time, busy fraction, and the
-capacity plan's backlog verdict (reports/capacity.py).
+return (a completion or, as in vLLM, a refusal), KV utilisation weighted by
+step time, busy fraction, and the capacity plan's backlog verdict
+(reports/capacity.py).
 
 Every assertion is exact: equality, or pytest.approx(rel=1e-12) where the
 simulator's clock adds float round-off (0.02 + 0.018 is not 0.038).
@@ -183,6 +184,25 @@ def test_max_tokens_context_is_the_rest_of_the_context(tmp_path: Path, run: RunR
     # requests' lengths, and so every figure in the summary, are unchanged.
     assert ctx.requests["output_tokens"].tolist() == [4, 1, 3, 1, 2]
     assert ctx.summary == run.summary
+
+
+def test_duration_runs_until_a_late_rejection_returns(tmp_path: Path) -> None:
+    # vLLM's benchmark_duration ends when every request has returned, a failed one too.
+    # R0 (0 s, prompt 100, 4 tokens): prefill 10 + 100 x 0.1 = 20 ms, then 3 decodes of 10.1 ms:
+    # done at 0.0503 s. R1 (0.2 s, 2000 + 8 > 1024) is refused when it arrives, at 0.2 s.
+    # duration = 0.2 - 0 (not 0.0503); 1 completed request / 0.2 s = 5 req/s, 4 tokens / 0.2 s = 20 tok/s.
+    linear_profile(per_token_s=1e-4, overhead_s=1e-2, decode_per_ctx_s=0.0, prefill_per_ctx_s=0.0).save(tmp_path / "p.yaml")
+    (tmp_path / "trace.csv").write_text("arrival_time_s,prompt_tokens,output_tokens\n0.000,100,4\n0.200,2000,8\n")
+    cfg = workload_from_dict({
+        "name": "late-reject", "arrivals": {"kind": "trace", "path": str(tmp_path / "trace.csv"), "time_unit": "s"},
+        "lengths": {"kind": "trace"}, "policy": {"kind": "vllm"},
+        "server": {"max_model_len": 1024, "num_blocks": 64, "watermark": 0.0}, "profile": {"path": str(tmp_path / "p.yaml")}})
+    with pytest.warns(UserWarning, match="1 of 2 requests were rejected"):
+        s = run_workload(cfg).summary
+    assert (s["completed"], s["failed"]) == (1, 1)
+    assert s["duration_s"] == exact(0.2)
+    assert s["request_throughput"] == exact(5.0) and s["output_throughput"] == exact(20.0)
+    assert s["busy_fraction"] == exact((20 + 3 * 10.1) / 200)     # busy 50.3 ms of 200 ms
 
 
 # ---- summarize() on hand-built frames ---------------------------------------------------------

@@ -12,13 +12,14 @@ import pandas as pd
 import pytest
 from conftest import WORKLOADS
 
+import sim.io
 import sim.runner
 import sim.vllm_result
 from calibrate.serving.measured import bench_run, read_bench_json
 from sim.chrome_trace import first_steps, trace_chunks
 from sim.cli import main
 from sim.config import ConfigError
-from sim.io import RUN_FILES, prepare_run_dir
+from sim.io import RUN_FILES, prepare_run_dir, write_json
 from sim.metrics import add_request_metrics, summarize
 from sim.runner import RunResult
 from sim.vllm_result import bench_result, offered_load, parse_percentiles, peak_second, policy_knobs
@@ -109,8 +110,9 @@ def test_report_flag_builds_the_report_in_one_go(tmp_path, capsys):
 VLLM_KEYS = {"date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
              "burstiness", "max_concurrency", "duration", "completed", "failed", "total_input_tokens",
              "total_output_tokens", "request_throughput", "request_goodput", "output_throughput",
-             "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests"}
-DETAILED_KEYS = {"input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "errors"}
+             "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests",
+             "latencies", "queue_times", "rtfx"}     # vLLM 0.32 keeps these three without --save-detailed
+DETAILED_KEYS = {"input_lens", "output_lens", "ttfts", "itls", "start_times", "generated_texts", "errors"}
 EXTRA_KEYS = {"policy", "policy_knobs", "num_replicas", "router", "simulated"}
 
 
@@ -192,17 +194,21 @@ def requests_frame(rows: list[tuple]) -> pd.DataFrame:
     return add_request_metrics(req)
 
 
-def test_duration_runs_from_the_first_arrival_to_the_last_completion():
-    # A request refused at -1.0 s counts for the start (vLLM's clock starts before the first send);
-    # a failed request that ended at 9.0 s (a measured error) does not count for the end.
-    # duration = 3.8 - (-1.0) = 4.8 s; 2 completed -> 2 / 4.8 req/s; output 2 + 3 = 5 tokens / 4.8
+def test_duration_runs_from_the_first_arrival_to_the_last_return():
+    # vLLM's benchmark_duration runs until every request has returned, a failed one too. A request
+    # refused at -1.0 s counts for the start (vLLM's clock starts before the first send); one that
+    # failed at 9.0 s counts for the end: duration = 9.0 - (-1.0) = 10 s; 2 completed -> 2 / 10
+    # req/s; output 2 + 3 = 5 tokens / 10 s. Without the late failure, 3.8 - (-1.0) = 4.8 s.
     req = requests_frame([(-1.0, np.nan, 9.0, 4, "rejected"), (0.0, 0.1, 0.25, 2, "finished"),
                           (3.0, 3.5, 3.8, 3, "finished")])
     tokens = pd.DataFrame({"req_id": [1, 1, 2, 2, 2], "t_s": [0.1, 0.25, 3.5, 3.6, 3.8]})
     steps = pd.DataFrame({c: pd.Series(dtype=float) for c in ("replica", "duration_s", "batch_size", "kv_used_blocks")})
     s = summarize(req, tokens, steps)
-    assert s["duration_s"] == pytest.approx(4.8) and s["completed"] == 2 and s["failed"] == 1
-    assert s["request_throughput"] == pytest.approx(2 / 4.8) and s["output_throughput"] == pytest.approx(5 / 4.8)
+    assert s["duration_s"] == pytest.approx(10.0) and s["completed"] == 2 and s["failed"] == 1
+    assert s["request_throughput"] == pytest.approx(2 / 10) and s["output_throughput"] == pytest.approx(5 / 10)
+    req.loc[0, "finished_s"] = np.nan      # a measured failure without a return time: no end of its own
+    s = summarize(req, tokens, steps)
+    assert s["duration_s"] == pytest.approx(4.8) and s["request_throughput"] == pytest.approx(2 / 4.8)
 
 
 def test_a_one_token_request_has_no_tpot_even_when_its_batch_ends_later():
@@ -322,6 +328,16 @@ def test_vllm_bench_numbers_by_hand(tmp_path, monkeypatch):
     assert b["start_times"] == [0.0, 0.5, 2.0, 3.0, 4.0]          # each request's send: its arrival
     assert [pytest.approx(g) for g in b["itls"]] == [[0.05, 0.1], [], [0.1], [0.3], []]
     assert b["errors"] == ["", "", "", "", "rejected: context"]
+    assert b["generated_texts"] == [""] * 5 and b["rtfx"] == 0.0
+    # E2E per request in s, a failed one 0.0 (as vLLM fills it); open-loop arrivals wait for no client
+    assert b["latencies"].tolist() == pytest.approx([0.25, 0.2, 0.4, 0.8, 0.0])
+    assert b["queue_times"].tolist() == [0.0] * 5
+    write_json(tmp_path / "chunked.json", b, indent=None)       # the arrays, chunk by chunk
+    monkeypatch.setattr(sim.io, "JSON_ROWS", 2)
+    write_json(tmp_path / "two.json", b, indent=None)
+    as_lists = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in b.items()}
+    assert (tmp_path / "chunked.json").read_text() == (tmp_path / "two.json").read_text() == json.dumps(as_lists) + "\n"
+    b = as_lists
     # read back by `sim validate --measured`'s reader, the percentiles survive
     path = tmp_path / "b.json"
     path.write_text(json.dumps(b))
