@@ -73,6 +73,11 @@ class Policy(Protocol):
     holds_batch: bool              # True: a batch runs to completion and nobody joins it (static, dynamic):
     #                                while any request runs, schedule() steps the running group, whatever waits
     max_prompt_tokens: int | None  # longer prompts are refused at arrival (None: only the context limits)
+    refuses_by_prompt: bool        # True: refused at arrival for the pool (kv_pool) only if the prompt's blocks
+    #                                exceed it above the watermark (vLLM v0's AllocStatus.NEVER); a recompute
+    #                                that outgrows it later is cut short (SchedulerState.cut_short). False: if
+    #                                prompt + max_tokens exceeds the whole pool (reserved at admission, or
+    #                                vllm_v1, which keeps no watermark back from a lone request)
     decode_stretch: bool
     chunk_stretch: bool
 

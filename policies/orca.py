@@ -36,6 +36,7 @@ class OrcaPolicy:
     decode_stretch = True
     chunk_stretch = False          # no case (c): see Policy
     holds_batch = False
+    refuses_by_prompt = False
     max_prompt_tokens: int | None = None
     token_budget: int | None = None           # a joining request's whole prompt runs in one step
 

@@ -41,6 +41,7 @@ class SarathiPolicy:
     # and the same shape repeats, the chunk moving on, until the chunk that ends the prompt.
     chunk_stretch = True
     holds_batch = False
+    refuses_by_prompt = True           # as vllm: Sarathi-Serve's and vLLM v0's can_allocate
     max_prompt_tokens: int | None = None
 
     def __init__(self, config: SarathiConfig, context: PolicyContext) -> None:

@@ -56,6 +56,7 @@ class StaticPolicy:
     decode_stretch = True
     chunk_stretch = False          # no case (c): see Policy
     holds_batch = True
+    refuses_by_prompt = False
     max_prompt_tokens: int | None = None
     token_budget: int | None = None           # a batch takes its prompts whole
 

@@ -45,11 +45,20 @@ def admit_prefills(state: SchedulerState, now_s: float, max_num_seqs: int,
     Sarathi-Serve do, a request is admitted only if the blocks of its whole
     prompt (plus, after a preemption, the outputs it recomputes) fit above
     the watermark, and all of them are allocated at once: a partly
-    prefilled request never waits for memory."""
+    prefilled request never waits for memory.
+
+    A request that needs more blocks than the pool holds above the watermark
+    (one recomputing its outputs after a preemption: its prompt alone fits,
+    or it was refused at arrival) can never be admitted: it is cut short
+    (``SchedulerState.cut_short``), vLLM v0's FINISHED_IGNORED."""
     kv = state.kv
+    most_blocks = kv.num_blocks - kv.watermark_blocks
     items: list[BatchItem] = []
     while state.waiting and len(state.running) < max_num_seqs and token_budget > 0:
         r = state.waiting[0]
+        if kv.num_blocks_for(r.num_tokens) > most_blocks:
+            state.cut_short(r, now_s)
+            continue
         n = r.num_uncomputed_tokens
         if n > token_budget:
             if not chunked and items:
@@ -70,6 +79,9 @@ class VllmPolicy:
     decode_stretch = True
     chunk_stretch = False          # no case (c): see Policy
     holds_batch = False
+    # vLLM v0's block manager refuses a request for good (AllocStatus.NEVER) only when the blocks
+    # of what it must compute now, its prompt, exceed the pool above the watermark.
+    refuses_by_prompt = True
 
     def __init__(self, config: VllmConfig, context: PolicyContext) -> None:
         self.config = config
@@ -95,4 +107,8 @@ class VllmPolicy:
             if items:
                 return Batch(tuple(items))
         plan = schedule_decodes(state)
-        return Batch.of_decodes(plan.items, plan.context) if plan.items else Idle()
+        if plan.items:
+            return Batch.of_decodes(plan.items, plan.context)
+        # A lone request preempted itself (it outgrew the pool): as vLLM's next step, admit it
+        # again, or cut it short, at once, not when something next arrives.
+        return Idle(now_s) if state.waiting and not state.running else Idle()

@@ -86,6 +86,7 @@ class VllmV1Policy:
     decode_stretch = True
     chunk_stretch = False          # no case (c): see Policy
     holds_batch = False
+    refuses_by_prompt = False
     max_prompt_tokens: int | None = None     # chunked prefill: any prompt that fits the context
     num_reserved_blocks = 1                  # vLLM's null block
 

@@ -66,7 +66,8 @@ class Server:
 
     ``on_finish(end_s, num_finished)``, if set, is called after each step that
     finished requests, with the step's end time (which may lie ahead of
-    ``env.now``: see ``_serve``) and how many it finished.
+    ``env.now``: see ``_serve``) and how many it finished, and when choosing a
+    step cut requests short (``SchedulerState.cut_short``), with its start.
     """
 
     def __init__(self, env: simpy.Environment, policy: Policy, state: SchedulerState,
@@ -120,7 +121,10 @@ class Server:
         now_s = env.now
         while True:
             num_preempted = state.num_preemptions
+            num_finished = state.num_finished if on_finish is not None else 0   # closed loops only
             decision = policy.schedule(state, now_s)
+            if on_finish is not None and state.num_finished > num_finished:
+                on_finish(now_s, state.num_finished - num_finished)         # cut short (SchedulerState.cut_short)
             if type(decision) is Idle:
                 if now_s > env.now:
                     yield env.timeout(now_s - env.now)       # catch SimPy up first

@@ -329,7 +329,7 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
         policy = build_policy(cfg, max_model_len, profile)
         usable = num_blocks - getattr(policy, "num_reserved_blocks", 0)    # vLLM v1's null block
         state = SchedulerState(BlockManager(usable, cfg.server.block_size, cfg.server.watermark),
-                               max_model_len, policy.max_prompt_tokens)
+                               max_model_len, policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt)
         server = Server(env, policy, state, executor, replica=k, coalesce=not live)
         server.on_step = on_step(server) if on_step is not None else None
         servers.append(server)
@@ -402,11 +402,18 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
         if strict:
             raise ConfigError(msg + " (--strict)")
         warnings.warn(msg, stacklevel=2)
+    cut = sum(s.state.num_cut_short for s in servers)
+    if cut:
+        warnings.warn(f"{cfg.source}: {cut} of {num_requests} requests were cut short: preempted, they had to "
+                      f"recompute more tokens than the KV pool holds above the watermark, so the scheduler ended "
+                      f"them with the tokens they had (vLLM v0 ignores such requests); they count as completed, "
+                      f"with fewer output tokens (add KV blocks, or lower max_tokens or server.watermark)",
+                      stacklevel=2)
     if cfg.profile.path is not None:
         path = cfg.resolve_path(cfg.profile.path)
         result.meta["profile_file"] = {"path": str(path), "format_version": FORMAT_VERSION,
                                        "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
-    result.meta.update(wall_s=time.perf_counter() - wall0, loop_s=loop_s, num_blocks=num_blocks,
+    result.meta.update(wall_s=time.perf_counter() - wall0, loop_s=loop_s, num_blocks=num_blocks, num_cut_short=cut,
                        max_model_len=max_model_len, num_replicas=num_replicas, router=router,
                        num_trace_rows_dropped=num_dropped)
     return result

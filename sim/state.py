@@ -27,10 +27,11 @@ class SchedulerState:
     """
 
     def __init__(self, kv: BlockManager, max_model_len: int,
-                 max_prompt_tokens: int | None = None) -> None:
+                 max_prompt_tokens: int | None = None, *, refuse_by_prompt: bool = False) -> None:
         self.kv = kv
         self.max_model_len = max_model_len
         self.max_prompt_tokens = max_prompt_tokens
+        self.refuse_by_prompt = refuse_by_prompt      # the policy's ``refuses_by_prompt``
         # The requests in flight (arrived, not done): the only Request objects a run holds.
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -38,6 +39,7 @@ class SchedulerState:
         self.all_arrived = False
         self.num_finished = 0
         self.num_rejected = 0
+        self.num_cut_short = 0
         self.num_preemptions = 0
         self._true_output: dict[int, int] = {}
         # The true output length of each request in flight, for the simulator's own
@@ -57,15 +59,20 @@ class SchedulerState:
         ``reject_reason``, see ``sim.request.REJECT_REASONS``) when prompt +
         max_tokens exceeds the model's context (vLLM's validation), when its
         prompt exceeds the policy's prompt limit (vLLM v0 ignores such
-        prompts), or when it could never fit in the KV pool. Returns False if
-        rejected.
+        prompts), or when it could never fit in the KV pool: with
+        ``refuse_by_prompt`` (vLLM v0), when its prompt's blocks exceed the
+        pool above the watermark (the block manager's AllocStatus.NEVER);
+        else when prompt + max_tokens exceeds the whole pool (the policy
+        reserves it at admission, or, vllm_v1, keeps no watermark back from a
+        lone request). Returns False if rejected.
         """
         total = req.num_prompt_tokens + req.max_output_tokens
         if total > self.max_model_len:
             reason = "context"
         elif self.max_prompt_tokens is not None and req.num_prompt_tokens > self.max_prompt_tokens:
             reason = "prompt_limit"
-        elif self.kv.num_blocks_for(total) > self.kv.num_blocks - self.kv.watermark_blocks:
+        elif (self.kv.num_blocks_for(req.num_prompt_tokens) > self.kv.num_blocks - self.kv.watermark_blocks
+              if self.refuse_by_prompt else self.kv.num_blocks_for(total) > self.kv.num_blocks):
             reason = "kv_pool"
         else:
             self.requests[req.req_id] = req
@@ -108,6 +115,22 @@ class SchedulerState:
         req.status = Status.PREEMPTED
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def cut_short(self, req: Request, now_s: float) -> None:
+        """End waiting ``req`` now with the output tokens it has: vLLM v0's
+        FINISHED_IGNORED for a request that can never be admitted again (after
+        a preemption, prompt + the outputs it must recompute need more blocks
+        than the pool holds above the watermark). The client gets its response,
+        shorter (finish_reason "length"): it counts as finished, its last
+        streamed token before ``now_s``."""
+        self.waiting.remove(req)
+        req.status = Status.FINISHED
+        req.finished_s = now_s
+        self.num_finished += 1
+        self.num_cut_short += 1
+        del self._true_output[req.req_id]
+        self.records.add(req, req.num_output_tokens)
+        del self.requests[req.req_id]
 
     def form_group(self, reqs: Iterable[Request]) -> None:
         """Static batching: members finish and free KV together, when the last

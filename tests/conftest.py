@@ -45,8 +45,10 @@ def linear_profile(per_token_s: float = 1e-4, overhead_s: float = 1e-3,
 
 
 def make_state(num_blocks: int = 1000, block_size: int = 16, max_model_len: int = 1 << 16,
-               watermark: float = 0.0, max_prompt_tokens: int | None = None) -> SchedulerState:
-    return SchedulerState(BlockManager(num_blocks, block_size, watermark), max_model_len, max_prompt_tokens)
+               watermark: float = 0.0, max_prompt_tokens: int | None = None,
+               refuse_by_prompt: bool = False) -> SchedulerState:
+    return SchedulerState(BlockManager(num_blocks, block_size, watermark), max_model_len, max_prompt_tokens,
+                          refuse_by_prompt=refuse_by_prompt)
 
 
 def add(state: SchedulerState, req_id: int, prompt: int, output: int, arrival_s: float = 0.0,
@@ -65,7 +67,7 @@ def simulate(specs: Sequence[tuple[float, int, int]], policy_cfg, profile: Profi
     env = simpy.Environment()
     policy = make_policy(policy_cfg, max_model_len)
     state = SchedulerState(BlockManager(num_blocks, block_size, watermark), max_model_len,
-                           policy.max_prompt_tokens)
+                           policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt)
     server = Server(env, policy, state, SimExecutor(profile), on_step=on_step)
     reqs = [Request(i, a, p, o) for i, (a, p, o) in enumerate(specs)]
     env.process(feed(env, [server], reqs, [o for _, _, o in specs]))

@@ -13,6 +13,7 @@ from conftest import add, linear_profile, make_state, simulate
 from policies.base import PolicyContext
 from policies.dynamic import DynamicConfig, DynamicPolicy
 from policies.orca import OrcaConfig, OrcaPolicy
+from policies.sarathi import SarathiConfig
 from policies.vllm import VllmConfig, VllmPolicy
 from policies.vllm_v1 import GIB, VllmV1Config, VllmV1Policy, engine_defaults
 from sim.batch import Batch, BatchItem, Idle
@@ -112,6 +113,68 @@ def test_v0_budget_must_hold_one_max_model_len_prompt():
     with pytest.raises(ValueError, match="smaller than max_model_len"):
         VllmPolicy(VllmConfig(max_num_batched_tokens=4095), PolicyContext(max_model_len=4096))
     assert VllmPolicy(VllmConfig(max_num_batched_tokens=4096), PolicyContext(max_model_len=4096)).token_budget == 4096
+
+
+def test_v0_refuses_for_the_pool_by_the_prompt_and_decodes_into_the_watermark():
+    # vLLM v0's block manager refuses a request for good (AllocStatus.NEVER) only when its prompt's
+    # blocks exceed the pool above the watermark. 10 blocks of 16, watermark 0.4 = 4 blocks: a prompt
+    # of 90 tokens = 6 blocks <= 10 - 4 is admitted though prompt + max_tokens = 100 tokens = 7 blocks
+    # > 6; decodes ignore the watermark, so it completes holding 7 blocks. A reserving policy (orca)
+    # needs the 7 blocks in the pool at admission, which holds 10: admitted too; with max_tokens 80
+    # (170 tokens = 11 blocks > 10) it is refused, while v0 still takes it and cuts it short.
+    for cfg in (VllmConfig(), SarathiConfig()):
+        server, (r,) = simulate([(0.0, 90, 10)], cfg, num_blocks=10, block_size=16, max_model_len=1024,
+                                watermark=0.4)
+        assert r.status == Status.FINISHED and r.num_output_tokens == 10 and server.state.num_cut_short == 0
+        assert server.log.ints[7::8].tolist()[-1] == 7                # KV blocks in use in the last step
+    st = make_state(num_blocks=10, block_size=16, watermark=0.4)
+    assert add(st, 0, 90, 10).status == Status.WAITING                # 7 blocks of the whole pool's 10
+    r = Request(1, 0.0, 90, 80)
+    assert not st.add_arrival(r, 80, 0.0) and r.reject_reason == "kv_pool"
+    v0 = make_state(num_blocks=10, block_size=16, watermark=0.4, refuse_by_prompt=True)
+    assert v0.add_arrival(Request(1, 0.0, 90, 80), 80, 0.0)            # 6 prompt blocks <= 6
+    r = Request(2, 0.0, 97, 1)                                         # 97 tokens = 7 blocks > 6
+    assert not v0.add_arrival(r, 1, 0.0) and r.reject_reason == "kv_pool"
+
+
+def test_v0_cuts_short_a_recompute_that_outgrew_the_pool():
+    # 6 blocks of ONE token, watermark 0.2 = int(1.2) = 1 block: at most 5 blocks per admission.
+    # One request, prompt 2, 10 output tokens: the prefill takes 2 blocks (step 1: token 1); each
+    # decode takes one more (steps 2-5: tokens 2-5, then all 6 blocks are held: decodes ignore the
+    # watermark). Step 6 needs a 7th block: the request preempts itself; to come back it must
+    # recompute prompt 2 + 5 outputs = 7 tokens = 7 blocks > 5: vLLM v0's FINISHED_IGNORED, it
+    # ends then with its 5 tokens (finished, counted as completed, 1 preemption), at the end of step 5.
+    for cfg in (VllmConfig(), SarathiConfig()):
+        server, (r,) = simulate([(0.0, 2, 10)], cfg, num_blocks=6, block_size=1, max_model_len=64,
+                                watermark=0.2)
+        st = server.state
+        assert (r.status, r.num_output_tokens, r.num_preemptions, st.num_cut_short) == (Status.FINISHED, 5, 1, 1)
+        ids, times = st.token_log()
+        assert len(ids) == 5 and r.first_token_s == times[0] and r.finished_s == times[-1]
+        assert len(server.log) == 5 and st.kv.num_used_blocks == 0 and not st.waiting and not st.running
+        assert st.records.pop("output_tokens").tolist() == [5]          # its record: the 5 it streamed
+    # The step that preempts it schedules nothing: the policy asks to be called again at once
+    # (vLLM's next step), not when something next arrives, and that call cuts it short.
+    st = make_state(num_blocks=6, block_size=1, max_model_len=64, watermark=0.2, refuse_by_prompt=True)
+    a = running(st, add(st, 0, 2, 10), 6, outputs=5)
+    policy = VllmPolicy(VllmConfig(), PolicyContext(max_model_len=64))
+    assert policy.schedule(st, 3.0) == Idle(3.0) and a.status == Status.PREEMPTED
+    assert policy.schedule(st, 3.0) == Idle() and (a.status, a.finished_s) == (Status.FINISHED, 3.0)
+
+
+def test_v0_a_cut_request_makes_way_for_the_next_in_the_same_step():
+    # 6 blocks of one token, 1 kept back. Request 0 (prompt 3) preempted with 3 outputs must
+    # recompute 3 + 3 = 6 tokens = 6 blocks > 5: cut short at 2.0; request 1 (prompt 4, 4 blocks
+    # <= 5) behind it is admitted in the same call.
+    st = make_state(num_blocks=6, block_size=1, max_model_len=64, watermark=0.2, refuse_by_prompt=True)
+    a, b = add(st, 0, 3, 8), add(st, 1, 4, 2)
+    running(st, a, 5, outputs=3)
+    st.preempt(a)
+    assert [r.req_id for r in st.waiting] == [0, 1] and a.num_tokens == 6
+    batch = VllmPolicy(VllmConfig(), PolicyContext(max_model_len=64)).schedule(st, 2.0)
+    assert batch.items == (BatchItem(1, 4, 0),)
+    assert (a.status, a.finished_s, st.num_finished, st.num_cut_short) == (Status.FINISHED, 2.0, 1, 1)
+    assert 0 not in st.requests and b.status == Status.RUNNING
 
 
 # ---- vLLM v1 -------------------------------------------------------------------------------------
