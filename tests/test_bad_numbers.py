@@ -12,7 +12,9 @@ from conftest import ROOT
 
 import sim.io
 from sim.cli import main
+from sim.config import workload_from_dict
 from sim.runfiles import RunFilesProcess
+from workloads.generate import generate
 
 GOOD = {
     "name": "t", "num_requests": 20,
@@ -100,6 +102,20 @@ def test_trace_repeat_beyond_memory_is_refused(tmp_path, capsys):
             "lengths": {"kind": "trace"}}
     rc, err, _ = run(tmp_path, data, capsys)
     assert rc == 2 and "field 'arrivals.repeat' asks for about 2e+13 requests" in err, err
+
+
+def test_a_huge_repeat_builds_only_the_copies_num_requests_takes(tmp_path):
+    # 3 rows at 0, 1, 2 s: copy k is shifted by k x (2 + 2 / 2) = 3k s. num_requests 7 takes copies
+    # 0, 1 and the first row of copy 2: 0 1 2 3 4 5 6 s, not a billion copies (which ran out of memory).
+    (tmp_path / "trace.csv").write_text("arrival_time_s,prompt_tokens,output_tokens\n0,10,5\n1,11,5\n2,12,5\n")
+
+    def specs(**arrivals):
+        return generate(workload_from_dict({"name": "t", "num_requests": 7, "lengths": {"kind": "trace"}, "arrivals": {
+            "kind": "trace", "path": str(tmp_path / "trace.csv"), "repeat": 10**9, **arrivals}}))
+    s = specs()
+    assert s.arrival_s.tolist() == [0, 1, 2, 3, 4, 5, 6] and s.prompt_tokens.tolist() == [10, 11, 12, 10, 11, 12, 10]
+    # from start_s 7.5 (copies 0 and 1 end at 2 and 5 s, unbuilt): 8, 9, ..., 14 s of copies 2-4, minus 7.5
+    assert specs(start_s=7.5).arrival_s.tolist() == [0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5]
 
 
 # ---- profile files ---------------------------------------------------------------------------

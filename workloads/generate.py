@@ -7,6 +7,7 @@ not move the arrival times (and vice versa).
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -119,15 +120,25 @@ def _trace(cfg: WorkloadConfig) -> RequestSpecs:
     a = cfg.arrivals
     data = load_trace(cfg.resolve_path(a.path), need_arrivals=True, columns=a.columns,
                       time_unit=a.time_unit)
-    if cfg.num_requests is None:
-        check_size(cfg, float(len(data.prompt_tokens)) * a.repeat, "arrivals.repeat")
     t = data.arrival_s
-    span = float(t[-1]) if len(t) > 1 else 0.0
-    parts = [t + k * (span + (span / max(len(t) - 1, 1))) for k in range(a.repeat)]
-    t = np.concatenate(parts)
-    prompt = np.tile(data.prompt_tokens, a.repeat)
-    output = np.tile(data.output_tokens, a.repeat)
-    max_tokens = np.tile(data.max_tokens, a.repeat) if data.max_tokens is not None else None
+    rows = len(t)
+    span = float(t[-1]) if rows > 1 else 0.0
+    period = span + span / max(rows - 1, 1)        # copy k is the trace shifted by k periods
+    # Only the copies that matter are built: none wholly before start_s (copy k ends at span + k
+    # period; one fewer is skipped, to be safe at equality) and, with num_requests, no more than
+    # it takes (the first copy kept may lie partly before start_s: one more).
+    first = max(0, math.ceil((a.start_s - span) / period) - 1) if period > 0 and a.start_s > span else 0
+    first = min(first, a.repeat)
+    last = a.repeat
+    if cfg.num_requests is not None:
+        last = min(last, first + -(-cfg.num_requests // rows) + 1)
+    else:
+        check_size(cfg, float(rows) * (last - first), "arrivals.repeat")
+    copies = last - first
+    t = np.concatenate([t + k * period for k in range(first, last)]) if copies else t[:0]
+    prompt = np.tile(data.prompt_tokens, copies)
+    output = np.tile(data.output_tokens, copies)
+    max_tokens = np.tile(data.max_tokens, copies) if data.max_tokens is not None else None
     keep = t >= a.start_s
     t, prompt, output = t[keep] - a.start_s, prompt[keep], output[keep]
     max_tokens = max_tokens[keep] if max_tokens is not None else None
