@@ -11,7 +11,9 @@ import argparse
 import errno
 import math
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -380,7 +382,27 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
     print(f"warning: {message}", file=sys.stderr)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``timeout``, ``kill``, a CI runner), raised as an interrupt is: the same cleanup
+    (spill folders, half-written outputs, pool workers) runs before the process ends."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    hook = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    if hook:
+        signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _main(argv)
+    finally:
+        if hook:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from sim.config import ConfigError
     from sim.profile import ProfileError
 
@@ -403,9 +425,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "(the CPU build; see the README's Tests section)", file=sys.stderr)
             return EXIT_BAD_INPUT
         raise
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        terminated = isinstance(exc, Terminated)
+        print("terminated" if terminated else "interrupted", file=sys.stderr)
+        return 128 + signal.SIGTERM if terminated else 130
     except BrokenPipeError:             # `sim run ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
@@ -428,6 +451,10 @@ def _os_problem(exc: OSError) -> str:
              errno.EROFS: "read-only file system; choose another folder",
              errno.ENOENT: "no such file or folder",
              errno.ENOSPC: "no space left on the device"}
+    if exc.errno == errno.EACCES and exc.filename is not None:
+        path = Path(os.fsdecode(exc.filename))
+        if path.exists() and not path.is_dir() and not os.access(path, os.R_OK):
+            return "permission denied: cannot read it; check its permissions"     # an input, not an output
     return hints.get(exc.errno or -1, exc.strerror or str(exc))
 
 

@@ -71,6 +71,26 @@ def holds_run(out_dir: Path) -> bool:
     return any((out_dir / name).exists() for name in RUN_FILES) or (out_dir / "figures").is_dir()
 
 
+# The files that say which command's results a folder holds (``folder_kind``).
+FOLDER_MARKS = {"run": ("summary.json", "requests.csv", "meta.json", "vllm_bench.json"),
+                "sweep": ("sweep.json", "results.csv"), "plan": ("plan.json", "ranked.csv", "trials.csv")}
+WHAT = {"run": "a run (sim run)", "sweep": "a sweep's results (sim sweep)", "plan": "a capacity plan (sim plan)"}
+
+
+def folder_kind(d: Path) -> str | None:
+    """Which command's results ``d`` holds: 'run', 'sweep' or 'plan' (None: none of them)."""
+    return next((kind for kind, names in FOLDER_MARKS.items() if any((d / n).exists() for n in names)), None)
+
+
+def refuse_foreign(d: Path, mine: str, flag: str = "--out") -> None:
+    """Refuse, before any work, to write ``mine``'s results into a folder that holds another
+    command's: their files would mix (and --overwrite would delete the other's report)."""
+    kind = folder_kind(d) if d.is_dir() else None
+    if kind is not None and kind != mine:
+        raise OutputError(f"{flag} {d}: holds {WHAT[kind]}; writing {WHAT[mine].split(' (')[0]} there would "
+                          f"mix their files; choose another folder")
+
+
 class RunDir(NamedTuple):
     path: Path                 # where the run goes
     taken: Path | None         # the folder it was kept out of, if any
@@ -83,13 +103,14 @@ def prepare_run_dir(out: str | Path | None, default: Path, *, overwrite: bool = 
     unless ``overwrite``; without ``out``, ``default`` is used if free (or with
     ``overwrite``), else the first free of DEFAULT-2, DEFAULT-3, ..."""
     if out is not None:
+        refuse_foreign(Path(out), "run")
         if holds_run(Path(out)) and not overwrite:
             raise OutputError(f"--out {out}: already holds a run; pass --overwrite to replace it, or choose "
                               f"another --out")
         path, taken = Path(out), None
     else:
         path, k = default, 1
-        while holds_run(path) and not overwrite:
+        while (holds_run(path) and not overwrite) or folder_kind(path) not in (None, "run"):
             k += 1
             path = default.with_name(f"{default.name}-{k}")
         taken = default if path != default else None

@@ -344,3 +344,39 @@ def test_a_profile_with_bad_engine_knobs_is_refused(tmp_path, capsys):
     (tmp_path / "p.yaml").write_text(yaml.safe_dump({**data, "engine": {"block_size": 16.0, "max_num_seqs": 8}}))
     rc, out, err, outdir = run_cli(tmp_path, GOOD + "profile: {path: p.yaml}\n", "--overwrite", capsys=capsys)
     assert rc == 0 and "x 16 tokens" in out, err
+
+
+def test_one_commands_folder_is_never_written_by_another(tmp_path, capsys):
+    # A run, a sweep and a plan each refuse a folder holding another command's results (their files
+    # would mix; `run --overwrite` used to delete the sweep's report): one line, exit 2, untouched.
+    (tmp_path / "w.yaml").write_text(GOOD)
+    (tmp_path / "s.yaml").write_text("base: w.yaml\nvary: {arrivals.rate: [2, 4]}\n")
+    run_dir, sweep_dir = tmp_path / "r", tmp_path / "s"
+    assert main(["run", str(tmp_path / "w.yaml"), "--out", str(run_dir), "--quiet"]) == 0
+    assert main(["sweep", str(tmp_path / "s.yaml"), "--out", str(sweep_dir), "--quiet"]) == 0
+    capsys.readouterr()
+    before = sorted(p.name for p in sweep_dir.iterdir())
+    for argv, expect in (
+            (["sweep", str(tmp_path / "s.yaml"), "--out", str(run_dir), "--quiet"], f"--out {run_dir}: holds a run"),
+            (["run", str(tmp_path / "w.yaml"), "--out", str(sweep_dir), "--overwrite", "--quiet"],
+             f"--out {sweep_dir}: holds a sweep's results (sim sweep); writing a run there")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert expect in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in sweep_dir.iterdir()) == before and "report.html" in before
+    assert not (run_dir / "results.csv").exists()
+
+
+def test_an_unreadable_input_is_not_blamed_on_the_output_folder(tmp_path, capsys, monkeypatch):
+    # EACCES on a file the command reads: "cannot read it", not "choose a folder you can write"
+    # (root reads anything, so the file's mode is simulated through os.access).
+    import errno
+
+    import sim.cli
+    wl = tmp_path / "w.yaml"
+    wl.write_text(GOOD)
+    monkeypatch.setattr(sim.cli.os, "access", lambda path, mode: Path(path) != wl)
+    problem = sim.cli._os_problem(PermissionError(errno.EACCES, "Permission denied", str(wl)))
+    assert problem == "permission denied: cannot read it; check its permissions"
+    folder = sim.cli._os_problem(PermissionError(errno.EACCES, "Permission denied", str(tmp_path)))
+    assert folder == "permission denied; choose a folder you can write"

@@ -311,3 +311,23 @@ def test_a_damaged_header_with_rows_is_one_line_and_changes_nothing(tmp_path: Pa
     assert "\n" not in err and "results.csv: line 1 (the header) is damaged: it lacks the column(s) repetition, " \
         "seed, wall_s; fix:" in err
     assert (out / "results.csv").read_bytes() == damaged
+
+
+def test_sigterm_mid_run_cleans_up_like_an_interrupt(tmp_path):
+    # `timeout` and CI runners stop a command with SIGTERM: the run's spill folders (its token and
+    # step logs on disk) and its half-made output folder go, as after Ctrl-C, and the exit is 143.
+    spill = tmp_path / "tmp"
+    spill.mkdir()
+    out = tmp_path / "out"
+    env = {**os.environ, "TMPDIR": str(spill)}
+    proc = subprocess.Popen([sys.executable, "-m", "sim.cli", "run", str(ROOT / "workloads" / "azure_conv.yaml"),
+                             "--out", str(out), "--quiet", "--set", "arrivals.repeat=20"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(spill.iterdir()) and time.monotonic() < deadline:     # the loop has started spilling
+        time.sleep(0.05)
+    assert any(spill.iterdir()), "the run never made its spill folder"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM and err.strip().splitlines()[-1] == "terminated", err
+    assert list(spill.iterdir()) == [] and not out.exists()

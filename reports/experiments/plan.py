@@ -34,6 +34,7 @@ from reports.experiments.capacity import (SearchSettings, find_capacity, fleet_c
 from reports.experiments.planspec import Candidate, PlanSpec, Verify, parse_plan, spec_summary
 from reports.experiments.pool import check_pool_args, run_tasks
 from sim.atomic import write_text_atomic
+from sim.io import WHAT, folder_kind
 from reports.experiments.sweep import offered_rate, scalar_summary
 from sim.config import ConfigError, Slo, set_dotted, workload_from_dict
 
@@ -241,6 +242,9 @@ def run_plan_file(path: str | Path, *, out: Path | None = None, jobs: int | None
     check_pool_args(jobs, cluster)
     spec = parse_plan(path, out, overrides)
     if spec.kept_out_of is not None:
-        print(f"note: {spec.kept_out_of}/ holds a plan for another question (other traffic, SLOs, candidates or "
-              f"settings), so this one goes to {spec.out}/ (--out DIR to choose)", file=sys.stderr)
+        kind = folder_kind(spec.kept_out_of)
+        what = ("a plan for another question (other traffic, SLOs, candidates or settings)" if kind == "plan"
+                else WHAT.get(kind or "", "something else"))
+        print(f"note: {spec.kept_out_of}/ holds {what}, so this one goes to {spec.out}/ (--out DIR to choose)",
+              file=sys.stderr)
     return run_plan(spec, jobs=jobs, cluster=cluster, progress=progress)

@@ -44,6 +44,7 @@ from reports.experiments.capacity import SearchSettings
 from reports.experiments.spec import (apply_set, check_keys, check_runnable, fail, free_folder, holds_other, load_base,
                           out_dir, positive_int, split_overrides, validate_run_settings, within)
 from sim.config import ConfigError, Slo, load_yaml_mapping, set_dotted, workload_from_dict
+from sim.io import folder_kind, refuse_foreign
 
 PLAN_KEYS = ("name", "description", "base", "set", "target_rate", "target_utilization", "slo", "router", "search",
              "verify", "policies", "candidates", "assumptions", "out")
@@ -265,10 +266,12 @@ def parse_plan(path: str | Path, out: Path | None = None, overrides: dict[str, A
         out=folder)
     summary = spec_summary(spec)
     if default:
-        free = free_folder(folder, lambda d: _other_plan(d, summary))
+        free = free_folder(folder, lambda d: _other_plan(d, summary) or folder_kind(d) not in (None, "plan"))
         if free != folder:
             spec = dataclasses.replace(spec, out=free, kept_out_of=folder)
-    elif _other_plan(folder, summary):
+        return spec
+    refuse_foreign(folder, "plan", "--out" if out is not None else f"{source}: field out")
+    if _other_plan(folder, summary):
         raise ConfigError(f"{source}: {'--out' if out is not None else 'field out'} {folder} holds a plan for "
                           f"another question (other traffic, SLOs, candidates or settings); fix: choose another "
                           f"folder (--out DIR), or delete {folder / 'plan.json'} to replace it")

@@ -42,6 +42,7 @@ from typing import Any, Callable
 import numpy as np
 
 from sim.config import ConfigError, WorkloadConfig, load_yaml_mapping, set_dotted, workload_from_dict
+from sim.io import folder_kind, refuse_foreign
 
 RUN_KEYS = ("num_replicas", "router")          # run_workload arguments, not workload fields
 SWEEP_KEYS = ("name", "description", "base", "set", "vary", "repetitions", "num_replicas", "router",
@@ -248,9 +249,12 @@ def parse_sweep(path: str | Path, out: Path | None = None, overrides: dict[str, 
         router=str(data.get("router", "round_robin")), save_runs=save_runs, out=folder)
     if default:
         fingerprint = spec.fingerprint()
-        free = free_folder(folder, lambda d: holds_other(d, "results.csv", "sweep.json", "fingerprint", fingerprint))
+        free = free_folder(folder, lambda d: holds_other(d, "results.csv", "sweep.json", "fingerprint", fingerprint)
+                           or folder_kind(d) not in (None, "sweep"))
         if free != folder:
             spec = dataclasses.replace(spec, out=free, kept_out_of=folder)
+    else:
+        refuse_foreign(folder, "sweep", "--out" if out is not None else f"{source}: field out")
     return spec
 
 

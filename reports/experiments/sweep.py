@@ -32,7 +32,7 @@ from reports.experiments.pool import check_pool_args, run_tasks
 from reports.experiments.spec import RunTask, SweepSpec, expand, parse_sweep
 from reports.experiments.table import ResultsTable, drop_damaged, grid_columns_of, scan_table, table_row
 from sim.config import ConfigError
-from sim.io import write_json
+from sim.io import WHAT, folder_kind, write_json
 
 TABLE = "results.csv"
 LEAD_COLUMNS = ("run_id",)
@@ -201,6 +201,8 @@ def run_sweep_file(path: str | Path, *, jobs: int | None = None, cluster: str | 
     spec = parse_sweep(path, out, overrides)
     tasks = expand(spec)
     if spec.kept_out_of is not None:
-        print(f"note: {spec.kept_out_of}/ holds another sweep (another base, set or grid), so this one goes to "
+        what = ("another sweep (another base, set or grid)" if folder_kind(spec.kept_out_of) == "sweep"
+                else WHAT.get(folder_kind(spec.kept_out_of) or "", "something else"))
+        print(f"note: {spec.kept_out_of}/ holds {what}, so this one goes to "
               f"{spec.out}/ (--out DIR to choose)", file=sys.stderr)
     return run_sweep(spec, tasks, jobs=jobs, cluster=cluster, progress=progress, announce=announce)
