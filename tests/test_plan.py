@@ -246,6 +246,14 @@ def test_plan_report_opens_in_headless_chromium(tmp_path: Path) -> None:
     ({"search": {"num_requests": 0}}, "field 'search.num_requests' must be an integer >= 1"),
     ({"router": "random"}, "field 'router' must be one of"),
     ({"base": "missing.yaml"}, "field 'base' names 'missing.yaml', which does not exist"),
+    # found before any search, not as every candidate's failure after them
+    ({"target_rate": 1e9}, "field 'target_rate' must be in \\[1e-06, 1e\\+06\\] requests per second, got 1e\\+09"),
+    ({"search": {"max_rate": 1e9}}, "field 'search.max_rate' must be in \\[1e-06, 1e\\+06\\]"),
+    ({"search": {"min_rate": 1e-9}}, "field 'search.min_rate' must be in"),
+    ({"search": {"rel_tol": 1e9}}, "field 'search.rel_tol' must be in \\(0, 1\\], got 1e\\+09"),
+    ({"search": {"max_backlog_fraction": 50}}, "field 'search.max_backlog_fraction' must be in \\(0, 1\\]"),
+    ({"verify": {"min_requests": 10**12}}, "field 'verify.min_requests' asks for about 1e\\+12 requests"),
+    ({"search": {"num_requests": 10**12}}, "field 'search.num_requests' asks for about 1e\\+12 requests"),
 ])
 def test_bad_plan_files_name_the_field(tmp_path: Path, changes: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as info:

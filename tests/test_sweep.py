@@ -61,6 +61,9 @@ def test_mapping_values_replace_a_section_and_become_columns(tmp_path: Path) -> 
     ({"vary": {"arrivals.rate": [1.0]}, "repetitions": 0}, "field 'repetitions' must be an integer >= 1"),
     ({"vary": {"arrivals.rate": [1.0]}, "save_runs": "no"}, "field 'save_runs' must be true or false, got 'no'"),
     ({"vary": {"arrivals.rate": [1.0]}, "out": 5}, "field 'out' must be a folder path, got 5"),
+    ({"vary": {"policy.kind": ["vllm", "sarathi"], "policy": ["orca", "static"]}},
+     "field 'vary.policy.kind' lies within vary.policy, which sets it too"),
+    ({"vary": {"arrivals.rate": [1.0, 2.0]}, "repetitions": 10**8}, "field 'repetitions' asks for 200,000,000 runs"),
 ])
 def test_bad_sweep_files_name_the_field_and_the_fix(tmp_path: Path, sweep: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as info:
@@ -92,6 +95,7 @@ def never_run(task) -> dict:
     ({"policy.max_num_seqs": [8], "arrivals.rat": [1.0]}, "unknown field 'arrivals.rat'"),
     ({"profile.gpu": ["h100-sxm", "tpu-v9"]}, "profile.gpu=\"tpu-v9\""),
     ({"router": ["round_robin", "random"]}, "field 'router' must be one of"),
+    ({"num_requests": [20, 10**30]}, "num_requests=10+]: field 'num_requests' asks for about 1e\\+30"),
 ])
 def test_every_variant_is_validated_before_any_run(tmp_path: Path, vary: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -217,7 +217,8 @@ def run_plan(spec: PlanSpec, *, jobs: int | None = None, cluster: Any = None, pr
                              desc=f"plan {spec.name}"):
         if outcome.error is not None:
             c = outcome.task.candidate
-            results.append({"name": c.name, "hardware": c.hardware, "policy": c.policy, "error": repr(outcome.error),
+            results.append({"name": c.name, "hardware": c.hardware, "policy": c.policy, "error": (str(outcome.error) if isinstance(outcome.error, ConfigError)
+                                                                         else repr(outcome.error)),
                             "gpus_per_replica": c.gpus_per_replica, "price_per_gpu_hour": c.price_per_gpu_hour})
         else:
             results.append(outcome.result)

@@ -44,7 +44,9 @@ from reports.experiments.capacity import SearchSettings
 from reports.experiments.spec import (apply_set, check_keys, check_runnable, fail, free_folder, holds_other, load_base,
                           out_dir, positive_int, split_overrides, validate_run_settings, within)
 from sim.config import ConfigError, Slo, load_yaml_mapping, set_dotted, workload_from_dict
+from sim.config import MAX_RATE, MIN_RATE
 from sim.io import folder_kind, refuse_foreign
+from workloads.generate import check_size
 
 PLAN_KEYS = ("name", "description", "base", "set", "target_rate", "target_utilization", "slo", "router", "search",
              "verify", "policies", "candidates", "assumptions", "out")
@@ -251,6 +253,24 @@ def parse_plan(path: str | Path, out: Path | None = None, overrides: dict[str, A
     if search.min_rate >= search.max_rate:
         raise fail(source, "search.min_rate", f"({search.min_rate}) must be below search.max_rate ({search.max_rate})",
                    "lower min_rate or raise max_rate")
+    # Trial rates become each run's arrivals.rate: within what a workload accepts, found now, not
+    # as every candidate's failure after the searches.
+    for field, value in (("search.min_rate", search.min_rate), ("search.max_rate", search.max_rate),
+                         ("target_rate", _number(source, "target_rate", data["target_rate"]))):
+        if not MIN_RATE <= value <= MAX_RATE:
+            raise fail(source, field, f"must be in [{MIN_RATE:g}, {MAX_RATE:g}] requests per second, got {value:g}",
+                       f"set {field} to a rate in that range")
+    for field, value, hi in (("search.rel_tol", search.rel_tol, 1.0),
+                             ("search.max_backlog_fraction", search.max_backlog_fraction, 1.0)):
+        if not value <= hi:
+            raise fail(source, field, f"must be in (0, {hi:g}], got {value:g}", f"{field}: "
+                       f"{getattr(SearchSettings(), field.split('.')[1])}")
+    sizes = _Sized(source)              # every run's size, against this machine's memory, before any run
+    check_size(sizes, float(search.num_requests), "search.num_requests")
+    verify = _section(source, "verify", data.get("verify"), Verify)
+    target_rate = _number(source, "target_rate", data["target_rate"])
+    check_size(sizes, float(verify.num_requests(target_rate)), "verify.min_requests" if
+               verify.min_requests >= verify.num_requests(target_rate) else "verify.min_duration_s x target_rate")
     assumptions = data.get("assumptions") or []
     if not isinstance(assumptions, list) or not all(isinstance(a, str) for a in assumptions):
         raise fail(source, "assumptions", "must be a list of strings", 'assumptions: ["prices: on-demand, 2025"]')
@@ -276,6 +296,13 @@ def parse_plan(path: str | Path, out: Path | None = None, overrides: dict[str, A
                           f"another question (other traffic, SLOs, candidates or settings); fix: choose another "
                           f"folder (--out DIR), or delete {folder / 'plan.json'} to replace it")
     return spec
+
+
+@dataclass(frozen=True)
+class _Sized:
+    """What ``workloads.generate.check_size`` names in its error: the plan file."""
+
+    source: Path
 
 
 def _other_plan(d: Path, summary: dict[str, Any]) -> bool:

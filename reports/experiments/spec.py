@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ from sim.config import ConfigError, WorkloadConfig, load_yaml_mapping, set_dotte
 from sim.io import folder_kind, refuse_foreign
 
 RUN_KEYS = ("num_replicas", "router")          # run_workload arguments, not workload fields
+MAX_RUNS = 100_000          # runs of one sweep (each a simulation: a bigger grid is a typo or days of work)
 SWEEP_KEYS = ("name", "description", "base", "set", "vary", "repetitions", "num_replicas", "router",
               "save_runs", "out")
 
@@ -231,12 +233,21 @@ def parse_sweep(path: str | Path, out: Path | None = None, overrides: dict[str, 
             raise fail(source, f"vary.{key}", "cannot be varied", "use 'repetitions: N' for independent seeds")
         if len({json.dumps(v, sort_keys=True, default=str) for v in values}) != len(values):
             raise fail(source, f"vary.{key}", f"lists a value twice: {values!r}", "remove the duplicate")
+    for key in vary:
+        for other in vary:
+            if other != key and within(str(other), str(key)):
+                raise fail(source, f"vary.{other}", f"lies within vary.{key}, which sets it too: each run would "
+                           f"take one of the two values and lose the other", "vary one of them")
     for key in overrides or {}:
         for varied in vary:
             if within(key, str(varied)):
                 raise ConfigError(f"{source}: --set {key}: the sweep varies '{varied}', which would overwrite it in "
                                   f"every run; fix: drop --set {key}, or change vary.{varied} in the file")
     base_raw = apply_set(source, base_raw, workload, "--set")
+    num_runs = math.prod(len(v) for v in vary.values()) * positive_int(source, "repetitions", data.get("repetitions", 1))
+    if num_runs > MAX_RUNS:
+        raise fail(source, "repetitions" if data.get("repetitions", 1) > 1 else "vary",
+                   f"asks for {num_runs:,} runs, more than {MAX_RUNS:,}", "a smaller grid, or split the sweep")
     save_runs = data.get("save_runs", False)
     if not isinstance(save_runs, bool):
         raise fail(source, "save_runs", f"must be true or false, got {save_runs!r}", "save_runs: true")
@@ -321,6 +332,11 @@ def check_runnable(cfg: WorkloadConfig, checked: dict[str, None]) -> None:
     if key not in checked:
         kv_blocks(cfg, build_profile(cfg))
         checked[key] = None
+    from workloads.generate import check_size
+    if cfg.num_requests is not None:           # as the run itself would refuse it, but before any run
+        check_size(cfg, float(cfg.num_requests), "num_requests")
+    elif cfg.duration_s is not None and cfg.arrivals.rate is not None:
+        check_size(cfg, cfg.arrivals.rate * cfg.duration_s, "duration_s")
     a, ln = cfg.arrivals, cfg.lengths
     traces = []
     if a.kind == "trace" and a.path:
