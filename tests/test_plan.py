@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
+from conftest import ROOT
 
 from reports.experiments.capacity import (SearchSettings, find_capacity, judge, queue_trend, replicas_for, sweep_capacity,
                                utilization)
@@ -139,6 +140,11 @@ def test_default_headroom_adds_replicas_where_capacity_sizing_runs_at_95_percent
     assert headroom["utilization"] == pytest.approx(1.9 / 3)
     attempt = headroom["attempts"][0]
     assert attempt["num_requests"] == 40 and {"queue_slope", "queue_stable", "queue_last_ms"} <= set(attempt)
+    # The same 40 requests, served by 2 or 3 replicas: the same tokens at the same rate, so $/Mtok
+    # scales as $/hour (3 / 2), whatever each fleet's drain after the last arrival
+    assert headroom["served_output_tokens_per_s"] == today["served_output_tokens_per_s"]
+    assert headroom["cost_per_hour"] / today["cost_per_hour"] == 3 / 2
+    assert headroom["cost_per_mtok"] / today["cost_per_mtok"] == pytest.approx(3 / 2, rel=1e-12)
 
 
 def test_sweep_capacity_needs_every_lower_rate_to_pass() -> None:
@@ -246,6 +252,7 @@ def test_plan_report_opens_in_headless_chromium(tmp_path: Path) -> None:
     ({"search": {"num_requests": 0}}, "field 'search.num_requests' must be an integer >= 1"),
     ({"router": "random"}, "field 'router' must be one of"),
     ({"base": "missing.yaml"}, "field 'base' names 'missing.yaml', which does not exist"),
+    ({"set": {"arrivals.max_concurrency": 8}}, "field 'base' caps concurrency"),
     # found before any search, not as every candidate's failure after them
     ({"target_rate": 1e9}, "field 'target_rate' must be in \\[1e-06, 1e\\+06\\] requests per second, got 1e\\+09"),
     ({"search": {"max_rate": 1e9}}, "field 'search.max_rate' must be in \\[1e-06, 1e\\+06\\]"),
@@ -343,3 +350,59 @@ def test_plan_warnings_by_hand() -> None:
         "10 s of traffic.",
         "x: verified on 10 s of traffic, under 5x the fleet's p99 E2E latency (5 s): too short to show a growing "
         "queue; raise verify.min_duration_s."]
+
+
+def test_capacity_never_exceeds_what_a_saturated_replica_completes(tmp_path: Path) -> None:
+    # SLOs no run can miss (a TTFT of 1e9 ms): a short trial of vllm, which admits up to 256
+    # requests into its batch, shows no queue and no backlog however fast requests come, so the
+    # doubling went on to max_rate. The saturation probe (every request at once) measures what one
+    # replica completes per second: no rate above it passes, and the capacity stays below it.
+    spec = parse_plan(write_plan(tmp_path, candidates=CANDIDATES[:1], policies=["vllm"], slo={"ttft_ms": 1e9}),
+                      out=tmp_path / "out")
+    verify = Verify(min_duration_s=0.01, min_requests=40, max_extra_replicas=0)
+    out = plan_candidate(CandidateTask(spec.candidates[0], str(spec.base_path), str(spec.base_path.parent), 1.0,
+                                       spec.slo, spec.router, spec.search, verify, str(tmp_path / "runs"), 0.8))
+    saturated = out["saturation_rps"]
+    assert 0 < out["capacity_rps"] <= saturated
+    over = [t for t in out["trials"] if t["rate_rps"] > saturated]
+    assert over and all(not t["passed"] and t["reasons"][-1].startswith("offered ") for t in over)
+    assert all(t["passed"] for t in out["trials"] if t["rate_rps"] <= saturated)
+
+
+def test_a_profile_files_tensor_parallel_sets_the_gpus_it_is_priced_for(tmp_path: Path) -> None:
+    # A profile given by path cannot also carry tensor_parallel: the file states it. A TP-2 file
+    # simulates two GPUs per replica, so a replica costs 2 x the GPU price (1 GPU before).
+    shipped = yaml.safe_load((ROOT / "calibrate" / "profiles" / "cpu" / "tiny-llama" / "float32.yaml").read_text())
+    (tmp_path / "tp2.yaml").write_text(yaml.safe_dump({**shipped, "tensor_parallel": 2}))
+    (tmp_path / "tp1.yaml").write_text(yaml.safe_dump(shipped))
+    cands = [{"name": "two", "profile": {"path": str(tmp_path / "tp2.yaml")}, "price_per_gpu_hour": 1.0},
+             {"name": "one", "profile": {"path": str(tmp_path / "tp1.yaml")}, "price_per_gpu_hour": 1.0},
+             {"name": "said", "profile": {"path": str(tmp_path / "tp2.yaml")}, "price_per_gpu_hour": 1.0,
+              "gpus_per_replica": 4}]
+    spec = parse_plan(write_plan(tmp_path, candidates=cands, policies=["vllm"]), out=tmp_path / "out")
+    assert [c.gpus_per_replica for c in spec.candidates] == [2, 1, 4]
+
+
+def test_a_plan_with_other_traffic_settings_is_another_question(tmp_path: Path, capsys) -> None:
+    # --set seed=6 (or a server knob) changes every run of the plan: it may not land on the first
+    # plan's folder (--out: refused) nor overwrite its default folder (goes to <folder>-2).
+    path = write_plan(tmp_path, candidates=CANDIDATES[:1], policies=["vllm"])
+    first = parse_plan(path, out=tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "plan.json").write_text(json.dumps({"plan": spec_summary(first), "results": []}))
+    assert parse_plan(path, out=tmp_path / "out").out == tmp_path / "out"           # the same question
+    with pytest.raises(ConfigError, match="holds a plan for another question"):
+        parse_plan(path, out=tmp_path / "out", overrides={"seed": 6})       # the base has seed 5
+    with pytest.raises(ConfigError, match="holds a plan for another question"):
+        parse_plan(path, out=tmp_path / "out", overrides={"server.max_model_len": 4096})
+
+
+def test_a_max_rate_above_ten_thousand_still_probes_within_the_rate_limit(tmp_path: Path) -> None:
+    # The saturation probe offers 100 x max_rate: at max_rate 20,000 that was 2e6 req/s, past a
+    # workload's 1e6 limit, and every candidate failed after its workers started. It is capped.
+    spec = parse_plan(write_plan(tmp_path, candidates=CANDIDATES[:1], policies=["vllm"],
+                                 search={"num_requests": 40, "max_rate": 20000, "max_runs": 3}), out=tmp_path / "out")
+    verify = Verify(min_duration_s=0.01, min_requests=40, max_extra_replicas=0)
+    out = plan_candidate(CandidateTask(spec.candidates[0], str(spec.base_path), str(spec.base_path.parent), 1.0,
+                                       spec.slo, spec.router, spec.search, verify, str(tmp_path / "runs"), 0.8))
+    assert out["saturation_rps"] > 0 and len(out["trials"]) == 2       # max_runs 3, the probe included

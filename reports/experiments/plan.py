@@ -36,7 +36,7 @@ from reports.experiments.pool import check_pool_args, run_tasks
 from sim.atomic import write_text_atomic
 from sim.io import WHAT, folder_kind
 from reports.experiments.sweep import offered_rate, scalar_summary
-from sim.config import ConfigError, Slo, set_dotted, workload_from_dict
+from sim.config import MAX_RATE, ConfigError, Slo, set_dotted, workload_from_dict
 
 SATURATION_RATE_FACTOR = 100.0      # the probe offers 100x max_rate: effectively all at once
 TRIAL_COLUMNS = ("p99_ttft_ms", "p99_itl_ms", "p99_tpot_ms", "p99_e2el_ms", "request_throughput",
@@ -126,12 +126,18 @@ def plan_candidate(task: CandidateTask) -> dict[str, Any]:
     """Worker entry point: capacity search, fleet check and cost of one candidate."""
     from sim.io import write_run
     s, cand = task.search, task.candidate
-    probe, _ = simulate(task, s.max_rate * SATURATION_RATE_FACTOR, s.num_requests)
+    probe, _ = simulate(task, min(s.max_rate * SATURATION_RATE_FACTOR, MAX_RATE), s.num_requests)
     saturation_rps = float(probe.summary["request_throughput"])
     best: dict[str, Any] = {}
 
     def evaluate(rate: float) -> dict[str, Any]:
         result, verdict = simulate(task, rate, s.num_requests)
+        if rate > saturation_rps:
+            # More than one replica completes per second with its queue full cannot be sustained,
+            # however well a short trial went: a scheduler that admits hundreds of requests into
+            # its batch shows no queue and no backlog until its batch is full.
+            verdict = {**verdict, "passed": False, "reasons": [*verdict["reasons"], (
+                f"offered {rate:.3g} req/s, more than the {saturation_rps:.3g} req/s it completes when saturated")]}
         if verdict["passed"] and rate >= best.get("rate", 0.0):
             best.update(rate=rate, result=result)
         return verdict
@@ -164,10 +170,15 @@ def plan_candidate(task: CandidateTask) -> dict[str, Any]:
             out["verified"] = True
             break
     write_run(fleet, run_dir / "fleet")
-    per_hour, per_mtok = fleet_cost(n, cand.gpus_per_replica, cand.price_per_gpu_hour,
-                                    float(fleet.summary["output_throughput"]))
+    # Per token of the traffic served: its output tokens over the span of their arrivals (the rate
+    # they come at), the same for every fleet that serves it, so $/Mtok follows $/hour; the run's
+    # output_throughput divides by first arrival -> last completion, which the fleet's drain stretches.
+    span_s = verdict["arrival_span_s"]
+    token_rate = float(fleet.summary["total_output_tokens"]) / span_s if span_s > 0 else 0.0
+    per_hour, per_mtok = fleet_cost(n, cand.gpus_per_replica, cand.price_per_gpu_hour, token_rate)
     out.update(replicas=n, cost_per_hour=per_hour, cost_per_mtok=per_mtok, utilization=utilization(
-               task.target_rate, capacity, n), fleet_output_throughput=fleet.summary["output_throughput"])
+               task.target_rate, capacity, n), fleet_output_throughput=fleet.summary["output_throughput"],
+               served_output_tokens_per_s=token_rate)
     return out
 
 

@@ -33,6 +33,7 @@ lengths) are refused there and in ``set``, where they would be overwritten.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import dataclasses
@@ -201,7 +202,13 @@ def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Pa
                                "server: {gpu_memory_utilization: 0.9}")
                 raw = apply_set(source, raw, {f"server.{k}": v for k, v in dict(item["server"]).items()})
             label = f"{source} [{where}, policy {_policy_label(policy)}]"
-            check_runnable(workload_from_dict(raw, label, base_dir), checked)
+            cfg = workload_from_dict(raw, label, base_dir)
+            check_runnable(cfg, checked)
+            if cfg.profile.path is not None and "gpus_per_replica" not in item:
+                # A profile file states its own tensor-parallel degree (a path excludes the field):
+                # a replica of a TP-2 profile is priced as 2 GPUs, as it simulates.
+                from sim.profile import load_profile
+                gpus = load_profile(cfg.resolve_path(cfg.profile.path)).tensor_parallel
             out.append(Candidate(name=f"{hardware} / {_policy_label(policy)}", raw=raw, gpus_per_replica=gpus,
                                  price_per_gpu_hour=price, hardware=hardware, policy=_policy_label(policy)))
     names = [c.name for c in out]
@@ -246,6 +253,11 @@ def parse_plan(path: str | Path, out: Path | None = None, overrides: dict[str, A
     if kind == "all_at_once":
         raise fail(source, "base", "has arrivals.kind all_at_once, which has no rate to rescale",
                    "use a trace or a poisson/gamma/constant arrival process")
+    if kind == "concurrency" or (base_raw.get("arrivals") or {}).get("max_concurrency") is not None:
+        raise fail(source, "base", "caps concurrency (arrivals.max_concurrency): its clients send as fast as replies "
+                   "come back, so the rates the plan offers are never offered (capacity and verification would "
+                   "be judged at rates the runs never saw)", "plan on open-loop arrivals (a trace or a "
+                   "poisson/gamma/constant process without max_concurrency)")
     slo = _slo(source, data["slo"])
     router = str(data.get("router", "least_requests"))
     validate_run_settings(str(source), 1, router)
@@ -319,5 +331,8 @@ def spec_summary(spec: PlanSpec) -> dict[str, Any]:
         "verify_requests": spec.verify.num_requests(spec.target_rate), "assumptions": spec.assumptions,
         "candidates": [{"name": c.name, "hardware": c.hardware, "policy": c.policy,
                         "gpus_per_replica": c.gpus_per_replica, "price_per_gpu_hour": c.price_per_gpu_hour,
-                        "profile": c.raw.get("profile"), "policy_config": c.raw.get("policy")}
+                        "profile": c.raw.get("profile"), "policy_config": c.raw.get("policy"),
+                        # the whole workload it runs (base, set, --set, server): another one is another question
+                        "workload_sha256": hashlib.sha256(json.dumps(c.raw, sort_keys=True, default=str)
+                                                          .encode()).hexdigest()}
                        for c in spec.candidates]}, default=str))

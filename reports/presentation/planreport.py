@@ -51,7 +51,8 @@ def _definitions(plan: dict[str, Any]) -> list[str]:
         f"so the limit means it falls at most {100 * v['max_queue_slope']:g}% behind. While it fails a replica "
         f"is added, at most {v['max_extra_replicas']} times.",
         "Cost per hour = replicas x GPUs per replica x price per GPU-hour; cost per million output tokens = cost per "
-        "hour / (fleet output tokens per second x 3600) x 1e6, at the simulated fleet throughput.",
+        "hour / (output tokens per second x 3600) x 1e6, the tokens of the requests the fleet served over the "
+        "span of their arrivals (the rate the traffic brings them, the same for every fleet that serves it).",
         "Offered rates are the realized mean rate of the simulated requests ((n - 1) / arrival span); the traffic "
         "keeps the base workload's shape (arrival pattern and lengths) with its timeline rescaled.",
     ]
