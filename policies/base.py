@@ -70,7 +70,9 @@ class Policy(Protocol):
     token_budget: int | None       # most tokens one step computes; sizes the activation reserve as vLLM's
     #                                profiling run does (None: no budget, ``DEFAULT_ACTIVATION_TOKENS``)
     max_num_seqs: int              # most requests running at once
-    holds_batch: bool              # True: a batch runs to completion and nobody joins it (static, dynamic):
+    holds_batch: bool              # True: a batch runs to completion and nobody joins it (static, dynamic),
+    #                                its rows padded (policies.static.group_step: decodes attend over the
+    #                                padded length, which the fast path follows):
     #                                while any request runs, schedule() steps the running group, whatever waits
     max_prompt_tokens: int | None  # longer prompts are refused at arrival (None: only the context limits)
     refuses_by_prompt: bool        # True: refused at arrival for the pool (kv_pool) only if the prompt's blocks

@@ -1,7 +1,8 @@
 """Static batching: a batch of ``batch_size`` requests runs to completion.
 
 Nothing joins until the whole batch is done; prompts are padded to the
-longest one; a finished request keeps its slot (a wasted decode per step) and
+longest one, and every decode attends over that padded length (a padded
+batch tensor); a finished request keeps its slot (a wasted decode per step) and
 its result returns only when the longest request finishes. Memory is reserved
 per request at admission. A batch launches when ``batch_size`` requests wait,
 or with whatever waits once no more requests will arrive.
@@ -10,7 +11,7 @@ or with whatever waits once no more requests will arrive.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from policies.base import RESERVE_DOC, PolicyContext, admit_reserved, batch_or_idle, config_knobs, knob
 from sim.batch import Batch, BatchItem, Idle
@@ -29,14 +30,25 @@ class StaticConfig:
     reserve: str = knob("max_tokens", RESERVE_DOC)
 
 
+def padded_length(group: Sequence[Request]) -> int:
+    """The KV length every row of a padded group attends over in its next decode: the longest
+    prompt plus the tokens decoded since (one per step; the live rows have sampled them all)."""
+    return max(r.num_prompt_tokens for r in group) + max(r.num_output_tokens for r in group) - 1
+
+
 def group_step(state: SchedulerState) -> Batch:
     """One decode iteration of a running static group: live slots decode a
-    token, finished slots burn one padded token each."""
+    token, finished slots burn one padded token each. Every row attends over
+    the padded length (``padded_length``), as a padded batch tensor does: the
+    step's decode context is rows x that, not the rows' own contexts."""
     new_item = tuple.__new__          # BatchItem(...) without the NamedTuple call overhead
     finished = Status.FINISHED
-    return Batch(tuple(new_item(BatchItem, (r.req_id, 0, r.num_computed_tokens, 1)) if r.status >= finished
-                       else new_item(BatchItem, (r.req_id, 1, r.num_computed_tokens, 0))
-                       for r in state.running))
+    running = state.running
+    batch = Batch(tuple(new_item(BatchItem, (r.req_id, 0, r.num_computed_tokens, 1)) if r.status >= finished
+                        else new_item(BatchItem, (r.req_id, 1, r.num_computed_tokens, 0))
+                        for r in running))
+    batch.decode_context = len(running) * padded_length(running)
+    return batch
 
 
 def launch_group(state: SchedulerState, now_s: float, reserve: str, max_size: int) -> Batch | Idle:

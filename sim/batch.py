@@ -49,7 +49,7 @@ class Batch:
     num_decode_tokens: int           # real decodes
     num_pad_tokens: int
     decode_seqs: int                 # one-token items, padded ones included
-    decode_context: int              # sum of their context_len
+    decode_context: int              # sum of their context_len (a padded static group: rows x padded length)
     prefill_chunks: tuple[tuple[int, int], ...]  # (tokens incl. pad, context_len) per chunk
 
     def __init__(self, items: tuple[BatchItem, ...]) -> None:

@@ -64,6 +64,7 @@ from __future__ import annotations
 from array import array
 from typing import TYPE_CHECKING, Generator, NamedTuple
 
+from policies.static import padded_length
 from sim.batch import Batch
 from sim.request import Request, Status
 
@@ -211,6 +212,12 @@ def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float,
             ids.append(r.req_id)
     max_steps = to_last
     decode_seqs = num_seqs
+    growth = len(live)
+    if holds:
+        # A padded group (static, dynamic: policies.static.group_step): every row attends over
+        # the padded length, which grows by one a step for all of them, finished rows too.
+        context = num_seqs * padded_length(running)
+        growth = num_seqs
     chunks: list[int] = []                 # case (c): each step's prefill chunk
     completes = False                      # ... the last of which completes the prompt
     pre_s = None
@@ -244,7 +251,7 @@ def _stretch(server: Server, batch: Batch, preempted: bool, now_s: float,
     if max_steps < MIN_STEPS:
         return now_s, False, None
     num_live = len(live)
-    durations, ends, crossing_s, out_of_range = profile.decode_stretch_s(decode_seqs, context, num_live, now_s,
+    durations, ends, crossing_s, out_of_range = profile.decode_stretch_s(decode_seqs, context, growth, now_s,
                                                                          horizon_s, max_steps, pre_s)
     num_priced = len(ends) + (crossing_s is not None)
     num_steps, allocations = _block_growth(kv, near, num_priced)
