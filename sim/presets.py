@@ -38,6 +38,9 @@ class GpuSpec:
     name: str
     memory_bytes: int
     peak_flops_bf16: float
+    # Plain FP32 (CUDA cores, no TF32): what fp32 serving runs at, since vLLM keeps PyTorch's
+    # float32 matmul precision "highest" (VLLM_FLOAT32_MATMUL_PRECISION), which turns TF32 off.
+    peak_flops_fp32: float
     mem_bandwidth_bytes_s: float
     interconnect_bytes_s: float
     interconnect_latency_s: float
@@ -49,6 +52,7 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         name="a100-40gb",
         memory_bytes=40960 * MIB,               # nvidia-smi: 40960 MiB (A100 SXM4 40GB)
         peak_flops_bf16=312 * TERA,             # A100 datasheet: BF16 tensor core 312 TFLOPS dense
+        peak_flops_fp32=19.5 * TERA,            # A100 datasheet: FP32 19.5 TFLOPS
         mem_bandwidth_bytes_s=1555 * GIGA,      # A100 datasheet: 40GB HBM2 1,555 GB/s
         interconnect_bytes_s=300 * GIGA,        # NVLink 3: 600 GB/s total = 300 GB/s per direction
         interconnect_latency_s=10e-6,           # small-message NVLink all-reduce, ~10 us
@@ -57,6 +61,7 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         name="a100-80gb",
         memory_bytes=81920 * MIB,               # nvidia-smi: 81920 MiB (A100 SXM4 80GB)
         peak_flops_bf16=312 * TERA,             # A100 datasheet: BF16 tensor core 312 TFLOPS dense
+        peak_flops_fp32=19.5 * TERA,            # A100 datasheet: FP32 19.5 TFLOPS
         mem_bandwidth_bytes_s=2039 * GIGA,      # A100 datasheet: 80GB HBM2e SXM 2,039 GB/s
         interconnect_bytes_s=300 * GIGA,        # NVLink 3: 600 GB/s total = 300 GB/s per direction
         interconnect_latency_s=10e-6,           # small-message NVLink all-reduce, ~10 us
@@ -65,6 +70,7 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         name="h100-sxm",
         memory_bytes=81559 * MIB,               # nvidia-smi: 81559 MiB ("80GB HBM3")
         peak_flops_bf16=989 * TERA,             # H100 SXM datasheet: BF16 1,979 TFLOPS with sparsity / 2
+        peak_flops_fp32=67 * TERA,              # H100 SXM datasheet: FP32 67 TFLOPS
         mem_bandwidth_bytes_s=3350 * GIGA,      # H100 SXM datasheet: 3.35 TB/s
         interconnect_bytes_s=450 * GIGA,        # NVLink 4: 900 GB/s total = 450 GB/s per direction
         # vLLM's custom all-reduce on H100, TP 2-8, <= 32 KiB: 8.5-11.8 us (sgl-project/sglang#2904)
@@ -74,6 +80,7 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         name="h200",
         memory_bytes=143771 * MIB,              # nvidia-smi: 143771 MiB (datasheet says "141 GB")
         peak_flops_bf16=989 * TERA,             # H200 SXM datasheet: BF16 1,979 TFLOPS with sparsity / 2
+        peak_flops_fp32=67 * TERA,              # H200 SXM datasheet: FP32 67 TFLOPS
         mem_bandwidth_bytes_s=4800 * GIGA,      # H200 datasheet: 4.8 TB/s
         interconnect_bytes_s=450 * GIGA,        # NVLink 4: 900 GB/s total = 450 GB/s per direction
         interconnect_latency_s=10e-6,           # small-message NVLink all-reduce, ~10 us
@@ -82,6 +89,7 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         name="l40s",
         memory_bytes=46068 * MIB,               # nvidia-smi: 46068 MiB (48 GB GDDR6, ECC on)
         peak_flops_bf16=362 * TERA,             # L40S datasheet: BF16 733 TFLOPS with sparsity / 2 (362.05)
+        peak_flops_fp32=91.6 * TERA,            # L40S datasheet: FP32 91.6 TFLOPS
         mem_bandwidth_bytes_s=864 * GIGA,       # L40S datasheet: 864 GB/s
         interconnect_bytes_s=32 * GIGA,         # no NVLink: PCIe Gen4 x16, ~32 GB/s per direction
         # vLLM's custom all-reduce needs NVLink; NCCL's small-message all-reduce over PCIe, ~25 us
@@ -120,6 +128,10 @@ _HF_FIELDS: dict[str, tuple[str, ...]] = {
     "max_position_embeddings": ("max_position_embeddings",),
 }
 _GATED_ACTS = {"silu", "swish", "swiglu"}
+# transformers' ACT2FN names of the plain (two-matrix) MLPs' activations
+_PLAIN_ACTS = {"gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python", "gelu_accurate", "gelu_10",
+               "quick_gelu", "relu", "relu2", "relu6", "leaky_relu", "tanh", "sigmoid", "mish", "linear",
+               "laplace", "prelu", "elu", "selu"}
 
 
 def _positive_int(cfg: Mapping[str, Any], key: str, name: str) -> int:
@@ -140,6 +152,10 @@ def _mlp_kind(cfg: Mapping[str, Any], name: str) -> str:
     if not isinstance(act, str):
         raise ValueError(f"model '{name}': field 'hidden_act' must be the activation's name (silu, gelu, ...), "
                          f"got {act!r}")
+    if act.lower() not in _GATED_ACTS | _PLAIN_ACTS:
+        raise ValueError(f"model '{name}': field 'hidden_act' is {act!r}, an activation batchsim does not know; "
+                         f"expected one of {', '.join(sorted(_GATED_ACTS | _PLAIN_ACTS))} (or give mlp: swiglu | "
+                         f"gelu)")
     return "swiglu" if act.lower() in _GATED_ACTS else "gelu"
 
 

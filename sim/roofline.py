@@ -167,8 +167,9 @@ class Roofline:
         h, n_layers, inter = model.hidden_size, model.num_layers, model.intermediate_size
         kv_dim = model.num_kv_heads * model.head_dim
         n_mlp_mats = 3 if model.mlp == "swiglu" else 2
-        # fp32 runs on TF32 tensor cores, which peak at half the BF16 rate on A100/H100/L40S.
-        peak_flops = gpu.peak_flops_bf16 * (0.5 if dtype == "fp32" else 1.0)
+        # fp32 runs at the plain FP32 rate: vLLM leaves PyTorch's float32 matmul precision at
+        # "highest" (no TF32 tensor cores), 1/16 (A100) to 1/4 (L40S) of the BF16 rate.
+        peak_flops = gpu.peak_flops_fp32 if dtype == "fp32" else gpu.peak_flops_bf16
         self._s_per_matmul_flop = 1.0 / (peak_flops * eff.matmul_flops)
         self._s_per_weight_byte = 1.0 / (gpu.mem_bandwidth_bytes_s * eff.mem_bw)
         self._s_per_attn_flop = 1.0 / (peak_flops * eff.attn_flops)

@@ -187,6 +187,21 @@ def test_fp32_is_slower_than_bf16() -> None:
         assert fp32.step_time_s(batch) > 1.8 * bf16.step_time_s(batch) - bf16.overhead_s
 
 
+def test_fp32_matmuls_run_at_the_plain_fp32_peak() -> None:
+    # vLLM keeps float32 matmuls at "highest" precision (no TF32), so a compute-bound fp32 prefill
+    # runs at the FP32 peak. Llama-3.1-8B, 4096 tokens, peak efficiency: layer matmul FLOPs
+    # 2 x 4096 x 32 x (2 x 4096^2 + 2 x 4096 x 1024 + 3 x 4096 x 14336) plus the LM head's
+    # 2 x 256 x 4096 x 128256 (min(T, 256) rows); on A100 19.5 TFLOPS (fp32) vs 312 (bf16): 16x;
+    # on L40S 91.6 vs 362: 3.95x (TF32 would have been 2x on both).
+    h, layers, inter, vocab = 4096, 32, 14336, 128256
+    flops = 2 * 4096 * layers * (2 * h * h + 2 * h * 1024 + 3 * h * inter) + 2 * 256 * h * vocab
+    for gpu, fp32_peak in (("a100-80gb", 19.5e12), ("l40s", 91.6e12)):
+        fp32 = Roofline(MODEL_PRESETS["llama-3.1-8b"], GPU_PRESETS[gpu], 1, "fp32", Efficiency.peak())
+        bf16 = Roofline(MODEL_PRESETS["llama-3.1-8b"], GPU_PRESETS[gpu], 1, "bf16", Efficiency.peak())
+        assert fp32.linear_s(4096) == pytest.approx(flops / fp32_peak, rel=1e-9)
+        assert bf16.linear_s(4096) == pytest.approx(flops / GPU_PRESETS[gpu].peak_flops_bf16, rel=1e-9)
+
+
 def test_interpolation_matches_the_formula_off_grid() -> None:
     rng = random.Random(7)
     for model, gpu, tp in [("llama-3.1-8b", "h100-sxm", 1), ("llama-2-7b", "a100-40gb", 1),
