@@ -209,6 +209,11 @@ def _check_arrivals(a: ArrivalsConfig, src: str) -> None:
                           f"got {a.time_unit!r}")
     _check_columns(a.columns, "arrivals.columns", ("arrival", "prompt", "output", "max_tokens"), src)
     _warn_unused("arrivals", a, ARRIVAL_FIELD_KINDS, src)
+    if a.kind == "trace" and a.rate is not None:
+        scaled = [name for name in ("time_scale", "rate_scale") if getattr(a, name) != 1.0]
+        if scaled:
+            warnings.warn(f"{src}: arrivals.{' and arrivals.'.join(scaled)} ignored: arrivals.rate rescales the "
+                          f"replayed trace to its own mean rate (keep one of them)", stacklevel=4)
 
 
 # Which kinds read a field (the others ignore it): a field set to other than its default

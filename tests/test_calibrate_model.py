@@ -94,6 +94,8 @@ def test_torch_model_refuses_an_odd_head_dim() -> None:
         ({"rope_theta": 0}, "rope_theta"),
         ({"rope_parameters": [1]}, "field 'rope_parameters' must be a mapping"),
         ({"hidden_act": ["silu"]}, "field 'hidden_act' must be the activation's name"),
+        # a typo became a two-matrix GELU MLP in silence (a SwiGLU model's MLP costs 3/2 of that)
+        ({"hidden_act": "slu"}, "field 'hidden_act' is 'slu', an activation batchsim does not know"),
     ],
 )
 def test_hf_import_rejects_bad_fields_by_name(change: dict[str, object], field: str) -> None:

@@ -380,3 +380,15 @@ def test_an_unreadable_input_is_not_blamed_on_the_output_folder(tmp_path, capsys
     assert problem == "permission denied: cannot read it; check its permissions"
     folder = sim.cli._os_problem(PermissionError(errno.EACCES, "Permission denied", str(tmp_path)))
     assert folder == "permission denied; choose a folder you can write"
+
+
+def test_a_validation_kept_out_of_a_full_folder_says_where_it_went(tmp_path, capsys):
+    # --out X holding files: the report goes to X-2, and says so (a script reading X/report.json
+    # would otherwise read the old one)
+    from calibrate.serving.validate_server import output_dir
+    (tmp_path / "v").mkdir()
+    (tmp_path / "v" / "report.json").write_text("{}")
+    assert output_dir(str(tmp_path / "v"), "w", None) == tmp_path / "v-2"
+    assert f"note: {tmp_path / 'v'}/ already holds files, so this report goes to {tmp_path / 'v-2'}/" in \
+        capsys.readouterr().err
+    assert output_dir(str(tmp_path / "fresh"), "w", None) == tmp_path / "fresh" and not capsys.readouterr().err

@@ -253,6 +253,10 @@ def test_plan_report_opens_in_headless_chromium(tmp_path: Path) -> None:
     ({"router": "random"}, "field 'router' must be one of"),
     ({"base": "missing.yaml"}, "field 'base' names 'missing.yaml', which does not exist"),
     ({"set": {"arrivals.max_concurrency": 8}}, "field 'base' caps concurrency"),
+    ({"policies": []}, "field 'policies' must be a non-empty list of policies, got \\[\\]"),
+    ({"candidates": [{"profile": {"gpu": "h100-sxm"}, "price_per_gpu_hour": 2, "policies": []}]},
+     "field 'candidates\\[0\\].policies' must be a non-empty list"),
+    ({"name": ["a", "b"]}, "field 'name' must be a text, got \\['a', 'b'\\]"),
     # found before any search, not as every candidate's failure after them
     ({"target_rate": 1e9}, "field 'target_rate' must be in \\[1e-06, 1e\\+06\\] requests per second, got 1e\\+09"),
     ({"search": {"max_rate": 1e9}}, "field 'search.max_rate' must be in \\[1e-06, 1e\\+06\\]"),

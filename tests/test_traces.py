@@ -226,6 +226,42 @@ def test_json_errors_name_the_line(tmp_path):
         load_trace(p, need_arrivals=True)
 
 
+@pytest.mark.parametrize("name, text, columns, expect", [
+    # JSON true/false are no numbers (pandas read true as 1 token and as a timestamp)
+    ("b.jsonl", '{"timestamp": 0, "input_length": true, "output_length": 2}\n', None,
+     r"column 'input_length' line 1: expected a non-negative integer token count, got true"),
+    ("c.jsonl", '{"timestamp": 5, "input_length": 3, "output_length": 2}\n'
+                '{"timestamp": false, "input_length": 3, "output_length": 2}\n', None,
+     r"column 'timestamp' line 2: expected a timestamp, got false"),
+    # a column named twice: pandas took the first (or, differing in case, the last) in silence
+    ("d.csv", "arrival_time_s,prompt_tokens,output_tokens,prompt_tokens\n0,10,5,11\n", None,
+     r"the header names one column twice: 'prompt_tokens'"),
+    ("e.csv", "arrival_time_s,Prompt_Tokens,output_tokens,prompt_tokens\n0,10,5,11\n", None,
+     r"the header names one column twice: 'Prompt_Tokens' and 'prompt_tokens'"),
+    ("f.jsonl", '{"t": 0, "Prompt_Tokens": 3, "prompt_tokens": 4, "output_tokens": 2}\n', None,
+     r"names one column twice: 'Prompt_Tokens' and 'prompt_tokens'"),
+    # one column for two roles
+    ("g.csv", "t,in,out\n0,5,6\n", {"arrival": "t", "prompt": "in", "output": "in"},
+     r"column 'in' would serve as both prompt and output"),
+])
+def test_ambiguous_trace_columns_and_json_booleans_are_refused(tmp_path, name, text, columns, expect):
+    p = tmp_path / name
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=expect):
+        load_trace(p, need_arrivals=True, columns=columns)
+
+
+def test_a_trace_rate_with_a_scale_says_the_scale_is_ignored(tmp_path):
+    # arrivals.rate rescales the replayed trace to its own mean rate: a rate_scale beside it changed
+    # nothing in silence
+    p = tmp_path / "t.csv"
+    p.write_text("arrival_time_s,prompt_tokens,output_tokens\n0,5,6\n2,7,8\n")
+    with pytest.warns(UserWarning, match="arrivals.rate_scale ignored: arrivals.rate rescales the replayed trace"):
+        cfg = workload_from_dict({"name": "r", "arrivals": {"kind": "trace", "path": str(p), "rate": 1.0,
+                                                             "rate_scale": 2.0}})
+    assert generate(cfg).arrival_s.tolist() == [0.0, 1.0]         # (2 - 1) / 1 req/s: the rate's, not 2x
+
+
 def test_column_mappings_are_checked_and_length_files_take_them(tmp_path):
     p = tmp_path / "t.csv"
     p.write_text("t,in,out\n0,5,6\n2,7,8\n")

@@ -96,8 +96,22 @@ def _read_json(path: Path, text: str) -> pd.DataFrame:
         raise ConfigError(f"{path}: expected JSON objects, one per request (JSON lines, or an array of "
                           f"objects), with an arrival time and token counts")
     df = pd.DataFrame(rows)
+    _unique_names(path, [str(c) for c in df.columns])
     df.attrs["where"] = where
     return df
+
+
+def _unique_names(path: Path, names: list[str]) -> None:
+    """Refuse a header that names a column twice (columns are matched case-insensitively:
+    'Prompt_Tokens' beside 'prompt_tokens' is the same name): which one is meant is a guess."""
+    seen: dict[str, str] = {}
+    for name in names:
+        key = name.strip().lower()
+        if key and key in seen:
+            same = f"'{name}'" if seen[key] == name else f"'{seen[key]}' and '{name}'"
+            raise ConfigError(f"{path}: the header names one column twice: {same} (names are matched "
+                              f"case-insensitively); rename or drop one")
+        seen[key] = name
 
 
 def _separator(header: str) -> str:
@@ -119,7 +133,9 @@ def _read_table(path: Path) -> pd.DataFrame:
         opener = gzip.open if path.name.lower().endswith(".gz") else open
         with opener(path, "rt", encoding="utf-8-sig") as f:
             header = f.readline()
-        return pd.read_csv(path, sep=_separator(header), skipinitialspace=True, encoding="utf-8-sig")
+        sep = _separator(header)
+        _unique_names(path, [name.strip().strip('"') for name in header.rstrip("\r\n").split(sep)])
+        return pd.read_csv(path, sep=sep, skipinitialspace=True, encoding="utf-8-sig")
     except (json.JSONDecodeError, pd.errors.ParserError, UnicodeDecodeError, gzip.BadGzipFile, EOFError,
             zlib.error) as exc:
         what = "JSON lines or a JSON array" if kind == "json" else "CSV"
@@ -152,7 +168,23 @@ def _find(df: pd.DataFrame, role: str, given: dict[str, str] | None, path: Path,
 MAX_TOKENS = 2**31 - 1
 
 
+def _no_booleans(df: pd.DataFrame, col: str, path: Path, what: str) -> None:
+    """JSON true/false are not numbers (pandas would read them as 1 and 0)."""
+    values = df[col]
+    if values.dtype == bool:
+        flags = np.ones(len(values), dtype=bool)
+    elif values.dtype == object:           # mixed JSON values (a numeric column has none)
+        flags = values.map(lambda v: isinstance(v, (bool, np.bool_))).to_numpy(dtype=bool)
+    else:
+        return
+    if flags.any():
+        row = int(np.flatnonzero(flags)[0])
+        raise ConfigError(f"{path}: column '{col}' {_where(df, row)}: expected {what}, got "
+                          f"{str(df[col].iloc[row]).lower()}")
+
+
 def _tokens(df: pd.DataFrame, col: str, path: Path) -> np.ndarray:
+    _no_booleans(df, col, path, "a non-negative integer token count")
     values = pd.to_numeric(df[col], errors="coerce")
     # > 2^31 tokens is no request any model serves (and would overflow int64 casts of floats).
     bad = values.isna() | (values < 0) | (values > MAX_TOKENS) | (values != np.floor(values.fillna(0)))
@@ -214,6 +246,7 @@ def _datetimes_s(raw: pd.Series, col: str, path: Path, df: pd.DataFrame) -> np.n
 
 
 def _times(df: pd.DataFrame, col: str, unit: str | None, path: Path, relative_ms: bool = False) -> np.ndarray:
+    _no_booleans(df, col, path, "a timestamp")
     raw = df[col]
     numeric = pd.to_numeric(raw, errors="coerce")
     if unit == "datetime" and numeric.notna().all():
@@ -243,6 +276,13 @@ def load_trace(path: Path, *, need_arrivals: bool, columns: dict[str, str] | Non
     prompt_col = _find(df, "prompt", columns, path, columns_field)
     output_col = _find(df, "output", columns, path, columns_field)
     arrival_col = _find(df, "arrival", columns, path, columns_field)
+    found = [(r, c) for r, c in (("arrival", arrival_col if need_arrivals else None), ("prompt", prompt_col),
+                                 ("output", output_col)) if c is not None]
+    for k, (role, col) in enumerate(found):
+        for other, same in found[k + 1:]:
+            if same == col:
+                raise ConfigError(f"{path}: column '{col}' would serve as both {role} and {other} "
+                                  f"({columns_field}); each role needs its own column")
     missing = [r for r, c in (("prompt", prompt_col), ("output", output_col)) if c is None]
     if need_arrivals and arrival_col is None:
         missing.insert(0, "arrival")

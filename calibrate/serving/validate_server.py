@@ -197,9 +197,10 @@ def measure_server(cfg: WorkloadConfig, url: str, info: Any, vocab_size: int, ma
 
 
 # ---- the command ---------------------------------------------------------------------------------
-def output_dir(out: str | None, name: str, label: str | None) -> Path:
+def output_dir(out: str | None, name: str, label: str | None, *, say: bool = True) -> Path:
     """``out`` (default runs/validate-NAME-LABEL, without a second "validate-" when
-    NAME starts with it); an existing non-empty folder gets a -2, -3, ... suffix."""
+    NAME starts with it); an existing non-empty folder gets a -2, -3, ... suffix, said on
+    stderr (``say``) so that a script reading the folder it named is not handed an old report."""
     stem = name if name.startswith("validate") else f"validate-{name}"
     if label:
         stem += "-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
@@ -211,6 +212,9 @@ def output_dir(out: str | None, name: str, label: str | None) -> Path:
     while path.exists() and (not path.is_dir() or any(path.iterdir())):
         k += 1
         path = base.with_name(f"{base.name}-{k}")
+    if say and path != base:
+        print(f"note: {base}/ already holds files, so this report goes to {path}/ (--out DIR to choose)",
+              file=sys.stderr)
     return path
 
 
@@ -314,7 +318,7 @@ def main(args: argparse.Namespace) -> int:
     ``--check``, exit status 1 when a target is missed."""
     cfg = load_workload(args.workload, dict(parse_override(t) for t in (getattr(args, "set", None) or [])))
     if args.out:
-        output_dir(args.out, cfg.name, None)      # a file at --out is refused before the work
+        output_dir(args.out, cfg.name, None, say=False)      # a file at --out is refused before the work
     v = validate_server(cfg, profile=args.profile, server=getattr(args, "server", None),
                         measured=getattr(args, "measured", None),
                         targets=rv.parse_targets(getattr(args, "targets", None)),

@@ -42,8 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from reports.experiments.capacity import SearchSettings
-from reports.experiments.spec import (apply_set, check_keys, check_runnable, fail, free_folder, holds_other, load_base,
-                          out_dir, positive_int, split_overrides, validate_run_settings, within)
+from reports.experiments.spec import (apply_set, check_keys, check_runnable, fail, file_name, free_folder,
+                                      holds_other, load_base, out_dir, positive_int, split_overrides,
+                                      validate_run_settings, within)
 from sim.config import ConfigError, Slo, load_yaml_mapping, set_dotted, workload_from_dict
 from sim.config import MAX_RATE, MIN_RATE
 from sim.io import folder_kind, refuse_foreign
@@ -170,6 +171,12 @@ def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Pa
     if not isinstance(items, list) or not items:
         raise fail(source, "candidates", f"must be a non-empty list, got {items!r}",
                    "candidates: [{profile: {gpu: h100-sxm}, price_per_gpu_hour: 3.0}]")
+    for where, given in (("policies", data.get("policies")),
+                         *((f"candidates[{i}].policies", c.get("policies")) for i, c in enumerate(items)
+                           if isinstance(c, dict))):
+        if given is not None and (not isinstance(given, list) or not given):
+            raise fail(source, where, f"must be a non-empty list of policies, got {given!r}",
+                       f"{where.split('.')[-1]}: [vllm, sarathi] (or leave it out for the base's policy)")
     default_policies = data.get("policies") or [base_raw.get("policy") or "vllm"]
     workload_slo = {k: v for k, v in (("ttft_ms", slo.ttft_ms), ("tpot_ms", slo.tpot_ms)) if v is not None}
     out: list[Candidate] = []
@@ -290,7 +297,7 @@ def parse_plan(path: str | Path, out: Path | None = None, overrides: dict[str, A
     base_raw = set_dotted({k: v for k, v in base_raw.items() if k != "duration_s"}, "num_requests", search.num_requests)
     folder, default = out_dir(source, data, out)
     spec = PlanSpec(
-        source=source, name=str(data.get("name") or source.stem), base_path=base_path,
+        source=source, name=file_name(source, data), base_path=base_path,
         target_rate=_number(source, "target_rate", data["target_rate"]), slo=slo, router=router, search=search,
         verify=_section(source, "verify", data.get("verify"), Verify),
         target_utilization=_target_utilization(source, data.get("target_utilization", DEFAULT_TARGET_UTILIZATION)),

@@ -139,6 +139,14 @@ def split_overrides(source: Path, overrides: dict[str, Any] | None, file_keys: t
     return own, {k: v for k, v in (overrides or {}).items() if k not in own}
 
 
+def file_name(source: Path, data: dict[str, Any]) -> str:
+    """A sweep's or plan's ``name`` (default: the file's stem): a string, as it titles reports."""
+    name = data.get("name")
+    if name is not None and not (isinstance(name, str) and name.strip()):
+        raise fail(source, "name", f"must be a text, got {name!r}", f"name: {source.stem}")
+    return name or source.stem
+
+
 def within(key: str, other: str) -> bool:
     """Whether dotted ``key`` is ``other`` or a field inside it (so that setting ``other`` replaces it)."""
     return key == other or key.startswith(other + ".")
@@ -253,7 +261,7 @@ def parse_sweep(path: str | Path, out: Path | None = None, overrides: dict[str, 
         raise fail(source, "save_runs", f"must be true or false, got {save_runs!r}", "save_runs: true")
     folder, default = out_dir(source, data, out)
     spec = SweepSpec(
-        source=source, name=str(data.get("name") or source.stem), base_path=base_path, base_raw=base_raw,
+        source=source, name=file_name(source, data), base_path=base_path, base_raw=base_raw,
         vary={str(k): list(v) for k, v in vary.items()},
         repetitions=positive_int(source, "repetitions", data.get("repetitions", 1)),
         num_replicas=positive_int(source, "num_replicas", data.get("num_replicas", 1)),
