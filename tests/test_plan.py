@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import math
@@ -410,3 +411,21 @@ def test_a_max_rate_above_ten_thousand_still_probes_within_the_rate_limit(tmp_pa
     out = plan_candidate(CandidateTask(spec.candidates[0], str(spec.base_path), str(spec.base_path.parent), 1.0,
                                        spec.slo, spec.router, spec.search, verify, str(tmp_path / "runs"), 0.8))
     assert out["saturation_rps"] > 0 and len(out["trials"]) == 2       # max_runs 3, the probe included
+
+
+def test_a_search_cut_by_max_runs_says_which_way_it_was_going() -> None:
+    # Doubling from 1 req/s while every run passes: 1, 2, 4 -> a lower bound, not "fails at inf".
+    s = SearchSettings(max_runs=3, min_rate=0.01, max_rate=1000.0)
+    cap, trials, note = find_capacity(lambda r: {"passed": True}, s, 1.0)
+    assert (cap, len(trials)) == (4.0, 3)
+    assert note == "stopped after 3 runs (max_runs) still passing: capacity is at least 4 req/s (raise search.max_runs)"
+    # Halving from 1 while every run fails: 1, 0.5 -> min_rate 0.01 never tried; not "no rate met the SLOs".
+    cap, trials, note = find_capacity(lambda r: {"passed": False}, dataclasses.replace(s, max_runs=2), 1.0)
+    assert cap == 0.0 and "still failing, down to 0.5 req/s; search.min_rate 0.01 was not reached" in note
+
+
+def test_an_attainment_just_below_the_target_is_not_rounded_up_to_it() -> None:
+    from reports.experiments.capacity import _below
+    # 395.9 of 400 = 98.975%: "99.0% < 99%" read as a contradiction; rounded down it shows the miss
+    assert _below(0.98975, 0.99) == "98.9" and _below(0.95, 0.99) == "95.0"
+    assert _below(0.989999, 0.99) == "98.9" and _below(0.9899999, 0.99) == "98.9"

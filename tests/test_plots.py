@@ -69,6 +69,15 @@ def test_plan_figures(tmp_path: Path) -> None:
     reps = pd.DataFrame({"replica": [0, 1], "completed": [10, 11], "output_throughput": [5.0, 6.0],
                          "p99_ttft_ms": [1.0, 2.0]})
     plots.save_figure(plots.replica_balance(reps, title="x"), tmp_path / "reps")
+    # every request refused at every rate tried: no latency to plot; the figure still saves (its
+    # log x axis once took its limits from the SLO line alone, [-0.055, 0.055], and failed)
+    refused = pd.DataFrame({"candidate": ["a"], "rate_rps": [0.05], "passed": [False],
+                            "p99_ttft_ms": [np.nan], "p99_itl_ms": [np.nan]})
+    fig = plots.search_curves(refused, slo_ttft_ms=2000, slo_itl_ms=100)
+    notes = [t.get_text() for ax in fig.axes[:2] for t in ax.texts]
+    assert notes == ["nothing measured: no request completed\nat any rate tried (all refused?)"] * 2
+    assert all(ax.get_xlim()[0] > 0 for ax in fig.axes[:2])
+    plots.save_figure(fig, tmp_path / "refused")
 
 
 def test_itl_gaps_are_per_request() -> None:

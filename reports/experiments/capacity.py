@@ -54,6 +54,17 @@ def _fraction_within(values_s: np.ndarray, limit_ms: float, num_total: int) -> f
     return ok / num_total
 
 
+def _below(value: float, target: float) -> str:
+    """``value`` in percent, with the digits it takes to show it below ``target`` (0.98975 against
+    0.99 is 98.97, not a rounded 99.0)."""
+    for digits in range(1, 7):
+        # rounded down (never up to the target), after float noise is rounded away (0.95 -> 95.0)
+        text = f"{math.floor(round(100 * value * 10**digits, 6)) / 10**digits:.{digits}f}"
+        if float(text) < 100 * target:
+            return text
+    return f"{100 * value:.6f}"
+
+
 def judge(requests: pd.DataFrame, tokens: pd.DataFrame, slo: Slo, *,
           max_backlog_fraction: float = 0.05) -> dict[str, Any]:
     """Attainment per metric, the backlog at the last arrival, and the verdict.
@@ -80,7 +91,7 @@ def judge(requests: pd.DataFrame, tokens: pd.DataFrame, slo: Slo, *,
         value = out[f"{metric}_attainment"]
         if value is not None and value < slo.attainment:
             limit = getattr(slo, f"{metric}_ms")
-            reasons.append(f"{metric.upper()} within {limit:g} ms for {100 * value:.1f}% "
+            reasons.append(f"{metric.upper()} within {limit:g} ms for {_below(value, slo.attainment)}% "
                            f"< {100 * slo.attainment:g}%")
     last_arrival_s = float(requests["arrival_s"].max()) if n else 0.0
     # Backlog: arrived before the last arrival, served later, yet not started by then.
@@ -156,7 +167,14 @@ def find_capacity(evaluate: Evaluate, settings: SearchSettings,
             break
         rate = math.sqrt(lo * hi)
     else:
-        note = f"stopped after max_runs {settings.max_runs}: passes at {lo:.4g}, fails at {hi:.4g} req/s"
+        if hi == math.inf:
+            note = (f"stopped after {len(trials)} runs (max_runs) still passing: capacity is at least {lo:.4g} "
+                    f"req/s (raise search.max_runs)")
+        elif lo == 0.0:
+            note = (f"stopped after {len(trials)} runs (max_runs) still failing, down to {hi:.4g} req/s; "
+                    f"search.min_rate {settings.min_rate:g} was not reached (raise search.max_runs)")
+        else:
+            note = f"stopped after {len(trials)} runs (max_runs): passes at {lo:.4g}, fails at {hi:.4g} req/s"
     return lo, trials, note
 
 

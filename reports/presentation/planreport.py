@@ -100,7 +100,7 @@ def plan_warnings(results: list[dict[str, Any]], plan: dict[str, Any]) -> list[s
                        f"(extrapolated); its numbers are less certain.")
         if r.get("capacity_rps", 0) <= 0:
             out.append(f"{r['name']}: no rate met the SLOs ({r.get('search_note')}).")
-        elif "capped" in (r.get("search_note") or ""):
+        elif "capped" in (r.get("search_note") or "") or "still passing" in (r.get("search_note") or ""):
             out.append(f"{r['name']}: {r['search_note']}; capacity may be higher.")
         if r.get("replicas") and not r.get("verified"):
             out.append(f"{r['name']}: the fleet still failed with {r['replicas']} replicas "

@@ -288,7 +288,15 @@ def search_curves(evals: pd.DataFrame, *, slo_ttft_ms: float | None, slo_itl_ms:
                        s=28)                                                       # ... passes filled
         slo_line(ax, slo, name)
         ax.set_xscale("log")
-        ax.set_yscale("log")
+        rates = pd.to_numeric(evals["rate_rps"], errors="coerce")
+        if (rates > 0).any():              # from the rates tried, even where no latency was measured
+            ax.set_xlim(rates[rates > 0].min() / 1.3, rates.max() * 1.3)
+        if (pd.to_numeric(evals[metric], errors="coerce") > 0).any():
+            ax.set_yscale("log")
+        else:                              # every request refused (or no token gap): nothing measured
+            ax.text(0.5, 0.75, "nothing measured: no request completed\nat any rate tried (all refused?)",
+                    transform=ax.transAxes, ha="center", va="center", color="0.3",
+                    bbox={"facecolor": "white", "edgecolor": "0.7", "boxstyle": "round"})
         ax.set_xlabel("offered rate, one replica (req/s)")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
