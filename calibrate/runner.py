@@ -270,6 +270,11 @@ def calibrate(model: str | Mapping[str, Any] | ModelShape, device: str = "cpu", 
     return result
 
 
+# A self-check this far off means the fit did not hold (too few shapes, or a machine too noisy to
+# time): said loudly (the profile is still written, with its errors in fit_error).
+UNTRUSTED_MAPE_PCT = 25.0
+
+
 def default_out_path(model: str, device_name: str, dtype: str) -> Path:
     """calibrate/profiles/<device>/<model>/<dtype>.yaml (Vidur's layout, explicit)."""
     tag = "".join(ch if ch.isalnum() else "-" for ch in device_name.lower()).strip("-")
@@ -289,7 +294,12 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"sim calibrate: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {out} and {out.with_suffix('.csv')} "
-          f"(holdout MAPE {result.profile.fit_error['holdout_mape_pct']:.1f}%)")
+    fe = result.profile.fit_error
+    print(f"wrote {out} and {out.with_suffix('.csv')} (holdout MAPE {fe['holdout_mape_pct']:.1f}%)")
+    if fe["holdout_mape_pct"] > UNTRUSTED_MAPE_PCT:
+        print(f"warning: the profile misses its own held-out batches by {fe['holdout_mape_pct']:.0f}% on average "
+              f"(p90 {fe['holdout_p90_abs_pct']:.0f}%, {fe['holdout_num_points']} batches; fitted on "
+              f"{fe['fit_num_points']}): do not trust its predictions; calibrate again with a longer --budget-s on "
+              f"a quieter machine", file=sys.stderr)
     return 0
 

@@ -123,3 +123,28 @@ def test_cli_dtype_choices_are_the_runners_dtypes() -> None:
     from calibrate.runner import DTYPES
     from sim.cli import DTYPE_CHOICES
     assert set(DTYPE_CHOICES) == set(DTYPES)
+
+
+def test_a_profile_that_fails_its_self_check_is_flagged(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A 5 s budget on a busy machine fitted 1 shape and missed its held-out batches by 100%: the
+    # profile was written with exit 0 and no word. It is still written (its errors are in it), loudly.
+    import calibrate.runner as runner
+    from sim.cli import main as cli_main
+
+    class Fake:
+        metadata = {"device": "cpu", "device_name": "cpu", "dtype": "float32"}
+
+        def __init__(self, mape: float) -> None:
+            self.profile = type("P", (), {"fit_error": {"holdout_mape_pct": mape, "holdout_p90_abs_pct": 2 * mape,
+                                                         "holdout_num_points": 40, "fit_num_points": 1}})()
+
+        def save(self, out: Path) -> None:
+            Path(out).write_text("saved")
+
+    for mape, warned in ((100.0, True), (3.0, False)):
+        monkeypatch.setattr(runner, "calibrate", lambda *a, mape=mape, **k: Fake(mape))
+        assert cli_main(["calibrate", "--model", "tiny-llama", "--out", str(tmp_path / "p.yaml")]) == 0
+        err = capsys.readouterr().err
+        assert ("warning: the profile misses its own held-out batches by 100% on average (p90 200%, 40 batches; "
+                "fitted on 1): do not trust its predictions" in err) == warned, err

@@ -316,7 +316,10 @@ def saved_run(tmp_path_factory):
     (lambda d: (d / "requests.csv").unlink(), "this run folder has no requests.csv"),
     (lambda d: (d / "steps.csv").write_bytes(b"\x8c\xff\x00"), "steps.csv: damaged ("),
     (lambda d: (d / "tokens.npz").write_bytes(b"PK\x03"), "files are damaged or from another version"),
-    (lambda d: (d / "requests.csv").write_text("a,b\n1,2\n"), "missing field or column 'arrival_s'"),
+    (lambda d: (d / "requests.csv").write_text("a,b\n" + "1,2\n" * 20), "missing field or column 'arrival_s'"),
+    # cut short: the figures would have drawn 2 of the 20 requests beside a summary of 20
+    (lambda d: (d / "requests.csv").write_text("".join((d / "requests.csv").read_text().splitlines(True)[:3])),
+     "requests.csv: 2 rows, but summary.json counts 20 requests (the file was cut or edited)"),
 ])
 def test_report_on_a_damaged_run_folder_names_the_file(saved_run, tmp_path, capsys, damage, expect):
     import shutil
@@ -327,6 +330,23 @@ def test_report_on_a_damaged_run_folder_names_the_file(saved_run, tmp_path, caps
     err = capsys.readouterr().err
     assert expect in err and "fix: run the workload again" in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_report_on_a_damaged_sweep_table_names_the_line(tmp_path, capsys):
+    # a garbage row appended to results.csv was reported as "3 runs (of 2 in the grid)"
+    (tmp_path / "w.yaml").write_text(GOOD)
+    (tmp_path / "s.yaml").write_text("base: w.yaml\nvary: {arrivals.rate: [2, 4]}\n")
+    out = tmp_path / "s"
+    assert main(["sweep", str(tmp_path / "s.yaml"), "--out", str(out), "--quiet"]) == 0
+    table = (out / "results.csv").read_text()
+    (out / "results.csv").write_text(table + "garbage\n")
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / 'results.csv'} line 4: 1 fields, the header has" in err and "rerun the same `sim sweep`" in err
+    (out / "results.csv").write_text(table[:20])                  # cut inside the header
+    assert main(["report", str(out)]) == 2
+    assert "the header was cut short" in capsys.readouterr().err
 
 
 def test_a_profile_with_bad_engine_knobs_is_refused(tmp_path, capsys):

@@ -62,6 +62,7 @@ def _build(d: Path, kind: str, report: Callable[[Path], list[Path]], *, json_fil
                 pd.read_csv(path, nrows=1)
         except (ValueError, pd.errors.ParserError) as exc:
             raise ConfigError(f"{path}: damaged ({str(exc).splitlines()[0] or type(exc).__name__}); {fix}") from None
+    _check_rows(d, kind, fix)
     try:
         return report(d)
     except FileNotFoundError as exc:
@@ -74,6 +75,31 @@ def _build(d: Path, kind: str, report: Callable[[Path], list[Path]], *, json_fil
         what = f"missing field or column {exc}" if isinstance(exc, KeyError) else str(exc).splitlines()[0]
         raise ConfigError(f"{d}: this {kind} folder's files are damaged or from another version "
                           f"({type(exc).__name__}: {what}); {fix}") from None
+
+
+def _check_rows(d: Path, kind: str, fix: str) -> None:
+    """Rows the report would silently draw from less than: a sweep table row that is cut,
+    garbled or repeated (as ``sim sweep`` checks it on a resume), a requests table shorter than
+    the run it summarises."""
+    if kind == "sweep":
+        from reports.experiments.table import scan_table
+        scan = scan_table(d / "results.csv")
+        if not scan.header:
+            raise ConfigError(f"{d / 'results.csv'}: the header was cut short; rerun the same `sim sweep` "
+                              f"into this folder to redo the runs")
+        if scan.damaged:
+            first = scan.damaged[0]
+            raise ConfigError(f"{d / 'results.csv'} line {first.line}: {first.why} ({len(scan.damaged)} damaged "
+                              f"row(s)); rerun the same `sim sweep` into this folder: it drops them and redoes "
+                              f"those runs")
+    elif kind == "run":
+        summary = json.loads((d / "summary.json").read_text())
+        want = summary.get("completed", 0) + summary.get("failed", 0) if isinstance(summary, dict) else None
+        with (d / "requests.csv").open("rb") as f:
+            rows = sum(1 for _ in f) - 1
+        if isinstance(want, int) and rows != want:
+            raise ConfigError(f"{d / 'requests.csv'}: {rows:,} rows, but summary.json counts {want:,} requests "
+                              f"(the file was cut or edited); {fix}")
 
 
 def _prune(d: Path, written: list[Path]) -> list[Path]:
