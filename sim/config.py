@@ -254,6 +254,8 @@ def _check_columns(columns: dict[str, str] | None, name: str, roles: tuple[str, 
         if role not in roles:
             raise ConfigError(f"{src}: field '{name}.{role}' is unknown{did_you_mean(role, roles)}; "
                               f"expected some of {', '.join(roles)}")
+        if not isinstance(column, str) or not column.strip():
+            raise ConfigError(f"{src}: field '{name}.{role}' must be a column name, got {column!r}")
 
 
 def _check_lengths(ln: LengthsConfig, src: str) -> None:
@@ -447,6 +449,10 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
     if not 0 <= s.watermark < 1:
         raise ConfigError(f"{source}: field 'server.watermark' must be in [0, 1), got {s.watermark}")
     _positive(source, "profile.tensor_parallel", cfg.profile.tensor_parallel)
+    for name, value in (("arrivals.path", cfg.arrivals.path), ("lengths.path", cfg.lengths.path),
+                         ("profile.path", cfg.profile.path)):
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ConfigError(f"{source}: field '{name}' must be a file path, got {value!r}")
     raw_profile = data.get("profile") if isinstance(data.get("profile"), dict) else {}
     clash = sorted(k for k in ("model", "gpu", "tensor_parallel", "dtype", "engine") if k in raw_profile)
     if cfg.profile.path is not None and clash:
@@ -471,7 +477,11 @@ def _check_name(name: str, source: str) -> None:
 # ---- files and overrides ------------------------------------------------------
 def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
     """Read a YAML file that must hold a mapping, with one-line errors."""
+    if isinstance(path, str) and not path.strip():
+        raise ConfigError(f"expected a YAML file path, got {path!r}")
     path = Path(path)
+    if path.exists() and not path.is_dir() and not path.is_file():
+        raise ConfigError(f"{path}: is not a regular file (a device or a pipe); give a YAML file")
     if path.is_dir():
         raise ConfigError(f"{path}: is a folder; give a YAML file (e.g. {path / 'azure_conv.yaml'})")
     if not path.is_file():

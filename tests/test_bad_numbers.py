@@ -84,6 +84,8 @@ TRACE_CASES = [
     ("0,10,5\ninf,10,5\n", "column 'arrival_time_s' row 3: expected a finite number, got 'inf'"),
     ("0,10,5\nnan,10,5\n", "column 'arrival_time_s' row 3: expected a finite number"),
     ("0,nan,5\n", "column 'prompt_tokens' row 2"),
+    ("0,10\n", "column 'output_tokens' row 2: expected a non-negative integer token count up to 2147483647, "
+                "got no number (an empty, NA or NaN cell, a short row or a missing key)"),
 ]
 
 

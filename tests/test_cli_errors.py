@@ -257,6 +257,13 @@ def test_bad_paths_and_budgets_are_refused_before_the_work(tmp_path, capsys, mon
     (["plan", "W"], "not a plan file"),
     (["run", "."], ": is a folder; give a YAML file"),
     (["report", "nowhere"], "nowhere: no such folder"),
+    (["run", ""], "error: expected a YAML file path, got ''"),               # was ".: is a folder"
+    (["run", "/dev/null"], "/dev/null: is not a regular file"),             # was "file not found"
+    (["run", "W", "--set", "arrivals={kind: trace, path: ''}"], "field 'arrivals.path' must be a file path, got ''"),
+    (["run", "W", "--set", "arrivals={kind: trace, path: /dev/null}"], "/dev/null: is not a regular file"),
+    (["run", "W", "--set", "arrivals={kind: trace, path: .}"], ": is a folder, not a trace file"),
+    (["run", "W", "--set", "arrivals={kind: trace, path: t.csv, columns: {output: null}}"],
+     "field 'arrivals.columns.output' must be a column name, got None"),
 ])
 def test_the_wrong_kind_of_file_or_folder_is_named(tmp_path, capsys, monkeypatch, argv, expect):
     monkeypatch.chdir(tmp_path)

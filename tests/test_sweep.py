@@ -65,6 +65,8 @@ def test_mapping_values_replace_a_section_and_become_columns(tmp_path: Path) -> 
      "field 'vary.policy.kind' lies within vary.policy, which sets it too"),
     ({"vary": {"arrivals.rate": [1.0, 2.0]}, "repetitions": 10**8}, "field 'repetitions' asks for 200,000,000 runs"),
     ({"vary": {"arrivals.rate": [1.0]}, "name": ["a", "b"]}, "field 'name' must be a text"),
+    ({"vary": {"arrivals.rate": [1.0]}, "base": "."}, "field 'base' names '.', a folder"),
+    ({"vary": {"arrivals.rate": [1.0]}, "base": "sweep.yaml"}, "field 'base' names 'sweep.yaml', a sweep file"),
 ])
 def test_bad_sweep_files_name_the_field_and_the_fix(tmp_path: Path, sweep: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as info:

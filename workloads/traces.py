@@ -125,6 +125,11 @@ def _separator(header: str) -> str:
 
 def _read_table(path: Path) -> pd.DataFrame:
     if not path.is_file():
+        if path.is_dir():
+            raise ConfigError(f"{path}: is a folder, not a trace file (check arrivals.path / lengths.path)")
+        if path.exists():
+            raise ConfigError(f"{path}: is not a regular file (a device or a pipe); give a trace file "
+                              f"(arrivals.path / lengths.path)")
         raise ConfigError(f"{path}: trace file not found (check arrivals.path / lengths.path)")
     kind = _kind(path)
     try:
@@ -142,6 +147,13 @@ def _read_table(path: Path) -> pd.DataFrame:
         raise ConfigError(f"{path}: cannot parse as {what}: {str(exc).splitlines()[0]}") from None
     except pd.errors.EmptyDataError:
         raise ConfigError(f"{path}: the file is empty (expected a header and rows)") from None
+
+
+def _shown(value: object) -> str:
+    """A bad cell as the message shows it: an empty CSV cell or a missing JSON key is no 'nan'."""
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return "no number (an empty, NA or NaN cell, a short row or a missing key)"
+    return repr(str(value))
 
 
 def _where(df: pd.DataFrame, row: int) -> str:
@@ -191,7 +203,7 @@ def _tokens(df: pd.DataFrame, col: str, path: Path) -> np.ndarray:
     if bad.any():
         row = int(np.flatnonzero(bad.to_numpy())[0])
         raise ConfigError(f"{path}: column '{col}' {_where(df, row)}: expected a non-negative integer "
-                          f"token count up to {MAX_TOKENS}, got {str(df[col].iloc[row])!r}")
+                          f"token count up to {MAX_TOKENS}, got {_shown(df[col].iloc[row])}")
     return values.to_numpy(dtype=np.int64)
 
 
@@ -259,7 +271,7 @@ def _times(df: pd.DataFrame, col: str, unit: str | None, path: Path, relative_ms
     if bad.any():
         row = int(np.flatnonzero(bad.to_numpy())[0])
         raise ConfigError(f"{path}: column '{col}' {_where(df, row)}: expected a finite number, "
-                          f"got {str(raw.iloc[row])!r}")
+                          f"got {_shown(raw.iloc[row])}")
     t = numeric.to_numpy(dtype=np.float64)
     t = t * UNIT_SECONDS[unit or numeric_unit(t, relative_ms)]
     return t - t.min()

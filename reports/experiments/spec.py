@@ -97,10 +97,19 @@ def load_base(source: Path, value: Any, field: str = "base") -> tuple[Path, dict
     if not isinstance(value, str) or not value:
         raise fail(source, field, f"must be a path to a workload YAML, got {value!r}", "base: my_workload.yaml")
     path = (source.parent / value).resolve()
+    if path.is_dir():
+        raise fail(source, field, f"names {value!r}, a folder ({path})", "give a workload YAML path relative to "
+                   "this file")
     if not path.is_file():
         raise fail(source, field, f"names {value!r}, which does not exist ({path})",
                    "give a workload YAML path relative to this file")
-    return path, load_yaml_mapping(path)
+    raw = load_yaml_mapping(path)
+    other = [key for key in ("base", "vary", "candidates", "target_rate") if key in raw]
+    if other:
+        what = "plan" if {"candidates", "target_rate"} & set(other) else "sweep"
+        raise fail(source, field, f"names {value!r}, a {what} file (it has '{other[0]}'), not a workload",
+                   "base: the workload YAML that `sim run` takes")
+    return path, raw
 
 
 def apply_set(source: Path, raw: dict[str, Any], overrides: Any, field: str = "set") -> dict[str, Any]:
