@@ -162,7 +162,7 @@ def write_json(path: Path, data: Any, indent: int | None = 2) -> None:
     """``data`` as JSON; a compact (``indent`` None) mapping's numpy arrays (vllm_bench.json's
     per-request series, a million values in a large run) are written as lists, chunk by chunk,
     the text ``json.dumps`` of their lists would give without building either whole."""
-    if indent is None and isinstance(data, dict) and any(isinstance(v, np.ndarray) for v in data.values()):
+    if indent is None and isinstance(data, dict) and any(_chunked(v) for v in data.values()):
         write_text_chunks(path, _json_chunks(data))
         return
     _atomic(path, lambda p: p.write_text(json.dumps(data, indent=indent, default=str) + "\n"))
@@ -171,16 +171,26 @@ def write_json(path: Path, data: Any, indent: int | None = 2) -> None:
 JSON_ROWS = 65_536          # values of an array per chunk of ``_json_chunks``
 
 
+def _chunked(value: Any) -> bool:
+    """A numpy array, or a series made chunk by chunk (``sim.vllm_result.PerRequest``)."""
+    return isinstance(value, np.ndarray) or callable(getattr(value, "chunks", None))
+
+
 def _json_chunks(data: dict[str, Any]) -> Iterable[str]:
     yield "{"
     for k, (key, value) in enumerate(data.items()):
         yield (", " if k else "") + json.dumps(str(key)) + ": "
-        if not isinstance(value, np.ndarray):
+        if not _chunked(value):
             yield json.dumps(value, default=str)
             continue
         yield "["
-        for lo in range(0, len(value), JSON_ROWS):
-            yield (", " if lo else "") + json.dumps(value[lo:lo + JSON_ROWS].tolist())[1:-1]
+        first = True
+        for chunk in (value.chunks() if not isinstance(value, np.ndarray) else (value,)):
+            for lo in range(0, len(chunk), JSON_ROWS):
+                part = chunk[lo:lo + JSON_ROWS].tolist()
+                if part:
+                    yield ("" if first else ", ") + json.dumps(part)[1:-1]
+                    first = False
         yield "]"
     yield "}\n"
 

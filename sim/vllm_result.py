@@ -19,7 +19,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -267,12 +267,29 @@ def detailed_arrays(requests: pd.DataFrame, tokens: pd.DataFrame) -> dict[str, l
     }
 
 
+class PerRequest:
+    """One of vllm_bench.json's per-request series, made when written: ``chunks()`` yields
+    float64 arrays in request order (``sim.io.write_json`` writes them as one JSON list)."""
+
+    def __init__(self, make_chunks: Callable[[], Iterator[np.ndarray]], size: int) -> None:
+        self.chunks, self.size = make_chunks, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def tolist(self) -> list[float]:
+        return [x for chunk in self.chunks() for x in chunk.tolist()]
+
+
+CHUNK = 65_536                              # values per chunk of a PerRequest series made here
+
+
 def bench_result(run: RunResult, percentiles: Sequence[float], *, detailed: bool = False,
                  date: str | None = None) -> dict[str, Any]:
     """``run`` as the JSON ``vllm bench serve --save-result [--save-detailed]`` writes.
     Throughputs, counts and goodput are summary.json's numbers; latencies come from the
     same series summary.json's come from, at ``percentiles``. ``latencies`` and
-    ``queue_times`` are numpy arrays (``sim.io.write_json`` writes them as lists)."""
+    ``queue_times`` are ``PerRequest`` series (``sim.io.write_json`` writes them as lists)."""
     s, meta = run.summary, run.meta
     cfg = meta.get("config") or {}
     model = (meta.get("profile_provenance") or {}).get("model") or meta.get("profile_name")
@@ -292,13 +309,14 @@ def bench_result(run: RunResult, percentiles: Sequence[float], *, detailed: bool
     }
     # Written with or without --save-detailed, as vLLM 0.32 does: each request's E2E latency
     # (s; 0.0 for a failed one) and its wait for a free client (s; 0.0 unless concurrency is
-    # capped). Arrays, not lists (a million floats as Python objects would be 32 MB):
-    # sim.io.write_json writes them chunk by chunk.
-    cols = request_columns(requests, ("e2e_s", "status"))
-    out["latencies"] = np.where(cols["status"] == "finished", cols["e2e_s"], 0.0)
-    del cols
+    # capped), made chunk by chunk as sim.io.write_json writes them (a million values never
+    # sit in memory at once, as arrays or as Python floats).
+    out["latencies"] = PerRequest(lambda: (np.nan_to_num(f["e2e_s"].to_numpy(dtype=np.float64), nan=0.0)
+                                           for f in run.request_frames()), len(requests))
     waits = run.client_queue_s
-    out["queue_times"] = waits.astype(np.float64) if waits is not None else np.zeros(len(requests))
+    out["queue_times"] = (PerRequest(lambda: iter((waits,)), len(waits)) if waits is not None else
+                          PerRequest(lambda: (np.zeros(min(CHUNK, len(requests) - lo))
+                                              for lo in range(0, len(requests), CHUNK)), len(requests)))
     if detailed:
         out.update(detailed_arrays(run.requests, run.tokens))
     for name, values in latency_series_s(requests, run.itl()):

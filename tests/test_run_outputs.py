@@ -22,7 +22,7 @@ from sim.config import ConfigError
 from sim.io import RUN_FILES, prepare_run_dir, write_json
 from sim.metrics import add_request_metrics, summarize
 from sim.runner import RunResult
-from sim.vllm_result import bench_result, offered_load, parse_percentiles, peak_second, policy_knobs
+from sim.vllm_result import PerRequest, bench_result, offered_load, parse_percentiles, peak_second, policy_knobs
 
 MIXED = str(WORKLOADS / "mixed_lengths.yaml")
 SMALL = ["--set", "num_requests=30", "--quiet"]
@@ -335,7 +335,7 @@ def test_vllm_bench_numbers_by_hand(tmp_path, monkeypatch):
     write_json(tmp_path / "chunked.json", b, indent=None)       # the arrays, chunk by chunk
     monkeypatch.setattr(sim.io, "JSON_ROWS", 2)
     write_json(tmp_path / "two.json", b, indent=None)
-    as_lists = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in b.items()}
+    as_lists = {k: v.tolist() if isinstance(v, PerRequest) else v for k, v in b.items()}
     assert (tmp_path / "chunked.json").read_text() == (tmp_path / "two.json").read_text() == json.dumps(as_lists) + "\n"
     b = as_lists
     # read back by `sim validate --measured`'s reader, the percentiles survive
