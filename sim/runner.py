@@ -221,6 +221,9 @@ def kv_blocks(cfg: WorkloadConfig, profile: Profile) -> tuple[int, int]:
                 f"raise profile.tensor_parallel, pick a larger GPU or raise server.gpu_memory_utilization")
         num_blocks = capacity // s.block_size
         where = "profile"
+        if num_blocks == 0:                # the pool holds tokens, but not one block of this size
+            raise ConfigError(f"{cfg.source}: field 'server.block_size' ({s.block_size:,} tokens) is larger than "
+                              f"the whole KV cache ({capacity:,} tokens); use vLLM's block sizes (16, 32)")
     if num_blocks * s.block_size < max_model_len:
         raise ConfigError(
             f"{cfg.source}: field '{where}': KV cache holds {num_blocks * s.block_size} tokens, fewer "

@@ -419,3 +419,22 @@ def test_a_validation_kept_out_of_a_full_folder_says_where_it_went(tmp_path, cap
     assert f"note: {tmp_path / 'v'}/ already holds files, so this report goes to {tmp_path / 'v-2'}/" in \
         capsys.readouterr().err
     assert output_dir(str(tmp_path / "fresh"), "w", None) == tmp_path / "fresh" and not capsys.readouterr().err
+
+
+def test_a_block_larger_than_the_cache_and_a_bad_tp_are_named(tmp_path, capsys):
+    # block_size 1e6 left 0 blocks and the message asked for "server.max_model_len <= 0"; a TP of '2'
+    # (a string) in a plan candidate was blamed on gpus_per_replica, which the file did not set
+    rc, _, err, _ = run_cli(tmp_path, GOOD + "server: {block_size: 1000000}\n", capsys=capsys)
+    assert rc == 2 and "field 'server.block_size' (1,000,000 tokens) is larger than the whole KV cache" in err, err
+    (tmp_path / "w.yaml").write_text(GOOD)
+    (tmp_path / "p.yaml").write_text("base: w.yaml\ntarget_rate: 5\nslo: {ttft_ms: 2000}\ncandidates:\n"
+                                     "  - {profile: {gpu: h100-sxm, tensor_parallel: '2'}, price_per_gpu_hour: 2}\n")
+    assert main(["plan", str(tmp_path / "p.yaml"), "--out", str(tmp_path / "o")]) == 2
+    assert "field 'candidates[0].profile.tensor_parallel' must be an integer >= 1, got '2'" in capsys.readouterr().err
+    plan_dir = tmp_path / "pl"
+    plan_dir.mkdir()
+    for name in ("ranked.csv", "trials.csv"):
+        (plan_dir / name).write_text("a\n1\n")
+    (plan_dir / "plan.json").write_text('{"plan": "x", "results": []}')
+    assert main(["report", str(plan_dir)]) == 2
+    assert "files are damaged or from another version" in capsys.readouterr().err

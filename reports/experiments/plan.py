@@ -191,7 +191,7 @@ def ranked_table(results: list[dict[str, Any]]) -> pd.DataFrame:
         rows.append({"candidate": r["name"], "hardware": r.get("hardware"), "policy": r.get("policy"),
                      "capacity_rps": r.get("capacity_rps"), "profile_error_pct": r.get("profile_error_pct"),
                      "replicas_estimate": r.get("replicas_estimate"),
-                     "replicas": r.get("replicas"), "gpus": (r.get("replicas") or 0) * r.get("gpus_per_replica", 1),
+                     "replicas": r.get("replicas"), "gpus": (r["replicas"] * r.get("gpus_per_replica", 1) if r.get("replicas") else None),   # no fleet: none
                      "utilization": r.get("utilization"), "meets_slo": bool(r.get("verified")),
                      "cost_per_hour": r.get("cost_per_hour"),
                      "cost_per_mtok": r.get("cost_per_mtok"), "fleet_p99_ttft_ms": last.get("p99_ttft_ms"),

@@ -194,8 +194,9 @@ def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Pa
         hardware = str(item.get("name") or profile.get("path") or
                        f"{profile.get('gpu', 'h100-sxm')}" + (f" x{profile['tensor_parallel']}"
                                                               if profile.get("tensor_parallel", 1) != 1 else ""))
-        gpus = positive_int(source, f"{where}.gpus_per_replica",
-                            item.get("gpus_per_replica", profile.get("tensor_parallel", 1)))
+        gpus = (positive_int(source, f"{where}.gpus_per_replica", item["gpus_per_replica"])
+                if "gpus_per_replica" in item else
+                positive_int(source, f"{where}.profile.tensor_parallel", profile.get("tensor_parallel", 1)))
         policies = item.get("policies") or default_policies
         if not isinstance(policies, list):
             raise fail(source, f"{where}.policies", f"must be a list, got {policies!r}", "policies: [vllm, sarathi]")

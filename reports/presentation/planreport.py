@@ -194,6 +194,8 @@ def plan_report(d: Path) -> list[Path]:
     """Write DIR/figures/* and DIR/report.{md,html} from a plan directory."""
     data = json.loads((d / "plan.json").read_text())
     plan, results = data["plan"], data["results"]
+    if not isinstance(plan, dict) or not isinstance(results, list):
+        raise ValueError("plan.json's 'plan' must be an object and its 'results' a list")   # -> damaged
     if "target_utilization" not in plan:
         raise ConfigError(f"{d}: plan.json was written before plans had a target utilisation and a queue check; "
                           f"fix: rerun `sim plan` for this plan")
