@@ -9,14 +9,18 @@ Definitions (stated in every plan report):
   request, are within ``itl_ms`` (vLLM's p99 ITL is a percentile over tokens);
   TPOT: at least f of the requests with more than one output token have
   TPOT within ``tpot_ms`` (a rejected request counts as a miss).
-  With f = 0.99 this is exactly "p99 TTFT <= ttft_ms and p99 ITL <= itl_ms".
+  With f = 0.99 this is "p99 TTFT <= ttft_ms and p99 ITL <= itl_ms" read as
+  order statistics, not as numpy's interpolated p99: 99 TTFTs of 1.99 s and
+  one of 30 s meet a 2000 ms target (99% within), while np.percentile(.., 99)
+  interpolates 1% of the way to 30 s, 2.27 s.
 - Stable: when the last request arrives, at most ``max_backlog_fraction``
   (5%) of all requests are still waiting to be scheduled for the first time.
   A server that keeps up with the offered rate holds a bounded queue; one that
   falls behind accumulates a backlog that grows with the run.
 - Capacity of one replica: the highest offered rate (req/s) at which a run
-  meets every SLO and is stable, found by doubling/halving to bracket it and
-  then geometric bisection to ``rel_tol``. Replicas for a target rate:
+  meets every SLO and is stable, and at most what the replica completes per
+  second when saturated (a probe sends the trial's requests at once), found
+  by doubling/halving to bracket it and then geometric bisection to ``rel_tol``. Replicas for a target rate:
   ceil(target / (capacity x target utilisation)), then checked by simulating
   the whole fleet.
 - Target utilisation (headroom): a queue's wait grows as rho / (1 - rho) at

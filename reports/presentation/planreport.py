@@ -29,10 +29,13 @@ def _definitions(plan: dict[str, Any]) -> list[str]:
         f"SLO: {plan['slo_text']}. A TTFT or TPOT target is met when at least "
         f"{100 * plan['slo']['attainment']:g}% of all offered requests meet it (rejected requests count as misses); "
         f"an ITL target when at least that share of all inter-token gaps, over every token, meets it — "
-        f"the same as vLLM's percentile over tokens.",
+        f"vLLM's percentile over tokens, read as an order statistic (numpy's interpolated p99 printed beside it "
+        f"can lie a little above the target when the next value is far above it).",
         f"Stable: when the last request arrives, at most {100 * s['max_backlog_fraction']:g}% of the requests are "
         f"still waiting to be scheduled (a server that falls behind builds a backlog that grows with the run).",
-        f"Capacity of one replica: the highest offered rate meeting every SLO while stable, bracketed by "
+        f"Capacity of one replica: the highest offered rate meeting every SLO while stable, and never above "
+        f"the saturation throughput (what it completes per second with the trial's requests sent at once: a "
+        f"short trial above it can look fine while the batch fills), bracketed by "
         f"doubling/halving from half the saturation throughput, then geometric bisection to {100 * s['rel_tol']:g}% "
         f"({s['num_requests']} requests per trial, at most {s['max_runs']} runs per candidate). Every trial is "
         f"measured over the whole run, warm-up and drain included.",
