@@ -192,6 +192,11 @@ def test_pareto_frontier_by_hand() -> None:
     #   D (300, 10) keep, best 10; E (250, 10) 10 is not > 10, drop (D is as fast per user, with more per GPU);
     #   B (200, 40) keep, best 40; C (150, 30) drop (B beats it on both); A (100, 50) keep.
     assert knee.pareto_frontier(points)["name"].tolist() == ["A", "B", "D"]
+    # F equal to B on both axes (two policies that schedule alike): both on the frontier, not one
+    # of them dropped at random by the sort
+    twins = pd.concat([points, pd.DataFrame({"name": ["F"], knee.PER_GPU: [200.0], knee.PER_USER: [40.0]})],
+                      ignore_index=True)
+    assert sorted(knee.pareto_frontier(twins)["name"].tolist()) == ["A", "B", "D", "F"]
 
 
 def test_pareto_points_per_gpu_and_per_user() -> None:
@@ -268,3 +273,16 @@ def test_timeline_stacks_decode_under_prefill() -> None:
 def test_timeline_shows_padding_of_static_batches() -> None:
     fig = runplots.run_timeline(small_run("static").steps)
     assert [c.get_label() for c in fig.axes[0].collections][-1].startswith("padding")
+
+
+def test_slot_panels_average_over_the_shared_window() -> None:
+    # Run "early" holds its one slot 0-10 s; run "late" (static waiting to fill a batch) 5-10 s.
+    # On the shared 0-10 s axis "late" holds a slot half the time: 0.5 of 1, not 1.0 (its average
+    # used to start at its own first request, which made the idlest run look the busiest).
+    def run(start: float) -> pd.DataFrame:
+        return pd.DataFrame({"req_id": [0], "replica": [0], "first_scheduled_s": [start], "first_token_s": [start + 1],
+                             "finished_s": [10.0]})
+    fig = runplots.slot_occupancy({"early": (run(0.0), None, "vllm"), "late": (run(5.0), None, "vllm")},
+                                  max_requests=10)
+    assert [ax.get_title() for ax in fig.axes[:2]] == ["early: on average 1.0 of 1 slots hold a running request",
+                                                       "late: on average 0.5 of 1 slots hold a running request"]

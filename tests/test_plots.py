@@ -130,7 +130,8 @@ def test_run_figures_on_real_runs(tmp_path: Path) -> None:
     assert "of held slot-time is idle" in fig.axes[0].get_title()        # static keeps finished slots
     assert "idle" not in fig.axes[1].get_title()                         # continuous batching refills them
     fig = runplots.run_timeline(vllm.steps, title="t")
-    assert [ax.get_ylabel() for ax in fig.axes] == ["tokens computed\nper second", "requests\n(mean over steps)",
+    assert [ax.get_ylabel() for ax in fig.axes] == ["tokens computed\nper second",
+                                                    "requests\n(mean over steps;\nwaiting: at each step's end)",
                                                     "KV cache used\n(% of blocks)"]
     fig = runplots.latency_cdfs({"a": (vllm.requests, vllm.tokens)}, slo_ttft_ms=500)
     assert "time to first token (ms)" in texts(fig)
@@ -183,3 +184,20 @@ def test_report_of_a_run_without_steps(tmp_path: Path, capsys) -> None:
     assert rc == 0 and "5 of 5 requests were rejected" in err, err
     assert (tmp_path / "o" / "report.html").is_file()
     assert sorted(p.stem for p in (tmp_path / "o" / "figures").glob("*.png")) == ["run_cdf", "run_slots"]
+
+
+def test_a_log_axis_within_one_decade_gets_readable_ticks() -> None:
+    # ITL from 9 to 15.3 ms on a log axis: ticks at 1-9 x 10^k gave only 9 and 10 to read the bulk
+    # of the curve by; under a decade the ticks are evenly spaced numbers instead
+    import matplotlib.pyplot as plt
+    fig, (narrow, wide) = plt.subplots(1, 2)
+    narrow.plot([9.0, 15.3], [0.0, 1.0])
+    narrow.set_xscale("log")
+    wide.plot([1.0, 1000.0], [0.0, 1.0])
+    wide.set_xscale("log")
+    plots.plain_log_ticks(fig)
+    fig.canvas.draw()
+    ticks = [t for t in narrow.get_xticks() if 9.0 <= t <= 15.3]
+    assert len(ticks) >= 4 and all(t == round(t, 1) for t in ticks)           # e.g. 10.5, 12, 13.5, 15
+    assert {1.0, 10.0, 100.0, 1000.0} <= set(wide.get_xticks())               # decades: the log ticks stay
+    plt.close(fig)

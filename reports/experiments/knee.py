@@ -105,12 +105,14 @@ def pareto_frontier(points: pd.DataFrame, *, x: str = PER_GPU, y: str = PER_USER
     """The points no other point beats on both ``x`` and ``y`` (higher is better on both), x ascending.
 
     Scanning from the highest x down, a point is on the frontier when its y
-    beats every y seen so far (points with a larger x).
+    beats every y seen so far (points with a larger x); a point equal on both to one kept is
+    kept too (two configurations that give the same result are both on the frontier).
     """
     best_y = -np.inf
-    keep = []
-    for idx, yi in points.sort_values([x, y], ascending=[False, False])[y].items():
-        if yi > best_y:
+    keep: list = []
+    last = None
+    for idx, (xi, yi) in points.sort_values([x, y], ascending=[False, False])[[x, y]].iterrows():
+        if yi > best_y or (last is not None and (xi, yi) == last):
             keep.append(idx)
-            best_y = yi
+            best_y, last = yi, (xi, yi)
     return points.loc[keep].sort_values(x)

@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.ticker import LogFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogFormatter, MaxNLocator, NullLocator  # noqa: E402
 
 from sim.atomic import write_atomic  # noqa: E402
 
@@ -54,13 +54,23 @@ class _PlainLogFormatter(LogFormatter):
 
 
 def plain_log_ticks(fig: Figure) -> Figure:
-    """Label every log axis of ``fig`` with plain numbers (20, 300, 256) instead of 2x10^1."""
+    """Label every log axis of ``fig`` with plain numbers (20, 300, 256) instead of 2x10^1. An axis
+    spanning less than a decade gets evenly spaced ticks (9-15 ms would show only 9 and 10: a log
+    axis ticks at 1-9 x 10^k)."""
     for ax in fig.axes:
-        for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
-            if scale == "log":
-                base = axis.get_transform().base
-                axis.set_major_formatter(_PlainLogFormatter(base=base, labelOnlyBase=False))
-                axis.set_minor_formatter(_PlainLogFormatter(base=base, labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+        for axis, scale, limits in ((ax.xaxis, ax.get_xscale(), ax.get_xlim()),
+                                    (ax.yaxis, ax.get_yscale(), ax.get_ylim())):
+            if scale != "log":
+                continue
+            base = axis.get_transform().base
+            lo, hi = sorted(limits)
+            if lo > 0 and hi / lo < base:
+                axis.set_major_locator(MaxNLocator(nbins=6))
+                axis.set_minor_locator(NullLocator())
+                axis.set_major_formatter(FuncFormatter(lambda x, pos: f"{x:g}"))
+                continue
+            axis.set_major_formatter(_PlainLogFormatter(base=base, labelOnlyBase=False))
+            axis.set_minor_formatter(_PlainLogFormatter(base=base, labelOnlyBase=False, minor_thresholds=(2, 0.5)))
     return fig
 
 

@@ -150,7 +150,7 @@ def run_timeline(steps: pd.DataFrame, *, replica: int | None = None, title: str 
     axes[1].plot(edges[:-1], bins["num_waiting"], drawstyle="steps-post", color="tab:red", label="waiting")
     axes[1].plot(edges[:-1], bins["batch_size"], drawstyle="steps-post", color="black", linewidth=0.8,
                  linestyle="--", label="batch size (requests per step)")
-    axes[1].set_ylabel("requests\n(mean over steps)")
+    axes[1].set_ylabel("requests\n(mean over steps;\nwaiting: at each step's end)")
     kv_pct = 100.0 * bins["kv_used_blocks"] / bins["kv_total_blocks"].replace(0, np.nan)
     axes[2].fill_between(edges[:-1], 0, kv_pct, step="post", color="tab:purple", alpha=0.5,
                          label=f"KV cache used (peak {kv_pct.max():.0f}% of {int(bins['kv_total_blocks'].max()):,} "
@@ -212,8 +212,10 @@ def slot_intervals(requests: pd.DataFrame, tokens: pd.DataFrame | None = None, *
                          "done_s": done.to_numpy(), "held_until_s": held.to_numpy()})
 
 
-def _draw_slots(ax, iv: pd.DataFrame, t_end_s: float) -> str:
-    """Draw slot lanes up to ``t_end_s``; return a one-line occupancy summary for the title."""
+def _draw_slots(ax, iv: pd.DataFrame, t_end_s: float, t_start_s: float | None = None) -> str:
+    """Draw slot lanes up to ``t_end_s``; return a one-line occupancy summary for the title,
+    averaged over the window shown: from ``t_start_s`` (panels on a shared axis share it) or
+    else from the first request scheduled."""
     cmap = plt.get_cmap("tab20")
     iv = iv[iv["start_s"] < t_end_s]
     for row in iv.itertuples(index=False):
@@ -227,7 +229,7 @@ def _draw_slots(ax, iv: pd.DataFrame, t_end_s: float) -> str:
                            facecolors="whitesmoke", edgecolors="gray", linewidth=0.3, hatch="..")
     if iv.empty or t_end_s <= float(iv["start_s"].min()):
         return "no request scheduled"
-    t0 = float(iv["start_s"].min())
+    t0 = float(iv["start_s"].min()) if t_start_s is None else min(t_start_s, float(iv["start_s"].min()))
     clip = lambda col: np.clip(iv[col].to_numpy(dtype=float), t0, t_end_s)  # noqa: E731
     active_s = float((clip("done_s") - clip("start_s")).sum())
     held_s = float((clip("held_until_s") - clip("start_s")).sum())
@@ -273,8 +275,12 @@ def slot_occupancy(runs: Mapping[str, tuple[pd.DataFrame, pd.DataFrame | None, s
     lane_in = 2.6 if len(runs) <= 2 else 1.9
     fig, axes = plt.subplots(len(runs), 1, figsize=(FIG_WIDTH_IN, lane_in * len(runs) + 1.4), sharex=True,
                              layout="constrained", squeeze=False)
+    # One window for every panel (the axis is shared): a run that started late (static waiting to fill
+    # its first batch) is averaged over its idle start too, not only from its first batch.
+    t_start_s = min(float(iv["start_s"].min()) for iv in intervals.values() if not iv.empty) \
+        if any(not iv.empty for iv in intervals.values()) else None
     for ax, (label, iv) in zip(axes[:, 0], intervals.items()):
-        ax.set_title(f"{label}: {_draw_slots(ax, iv, t_end_s)}", fontsize=9)
+        ax.set_title(f"{label}: {_draw_slots(ax, iv, t_end_s, t_start_s)}", fontsize=9)
     axes[-1, 0].set_xlabel("simulated time (s)")
     handles = [Patch(facecolor="lightsteelblue", hatch="////", edgecolor="black", label="scheduled, prefilling"),
                Patch(facecolor="lightsteelblue", edgecolor="black", label="decoding"),

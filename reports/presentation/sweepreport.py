@@ -122,7 +122,9 @@ def pareto_section(figs: Figures, table: pd.DataFrame, *, grid: list[str], group
                             subtitle=subtitle)
     return [Heading("Pareto: per-user speed against per-GPU throughput"),
             Para(f"x: output tokens/s per GPU = output_throughput / (replicas x tensor parallel); y: output tokens/s "
-                 f"per user = 1000 / mean TPOT (ms), the decode speed of the mean request after its first token; "
+                 f"per user = 1000 / mean TPOT (ms), the mean time per output token after the first, as a speed "
+                 f"(not the mean of each request's own speed; under static and dynamic batching TPOT includes the "
+                 f"wait for the batch to return); "
                  f"one point per grid point, mean over repetitions. {len(frontier)} of {len(points)} points are on "
                  f"the frontier (no other point is better on both axes): from "
                  f"{ends[0][knee.PER_GPU]:,.0f} tokens/s per GPU at {ends[0][knee.PER_USER]:.1f} tokens/s per user "
