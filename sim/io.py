@@ -159,21 +159,21 @@ def versions() -> dict[str, str]:
 
 
 def write_json(path: Path, data: Any, indent: int | None = 2) -> None:
-    """``data`` as JSON; a compact (``indent`` None) mapping's numpy arrays (vllm_bench.json's
-    per-request series, a million values in a large run) are written as lists, chunk by chunk,
-    the text ``json.dumps`` of their lists would give without building either whole."""
+    """``data`` as JSON; a compact (``indent`` None) mapping's chunked series (vllm_bench.json's
+    per-request ``sim.vllm_result.PerRequest``, a million values in a large run) are written as
+    lists, chunk by chunk: the text ``json.dumps`` of their lists would give, never built whole."""
     if indent is None and isinstance(data, dict) and any(_chunked(v) for v in data.values()):
         write_text_chunks(path, _json_chunks(data))
         return
     _atomic(path, lambda p: p.write_text(json.dumps(data, indent=indent, default=str) + "\n"))
 
 
-JSON_ROWS = 65_536          # values of an array per chunk of ``_json_chunks``
+JSON_ROWS = 65_536          # values per piece of ``_json_chunks``
 
 
 def _chunked(value: Any) -> bool:
-    """A numpy array, or a series made chunk by chunk (``sim.vllm_result.PerRequest``)."""
-    return isinstance(value, np.ndarray) or callable(getattr(value, "chunks", None))
+    """A series made chunk by chunk (``sim.vllm_result.PerRequest``: ``chunks()`` yields arrays)."""
+    return callable(getattr(value, "chunks", None))
 
 
 def _json_chunks(data: dict[str, Any]) -> Iterable[str]:
@@ -185,7 +185,7 @@ def _json_chunks(data: dict[str, Any]) -> Iterable[str]:
             continue
         yield "["
         first = True
-        for chunk in (value.chunks() if not isinstance(value, np.ndarray) else (value,)):
+        for chunk in value.chunks():
             for lo in range(0, len(chunk), JSON_ROWS):
                 part = chunk[lo:lo + JSON_ROWS].tolist()
                 if part:

@@ -6,7 +6,8 @@ latencies in ms as ``mean_/median_/std_/p{P}_{metric}_ms`` for ttft, tpot,
 itl and e2el; ``duration`` in s; ``request_rate`` "inf" for all-at-once
 traffic; the per-request ``latencies`` and ``queue_times`` (the wait for a
 free client under ``--max-concurrency``) always, as vLLM 0.32 writes them; with
-``detailed`` (``--save-detailed``) the other per-request arrays; all in seconds. The metrics are defined as in ``sim.metrics`` (vLLM's definitions),
+``detailed`` (``--save-detailed``) the other per-request arrays; all in
+seconds. The metrics are defined as in ``sim.metrics`` (vLLM's definitions),
 so the file agrees with summary.json wherever both name a number. As vLLM
 does, a metric with no values reports 0.0 and std is the population std.
 Extra top-level keys (``policy``, ``policy_knobs``, ...) are what vLLM's

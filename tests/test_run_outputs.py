@@ -332,7 +332,7 @@ def test_vllm_bench_numbers_by_hand(tmp_path, monkeypatch):
     # E2E per request in s, a failed one 0.0 (as vLLM fills it); open-loop arrivals wait for no client
     assert b["latencies"].tolist() == pytest.approx([0.25, 0.2, 0.4, 0.8, 0.0])
     assert b["queue_times"].tolist() == [0.0] * 5
-    write_json(tmp_path / "chunked.json", b, indent=None)       # the arrays, chunk by chunk
+    write_json(tmp_path / "chunked.json", b, indent=None)       # the series, chunk by chunk
     monkeypatch.setattr(sim.io, "JSON_ROWS", 2)
     write_json(tmp_path / "two.json", b, indent=None)
     as_lists = {k: v.tolist() if isinstance(v, PerRequest) else v for k, v in b.items()}
