@@ -191,7 +191,8 @@ def ranked_table(results: list[dict[str, Any]]) -> pd.DataFrame:
         rows.append({"candidate": r["name"], "hardware": r.get("hardware"), "policy": r.get("policy"),
                      "capacity_rps": r.get("capacity_rps"), "profile_error_pct": r.get("profile_error_pct"),
                      "replicas_estimate": r.get("replicas_estimate"),
-                     "replicas": r.get("replicas"), "gpus": (r["replicas"] * r.get("gpus_per_replica", 1) if r.get("replicas") else None),   # no fleet: none
+                     "replicas": r.get("replicas"),
+                     "gpus": r["replicas"] * r.get("gpus_per_replica", 1) if r.get("replicas") else None,  # no fleet
                      "utilization": r.get("utilization"), "meets_slo": bool(r.get("verified")),
                      "cost_per_hour": r.get("cost_per_hour"),
                      "cost_per_mtok": r.get("cost_per_mtok"), "fleet_p99_ttft_ms": last.get("p99_ttft_ms"),
@@ -228,8 +229,8 @@ def run_plan(spec: PlanSpec, *, jobs: int | None = None, cluster: Any = None, pr
                              desc=f"plan {spec.name}"):
         if outcome.error is not None:
             c = outcome.task.candidate
-            results.append({"name": c.name, "hardware": c.hardware, "policy": c.policy, "error": (str(outcome.error) if isinstance(outcome.error, ConfigError)
-                                                                         else repr(outcome.error)),
+            error = str(outcome.error) if isinstance(outcome.error, ConfigError) else repr(outcome.error)
+            results.append({"name": c.name, "hardware": c.hardware, "policy": c.policy, "error": error,
                             "gpus_per_replica": c.gpus_per_replica, "price_per_gpu_hour": c.price_per_gpu_hour})
         else:
             results.append(outcome.result)

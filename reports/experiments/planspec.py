@@ -212,9 +212,10 @@ def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Pa
             label = f"{source} [{where}, policy {_policy_label(policy)}]"
             cfg = workload_from_dict(raw, label, base_dir)
             check_runnable(cfg, checked)
-            if cfg.profile.path is not None and "gpus_per_replica" not in item:
+            if cfg.profile.path is not None and "gpus_per_replica" not in item and policy is policies[0]:
                 # A profile file states its own tensor-parallel degree (a path excludes the field):
-                # a replica of a TP-2 profile is priced as 2 GPUs, as it simulates.
+                # a replica of a TP-2 profile is priced as 2 GPUs, as it simulates (read once: every
+                # policy of the candidate runs the same file).
                 from sim.profile import load_profile
                 gpus = load_profile(cfg.resolve_path(cfg.profile.path)).tensor_parallel
             out.append(Candidate(name=f"{hardware} / {_policy_label(policy)}", raw=raw, gpus_per_replica=gpus,
@@ -273,10 +274,12 @@ def parse_plan(path: str | Path, out: Path | None = None, overrides: dict[str, A
     if search.min_rate >= search.max_rate:
         raise fail(source, "search.min_rate", f"({search.min_rate}) must be below search.max_rate ({search.max_rate})",
                    "lower min_rate or raise max_rate")
+    target_rate = _number(source, "target_rate", data["target_rate"])
+    verify = _section(source, "verify", data.get("verify"), Verify)
     # Trial rates become each run's arrivals.rate: within what a workload accepts, found now, not
     # as every candidate's failure after the searches.
     for field, value in (("search.min_rate", search.min_rate), ("search.max_rate", search.max_rate),
-                         ("target_rate", _number(source, "target_rate", data["target_rate"]))):
+                         ("target_rate", target_rate)):
         if not MIN_RATE <= value <= MAX_RATE:
             raise fail(source, field, f"must be in [{MIN_RATE:g}, {MAX_RATE:g}] requests per second, got {value:g}",
                        f"set {field} to a rate in that range")
@@ -287,10 +290,9 @@ def parse_plan(path: str | Path, out: Path | None = None, overrides: dict[str, A
                        f"{getattr(SearchSettings(), field.split('.')[1])}")
     sizes = _Sized(source)              # every run's size, against this machine's memory, before any run
     check_size(sizes, float(search.num_requests), "search.num_requests")
-    verify = _section(source, "verify", data.get("verify"), Verify)
-    target_rate = _number(source, "target_rate", data["target_rate"])
-    check_size(sizes, float(verify.num_requests(target_rate)), "verify.min_requests" if
-               verify.min_requests >= verify.num_requests(target_rate) else "verify.min_duration_s x target_rate")
+    num_verify = verify.num_requests(target_rate)
+    check_size(sizes, float(num_verify), "verify.min_requests" if verify.min_requests >= num_verify else
+               "verify.min_duration_s x target_rate")
     assumptions = data.get("assumptions") or []
     if not isinstance(assumptions, list) or not all(isinstance(a, str) for a in assumptions):
         raise fail(source, "assumptions", "must be a list of strings", 'assumptions: ["prices: on-demand, 2025"]')
@@ -299,8 +301,7 @@ def parse_plan(path: str | Path, out: Path | None = None, overrides: dict[str, A
     folder, default = out_dir(source, data, out)
     spec = PlanSpec(
         source=source, name=file_name(source, data), base_path=base_path,
-        target_rate=_number(source, "target_rate", data["target_rate"]), slo=slo, router=router, search=search,
-        verify=_section(source, "verify", data.get("verify"), Verify),
+        target_rate=target_rate, slo=slo, router=router, search=search, verify=verify,
         target_utilization=_target_utilization(source, data.get("target_utilization", DEFAULT_TARGET_UTILIZATION)),
         candidates=_candidates(source, data, base_raw, slo, base_path.parent), assumptions=list(assumptions),
         out=folder)

@@ -261,9 +261,10 @@ def parse_sweep(path: str | Path, out: Path | None = None, overrides: dict[str, 
                 raise ConfigError(f"{source}: --set {key}: the sweep varies '{varied}', which would overwrite it in "
                                   f"every run; fix: drop --set {key}, or change vary.{varied} in the file")
     base_raw = apply_set(source, base_raw, workload, "--set")
-    num_runs = math.prod(len(v) for v in vary.values()) * positive_int(source, "repetitions", data.get("repetitions", 1))
+    repetitions = positive_int(source, "repetitions", data.get("repetitions", 1))
+    num_runs = math.prod(len(v) for v in vary.values()) * repetitions
     if num_runs > MAX_RUNS:
-        raise fail(source, "repetitions" if data.get("repetitions", 1) > 1 else "vary",
+        raise fail(source, "repetitions" if repetitions > 1 else "vary",
                    f"asks for {num_runs:,} runs, more than {MAX_RUNS:,}", "a smaller grid, or split the sweep")
     save_runs = data.get("save_runs", False)
     if not isinstance(save_runs, bool):
@@ -272,7 +273,7 @@ def parse_sweep(path: str | Path, out: Path | None = None, overrides: dict[str, 
     spec = SweepSpec(
         source=source, name=file_name(source, data), base_path=base_path, base_raw=base_raw,
         vary={str(k): list(v) for k, v in vary.items()},
-        repetitions=positive_int(source, "repetitions", data.get("repetitions", 1)),
+        repetitions=repetitions,
         num_replicas=positive_int(source, "num_replicas", data.get("num_replicas", 1)),
         router=str(data.get("router", "round_robin")), save_runs=save_runs, out=folder)
     if default:

@@ -201,8 +201,9 @@ def run_sweep_file(path: str | Path, *, jobs: int | None = None, cluster: str | 
     spec = parse_sweep(path, out, overrides)
     tasks = expand(spec)
     if spec.kept_out_of is not None:
-        what = ("another sweep (another base, set or grid)" if folder_kind(spec.kept_out_of) == "sweep"
-                else WHAT.get(folder_kind(spec.kept_out_of) or "", "something else"))
+        kind = folder_kind(spec.kept_out_of)
+        what = ("another sweep (another base, set or grid)" if kind == "sweep"
+                else WHAT.get(kind or "", "something else"))
         print(f"note: {spec.kept_out_of}/ holds {what}, so this one goes to "
               f"{spec.out}/ (--out DIR to choose)", file=sys.stderr)
     return run_sweep(spec, tasks, jobs=jobs, cluster=cluster, progress=progress, announce=announce)
