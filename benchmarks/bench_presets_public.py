@@ -12,7 +12,7 @@ the simulated makespan is compared with the measured latency:
 
 "before" is the presets as committed before the tensor-parallel and fixed-cost
 terms (baseline_predictions.csv, git f16a188); "after" is preset_profile as it is
-now (sim.roofline with sim.collectives' terms). Rows are held out by model: the fit sees Llama-2-7B, Llama-3-8B and
+now (sim.cost.roofline with sim.cost.collectives' terms). Rows are held out by model: the fit sees Llama-2-7B, Llama-3-8B and
 Llama-2-70B; Mistral-7B, Llama-3-70B, Qwen2-7B and Qwen2-72B are held out.
 Targets on held-out rows: MAE <= 15%, |bias| <= 10% in every (GPU, TP) group.
 """
@@ -34,13 +34,13 @@ import simpy
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sim.batch import Batch, StepResult  # noqa: E402
-from sim.collectives import DEFAULT_ENGINE  # noqa: E402
-from sim.config import workload_from_dict  # noqa: E402
-from sim.presets import GPU_PRESETS, MODEL_PRESETS, PRESET_ERRORS_PATH, model_shape_from_hf  # noqa: E402
-from sim.profile import ModelShape, Profile  # noqa: E402
-from sim.roofline import Efficiency, Roofline, preset_profile  # noqa: E402
-from sim.runner import drive, kv_blocks  # noqa: E402
+from sim.core.batch import Batch, StepResult  # noqa: E402
+from sim.cost.collectives import DEFAULT_ENGINE  # noqa: E402
+from sim.run.config import workload_from_dict  # noqa: E402
+from sim.cost.presets import GPU_PRESETS, MODEL_PRESETS, PRESET_ERRORS_PATH, model_shape_from_hf  # noqa: E402
+from sim.cost.profile import ModelShape, Profile  # noqa: E402
+from sim.cost.roofline import Efficiency, Roofline, preset_profile  # noqa: E402
+from sim.run.runner import drive, kv_blocks  # noqa: E402
 
 DATA = ROOT / "calibrate" / "profiles" / "public_vllm"
 RUNS_CSV = DATA / "argonne_llm_inference_bench_vllm.csv"

@@ -17,7 +17,7 @@ writing requests.csv, steps.csv, tokens.npz), sim s (meta.json's wall_s: the
 simulation and its tables, without start-up and files), requests, steps and
 events per wall second, and the process's peak RSS (os.wait4); +files is
 the peak RSS of the second process that writes steps.csv and tokens.npz
-while the run goes on (meta.json, sim.runfiles), and = MiB the two added
+while the run goes on (meta.json, sim.results.runfiles), and = MiB the two added
 (an upper bound of the command's footprint). Events are the
 model's scheduling events: arrivals + completions + preemptions
 (summary.json). Then per policy the largest size over the smallest: the

@@ -39,8 +39,8 @@ def one_run(policy: str, repeat: int) -> dict:
     """Runs inside the child: simulate, measure, return figures."""
     import warnings
 
-    from sim.config import load_workload
-    from sim.runner import run_workload
+    from sim.run.config import load_workload
+    from sim.run.runner import run_workload
     warnings.simplefilter("ignore")
     cfg = load_workload(WORKLOAD, {"policy.kind": policy, "arrivals.repeat": repeat})
     t0, c0 = time.perf_counter(), time.process_time()

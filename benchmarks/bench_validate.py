@@ -43,13 +43,13 @@ def main() -> int:
 
     import torch
 
-    from sim.live import run_sim
+    from sim.run.live import run_sim
     from calibrate.model import MODEL_PRESETS
     from calibrate.runner import calibrate
     from calibrate.validate import calibration_grid, validate
     from reports.presentation.validation import error_table
-    from sim.config import load_workload
-    from sim.runner import kv_blocks
+    from sim.run.config import load_workload
+    from sim.run.runner import kv_blocks
 
     base = load_workload(WORKLOAD)
     grid = calibration_grid(base, MODEL_PRESETS["tiny-llama"], torch.device("cpu"))

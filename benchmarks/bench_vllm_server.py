@@ -41,7 +41,7 @@ KNOBS = {"max_num_seqs": 32, "max_num_batched_tokens": 512}
 
 
 def workload(name: str, mix: str, arrivals: dict, num_requests: int, seed: int):
-    from sim.config import workload_from_dict
+    from sim.run.config import workload_from_dict
     return workload_from_dict({"name": name, "seed": seed, "num_requests": num_requests, "arrivals": arrivals,
                                "lengths": MIXES[mix], "max_tokens": "output", "policy": {"kind": "vllm_v1", **KNOBS}},
                               f"<bench {name}>")

@@ -10,7 +10,7 @@ of items that sample.
 
 Decode attention: one SDPA call per *group* of decodes, each padded only to its
 own longest context, so the work follows the total decode context (as a paged
-attention kernel's does, and as ``sim.profile``'s attn_decode assumes) rather
+attention kernel's does, and as ``sim.cost.profile``'s attn_decode assumes) rather
 than (number of decodes x longest context). Decodes are sorted by their number
 of KV blocks and cut into at most ``MAX_DECODE_GROUPS`` contiguous groups, top
 down, always at the cut that saves the most padded blocks, until the padded
@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from calibrate.model import LlamaModel
-from sim.batch import Batch
-from sim.profile import ModelShape
-from sim.request import Request
+from sim.core.batch import Batch
+from sim.cost.profile import ModelShape
+from sim.core.request import Request
 
 PROMPT_ID_MUL_REQ = 1_000_003
 PROMPT_ID_MUL_POS = 7919

@@ -7,7 +7,7 @@ The Profile's prediction is *linear in its grid values*: for a batch shape,
 
 where L, P, D are the values at the nodes of the linear, attn_prefill and
 attn_decode grids and the w are exactly the (bi)linear interpolation weights
-``sim.curves`` uses (edge segments extrapolate). So every measured step is
+``sim.cost.curves`` uses (edge segments extrapolate). So every measured step is
 one linear equation in the unknown node values, and a mix of measured
 shapes (empty, pure decode, single and multi-chunk prefill, mixed) pins
 them down jointly. The node values are written as running sums of
@@ -71,7 +71,7 @@ class FittedCurves:
 
 
 def _interp_weights(nodes: Sequence[int], x: float) -> tuple[tuple[int, float], tuple[int, float]]:
-    """The two (index, weight) pairs sim.curves uses for x (edges extrapolate)."""
+    """The two (index, weight) pairs sim.cost.curves uses for x (edges extrapolate)."""
     i = min(max(bisect_right(nodes, x) - 1, 0), len(nodes) - 2)
     t = (x - nodes[i]) / (nodes[i + 1] - nodes[i])
     return (i, 1.0 - t), (i + 1, t)

@@ -5,8 +5,8 @@ useful, but every matmul, norm, RoPE and attention has the shape and dtype of
 the real model, so it costs what the real model costs. Llama 3.1's RoPE
 frequency scaling is not modelled; it changes values, not cost.
 
-Its shape is a ``sim.profile.ModelShape``, the type the roofline costs, so a
-preset or an HF config (``sim.presets.model_shape_from_hf``) means the same
+Its shape is a ``sim.cost.profile.ModelShape``, the type the roofline costs, so a
+preset or an HF config (``sim.cost.presets.model_shape_from_hf``) means the same
 model to both; ``check_buildable`` refuses what this model cannot be.
 
 The model exposes its layers as pieces (``embed``, ``qkv``, ``finish_layer``,
@@ -23,15 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sim.presets import MODEL_PRESETS as SHAPE_PRESETS
-from sim.presets import model_shape_from_dict
-from sim.profile import ModelShape
+from sim.cost.presets import MODEL_PRESETS as SHAPE_PRESETS
+from sim.cost.presets import model_shape_from_dict
+from sim.cost.profile import ModelShape
 
 RMS_NORM_EPS = 1e-5
 INIT_STD = 0.02
 
 # Tiny models that run fast on 2 CPU cores, plus every Llama-style (SwiGLU)
-# shape the roofline presets know, taken from sim.presets so the two never drift.
+# shape the roofline presets know, taken from sim.cost.presets so the two never drift.
 MODEL_PRESETS: dict[str, ModelShape] = {
     "tiny-llama-2l": ModelShape("tiny-llama-2l", 64, 2, 4, 2, 172, 512, 2048),
     "tiny-llama": ModelShape("tiny-llama", 256, 4, 8, 4, 688, 4096, 4096),
@@ -41,7 +41,7 @@ MODEL_PRESETS: dict[str, ModelShape] = {
 
 def get_model_shape(spec: str | Mapping[str, Any] | ModelShape) -> ModelShape:
     """A ModelShape as given, a preset by name, or a dict
-    (``sim.presets.model_shape_from_dict``: HF config.json fields or
+    (``sim.cost.presets.model_shape_from_dict``: HF config.json fields or
     ModelShape's own). Raises ValueError naming the bad name or field."""
     if isinstance(spec, ModelShape):
         return spec

@@ -57,12 +57,12 @@ from calibrate.grid import GridSpec, cost_estimator, fit_shapes, plan_pass, rand
 from calibrate.model import get_model_shape
 from calibrate.schema import Measurement, Shape
 from calibrate.timing import Timing, quantile, set_cpu_threads, time_callable
-from sim.batch import Batch, BatchItem
-from sim.curves import Curve1D, Curve2D
-from sim.kv import BlockManager
-from sim.profile import ModelShape, Profile
-from sim.provenance import git_revision, utc_now_iso
-from sim.request import Request
+from sim.core.batch import Batch, BatchItem
+from sim.cost.curves import Curve1D, Curve2D
+from sim.core.kv import BlockManager
+from sim.cost.profile import ModelShape, Profile
+from sim.base.provenance import git_revision, utc_now_iso
+from sim.core.request import Request
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # One warm-up and one timed call per shape per pass, shapes shuffled: each

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from sim.batch import Batch, BatchItem
-from sim.presets import model_shape_from_dict
-from sim.profile import ModelShape, Profile
+from sim.core.batch import Batch, BatchItem
+from sim.cost.presets import model_shape_from_dict
+from sim.cost.profile import ModelShape, Profile
 
 FORMAT_VERSION = 1
 RAW_COLUMNS: tuple[str, ...] = (

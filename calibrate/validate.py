@@ -2,8 +2,8 @@
 
 Both runs share the workload's requests and seed, the policy class and its
 config, the block pool (num_blocks x block_size = the engine's paged KV pool)
-and max_model_len; the live one runs ``sim.engine.Server`` in wall-clock time
-on a ``LiveEngine`` (``sim.live``), the simulated one runs the same loop
+and max_model_len; the live one runs ``sim.loop.server.Server`` in wall-clock time
+on a ``LiveEngine`` (``sim.run.live``), the simulated one runs the same loop
 with the profile's step times. The profile comes from ``--profile`` or, when
 none is given, from a calibration of the same engine first (said so in the
 output and the report). ``reports.presentation.validation`` builds the comparison; only
@@ -25,15 +25,16 @@ import pandas as pd
 import torch
 
 from calibrate.engine import LiveEngine
-from sim.live import run_live, run_sim
+from sim.run.live import run_live, run_sim
 from calibrate.model import get_model_shape
 from calibrate.grid import GridSpec
 from calibrate.runner import DTYPES, CalibrationResult, calibrate
 from calibrate.serving.validate_server import output_dir
 from reports.presentation import validation as rv
-from sim.config import ConfigError, WorkloadConfig, load_workload, parse_override
-from sim.profile import ModelShape, Profile, load_profile
-from sim.runner import RunResult, build_policy, kv_blocks
+from sim.run.config import ConfigError, WorkloadConfig, load_workload, parse_override
+from sim.cost.profile import ModelShape, Profile, load_profile
+from sim.run.runner import build_policy, kv_blocks
+from sim.results.result import RunResult
 
 
 @dataclass
@@ -206,7 +207,7 @@ def _write_report(v: Validation, verdict: pd.DataFrame, out: Path) -> list[Path]
     calibrated here."""
     from reports.presentation.plots import save_figure
     from reports.presentation.render import write_document
-    from sim.io import write_json, write_run
+    from sim.results.folder import write_json, write_run
 
     out.mkdir(parents=True, exist_ok=True)
     paths = [write_run(v.live, out / "live"), write_run(v.sim, out / "sim")]

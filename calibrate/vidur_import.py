@@ -21,7 +21,7 @@ Only what was measured is imported as measured. A table cell no row covers
 (a decode total that would need more context per sequence than was profiled,
 a prefill chunk past the model's context) is *filled*: held at the nearest
 measured value below the profiled range, continued along the row's mean
-slope above it. The monotone repair (``sim.curves.isotonic_grid``) gives
+slope above it. The monotone repair (``sim.cost.curves.isotonic_grid``) gives
 filled cells a negligible weight, so they bend to the measured ones and
 never the other way round; measured values it moves by more than 5% are
 listed in the import report. ``import_report`` (printed by the CLI, stored
@@ -46,9 +46,9 @@ from statistics import median
 from typing import Any, Iterable, Mapping
 
 from calibrate.schema import model_shape_from_spec, sha256_file
-from sim.curves import REPAIR_REPORT_REL, Curve1D, Curve2D, isotonic, isotonic_grid
-from sim.presets import GPU_PRESETS, MODEL_PRESETS
-from sim.profile import GIB, ModelShape, Profile
+from sim.cost.curves import REPAIR_REPORT_REL, Curve1D, Curve2D, isotonic, isotonic_grid
+from sim.cost.presets import GPU_PRESETS, MODEL_PRESETS
+from sim.cost.profile import GIB, ModelShape, Profile
 
 MS = 1e-3
 LAYER_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
@@ -403,7 +403,7 @@ def _model_from(spec: str | None, mlp_path: Path) -> ModelShape:
         if path.is_file():
             import json
 
-            from sim.presets import model_shape_from_hf
+            from sim.cost.presets import model_shape_from_hf
             try:
                 return model_shape_from_hf(json.loads(path.read_text()), path.parent.name or path.stem)
             except (ValueError, json.JSONDecodeError) as exc:

@@ -1,25 +1,24 @@
-"""Scheduling policies. Adding one = one file + one entry in POLICIES + one test file.
+"""Scheduling policies. Adding one = its file + one entry in POLICIES + its test
+file + one entry in ``tests/policies/cases.py`` (and its README row and the
+regenerated schema, which tests check).
 
 Every policy is built the same way, ``PolicyClass(config, context)``, and
-declares what others need to know (``policies.base.Policy``); each config
+declares what others need to know (``sim.core.policy.Policy``); each config
 field carries a one-line doc (``knob_docs``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from policies.base import Policy, PolicyContext
 from policies.dynamic import DynamicConfig, DynamicPolicy
 from policies.orca import OrcaConfig, OrcaPolicy
 from policies.sarathi import SarathiConfig, SarathiPolicy
 from policies.static import StaticConfig, StaticPolicy
 from policies.vllm import VllmConfig, VllmPolicy
 from policies.vllm_v1 import VllmV1Config, VllmV1Policy
-
-if TYPE_CHECKING:
-    from sim.profile import Profile
+from sim.core.policy import Policy, PolicyContext
 
 # kind -> (config dataclass, policy class)
 POLICIES: dict[str, tuple[type, type]] = {
@@ -32,16 +31,15 @@ POLICIES: dict[str, tuple[type, type]] = {
 }
 
 
-def make_policy(config: Any, max_model_len: int, profile: Profile | None = None) -> Policy:
-    """Build the policy object for a validated policy config. ``profile``
-    supplies the device (and the measured server's knobs) that engine
-    defaults depend on; without it the device is unknown (``PolicyContext``).
-    Raises ValueError for a config the engine would refuse."""
-    if profile is None:
-        context = PolicyContext(max_model_len)
-    else:
-        context = PolicyContext(max_model_len, profile.device, profile.memory_bytes_per_gpu,
-                                profile.tensor_parallel, profile.engine)
+def make_policy(config: Any, context: PolicyContext | int) -> Policy:
+    """Build the policy object for a validated policy config. ``context``
+    supplies the model's context length and the device (and the measured
+    server's knobs) that engine defaults depend on (``sim.run.runner.
+    policy_context`` makes it from a profile); a bare max_model_len means the
+    device is unknown (``PolicyContext``). Raises ValueError for a config the
+    engine would refuse."""
+    if isinstance(context, int):
+        context = PolicyContext(context)
     return POLICIES[config.kind][1](config, context)
 
 

@@ -1,94 +1,24 @@
-"""The policy interface and the helpers that several policies share.
+"""The helpers that several policies share.
 
-A policy is pure scheduling logic: ``schedule(state, now_s) -> Batch | Idle``.
-It never sleeps, reads no clock of its own and imports neither SimPy nor
-torch. It may admit and preempt requests and grow their block tables through
-``state`` (that is how nano-vllm and vLLM schedule too); ``state.commit``
-does all token accounting after the step.
+The contract itself (``Policy``, ``PolicyContext``, ``StretchShape``) lives in
+``sim.core.policy``; policies import only ``sim.base`` and ``sim.core``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Protocol
+from dataclasses import field, fields
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from sim.batch import Batch, BatchItem, Idle
-from sim.kv import reservation_tokens
-from sim.request import Request, Status
+from sim.core.batch import Batch, BatchItem, Idle
+from sim.core.policy import StretchShape
+from sim.core.request import Request, Status
 
 if TYPE_CHECKING:
-    from sim.state import SchedulerState
+    from sim.core.state import SchedulerState
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyContext:
-    """What an engine's defaults depend on besides the policy's own config:
-    the model's context length and the device (and, for a profile measured on
-    a serving engine, that engine's knobs) from the run's profile.
-
-    Without a profile the device is unknown (``memory_bytes_per_gpu`` 0), and
-    an engine picks its defaults for the smallest devices it distinguishes.
-    """
-
-    max_model_len: int
-    device: str = "unknown"                                    # the profile's device name
-    memory_bytes_per_gpu: int = 0                              # 0: unknown
-    world_size: int = 1                                        # tensor-parallel ranks
-    engine: Mapping[str, Any] = field(default_factory=dict)    # the measured server's knobs (Profile.engine)
-
-
-class Policy(Protocol):
-    """Chooses the work of the next iteration, and declares what the rest of
-    batchsim needs to know about it (readers never guess knob names).
-
-    Built as ``PolicyClass(config, context)``; raises ValueError for a config
-    the engine would refuse at start-up.
-
-    schedule(state, now_s): return the Batch to run now, or Idle when nothing
-    can run (Idle.wake_at_s asks to be called again at that simulated/wall
-    time even if no request arrives). Raises nothing on normal input.
-
-    knobs(): every config field, in declaration order, with the value that
-    runs (defaults filled in), as a result records it.
-
-    ``decode_stretch``: True if the policy keeps the invariant of the loop's
-    fast path (``sim.stretch``, cases (a) and (b)): with nothing waiting and
-    every running request caught up it decodes them all; after a decode-only
-    step that admitted, preempted and finished nobody it returns the same
-    requests again, one token further on; both until something arrives,
-    finishes or fails to get a block. Say why beside the flag; False steps
-    every iteration.
-
-    ``chunk_stretch``: True if the policy also keeps case (c) of
-    ``sim.stretch``: with one running request prefilling and every other one
-    caught up, it decodes them all and gives the prefilling request a chunk of
-    the rest of the token budget (the budget full, nobody admitted), step
-    after step, until the chunk that completes the prompt. Say why beside
-    the flag.
-    """
-
-    token_budget: int | None       # most tokens one step computes; sizes the activation reserve as vLLM's
-    #                                profiling run does (None: no budget, ``DEFAULT_ACTIVATION_TOKENS``)
-    max_num_seqs: int              # most requests running at once
-    holds_batch: bool              # True: a batch runs to completion and nobody joins it (static, dynamic),
-    #                                its rows padded (policies.static.group_step: decodes attend over the
-    #                                padded length, which the fast path follows):
-    #                                while any request runs, schedule() steps the running group, whatever waits
-    max_prompt_tokens: int | None  # longer prompts are refused at arrival (None: only the context limits)
-    refuses_by_prompt: bool        # True: refused at arrival for the pool (kv_pool) only if the prompt's blocks
-    #                                exceed it above the watermark (vLLM v0's AllocStatus.NEVER); a recompute
-    #                                that outgrows it later is cut short (SchedulerState.cut_short). False: if
-    #                                prompt + max_tokens exceeds the whole pool (reserved at admission, or
-    #                                vllm_v1, which keeps no watermark back from a lone request)
-    decode_stretch: bool
-    chunk_stretch: bool
-
-    def knobs(self) -> dict[str, Any]: ...
-
-    def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle: ...
-
-
-# The ``reserve`` knob of the policies that reserve at admission (``admit_reserved``).
+# The ``reserve`` knob of the policies that reserve at admission (``admit_reserved``): the one list.
+RESERVE_MODES: tuple[str, ...] = ("max_tokens", "max", "pow2", "oracle")
 RESERVE_DOC = ("KV reserved per request at admission: max_tokens (prompt + max_tokens; our default), max "
                "(max_model_len), pow2 or oracle (the true output; the vLLM paper's Orca variants)")
 
@@ -200,5 +130,41 @@ def admit_reserved(state: SchedulerState, now_s: float, reserve: str,
     return admitted
 
 
+def plain_stretch(live_context: int, num_live: int, prefilling: Request | None) -> StretchShape | None:
+    """The repeated step of a policy whose decodes attend over their own
+    contexts and that has no case (c) (``Policy.stretch_shape``): each live
+    request one token further on, so the summed context grows by their number."""
+    return StretchShape(live_context, num_live) if prefilling is None else None
+
+
 def batch_or_idle(items: list[BatchItem]) -> Batch | Idle:
     return Batch(tuple(items)) if items else Idle()
+
+
+def reservation_tokens(
+    mode: str, num_prompt_tokens: int, max_output_tokens: int, true_output_tokens: int,
+    max_model_len: int,
+) -> int:
+    """Tokens a max-length allocator reserves for one request.
+
+    The vLLM paper's Orca variants (section 6.1): ``oracle`` knows the true
+    output length; ``pow2`` over-reserves the true total length to the next
+    power of two (at most 2x); ``max`` always reserves the maximum sequence
+    length. ``max_tokens`` (the default) reserves prompt + the client's
+    ``max_tokens``, which is what a server that honours ``max_tokens`` must do.
+
+    pow2 rounds the *output* up, not the total (the paper: "if the true output
+    length is 25, it reserves 32 positions for outputs"): prompt 100 with 5
+    outputs reserves 100 + 8 = 108 tokens, prompt 40 with 25 outputs 40 + 32 = 72.
+    """
+    if mode == "max_tokens":
+        tokens = num_prompt_tokens + max_output_tokens
+    elif mode == "oracle":
+        tokens = num_prompt_tokens + true_output_tokens
+    elif mode == "pow2":
+        tokens = num_prompt_tokens + (1 << (true_output_tokens - 1).bit_length())
+    elif mode == "max":
+        tokens = max_model_len
+    else:
+        raise ValueError(f"reserve must be one of {RESERVE_MODES}, got {mode!r}")
+    return min(tokens, max_model_len)

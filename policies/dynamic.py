@@ -7,14 +7,16 @@ and same reserved memory as static batching.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
-from policies.base import RESERVE_DOC, PolicyContext, config_knobs, knob
-from policies.static import group_step, launch_group
-from sim.batch import Batch, Idle
+from policies.base import RESERVE_DOC, config_knobs, knob
+from policies.static import group_step, launch_group, padded_stretch
+from sim.core.batch import Batch, Idle
+from sim.core.policy import PolicyContext, StretchShape
 
 if TYPE_CHECKING:
-    from sim.state import SchedulerState
+    from sim.core.request import Request
+    from sim.core.state import SchedulerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,17 +30,22 @@ class DynamicConfig:
 
 
 class DynamicPolicy:
-    # Fast path (sim.stretch): a running group is stepped to its end, whatever arrives.
+    # Fast path (sim.loop.stretch): a running group is stepped to its end, whatever arrives.
     decode_stretch = True
     chunk_stretch = False          # no case (c): see Policy
     holds_batch = True
     refuses_by_prompt = False
+    num_reserved_blocks = 0
     max_prompt_tokens: int | None = None
     token_budget: int | None = None           # a batch takes its prompts whole
 
     def __init__(self, config: DynamicConfig, context: PolicyContext) -> None:
         self.config = config
         self.max_num_seqs = config.max_batch_size
+
+    def stretch_shape(self, running: Sequence[Request], live_context: int, num_live: int,
+                      prefilling: Request | None) -> StretchShape | None:
+        return padded_stretch(running)
 
     def knobs(self) -> dict[str, Any]:
         return config_knobs(self.config)

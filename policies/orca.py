@@ -12,14 +12,16 @@ preempts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
-from policies.base import (RESERVE_DOC, PolicyContext, admit_reserved, batch_or_idle, config_knobs, decode_items,
-                           knob)
-from sim.batch import Batch, BatchItem, Idle
+from policies.base import (RESERVE_DOC, admit_reserved, batch_or_idle, config_knobs, decode_items, knob,
+                           plain_stretch)
+from sim.core.batch import Batch, BatchItem, Idle
+from sim.core.policy import PolicyContext, StretchShape
 
 if TYPE_CHECKING:
-    from sim.state import SchedulerState
+    from sim.core.request import Request
+    from sim.core.state import SchedulerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,18 +33,23 @@ class OrcaConfig:
 
 
 class OrcaPolicy:
-    # Fast path (sim.stretch): decodes use reserved blocks, so the free pool and the free slots
+    # Fast path (sim.loop.stretch): decodes use reserved blocks, so the free pool and the free slots
     # that refused admission stay as they are while the same requests decode.
     decode_stretch = True
     chunk_stretch = False          # no case (c): see Policy
     holds_batch = False
     refuses_by_prompt = False
+    num_reserved_blocks = 0
     max_prompt_tokens: int | None = None
     token_budget: int | None = None           # a joining request's whole prompt runs in one step
 
     def __init__(self, config: OrcaConfig, context: PolicyContext) -> None:
         self.config = config
         self.max_num_seqs = config.max_batch_size
+
+    def stretch_shape(self, running: Sequence[Request], live_context: int, num_live: int,
+                      prefilling: Request | None) -> StretchShape | None:
+        return plain_stretch(live_context, num_live, prefilling)
 
     def knobs(self) -> dict[str, Any]:
         return config_knobs(self.config)

@@ -13,15 +13,16 @@ request by recompute, as in vLLM.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
-from policies.base import PolicyContext, config_knobs, knob, schedule_decodes
+from policies.base import config_knobs, knob, schedule_decodes
 from policies.vllm import admit_prefills, check_budget
-from sim.batch import Batch, BatchItem, Idle
-from sim.request import Status
+from sim.core.batch import Batch, BatchItem, Idle
+from sim.core.policy import PolicyContext, StretchShape
+from sim.core.request import Request, Status
 
 if TYPE_CHECKING:
-    from sim.state import SchedulerState
+    from sim.core.state import SchedulerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,7 @@ class SarathiConfig:
 
 
 class SarathiPolicy:
-    # Fast path (sim.stretch): with nothing prefilling, a decode-only step means admission failed
+    # Fast path (sim.loop.stretch): with nothing prefilling, a decode-only step means admission failed
     # for want of slots, budget left after the decodes or free blocks; none of them grows while
     # the same requests decode.
     decode_stretch = True
@@ -42,6 +43,7 @@ class SarathiPolicy:
     chunk_stretch = True
     holds_batch = False
     refuses_by_prompt = True           # as vllm: Sarathi-Serve's and vLLM v0's can_allocate
+    num_reserved_blocks = 0
     max_prompt_tokens: int | None = None
 
     def __init__(self, config: SarathiConfig, context: PolicyContext) -> None:
@@ -49,6 +51,19 @@ class SarathiPolicy:
         self.token_budget: int | None = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         check_budget(config.max_num_batched_tokens, config.max_num_seqs)
+
+    def stretch_shape(self, running: Sequence[Request], live_context: int, num_live: int,
+                      prefilling: Request | None) -> StretchShape | None:
+        """Case (c) of ``sim.loop.stretch``: the decodes take their tokens first and
+        the prefilling request the rest of the budget, a chunk of at least two
+        tokens (one would be a decode in its Batch) beside at least one decode."""
+        if prefilling is None:
+            return StretchShape(live_context, num_live)
+        num_decodes = len(running) - 1
+        chunk = self.config.max_num_batched_tokens - num_decodes
+        if not num_decodes or chunk < 2:
+            return None
+        return StretchShape(live_context, num_live, chunk)
 
     def knobs(self) -> dict[str, Any]:
         return config_knobs(self.config)

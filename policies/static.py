@@ -13,13 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
-from policies.base import RESERVE_DOC, PolicyContext, admit_reserved, batch_or_idle, config_knobs, knob
-from sim.batch import Batch, BatchItem, Idle
-from sim.request import Status
+from policies.base import RESERVE_DOC, admit_reserved, batch_or_idle, config_knobs, knob
+from sim.core.batch import Batch, BatchItem, Idle
+from sim.core.policy import PolicyContext, StretchShape
+from sim.core.request import Status
 
 if TYPE_CHECKING:
-    from sim.request import Request
-    from sim.state import SchedulerState
+    from sim.core.request import Request
+    from sim.core.state import SchedulerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,13 @@ def group_step(state: SchedulerState) -> Batch:
     return batch
 
 
+def padded_stretch(running: Sequence[Request]) -> StretchShape:
+    """A running padded group's repeated step (``Policy.stretch_shape``): every
+    row, finished rows too, attends over the padded length (``padded_length``),
+    which grows by one a step for all of them."""
+    return StretchShape(len(running) * padded_length(running), len(running))
+
+
 def launch_group(state: SchedulerState, now_s: float, reserve: str, max_size: int) -> Batch | Idle:
     """Admit up to ``max_size`` requests whose reservations fit and prefill them
     together, every prompt padded to the longest."""
@@ -64,17 +72,22 @@ def launch_group(state: SchedulerState, now_s: float, reserve: str, max_size: in
 
 
 class StaticPolicy:
-    # Fast path (sim.stretch): a running group is stepped to its end, whatever arrives.
+    # Fast path (sim.loop.stretch): a running group is stepped to its end, whatever arrives.
     decode_stretch = True
     chunk_stretch = False          # no case (c): see Policy
     holds_batch = True
     refuses_by_prompt = False
+    num_reserved_blocks = 0
     max_prompt_tokens: int | None = None
     token_budget: int | None = None           # a batch takes its prompts whole
 
     def __init__(self, config: StaticConfig, context: PolicyContext) -> None:
         self.config = config
         self.max_num_seqs = config.batch_size
+
+    def stretch_shape(self, running: Sequence[Request], live_context: int, num_live: int,
+                      prefilling: Request | None) -> StretchShape | None:
+        return padded_stretch(running)
 
     def knobs(self) -> dict[str, Any]:
         return config_knobs(self.config)

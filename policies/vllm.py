@@ -11,13 +11,15 @@ request is preempted (recompute). Prefills and decodes never mix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
-from policies.base import PolicyContext, config_knobs, knob, schedule_decodes
-from sim.batch import Batch, BatchItem, Idle
+from policies.base import config_knobs, knob, plain_stretch, schedule_decodes
+from sim.core.batch import Batch, BatchItem, Idle
+from sim.core.policy import PolicyContext, StretchShape
 
 if TYPE_CHECKING:
-    from sim.state import SchedulerState
+    from sim.core.request import Request
+    from sim.core.state import SchedulerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +76,7 @@ def admit_prefills(state: SchedulerState, now_s: float, max_num_seqs: int,
 
 
 class VllmPolicy:
-    # Fast path (sim.stretch): a decode-only step means admission failed for want of sequence
+    # Fast path (sim.loop.stretch): a decode-only step means admission failed for want of sequence
     # slots or free blocks above the watermark; slots stay, free blocks only shrink while decoding.
     decode_stretch = True
     chunk_stretch = False          # no case (c): see Policy
@@ -82,6 +84,7 @@ class VllmPolicy:
     # vLLM v0's block manager refuses a request for good (AllocStatus.NEVER) only when the blocks
     # of what it must compute now, its prompt, exceed the pool above the watermark.
     refuses_by_prompt = True
+    num_reserved_blocks = 0
 
     def __init__(self, config: VllmConfig, context: PolicyContext) -> None:
         self.config = config
@@ -96,6 +99,10 @@ class VllmPolicy:
         check_budget(self.token_budget, config.max_num_seqs)
         # vLLM v0 ignores prompts longer than min(max_model_len, max_num_batched_tokens).
         self.max_prompt_tokens: int | None = self.token_budget
+
+    def stretch_shape(self, running: Sequence[Request], live_context: int, num_live: int,
+                      prefilling: Request | None) -> StretchShape | None:
+        return plain_stretch(live_context, num_live, prefilling)
 
     def knobs(self) -> dict[str, Any]:
         return config_knobs(self.config, max_num_batched_tokens=self.token_budget)

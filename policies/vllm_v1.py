@@ -32,15 +32,17 @@ caching, priorities, speculative decoding, KV connectors, multimodal inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
-from policies.base import PolicyContext, config_knobs, knob
+from policies.base import config_knobs, knob, plain_stretch
 from policies.vllm import check_budget
-from sim.batch import Batch, BatchItem, Idle
-from sim.request import Status
+from sim.core.batch import Batch, BatchItem, Idle
+from sim.core.policy import PolicyContext, StretchShape
+from sim.core.request import Status
 
 if TYPE_CHECKING:
-    from sim.state import SchedulerState
+    from sim.core.request import Request
+    from sim.core.state import SchedulerState
 
 GIB = 1024**3
 
@@ -81,7 +83,7 @@ def engine_defaults(context: PolicyContext) -> tuple[int, int]:
 
 
 class VllmV1Policy:
-    # Fast path (sim.stretch): a decode-only step that preempted nobody means admission failed
+    # Fast path (sim.loop.stretch): a decode-only step that preempted nobody means admission failed
     # for want of slots, budget or free blocks; slots and budget stay, free blocks only shrink.
     decode_stretch = True
     chunk_stretch = False          # no case (c): see Policy
@@ -105,6 +107,10 @@ class VllmV1Policy:
         if config.long_prefill_token_threshold > max_model_len:
             raise ValueError(f"long_prefill_token_threshold ({config.long_prefill_token_threshold}) cannot "
                              f"exceed max_model_len ({max_model_len}), as vLLM requires")
+
+    def stretch_shape(self, running: Sequence[Request], live_context: int, num_live: int,
+                      prefilling: Request | None) -> StretchShape | None:
+        return plain_stretch(live_context, num_live, prefilling)
 
     def knobs(self) -> dict[str, Any]:
         return config_knobs(self.config, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.token_budget)

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 EXIT_BAD_INPUT = 2
 STARTED_S = time.perf_counter()      # the command's "in all" counts from here (interpreter start-up aside)
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")   # calibrate.runner.DTYPES, without importing torch
-ROUTER_CHOICES = ("round_robin", "least_requests", "least_tokens")   # sim.engine.ROUTERS, without importing simpy
+ROUTER_CHOICES = ("round_robin", "least_requests", "least_tokens")   # sim.loop.feed.ROUTERS, without importing simpy
 
 
 def _num(v: Any, decimals: int) -> str:
@@ -31,7 +31,7 @@ def _num(v: Any, decimals: int) -> str:
 
 
 def _load_text(load: Any) -> str:
-    """The offered traffic beside the achieved throughput (``load``: a ``sim.vllm_result.Load``)."""
+    """The offered traffic beside the achieved throughput (``load``: a ``sim.results.vllm_bench.Load``)."""
     if load.closed_loop:
         return f"closed loop, at most {load.max_concurrency:,} in flight"
     if load.offered_rps is None:
@@ -42,7 +42,7 @@ def _load_text(load: Any) -> str:
 
 def format_summary(summary: dict[str, Any], title: str = "", *, load: Any = None, num_replicas: int = 1,
                    router: str = "") -> str:
-    """A readable terminal table of a run's summary; ``load`` (a ``sim.vllm_result.Load``)
+    """A readable terminal table of a run's summary; ``load`` (a ``sim.results.vllm_bench.Load``)
     adds the offered rate and an "overload:" line when the server fell behind it."""
     s = summary
     lines = []
@@ -77,14 +77,14 @@ def format_summary(summary: dict[str, Any], title: str = "", *, load: Any = None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from sim.chrome_trace import first_steps, trace_chunks
-    from sim.config import load_workload, parse_override
-    from sim.io import prepare_run_dir, remove_if_empty, write_run
-    from sim.runfiles import RunFilesProcess
-    from sim.runner import run_workload
-    from sim.vllm_result import DEFAULT_PERCENTILES, bench_result, offered_load, parse_percentiles
+    from sim.results.chrome_trace import first_steps, trace_chunks
+    from sim.run.config import load_workload, parse_override
+    from sim.results.folder import prepare_run_dir, remove_if_empty, write_run
+    from sim.results.runfiles import RunFilesProcess
+    from sim.run.runner import run_workload
+    from sim.results.vllm_bench import DEFAULT_PERCENTILES, bench_result, offered_load, parse_percentiles
 
-    from sim.config import ConfigError
+    from sim.run.config import ConfigError
     percentiles = parse_percentiles(DEFAULT_PERCENTILES if args.metric_percentiles is None
                                     else args.metric_percentiles)
     if args.replicas < 1:
@@ -98,7 +98,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     run_dir = prepare_run_dir(args.out, Path("runs") / cfg.name, overwrite=args.overwrite)   # before the work
     out, taken = run_dir.path, run_dir.taken
     try:
-        # steps.csv and tokens.npz are written by a second process while the run goes on (sim.runfiles)
+        # steps.csv and tokens.npz are written by a second process while the run goes on (sim.results.runfiles)
         with RunFilesProcess(out) as files:
             result = run_workload(cfg, num_replicas=args.replicas, router=args.router, progress=not args.quiet,
                                   strict=args.strict, files=files)
@@ -189,8 +189,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_schema(args: argparse.Namespace) -> int:
     import json
 
-    from sim.atomic import write_text_atomic
-    from sim.schema import workload_schema
+    from sim.base.atomic import write_text_atomic
+    from sim.run.schema import workload_schema
     text = json.dumps(workload_schema(), indent=2) + "\n"
     if args.out is not None:
         check_out_file(args.out, "workload.schema.json")
@@ -203,7 +203,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 def check_out_file(out: str, example: str) -> None:
     """An ``--out`` that names a file to write: not a folder, in a folder that exists."""
-    from sim.config import ConfigError
+    from sim.run.config import ConfigError
     target = Path(out)
     if not out.strip() or target.is_dir() or not target.parent.is_dir():
         problem = "is a folder" if out.strip() and target.is_dir() else "its folder does not exist"
@@ -211,7 +211,7 @@ def check_out_file(out: str, example: str) -> None:
 
 
 def check_budget(budget_s: float | None) -> None:
-    from sim.config import ConfigError
+    from sim.run.config import ConfigError
     if budget_s is not None and not (math.isfinite(budget_s) and budget_s > 0):
         raise ConfigError(f"--budget-s must be a finite number of seconds > 0, got {budget_s}")
 
@@ -403,8 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    from sim.config import ConfigError
-    from sim.profile import ProfileError
+    from sim.run.config import ConfigError
+    from sim.cost.profile import ProfileError
 
     if sys.stdout is None:              # started with stdout closed (`sim run ... >&-`)
         sys.stdout = open(os.devnull, "w")

@@ -14,12 +14,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from policies import make_policy  # noqa: E402
-from sim.curves import Curve1D, Curve2D  # noqa: E402
-from sim.engine import Server, SimExecutor, feed  # noqa: E402
-from sim.kv import BlockManager  # noqa: E402
-from sim.profile import ModelShape, Profile  # noqa: E402
-from sim.request import Request  # noqa: E402
-from sim.state import SchedulerState  # noqa: E402
+from sim.cost.curves import Curve1D, Curve2D  # noqa: E402
+from sim.loop.server import Server, SimExecutor  # noqa: E402
+from sim.loop.feed import feed  # noqa: E402
+from sim.core.kv import BlockManager  # noqa: E402
+from sim.cost.profile import ModelShape, Profile  # noqa: E402
+from sim.core.request import Request  # noqa: E402
+from sim.core.state import SchedulerState  # noqa: E402
 
 WORKLOADS = ROOT / "workloads"
 

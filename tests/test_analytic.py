@@ -9,10 +9,10 @@ import pytest
 from conftest import linear_profile, simulate
 
 from policies import POLICIES
-from sim.batch import Batch, BatchItem
-from sim.config import workload_from_dict
-from sim.runner import run_workload
-from sim.roofline import preset_profile
+from sim.core.batch import Batch, BatchItem
+from sim.run.config import workload_from_dict
+from sim.run.runner import run_workload
+from sim.cost.roofline import preset_profile
 
 ONE_AT_A_TIME = {
     "static": {"batch_size": 1}, "dynamic": {"max_batch_size": 1, "max_queue_delay_s": 0.0},

@@ -10,10 +10,10 @@ import pytest
 import yaml
 from conftest import ROOT
 
-import sim.io
+import sim.results.folder
 from sim.cli import main
-from sim.config import workload_from_dict
-from sim.runfiles import RunFilesProcess
+from sim.run.config import workload_from_dict
+from sim.results.runfiles import RunFilesProcess
 from workloads.generate import generate
 
 GOOD = {
@@ -202,11 +202,11 @@ def test_binary_garbage_profile(tmp_path, capsys):
 
 # ---- outputs ----------------------------------------------------------------------------------
 def test_unwritable_out_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
-    import sim.runner
+    import sim.run.runner
 
     def never(*args, **kwargs):
         raise AssertionError("the simulation ran before --out was checked")
-    monkeypatch.setattr(sim.runner, "run_workload", never)
+    monkeypatch.setattr(sim.run.runner, "run_workload", never)
     blocker = tmp_path / "file"
     blocker.write_text("")
     wl = tmp_path / "w.yaml"
@@ -220,7 +220,7 @@ def test_full_disk_leaves_no_tmp_and_no_summary(tmp_path, capsys, monkeypatch):
     def no_space(path, *args, **kwargs):
         Path(path).write_bytes(b"half an archive")          # the disk fills up part way
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(sim.io, "write_tokens_npz", no_space)
+    monkeypatch.setattr(sim.results.folder, "write_tokens_npz", no_space)
     # tokens.npz in process (a second process's failure: test_runfiles.py)
     monkeypatch.setattr(RunFilesProcess, "start", lambda self, *a: False)
     rc, err, out = run(tmp_path, GOOD, capsys)

@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 from conftest import WORKLOADS
 
-from sim.config import load_workload
-from sim.runner import run_workload
+from sim.run.config import load_workload
+from sim.run.runner import run_workload
 
 
 def run(name: str, **overrides):
@@ -88,7 +88,7 @@ def test_vllm_paper_ordering_paged_beats_every_orca_reservation():
             "lengths": {"kind": "empirical", "path": "sharegpt_8k_lengths.csv"},
             "max_tokens": "output", "server": {"max_model_len": 2048},
             "profile": {"model": "opt-13b", "gpu": "a100-40gb"}}
-    from sim.config import workload_from_dict
+    from sim.run.config import workload_from_dict
     tput = {}
     for name, policy in (("vllm", {"kind": "vllm"}), ("oracle", {"kind": "orca", "reserve": "oracle"}),
                          ("pow2", {"kind": "orca", "reserve": "pow2"}), ("max", {"kind": "orca", "reserve": "max"})):

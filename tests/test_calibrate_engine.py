@@ -9,8 +9,8 @@ torch = pytest.importorskip("torch")
 from calibrate import engine as engine_module  # noqa: E402
 from calibrate.engine import LiveEngine, decode_groups  # noqa: E402
 from calibrate.model import MODEL_PRESETS  # noqa: E402
-from sim.batch import Batch, BatchItem  # noqa: E402
-from sim.request import Request  # noqa: E402
+from sim.core.batch import Batch, BatchItem  # noqa: E402
+from sim.core.request import Request  # noqa: E402
 
 CFG = MODEL_PRESETS["tiny-llama-2l"]
 BLOCK_SIZE = 4

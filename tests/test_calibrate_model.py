@@ -1,4 +1,4 @@
-"""The torch model's shapes (sim.profile.ModelShape), presets, HF import, and the dense reference model (CPU)."""
+"""The torch model's shapes (sim.cost.profile.ModelShape), presets, HF import, and the dense reference model (CPU)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from calibrate.model import MODEL_PRESETS, LlamaModel, get_model_shape  # noqa: E402
-from sim.presets import MODEL_PRESETS as SHAPE_PRESETS  # noqa: E402
-from sim.presets import model_shape_from_hf  # noqa: E402
-from sim.profile import ModelShape  # noqa: E402
-from sim.roofline import preset_profile  # noqa: E402
+from sim.cost.presets import MODEL_PRESETS as SHAPE_PRESETS  # noqa: E402
+from sim.cost.presets import model_shape_from_hf  # noqa: E402
+from sim.cost.profile import ModelShape  # noqa: E402
+from sim.cost.roofline import preset_profile  # noqa: E402
 
 LLAMA31_8B_HF = {
     "_name_or_path": "meta-llama/Llama-3.1-8B",

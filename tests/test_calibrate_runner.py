@@ -12,8 +12,8 @@ from calibrate import schema
 from calibrate.fit import fit_curves, nnls
 from calibrate.grid import GridSpec, fit_shapes, random_shape, spread_evenly
 from calibrate.schema import Shape
-from sim.curves import Curve1D, Curve2D
-from sim.profile import ModelShape, Profile, load_profile
+from sim.cost.curves import Curve1D, Curve2D
+from sim.cost.profile import ModelShape, Profile, load_profile
 
 torch = pytest.importorskip("torch")
 

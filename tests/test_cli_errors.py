@@ -127,7 +127,7 @@ def test_over_context_requests_are_rejected_and_counted(tmp_path, capsys):
 
 
 def test_every_example_workload_validates():
-    from sim.config import load_workload
+    from sim.run.config import load_workload
     for path in WORKLOADS.glob("*.yaml"):
         if path.name.startswith(("sweep_", "plan_")):
             continue

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from sim.cli import ROUTER_CHOICES, build_parser
-from sim.engine import ROUTERS
+from sim.loop.feed import ROUTERS
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -6,7 +6,7 @@ Every hand run uses a profile whose steps all cost 10 ms (no per-token or
 attention cost), so a step's end is its start + 0.010 s. A client sends its
 next request when the reply comes (the end of the step that finished the
 previous one); the server has already picked the step that starts then, so
-the new request waits for the next step (``sim.engine.feed_capped``).
+the new request waits for the next step (``sim.loop.feed.feed_capped``).
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from policies.sarathi import SarathiConfig
 from policies.vllm import VllmConfig
 from policies.vllm_v1 import VllmV1Config
 from sim.cli import main
-from sim.config import ConfigError, load_workload, workload_from_dict
-from sim.runner import RunResult, run_workload
-from sim.vllm_result import bench_result
+from sim.run.config import ConfigError, load_workload, workload_from_dict
+from sim.run.runner import run_workload
+from sim.results.result import RunResult
+from sim.results.vllm_bench import bench_result
 
 
 def exact(x: float) -> pytest.approx:

@@ -1,7 +1,7 @@
-"""The loop's fast path (sim.stretch) changes nothing but speed.
+"""The loop's fast path (sim.loop.stretch) changes nothing but speed.
 
 Every bundled example, under every policy, is simulated twice, stepping one
-iteration at a time (``sim.engine.FAST_PATH = False``) and with decode-only
+iteration at a time (``sim.loop.server.FAST_PATH = False``) and with decode-only
 stretches computed at once, and the per-request table, the step log, the token
 log and the summary must be identical: not close, identical, because a stretch
 prices each step with the same floating-point operations in the same order
@@ -17,9 +17,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-import sim.engine
-from sim.config import load_workload, load_yaml_mapping, workload_from_dict
-from sim.runner import run_workload
+import sim.loop.server
+from sim.run.config import load_workload, load_yaml_mapping, workload_from_dict
+from sim.run.runner import run_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ("azure_conv", "azure_code", "arxiv_long_prompt", "mixed_lengths", "sharegpt_poisson",
@@ -31,11 +31,11 @@ def _both(make_cfg, **kw):
     """(stepped, fast) results of the same workload."""
     out = []
     for fast in (False, True):
-        sim.engine.FAST_PATH = fast
+        sim.loop.server.FAST_PATH = fast
         try:
             out.append(run_workload(make_cfg(), **kw))
         finally:
-            sim.engine.FAST_PATH = True
+            sim.loop.server.FAST_PATH = True
     return out
 
 
@@ -112,11 +112,11 @@ def test_fast_path_really_skips_steps(monkeypatch) -> None:
     counts = []
     for fast in (False, True):
         calls["n"] = 0
-        sim.engine.FAST_PATH = fast
+        sim.loop.server.FAST_PATH = fast
         try:
             result = run_workload(load_workload(ROOT / "workloads" / "azure_conv.yaml", {"num_requests": 300}))
         finally:
-            sim.engine.FAST_PATH = True
+            sim.loop.server.FAST_PATH = True
         counts.append((calls["n"], result.summary["num_steps"]))
     (stepped_calls, steps), (fast_calls, fast_steps) = counts
     assert steps == fast_steps
@@ -135,10 +135,10 @@ def test_stretches_run_through_finishes_and_events(monkeypatch, example: str, ex
     # must really happen on these runs (an open loop, static groups, and a closed loop
     # whose clients wait on each finish and think before sending again: their sends are
     # the events), and the results stay those of stepping.
-    import sim.state
-    import sim.stretch
+    import sim.core.state
+    import sim.loop.stretch
     seen = {"finishing": 0, "crossing": 0, "crossing_finishing": 0, "chunk": 0, "completes": 0}
-    commit, crossing_commit = sim.state.SchedulerState.commit_decode_stretch, sim.stretch._Crossing.commit
+    commit, apply = sim.core.state.SchedulerState.commit_decode_stretch, sim.loop.stretch._apply
 
     def counting_commit(self, live, ids, ends, finishing, prefilling=None, prefill_tokens=0, completes=False):
         seen["finishing"] += bool(finishing)
@@ -146,13 +146,14 @@ def test_stretches_run_through_finishes_and_events(monkeypatch, example: str, ex
         seen["completes"] += completes
         return commit(self, live, ids, ends, finishing, prefilling, prefill_tokens, completes)
 
-    def counting_crossing(self, server, end_s):
-        seen["crossing"] += 1
-        seen["crossing_finishing"] += bool(self.finishing)
-        return crossing_commit(self, server, end_s)
+    def counting_apply(server, plan):
+        if plan.crossing_s is not None:            # a stretch through the next event
+            seen["crossing"] += 1
+            seen["crossing_finishing"] += bool(plan.finishing)
+        return apply(server, plan)
 
-    monkeypatch.setattr(sim.state.SchedulerState, "commit_decode_stretch", counting_commit)
-    monkeypatch.setattr(sim.stretch._Crossing, "commit", counting_crossing)
+    monkeypatch.setattr(sim.core.state.SchedulerState, "commit_decode_stretch", counting_commit)
+    monkeypatch.setattr(sim.loop.stretch, "_apply", counting_apply)
     path = ROOT / "workloads" / f"{example}.yaml"
     stepped, fast = _both(lambda: load_workload(path, {"num_requests": 300, **extra}))
     _assert_identical(stepped, fast)

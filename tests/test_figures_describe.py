@@ -217,8 +217,8 @@ POLICIES = {"static": {"batch_size": 4}, "dynamic": {"max_batch_size": 4}, "orca
 
 
 def small_run(kind: str):
-    from sim.config import workload_from_dict
-    from sim.runner import run_workload
+    from sim.run.config import workload_from_dict
+    from sim.run.runner import run_workload
     cfg = workload_from_dict({"name": kind, "seed": 2, "num_requests": 24, "arrivals": {"kind": "poisson", "rate": 8.0},
                               "lengths": {"kind": "uniform", "prompt_min": 16, "prompt_max": 128, "output_min": 4,
                                           "output_max": 32}, "policy": {"kind": kind, **POLICIES[kind]}})

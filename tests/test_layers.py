@@ -1,12 +1,16 @@
-"""The layers of the tree: what may import what (read from the source, not by importing).
+"""The floors of the tree: what may import what, read from the source (not by
+importing it), counting imports inside functions and ``if TYPE_CHECKING:``
+blocks alike: a type-only import is an arrow too.
 
-- sim's core types (request, batch, kv, state, logs; strict for ConfigError,
-  heap for the C heap)
-  import nothing else of the project;
-- policies import only policies and the core types;
+- sim/ is built in floors (``sim/__init__``): base, core, cost, then results
+  and loop beside each other, then run, then cli; a floor imports only the
+  floors below it (``FLOORS``);
+- policies import only policies, sim.base and sim.core;
+- workloads import only workloads and sim.base;
+- only sim.run (and sim.cli) imports policies and workloads; only sim.cli
+  imports reports and calibrate;
 - reports.experiments never imports reports.presentation;
-- no module of the project takes part in an import cycle, counting imports
-  inside functions too (only ``if TYPE_CHECKING:`` blocks are left out).
+- no module of the project takes part in an import cycle.
 """
 
 from __future__ import annotations
@@ -14,9 +18,24 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("sim", "policies", "calibrate", "workloads", "reports")
-CORE = {"sim.request", "sim.batch", "sim.kv", "sim.state", "sim.logs", "sim.strict", "sim.heap"}
+
+# Each floor of sim/ and the packages it may import (besides itself).
+FLOORS: dict[str, set[str]] = {
+    "sim.base": set(),
+    "sim.core": {"sim.base"},
+    "sim.cost": {"sim.base", "sim.core"},
+    "sim.results": {"sim.base", "sim.core", "sim.cost"},
+    "sim.loop": {"sim.base", "sim.core", "sim.cost"},
+    "sim.run": {"sim.base", "sim.core", "sim.cost", "sim.results", "sim.loop", "policies", "workloads"},
+    "sim.cli": {"sim.base", "sim.core", "sim.cost", "sim.results", "sim.loop", "sim.run", "policies",
+                "workloads", "reports", "calibrate"},
+    "policies": {"sim.base", "sim.core"},
+    "workloads": {"sim.base"},
+}
 
 
 def _module_name(path: Path) -> str:
@@ -25,16 +44,10 @@ def _module_name(path: Path) -> str:
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:
-    """Project modules ``path`` imports at run time (TYPE_CHECKING blocks left out)."""
+    """Project modules ``path`` imports, anywhere in the file (TYPE_CHECKING blocks included)."""
     tree = ast.parse(path.read_text())
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for child in node.body for n in ast.walk(child))
     out: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -54,16 +67,25 @@ def _graph() -> dict[str, set[str]]:
     return {_module_name(p): _imports(p, modules) - {_module_name(p)} for p in files}
 
 
-def test_core_types_import_nothing_above_them() -> None:
-    graph = _graph()
-    for module in CORE:
-        assert graph[module] <= CORE, (module, graph[module] - CORE)
+def _floor(module: str) -> str:
+    """The floor (a key of FLOORS) or top-level package a module belongs to."""
+    for floor in sorted(FLOORS, key=len, reverse=True):
+        if module == floor or module.startswith(floor + "."):
+            return floor
+    return module.split(".")[0]
 
 
-def test_policies_import_only_policies_and_core_types() -> None:
-    for module, deps in _graph().items():
-        if module.startswith("policies"):
-            assert all(d.startswith("policies") or d in CORE for d in deps), (module, deps)
+def test_every_module_of_sim_is_on_a_floor() -> None:
+    loose = sorted(m for m in _graph() if m.startswith("sim.") and _floor(m) not in FLOORS)
+    assert loose == [], f"modules of sim/ outside every floor: {loose}"
+
+
+@pytest.mark.parametrize("floor", sorted(FLOORS))
+def test_floor_imports_only_the_floors_below(floor: str) -> None:
+    wrong = {m: sorted(d for d in deps if _floor(d) != floor and _floor(d) not in FLOORS[floor])
+             for m, deps in _graph().items() if _floor(m) == floor}
+    wrong = {m: deps for m, deps in wrong.items() if deps}
+    assert wrong == {}, f"upward or sideways arrows from {floor}: {wrong}"
 
 
 def test_experiments_never_import_presentation() -> None:
@@ -87,3 +109,10 @@ def test_no_import_cycles() -> None:
 
     cyclic = sorted(m for m in graph if m in reaches(m))
     assert cyclic == []
+
+
+def test_the_checker_sees_type_only_imports(tmp_path: Path) -> None:
+    """A ``TYPE_CHECKING`` import is an arrow (the old checker left them out, which hid three cycles)."""
+    f = tmp_path / "m.py"
+    f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from sim.run.runner import drive\n")
+    assert _imports(f, {"sim.run.runner", "sim.run"}) == {"sim.run.runner"}

@@ -27,10 +27,11 @@ import pytest
 from conftest import linear_profile
 
 from reports.experiments.capacity import judge
-from sim.config import Slo
-from sim.config import workload_from_dict
-from sim.metrics import summarize
-from sim.runner import RunResult, run_workload
+from sim.run.config import Slo
+from sim.run.config import workload_from_dict
+from sim.results.metrics import summarize
+from sim.run.runner import run_workload
+from sim.results.result import RunResult
 
 
 def exact(x: float) -> pytest.approx:

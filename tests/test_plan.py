@@ -22,7 +22,7 @@ from reports.experiments.plan import CandidateTask, check_queue, plan_candidate,
 from reports.experiments.planspec import Verify, parse_plan, spec_summary
 from reports.presentation.report import regenerate
 from sim.cli import main
-from sim.config import ConfigError, Slo
+from sim.run.config import ConfigError, Slo
 
 WORKLOAD = {"name": "tiny", "seed": 5, "num_requests": 80, "arrivals": {"kind": "poisson", "rate": 4.0},
             "lengths": {"kind": "uniform", "prompt_min": 64, "prompt_max": 1024, "output_min": 16, "output_max": 128},

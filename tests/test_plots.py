@@ -11,7 +11,7 @@ import pytest
 
 from reports.presentation import plots, runplots, sweepplots
 from reports.presentation.report import regenerate
-from sim.config import ConfigError
+from sim.run.config import ConfigError
 
 
 def sweep_table() -> pd.DataFrame:
@@ -109,9 +109,9 @@ def test_continuous_batching_refills_a_freed_slot_at_once() -> None:
 
 
 def small_run(tmp_path: Path, kind: str, name: str):
-    from sim.config import workload_from_dict
-    from sim.io import write_run
-    from sim.runner import run_workload
+    from sim.run.config import workload_from_dict
+    from sim.results.folder import write_run
+    from sim.run.runner import run_workload
     policy = {"kind": kind, "batch_size": 4} if kind == "static" else {"kind": kind, "max_num_seqs": 4}
     cfg = workload_from_dict({"name": name, "seed": 2, "num_requests": 24, "arrivals": {"kind": "poisson", "rate": 8.0},
                               "lengths": {"kind": "uniform", "prompt_min": 16, "prompt_max": 128, "output_min": 4,

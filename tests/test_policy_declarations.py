@@ -16,7 +16,8 @@ import pytest
 from conftest import linear_profile
 
 from policies import POLICIES, knob_docs, make_policy
-from policies.base import PolicyContext
+from sim.run.runner import policy_context
+from sim.core.policy import PolicyContext
 
 GIB = 1024**3
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -77,11 +78,11 @@ def test_vllm_v1_defaults_follow_the_profiles_device_and_server():
     # CPU: 2048 x 2 / 128 x 2 = 4096 / 256; a measured server's knobs win over the device's
     expected = [(h200, 8192, 1024), (b200, 16384, 1024), (a100, 2048, 256), (cpu, 4096, 256), (served, 1024, 64)]
     for prof, tokens, seqs in expected:
-        policy = make_policy(cfg, 4096, prof)
+        policy = make_policy(cfg, policy_context(4096, prof))
         assert (policy.token_budget, policy.max_num_seqs) == (tokens, seqs), prof.device
         assert policy.knobs()["max_num_batched_tokens"] == tokens and policy.knobs()["max_num_seqs"] == seqs
     # the budget is capped at max_num_seqs x max_model_len: 1024 x 4 = 4096 < 8192
-    assert make_policy(cfg, 4, h200).token_budget == 4096
+    assert make_policy(cfg, policy_context(4, h200)).token_budget == 4096
 
 
 @pytest.mark.parametrize("kind", list(POLICIES))

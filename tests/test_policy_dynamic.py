@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from conftest import add, make_state, simulate
 
-from policies.base import PolicyContext
+from sim.core.policy import PolicyContext
 from policies.dynamic import DynamicConfig, DynamicPolicy
-from sim.batch import Idle
+from sim.core.batch import Idle
 
 CONTEXT = PolicyContext(max_model_len=1 << 16)        # make_state's default
 

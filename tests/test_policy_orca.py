@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from conftest import add, make_state
 
-from policies.base import PolicyContext
+from sim.core.policy import PolicyContext
 from policies.orca import OrcaConfig, OrcaPolicy
-from sim.batch import BatchItem
-from sim.request import Status
+from sim.core.batch import BatchItem
+from sim.core.request import Status
 
 CONTEXT = PolicyContext(max_model_len=1 << 16)        # make_state's default
 
@@ -72,7 +72,7 @@ def test_pow2_reserves_as_the_vllm_paper_does():
     """vLLM paper section 6.1: the output is rounded up to a power of two, the
     prompt is not. Prompt 100 + 5 outputs: 100 + 8 = 108; prompt 40 + 25
     outputs: 40 + 32 = 72; a single output token reserves 1 (2^0)."""
-    from sim.kv import reservation_tokens
+    from policies.base import reservation_tokens
     assert reservation_tokens("pow2", 100, 500, 5, 4096) == 108
     assert reservation_tokens("pow2", 40, 500, 25, 4096) == 72
     assert reservation_tokens("pow2", 40, 500, 32, 4096) == 72

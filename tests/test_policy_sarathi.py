@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from conftest import add, make_state
 
-from policies.base import PolicyContext
+from sim.core.policy import PolicyContext
 from policies.sarathi import SarathiConfig, SarathiPolicy
-from sim.batch import BatchItem
+from sim.core.batch import BatchItem
 
 CONTEXT = PolicyContext(max_model_len=1 << 16)        # make_state's default
 

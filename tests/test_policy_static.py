@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from conftest import add, make_state, simulate
 
-from policies.base import PolicyContext
+from sim.core.policy import PolicyContext
 from policies.static import StaticConfig, StaticPolicy
-from sim.batch import BatchItem, Idle
-from sim.request import Status
+from sim.core.batch import BatchItem, Idle
+from sim.core.request import Status
 
 CONTEXT = PolicyContext(max_model_len=1 << 16)        # make_state's default
 

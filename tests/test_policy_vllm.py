@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from conftest import add, make_state
 
-from policies.base import PolicyContext
+from sim.core.policy import PolicyContext
 from policies.vllm import VllmConfig, VllmPolicy
-from sim.batch import Batch, BatchItem, Idle
-from sim.request import Status
+from sim.core.batch import Batch, BatchItem, Idle
+from sim.core.request import Status
 
 
 def test_prefill_first_within_token_budget_then_decode_only():
@@ -83,7 +83,7 @@ def test_budget_below_max_model_len_is_refused_at_start_up():
 
 def test_prompt_over_the_policy_limit_is_rejected_with_its_reason():
     state = make_state(max_prompt_tokens=512)
-    from sim.request import Request
+    from sim.core.request import Request
     r = Request(0, 0.0, 600, 10)
     assert not state.add_arrival(r, 10, 0.0)
     assert r.status == Status.REJECTED and r.reject_reason == "prompt_limit" and state.num_rejected == 1

@@ -89,7 +89,7 @@ def test_two_sweeps_on_one_folder_do_not_interleave(tmp_path: Path) -> None:
     """A second sweep on a folder another process holds is refused with one line naming the holder;
     once the holder dies (kill -9 runs no clean-up) the OS has dropped the lock and the folder is free."""
     from reports.experiments.sweep import lock_folder
-    from sim.config import ConfigError
+    from sim.run.config import ConfigError
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
                               text=True)
     try:

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.collectives import ENGINES, TpStepCosts, allreduce_s, engine_overhead, gather_s
-from sim.presets import GPU_PRESETS, MODEL_PRESETS, preset_error
-from sim.roofline import Efficiency, Roofline, preset_profile
+from sim.cost.collectives import ENGINES, TpStepCosts, allreduce_s, engine_overhead, gather_s
+from sim.cost.presets import GPU_PRESETS, MODEL_PRESETS, preset_error
+from sim.cost.roofline import Efficiency, Roofline, preset_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
 from policies import POLICIES
-from sim.request import Status
+from sim.core.request import Status
 
 BLOCK = 8
 MAX_MODEL_LEN = 512
@@ -85,10 +85,11 @@ def test_invariants(policy_cfg, raw, num_blocks):
     from conftest import linear_profile
 
     from policies import make_policy
-    from sim.engine import Server, SimExecutor, feed
-    from sim.kv import BlockManager
-    from sim.request import Request
-    from sim.state import SchedulerState
+    from sim.loop.server import Server, SimExecutor
+    from sim.loop.feed import feed
+    from sim.core.kv import BlockManager
+    from sim.core.request import Request
+    from sim.core.state import SchedulerState
     env = simpy.Environment()
     policy = make_policy(policy_cfg, MAX_MODEL_LEN)
     state = SchedulerState(BlockManager(num_blocks, BLOCK), MAX_MODEL_LEN, policy.max_prompt_tokens)

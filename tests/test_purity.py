@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_sim_and_policies_do_not_import_torch():
-    code = ("import sys, policies, sim.cli, sim.runner, sim.engine, sim.roofline, workloads.generate;"
-            "from sim.config import load_workload; from sim.runner import run_workload;"
+    code = ("import sys, policies, sim.cli, sim.run.runner, sim.loop.server, sim.cost.roofline, workloads.generate;"
+            "from sim.run.config import load_workload; from sim.run.runner import run_workload;"
             f"cfg = load_workload(r'{ROOT / 'workloads' / 'mixed_lengths.yaml'}', {{'num_requests': 20}});"
             "run_workload(cfg);"
             "assert 'torch' not in sys.modules, 'torch imported';"

@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.batch import Batch, BatchItem
-from sim.curves import Curve1D, Curve2D, CurveRepairWarning, isotonic, isotonic_grid
-from sim.presets import GPU_PRESETS, MODEL_PRESETS, model_shape_from_hf
-from sim.profile import FORMAT_VERSION, ProfileError, load_profile, profile_from_dict
-from sim.roofline import Efficiency, Roofline, analytic_profile, overlap_time, preset_profile
+from sim.core.batch import Batch, BatchItem
+from sim.cost.curves import Curve1D, Curve2D, CurveRepairWarning, isotonic, isotonic_grid
+from sim.cost.presets import GPU_PRESETS, MODEL_PRESETS, model_shape_from_hf
+from sim.cost.profile import FORMAT_VERSION, ProfileError, load_profile, profile_from_dict
+from sim.cost.roofline import Efficiency, Roofline, analytic_profile, overlap_time, preset_profile
 
 LLAMA_31_8B_HF = {  # fields of meta-llama/Llama-3.1-8B config.json
     "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
@@ -232,7 +232,7 @@ def test_every_preset_pair_builds_fast() -> None:
             assert prof.step_time_s(decode_batch(4, 100)) > prof.overhead_s > 0
             assert prof.provenance == {"source": "analytic-roofline", "gpu": gpu, "model": model,
                                        "tensor_parallel": 1, "dtype": "bf16",
-                                       "generator": "sim.roofline", "batchsim_format": FORMAT_VERSION,
+                                       "generator": "sim.cost.roofline", "batchsim_format": FORMAT_VERSION,
                                        "activations": "fixed + per token x the policy's "
                                                       "max_num_batched_tokens (vLLM's profiling run)"}
             assert "justification" in prof.efficiency
@@ -415,8 +415,8 @@ def test_replaced_linear_curve_is_not_served_from_the_old_memo() -> None:
     new linear curve must price with the new curve, not the memo of the old one."""
     import dataclasses
 
-    from sim.batch import Batch, BatchItem
-    from sim.curves import Curve1D
+    from sim.core.batch import Batch, BatchItem
+    from sim.cost.curves import Curve1D
     base = preset_profile("llama-2-7b", "a100-80gb")
     batch = Batch((BatchItem(0, 1, 100),))
     before = base.step_time_s(batch)                 # fills the memo for 1 token

@@ -10,17 +10,18 @@ import pytest
 import simpy
 from conftest import add, linear_profile, make_state, simulate
 
-from policies.base import PolicyContext
+from sim.core.policy import PolicyContext
 from policies.dynamic import DynamicConfig, DynamicPolicy
 from policies.orca import OrcaConfig, OrcaPolicy
 from policies.sarathi import SarathiConfig
 from policies.static import StaticConfig, StaticPolicy
 from policies.vllm import VllmConfig, VllmPolicy
 from policies.vllm_v1 import GIB, VllmV1Config, VllmV1Policy, engine_defaults
-from sim.batch import Batch, BatchItem, Idle
-from sim.engine import Server, SimExecutor, pick_replica
-from sim.kv import BlockManager
-from sim.request import Request, Status
+from sim.core.batch import Batch, BatchItem, Idle
+from sim.loop.server import Server, SimExecutor
+from sim.loop.feed import pick_replica
+from sim.core.kv import BlockManager
+from sim.core.request import Request, Status
 
 CTX = PolicyContext(max_model_len=1 << 16)
 

@@ -12,17 +12,17 @@ import pandas as pd
 import pytest
 from conftest import WORKLOADS
 
-import sim.io
-import sim.runner
-import sim.vllm_result
+import sim.results.folder
+import sim.run.runner
+import sim.results.vllm_bench
 from calibrate.serving.measured import bench_run, read_bench_json
-from sim.chrome_trace import first_steps, trace_chunks
+from sim.results.chrome_trace import first_steps, trace_chunks
 from sim.cli import main
-from sim.config import ConfigError
-from sim.io import RUN_FILES, prepare_run_dir, write_json
-from sim.metrics import add_request_metrics, summarize
-from sim.runner import RunResult
-from sim.vllm_result import PerRequest, bench_result, offered_load, parse_percentiles, peak_second, policy_knobs
+from sim.run.config import ConfigError
+from sim.results.folder import RUN_FILES, prepare_run_dir, write_json
+from sim.results.metrics import add_request_metrics, summarize
+from sim.results.result import RunResult
+from sim.results.vllm_bench import PerRequest, bench_result, offered_load, parse_percentiles, peak_second, policy_knobs
 
 MIXED = str(WORKLOADS / "mixed_lengths.yaml")
 SMALL = ["--set", "num_requests=30", "--quiet"]
@@ -37,7 +37,7 @@ def sim_run(capsys, *args: str) -> tuple[int, str, str]:
 def never_run(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("the simulation ran although the command should have stopped first")
-    monkeypatch.setattr(sim.runner, "run_workload", refuse)
+    monkeypatch.setattr(sim.run.runner, "run_workload", refuse)
 
 
 # ---- run folders -------------------------------------------------------------------------------
@@ -238,7 +238,7 @@ def test_bench_peaks_count_from_the_first_finished_arrival_and_from_arrivals():
 
 
 def test_bench_traffic_burstiness_and_empty_metrics():
-    from sim.vllm_result import traffic
+    from sim.results.vllm_bench import traffic
     load = offered_load(requests_frame([(0.0, 0.1, 0.2, 2, "finished"), (1.0, 1.1, 1.2, 2, "finished")]))
     # vllm bench serve: gamma gaps of shape k have CV 1/sqrt(k), so CV 2 is burstiness 1/2^2 = 0.25
     assert traffic({"kind": "gamma", "rate": 4.0, "cv": 2.0}, load)["burstiness"] == 0.25
@@ -315,12 +315,12 @@ def test_vllm_bench_numbers_by_hand(tmp_path, monkeypatch):
     # one-second buckets from t = 0: tokens 0.10 0.15 0.25 0.70 land in the first -> 4 tok/s; requests 0
     # ([0, 0.25]) and 1 ([0.5, 0.7]) are both in flight in it -> 2
     assert (b["max_output_tokens_per_s"], b["max_concurrent_requests"]) == (4.0, 2)
-    monkeypatch.setattr(sim.vllm_result, "PEAK_ROWS", 1)      # requests counted one at a time: the same
+    monkeypatch.setattr(sim.results.vllm_bench, "PEAK_ROWS", 1)      # requests counted one at a time: the same
     run = hand_run()
     assert peak_second(run.requests, run.token_chunks()) == (4.0, 2)
     # only the occupied buckets, merged after every chunk (a run too long for an array): the same
-    monkeypatch.setattr(sim.vllm_result, "DENSE_SECONDS", 0)
-    monkeypatch.setattr(sim.vllm_result, "MERGE_ROWS", 1)
+    monkeypatch.setattr(sim.results.vllm_bench, "DENSE_SECONDS", 0)
+    monkeypatch.setattr(sim.results.vllm_bench, "MERGE_ROWS", 1)
     assert peak_second(run.requests, run.token_chunks()) == (4.0, 2)
     assert b["request_rate"] == 1.0 and b["num_prompts"] == 5
     assert b["output_lens"] == [3, 1, 2, 2, 0] and b["input_lens"] == [10, 20, 30, 40, 50]
@@ -333,7 +333,7 @@ def test_vllm_bench_numbers_by_hand(tmp_path, monkeypatch):
     assert b["latencies"].tolist() == pytest.approx([0.25, 0.2, 0.4, 0.8, 0.0])
     assert b["queue_times"].tolist() == [0.0] * 5
     write_json(tmp_path / "chunked.json", b, indent=None)       # the series, chunk by chunk
-    monkeypatch.setattr(sim.io, "JSON_ROWS", 2)
+    monkeypatch.setattr(sim.results.folder, "JSON_ROWS", 2)
     write_json(tmp_path / "two.json", b, indent=None)
     as_lists = {k: v.tolist() if isinstance(v, PerRequest) else v for k, v in b.items()}
     assert (tmp_path / "chunked.json").read_text() == (tmp_path / "two.json").read_text() == json.dumps(as_lists) + "\n"

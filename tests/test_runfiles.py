@@ -1,4 +1,4 @@
-"""steps.csv and tokens.npz written by a second process while a run goes on (``sim.runfiles``).
+"""steps.csv and tokens.npz written by a second process while a run goes on (``sim.results.runfiles``).
 
 The process formats the step logs' spilled chunks as they come and writes
 tokens.npz after the loop; ``write_run`` renames its files into place. Its
@@ -23,13 +23,13 @@ import pytest
 import yaml
 from conftest import ROOT, linear_profile
 
-import sim.logs
-import sim.runfiles
+import sim.core.logs
+import sim.results.runfiles
 from sim.cli import main
-from sim.config import workload_from_dict
-from sim.io import write_run
-from sim.runfiles import STEP_COLUMNS, RunFilesProcess, csv_columns, step_chunk_text
-from sim.runner import run_workload
+from sim.run.config import workload_from_dict
+from sim.results.folder import write_run
+from sim.results.runfiles import STEP_COLUMNS, RunFilesProcess, csv_columns, step_chunk_text
+from sim.run.runner import run_workload
 
 
 def workload(tmp: Path, **top):
@@ -49,8 +49,8 @@ def written(out: Path) -> dict[str, bytes]:
 def test_the_process_writes_the_bytes_write_run_writes(tmp_path, monkeypatch, replicas) -> None:
     cfg = workload(tmp_path)
     alone = write_run(run_workload(cfg, num_replicas=replicas, router="least_requests"), tmp_path / "alone")
-    monkeypatch.setattr(sim.runfiles, "STREAM_STEP_CHUNK", 7)      # many chunks, announced one by one
-    monkeypatch.setattr(sim.logs, "TOKEN_CHUNK", 11)
+    monkeypatch.setattr(sim.results.runfiles, "STREAM_STEP_CHUNK", 7)      # many chunks, announced one by one
+    monkeypatch.setattr(sim.core.logs, "TOKEN_CHUNK", 11)
     out = tmp_path / "streamed"
     out.mkdir()
     sent: list[str] = []
@@ -95,9 +95,9 @@ def test_sim_run_uses_the_process_and_says_nothing_of_it(tmp_path, capsys, monke
 def test_many_replicas_write_in_process(tmp_path) -> None:
     # 17 > MAX_REPLICAS = 16: nothing is started (each replica would spill its last rows alone)
     files = RunFilesProcess(tmp_path)
-    logs = [sim.logs.StepLog() for _ in range(17)]
-    assert not files.start(logs, [sim.logs.TokenLog() for _ in logs], range(17), 10) and not files.started
-    assert files.start(logs[:16], [sim.logs.TokenLog() for _ in logs[:16]], range(16), 10) and files.started
+    logs = [sim.core.logs.StepLog() for _ in range(17)]
+    assert not files.start(logs, [sim.core.logs.TokenLog() for _ in logs], range(17), 10) and not files.started
+    assert files.start(logs[:16], [sim.core.logs.TokenLog() for _ in logs[:16]], range(16), 10) and files.started
     files.close()
     assert list(tmp_path.iterdir()) == []
 
@@ -138,7 +138,7 @@ def test_a_run_given_up_stops_the_process_and_removes_its_files(tmp_path) -> Non
 
 def serve(tmp_path: Path, messages: str) -> tuple[int, str]:
     """The second process's main, in this process, on these stdin lines."""
-    code = ("import sys, io; from sim.runfiles import main; "
+    code = ("import sys, io; from sim.results.runfiles import main; "
             f"sys.exit(main([{str(tmp_path / 's.tmp')!r}, {str(tmp_path / 't.tmp')!r}, '100']))")
     proc = subprocess.run([sys.executable, "-c", code], input=messages, capture_output=True, text=True, cwd=ROOT)
     return proc.returncode, proc.stderr.strip()
@@ -218,7 +218,7 @@ def test_killing_sim_run_ends_the_process_and_its_files(tmp_path) -> None:
                 argv = (proc / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"sim.runfiles" in argv and any(str(out).encode() in a for a in argv):
+            if b"sim.results.runfiles" in argv and any(str(out).encode() in a for a in argv):
                 found.append(int(proc.name))
         return found
 

@@ -11,7 +11,7 @@ import yaml
 
 from policies import POLICIES
 from sim.cli import main
-from sim.schema import workload_schema
+from sim.run.schema import workload_schema
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = sorted(p for p in (ROOT / "workloads").glob("*.yaml")

@@ -23,10 +23,10 @@ from calibrate.schema import Shape
 from calibrate.serving.calibrate_server import calibrate_server, main, traffic
 from calibrate.serving.client import ServerInfo
 from calibrate.serving.probes import Knobs, Sent, SimTransport, align, analyse, combine
-from sim.batch import Batch, BatchItem
-from sim.config import ConfigError, workload_from_dict
-from sim.profile import load_profile
-from sim.runner import run_workload
+from sim.core.batch import Batch, BatchItem
+from sim.run.config import ConfigError, workload_from_dict
+from sim.cost.profile import load_profile
+from sim.run.runner import run_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 TRUE_PROFILE = ROOT / "calibrate" / "profiles" / "cpu" / "tiny-llama" / "float32.yaml"
@@ -183,13 +183,14 @@ def _batches(profile, sents, knobs):
     """The batches vLLM v1's policy forms for ``sents`` on a server with ``profile``."""
     import simpy
 
-    from policies.base import PolicyContext
+    from sim.core.policy import PolicyContext
     from policies.vllm_v1 import VllmV1Config, VllmV1Policy
-    from sim.batch import StepResult
-    from sim.engine import Server, feed
-    from sim.kv import BlockManager
-    from sim.request import Request
-    from sim.state import SchedulerState
+    from sim.core.batch import StepResult
+    from sim.loop.server import Server
+    from sim.loop.feed import feed
+    from sim.core.kv import BlockManager
+    from sim.core.request import Request
+    from sim.core.state import SchedulerState
 
     seen = []
 
@@ -274,7 +275,7 @@ def test_server_calibration_never_imports_torch():
             "from calibrate.serving.probes import SimTransport\n"
             "from calibrate.serving.calibrate_server import calibrate_server\n"
             "from calibrate.serving.client import ServerInfo\n"
-            "from sim.profile import load_profile\n"
+            "from sim.cost.profile import load_profile\n"
             f"tr = SimTransport(load_profile({str(TRUE_PROFILE)!r}), max_num_seqs=8, max_num_batched_tokens=128,"
             " max_model_len=1024)\n"
             "calibrate_server('http://x', budget_s=5, transport=tr, info=ServerInfo('m', 1024, 64, 128, False, 8,"

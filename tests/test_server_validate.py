@@ -20,8 +20,8 @@ from calibrate.serving.measured import bench_run, measured_run, read_bench_json,
 from calibrate.serving.validate_server import output_dir, resolve_knobs
 from reports.presentation import validation as rv
 from sim.cli import main
-from sim.config import ConfigError, workload_from_dict
-from sim.profile import load_profile
+from sim.run.config import ConfigError, workload_from_dict
+from sim.cost.profile import load_profile
 
 PROFILE = ROOT / "calibrate" / "profiles" / "cpu" / "tiny-llama" / "float32.yaml"
 
@@ -174,7 +174,7 @@ def test_bench_reader_without_start_times_takes_given_arrivals(tmp_path):
 
 def test_a_closed_loop_file_without_start_times_is_refused(tmp_path):
     from calibrate.serving.measured import measure_file
-    from sim.config import workload_from_dict
+    from sim.run.config import workload_from_dict
     data = bench_dict()
     del data["start_times"]
     cfg = workload_from_dict({"name": "c", "num_requests": 3, "arrivals": {"kind": "concurrency", "max_concurrency": 2},
@@ -317,16 +317,16 @@ def test_validate_measured_end_to_end_without_torch(tmp_path):
 
 def test_an_interrupted_report_leaves_no_folder(tmp_path, monkeypatch, capsys):
     import calibrate.serving.validate_server as vs
-    import sim.io
+    import sim.results.folder
     wl = write(tmp_path, WORKLOAD, "w.yaml")
     bench = write(tmp_path, bench_dict())
-    real = sim.io.write_run
+    real = sim.results.folder.write_run
 
     def interrupted(result, out_dir, **kw):        # measured/ is written, then Ctrl-C before sim/
         if Path(out_dir).name == "sim":
             raise KeyboardInterrupt
         return real(result, out_dir, **kw)
-    monkeypatch.setattr(sim.io, "write_run", interrupted)
+    monkeypatch.setattr(sim.results.folder, "write_run", interrupted)
     from sim.cli import main
     assert main(["validate", str(wl), "--measured", str(bench), "--profile", str(PROFILE),
                  "--out", str(tmp_path / "out")]) == 130

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sim.config import workload_from_dict
-from sim.profile import load_profile
-from sim.runner import run_workload
+from sim.run.config import workload_from_dict
+from sim.cost.profile import load_profile
+from sim.run.runner import run_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "calibrate" / "profiles").rglob("*.yaml"))

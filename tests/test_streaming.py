@@ -1,8 +1,8 @@
 """Runs larger than memory: chunked logs, streamed summaries and outputs, O(1) block pools.
 
-A run's token and step logs spill to disk in chunks (``sim.logs``); the
-summary is computed from the chunks (``sim.metrics``) and the outputs are
-written from them (``sim.io``). With tiny chunks every array, summary and
+A run's token and step logs spill to disk in chunks (``sim.core.logs``); the
+summary is computed from the chunks (``sim.results.metrics``) and the outputs are
+written from them (``sim.results.folder``). With tiny chunks every array, summary and
 file must equal the unchunked run's, and the exact percentile selection must
 equal numpy's on the same values.
 """
@@ -21,16 +21,16 @@ import numpy as np
 import pytest
 from conftest import ROOT, linear_profile
 
-import sim.logs
-import sim.metrics
-from sim.config import workload_from_dict
-from sim.engine import SimExecutor
-from sim.io import write_run
-from sim.kv import BlockManager
-from sim.logs import SpillError, StepLog, TokenLog
-from sim.metrics import SpilledValues, distribution, inter_token_latencies, itl_values, stats_ms
-from sim.request import Request, RequestRecords
-from sim.runner import ProgressLines, progress_line, run_workload
+import sim.core.logs
+import sim.results.metrics
+from sim.run.config import workload_from_dict
+from sim.loop.server import SimExecutor
+from sim.results.folder import write_run
+from sim.core.kv import BlockManager
+from sim.core.logs import SpillError, StepLog, TokenLog
+from sim.results.metrics import SpilledValues, distribution, inter_token_latencies, itl_values, stats_ms
+from sim.core.request import Request, RequestRecords
+from sim.run.runner import ProgressLines, progress_line, run_workload
 
 
 @pytest.fixture
@@ -43,8 +43,8 @@ def spill_dir(tmp_path, monkeypatch) -> Path:
 
 
 def tiny_chunks(monkeypatch) -> None:
-    monkeypatch.setattr(sim.logs, "TOKEN_CHUNK", 7)
-    monkeypatch.setattr(sim.logs, "STEP_CHUNK", 5)
+    monkeypatch.setattr(sim.core.logs, "TOKEN_CHUNK", 7)
+    monkeypatch.setattr(sim.core.logs, "STEP_CHUNK", 5)
     monkeypatch.setattr(RequestRecords, "CHUNK", 3)         # the done requests' columns too
 
 
@@ -66,7 +66,7 @@ TIMES = [0.5, 0.5, 0.75, 1.0, 1.0, 1.0, 1.5, 2.0, 2.0, 2.0, 2.0, 2.25]
 def test_token_log_by_hand(spill_dir, monkeypatch) -> None:
     whole = TokenLog()
     log_steps(whole, STEPS)
-    monkeypatch.setattr(sim.logs, "TOKEN_CHUNK", 3)
+    monkeypatch.setattr(sim.core.logs, "TOKEN_CHUNK", 3)
     chunked = TokenLog()
     log_steps(chunked, STEPS)
     # Spills once a step ends with >= 3 tokens held: after steps 1-2 (3), 3 (3), 4-5 (5); step 6 stays.
@@ -79,7 +79,7 @@ def test_token_log_by_hand(spill_dir, monkeypatch) -> None:
 
 
 def test_add_stretch_equals_steps_one_by_one(spill_dir, monkeypatch) -> None:
-    monkeypatch.setattr(sim.logs, "TOKEN_CHUNK", 5)
+    monkeypatch.setattr(sim.core.logs, "TOKEN_CHUNK", 5)
     ends = np.array([1.0, 1.5, 2.5, 4.0])
     ids = np.array([7, 2, 9])
     one_by_one, stretched = TokenLog(), TokenLog()
@@ -102,7 +102,7 @@ def test_step_log_chunks_equal_unchunked(spill_dir, monkeypatch) -> None:
     ints[4, 7] = 2 ** 40                                        # too big for int32: that chunk stays int64
     logs = []
     for chunk in (10 ** 6, 4):
-        monkeypatch.setattr(sim.logs, "STEP_CHUNK", chunk)
+        monkeypatch.setattr(sim.core.logs, "STEP_CHUNK", chunk)
         log = StepLog()
         log.record_stretch(t[:9], t[:9] / 10, t[:9] / 9, ints[:9].ravel())
         log.record_stretch(t[9:], t[9:] / 10, t[9:] / 9, ints[9:].ravel())
@@ -148,9 +148,9 @@ def test_tiny_chunks_give_the_same_run(tmp_path, spill_dir, monkeypatch, replica
 def test_spilled_summary_equals_in_memory(tmp_path, spill_dir, monkeypatch) -> None:
     cfg = small_workload(tmp_path)
     exact = run_workload(cfg, num_replicas=2).summary
-    monkeypatch.setattr(sim.metrics, "MAX_IN_MEMORY_VALUES", 5)
-    monkeypatch.setattr(sim.metrics, "MAX_IN_MEMORY_STEPS", 3)
-    monkeypatch.setattr(sim.metrics, "MAX_GATHER", 4)
+    monkeypatch.setattr(sim.results.metrics, "MAX_IN_MEMORY_VALUES", 5)
+    monkeypatch.setattr(sim.results.metrics, "MAX_IN_MEMORY_STEPS", 3)
+    monkeypatch.setattr(sim.results.metrics, "MAX_GATHER", 4)
     streamed = run_workload(cfg, num_replicas=2).summary
     summed = ("mean_itl_ms", "std_itl_ms", "busy_fraction", "mean_kv_utilization")   # in another order
     for got, want in [(streamed, exact), *zip(streamed["replicas"], exact["replicas"])]:
@@ -168,14 +168,14 @@ def test_itl_carries_last_token_across_chunks(spill_dir, monkeypatch, piece) -> 
     # request 0: 0.0 -> 0.1 -> 0.4 (gaps 0.1, 0.3); request 1: 0.5 -> 0.7 (gap 0.2); the chunk
     # boundary falls between request 0's 0.1 and 0.4, so 0.3 needs 0.1 carried over. Chunks cut
     # into pieces of 1 or 2 tokens (the gaps of a large chunk are computed piece by piece) too.
-    monkeypatch.setattr(sim.metrics, "GAP_PIECE", piece)
+    monkeypatch.setattr(sim.results.metrics, "GAP_PIECE", piece)
     chunks = [(np.array([0, 0]), np.array([0.0, 0.1])), (np.array([1, 0, 1]), np.array([0.5, 0.4, 0.7]))]
     gaps = itl_values(chunks, 5)
     assert np.round(gaps, 9).tolist() == [0.1, 0.3, 0.2]        # by request, then time
     ids = np.concatenate([c[0] for c in chunks])
     times = np.concatenate([c[1] for c in chunks])
     assert np.array_equal(inter_token_latencies(ids, times), gaps)
-    monkeypatch.setattr(sim.metrics, "MAX_IN_MEMORY_VALUES", 4)     # 5 tokens: spilled
+    monkeypatch.setattr(sim.results.metrics, "MAX_IN_MEMORY_VALUES", 4)     # 5 tokens: spilled
     spilled = itl_values(chunks, 5)
     assert isinstance(spilled, SpilledValues) and sorted(np.round(np.concatenate(list(spilled.chunks())), 9)) == \
         [0.1, 0.2, 0.3]
@@ -196,7 +196,7 @@ SAMPLES = {
 
 @pytest.mark.parametrize("name", SAMPLES)
 def test_exact_percentiles_match_numpy(name, spill_dir, monkeypatch) -> None:
-    monkeypatch.setattr(sim.metrics, "MAX_GATHER", 8)       # refine to 64 bits whenever 9+ values tie
+    monkeypatch.setattr(sim.results.metrics, "MAX_GATHER", 8)       # refine to 64 bits whenever 9+ values tie
     values_s = SAMPLES[name](np.random.default_rng(7))
     spilled = SpilledValues()
     for part in np.array_split(values_s, 5):
@@ -212,8 +212,8 @@ def test_exact_percentiles_match_numpy(name, spill_dir, monkeypatch) -> None:
     # Asked again (vllm_bench.json after the summary), the sample is not read again for what is
     # known; new percentiles select only their own ranks, and the answers are the same.
     calls: list[set] = []
-    select = sim.metrics.order_statistics
-    monkeypatch.setattr(sim.metrics, "order_statistics", lambda chunks, ranks: calls.append(set(ranks)) or
+    select = sim.results.metrics.order_statistics
+    monkeypatch.setattr(sim.results.metrics, "order_statistics", lambda chunks, ranks: calls.append(set(ranks)) or
                         select(chunks, ranks))
     assert stats_ms(spilled, percentiles) == (mean, median, std, got) and calls == []
     known_before = set(spilled.known["at"])
@@ -357,7 +357,7 @@ def test_full_spill_disk_is_one_line(tmp_path, monkeypatch) -> None:
 
 @pytest.mark.parametrize("ending", ["return", "raise"])
 def test_spill_folder_removed_at_exit(tmp_path, ending) -> None:
-    script = ("import sys, numpy as np, sim.logs as L\n"
+    script = ("import sys, numpy as np, sim.core.logs as L\n"
               "L.TOKEN_CHUNK = 2\n"
               "log = L.TokenLog()\n"
               "log.add_stretch(np.arange(3.0), np.arange(4))\n"
@@ -374,11 +374,12 @@ def test_done_requests_leave_the_state_as_records(tmp_path) -> None:
     """A run holds Request objects only for the requests in flight: each one
     that finishes or is rejected moves into the state's RequestRecords, and
     the requests table is built from those records, which it empties."""
-    from sim.engine import Server, feed
+    from sim.loop.server import Server
+    from sim.loop.feed import feed
     import simpy
-    from policies.base import PolicyContext
+    from sim.core.policy import PolicyContext
     from policies.vllm import VllmConfig, VllmPolicy
-    from sim.state import SchedulerState
+    from sim.core.state import SchedulerState
 
     env = simpy.Environment()
     # 4 blocks x 16 tokens, max_model_len 64: request 2 (prompt 60 + max_tokens 10 = 70 > 64) is rejected.
@@ -393,7 +394,7 @@ def test_done_requests_leave_the_state_as_records(tmp_path) -> None:
     assert not state.requests and not state._true_output           # nothing held after the run
     assert max(in_flight) <= 3                                      # never more than were in flight
     assert len(state.records) == 4 and state.num_rejected == 1
-    from sim.runner import request_table
+    from sim.run.runner import request_table
     table = request_table([server], 4).frame()
     assert table["req_id"].tolist() == [0, 1, 2, 3]                 # id order, whatever the finish order
     assert table["status"].tolist() == ["finished", "finished", "rejected", "finished"]
@@ -421,7 +422,7 @@ def test_requests_table_scatters_replicas_records_into_id_order(tmp_path) -> Non
 # ---- CSV text: to_csv's bytes, faster --------------------------------------------------------------
 def test_csv_text_is_to_csv_byte_for_byte() -> None:
     import pandas as pd
-    from sim.io import csv_text, write_csv
+    from sim.results.folder import csv_text, write_csv
     rng = np.random.default_rng(0)
     n = 3000
     f = rng.standard_normal(n) * 10.0 ** rng.integers(-20, 20, n)
@@ -451,9 +452,9 @@ def test_request_table_chunks_and_columns_equal_the_whole_table(tmp_path) -> Non
     """A run's RequestTable gives, chunk by chunk and column by column, exactly
     what its whole DataFrame holds; the summaries and files of a run never
     build that DataFrame."""
-    from sim.io import write_run
-    from sim.table import RequestTable
-    from sim.vllm_result import bench_result
+    from sim.results.folder import write_run
+    from sim.results.table import RequestTable
+    from sim.results.vllm_bench import bench_result
     cfg = small_workload(tmp_path, server={"num_blocks": 128, "max_model_len": 64})   # some rejected
     with pytest.warns(UserWarning, match="9 of 40 requests were rejected"):
         result = run_workload(cfg, num_replicas=2)

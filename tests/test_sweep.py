@@ -14,7 +14,7 @@ from reports.experiments.table import read_table_ids
 from reports.presentation.report import regenerate
 from reports.presentation.terminal import slo_met
 from sim.cli import main
-from sim.config import ConfigError
+from sim.run.config import ConfigError
 
 WORKLOAD = {"name": "tiny", "seed": 3, "num_requests": 40, "arrivals": {"kind": "poisson", "rate": 4.0},
             "lengths": {"kind": "uniform", "prompt_min": 32, "prompt_max": 256, "output_min": 8, "output_max": 48},

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from sim.config import ConfigError, workload_from_dict
+from sim.run.config import ConfigError, workload_from_dict
 from workloads.generate import generate
 from workloads.traces import load_trace
 
@@ -103,7 +103,7 @@ def test_duration_limits_synthetic_requests():
 
 
 def test_per_request_max_tokens_column_caps_output(tmp_path):
-    from sim.runner import run_workload
+    from sim.run.runner import run_workload
     p = tmp_path / "m.csv"
     p.write_text("arrival_time_s,prompt_tokens,output_tokens,max_tokens\n0,10,50,20\n1,10,5,100\n")
     cfg = workload_from_dict({"name": "m", "arrivals": {"kind": "trace", "path": str(p)},

@@ -40,17 +40,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sim.live import run_sim  # noqa: E402
+from sim.run.live import run_sim  # noqa: E402
 from calibrate.model import MODEL_PRESETS  # noqa: E402
 from calibrate.runner import calibrate  # noqa: E402
 from calibrate.validate import Validation, calibration_grid, main, validate  # noqa: E402
 from reports.presentation import validation as rv  # noqa: E402
 from reports.presentation.render import to_markdown  # noqa: E402
-from sim.config import ConfigError, workload_from_dict  # noqa: E402
-from sim.curves import Curve1D, Curve2D  # noqa: E402
-from sim.io import read_run  # noqa: E402
-from sim.profile import Profile  # noqa: E402
-from sim.runner import RunResult, run_workload  # noqa: E402
+from sim.run.config import ConfigError, workload_from_dict  # noqa: E402
+from sim.cost.curves import Curve1D, Curve2D  # noqa: E402
+from sim.results.folder import read_run  # noqa: E402
+from sim.cost.profile import Profile  # noqa: E402
+from sim.run.runner import run_workload  # noqa: E402
+from sim.results.result import RunResult  # noqa: E402
 
 MODEL = "tiny-llama"
 THREADS = 1
@@ -254,5 +255,5 @@ def test_bad_input_is_a_config_error(calibrated, tmp_path: Path) -> None:
 
 
 def test_reports_validation_is_torch_free() -> None:
-    code = "import sys, reports.presentation.validation, sim.live; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, reports.presentation.validation, sim.run.live; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)

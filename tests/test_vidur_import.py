@@ -12,10 +12,10 @@ import pytest
 
 from calibrate.vidur_import import VidurImportError, format_report, import_vidur
 from calibrate.vidur_import import main as vidur_main
-from sim.batch import Batch, BatchItem
-from sim.curves import CurveRepairWarning
-from sim.presets import GPU_PRESETS, MODEL_PRESETS
-from sim.profile import load_profile
+from sim.core.batch import Batch, BatchItem
+from sim.cost.curves import CurveRepairWarning
+from sim.cost.presets import GPU_PRESETS, MODEL_PRESETS
+from sim.cost.profile import load_profile
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vidur"
 MLP, ATTN = FIXTURES / "mlp.csv", FIXTURES / "attention.csv"

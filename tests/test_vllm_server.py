@@ -90,7 +90,7 @@ def test_tiny_model_folder_is_reused_and_tokenizes_words(tmp_path: Path) -> None
     transformers = pytest.importorskip("transformers")
     from calibrate.model import get_model_shape
     from calibrate.serving.tiny_model import SPECIAL_TOKEN_IDS, write_preset, write_tiny_llama
-    from sim.presets import model_shape_from_hf
+    from sim.cost.presets import model_shape_from_hf
 
     out = write_tiny_llama(tmp_path / "m", num_layers=1)
     stamp = (out / "model.safetensors").stat().st_mtime_ns

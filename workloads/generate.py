@@ -1,4 +1,5 @@
-"""Turn a WorkloadConfig into request specs: arrival time, prompt and output lengths.
+"""Turn a workload's traffic (``workloads.spec.Traffic``) into request specs: arrival times,
+prompt and output lengths.
 
 Randomness: one ``np.random.SeedSequence(seed)`` spawns independent streams for
 arrivals, prompt lengths and output lengths, so changing the length model does
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.config import ConfigError, WorkloadConfig
+from sim.base.strict import ConfigError
+from workloads.spec import Traffic
 from workloads.traces import load_trace
 
 
@@ -30,12 +32,12 @@ class RequestSpecs:
         return len(self.arrival_s)
 
 
-def _synthetic_arrivals(cfg: WorkloadConfig, rng: np.random.Generator, n_max: int) -> np.ndarray:
+def _synthetic_arrivals(cfg: Traffic, rng: np.random.Generator, n_max: int) -> np.ndarray:
     a = cfg.arrivals
     n = n_max
     if a.kind in ("all_at_once", "concurrency"):
         # A closed loop's times are only the earliest each request may go:
-        # the driver sends it when a client is free (sim.engine.feed_capped).
+        # the driver sends it when a client is free (sim.loop.feed.feed_capped).
         return np.zeros(n)
     assert a.rate is not None, "validated: synthetic arrivals have a rate"
     mean_gap = 1.0 / a.rate
@@ -58,7 +60,7 @@ def _bounded_zipf(rng: np.random.Generator, lo: int, hi: int, alpha: float, n: i
     return rng.choice(np.arange(lo, hi + 1), size=n, p=p / p.sum())
 
 
-def _lengths(cfg: WorkloadConfig, streams: list[np.random.Generator], n: int) -> tuple[np.ndarray, np.ndarray]:
+def _lengths(cfg: Traffic, streams: list[np.random.Generator], n: int) -> tuple[np.ndarray, np.ndarray]:
     ln = cfg.lengths
     rp, ro = streams
     if ln.kind == "fixed":
@@ -91,8 +93,8 @@ def _lengths(cfg: WorkloadConfig, streams: list[np.random.Generator], n: int) ->
 
 
 # Peak memory of a simulation per request, with a margin: the token and step
-# logs spill to disk (sim.logs), only requests in flight are objects, and the
-# requests table is compact (sim.table, 58 bytes a request), so what grows is
+# logs spill to disk (sim.core.logs), only requests in flight are objects, and the
+# requests table is compact (sim.results.table, 58 bytes a request), so what grows is
 # ~0.1-0.3 KB per request (1M ShareGPT-length requests peaked at ~0.28 GB,
 # 100k at ~0.19 GB): what the size estimate below refuses on.
 BYTES_PER_REQUEST = 1_000
@@ -105,7 +107,7 @@ def _physical_memory_bytes() -> int:
         return 1 << 40
 
 
-def check_size(cfg: WorkloadConfig, num_requests: float, field: str) -> None:
+def check_size(cfg: Traffic, num_requests: float, field: str) -> None:
     """Refuse, before anything is allocated, a workload that cannot fit this
     machine's memory (a MemoryError later would come after minutes of work)."""
     need = num_requests * BYTES_PER_REQUEST
@@ -116,7 +118,7 @@ def check_size(cfg: WorkloadConfig, num_requests: float, field: str) -> None:
                           f"machine's {have / 2**30:.1f} GiB; lower it or split the run")
 
 
-def _trace(cfg: WorkloadConfig) -> RequestSpecs:
+def _trace(cfg: Traffic) -> RequestSpecs:
     a = cfg.arrivals
     data = load_trace(cfg.resolve_path(a.path), need_arrivals=True, columns=a.columns,
                       time_unit=a.time_unit)
@@ -163,7 +165,7 @@ def _trace(cfg: WorkloadConfig) -> RequestSpecs:
     return RequestSpecs(t, prompt, output, data.num_dropped, max_tokens)
 
 
-def generate(cfg: WorkloadConfig) -> RequestSpecs:
+def generate(cfg: Traffic) -> RequestSpecs:
     """The workload's requests, in arrival order, truncated by num_requests /
     duration_s. Deterministic for a given config and seed."""
     if cfg.num_requests is not None:

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sim.config import ConfigError
+from sim.base.strict import ConfigError
 
 ALIASES: dict[str, tuple[str, ...]] = {
     "arrival": ("arrival_time_s", "timestamp", "arrived_at", "arrival_time", "arrival_s",

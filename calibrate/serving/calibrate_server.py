@@ -42,7 +42,7 @@ prompts that joined a busy engine is stored beside it
 Self-check (held out, after the fit): fresh random traffic of the same kind,
 at about 50% and 80% of the capacity the fitted profile predicts, is
 replayed against the server and simulated with
-``sim.runner.run_workload`` (policy ``vllm_v1``, the server's knobs); the
+``sim.run.runner.run_workload`` (policy ``vllm_v1``, the server's knobs); the
 errors of throughput and of TTFT and ITL p50 / p99 are printed and stored in
 the profile's ``fit_error``. The whole run, self-check included, stays within
 ``budget_s`` (plus one design's overrun at most).
@@ -63,9 +63,9 @@ import numpy as np
 from calibrate.fit import CurveGrid, fit_curves
 from calibrate.serving.probes import (Costs, Equation, HttpTransport, Knobs, Sent, Session, Transport, analyse,
                                       combine, infer_knobs, model_facts, read_server, stab)
-from sim.config import ConfigError
-from sim.curves import Curve1D, Curve2D
-from sim.profile import Profile
+from sim.run.config import ConfigError
+from sim.cost.curves import Curve1D, Curve2D
+from sim.cost.profile import Profile
 
 FIT_SHARE = 0.78              # of budget_s: knobs, pilot and probes; the rest: fit and self-check
 # What a window of gaps, and repeats of a design, stand for: "mean" (default) or "median". A
@@ -273,7 +273,7 @@ def _dump(name: str, sents: list[Sent], ses: Session, exc: Exception) -> None:
 
 
 def _utc_now() -> str:
-    from sim.provenance import utc_now_iso
+    from sim.base.provenance import utc_now_iso
     return utc_now_iso()
 
 
@@ -366,12 +366,12 @@ def _capacity(prof: Profile, knobs: Knobs, rng: np.random.Generator) -> float | 
 
 def simulate(profile_path: Path, arrivals: list[float], prompts: list[int], outputs: list[int],
              tmp: Path) -> tuple[list[float], list[list[float]]]:
-    """(arrival, token times per request) of ``sim.runner.run_workload`` on these requests, in
+    """(arrival, token times per request) of ``sim.run.runner.run_workload`` on these requests, in
     their order, with policy vllm_v1 and the profile's server knobs."""
     import warnings
 
-    from sim.config import workload_from_dict
-    from sim.runner import run_workload
+    from sim.run.config import workload_from_dict
+    from sim.run.runner import run_workload
 
     order = sorted(range(len(arrivals)), key=lambda i: arrivals[i])
     t0 = min(arrivals)

@@ -1,7 +1,7 @@
 """The measured side of a server validation as batchsim's run tables (torch-free, writes nothing).
 
 Send and token arrival times become a ``RunResult`` (``requests``, ``tokens``,
-empty ``steps``, ``summary`` from ``sim.metrics.summarize``); what a client
+empty ``steps``, ``summary`` from ``sim.results.metrics.summarize``); what a client
 cannot see (queueing, batches, busy time, KV use; preemptions unless the
 server's counter was read) is ``None``. Sources: the streaming client
 (``client_run``) and a ``vllm bench serve --save-result --save-detailed``
@@ -24,9 +24,9 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
-from sim.config import ConfigError, WorkloadConfig
-from sim.metrics import add_request_metrics, summarize
-from sim.runner import RunResult
+from sim.run.config import ConfigError, WorkloadConfig
+from sim.results.metrics import add_request_metrics, summarize
+from sim.results.result import RunResult
 from workloads.generate import generate
 
 # summary keys that only the engine knows; a measured run reports them as unknown

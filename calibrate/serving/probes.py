@@ -164,7 +164,7 @@ def _merge_one_fragment(clusters: list[list[tuple[float, int, int]]]) -> bool:
 
 
 def _shape(decodes: Sequence[int], chunks: Sequence[tuple[int, int]]) -> Shape:
-    """A step's Shape; a one-token chunk is a decode, as ``sim.batch.Batch`` counts it."""
+    """A step's Shape; a one-token chunk is a decode, as ``sim.core.batch.Batch`` counts it."""
     dec = list(decodes) + [k for c, k in chunks if c == 1]
     return Shape(tuple((c, k) for c, k in chunks if c > 1), tuple(dec))
 
@@ -396,13 +396,14 @@ def simulate_session(sents: Sequence[Sent], profile, *, max_num_seqs: int, max_n
     after their send, tokens the client ``out_s`` after their step)."""
     import simpy
 
-    from policies.base import PolicyContext
+    from sim.core.policy import PolicyContext
     from policies.vllm_v1 import VllmV1Config, VllmV1Policy
-    from sim.batch import StepResult
-    from sim.engine import Server, feed
-    from sim.kv import BlockManager
-    from sim.request import Request
-    from sim.state import SchedulerState
+    from sim.core.batch import StepResult
+    from sim.loop.server import Server
+    from sim.loop.feed import feed
+    from sim.core.kv import BlockManager
+    from sim.core.request import Request
+    from sim.core.state import SchedulerState
 
     rng = np.random.default_rng(seed)
 
@@ -525,7 +526,7 @@ class Knobs:
 @dataclass
 class ModelFacts:
     name: str
-    shape: Any                      # sim.profile.ModelShape
+    shape: Any                      # sim.cost.profile.ModelShape
     vocab_size: int
     dtype: str
     device: str
@@ -542,7 +543,7 @@ def read_server(url: str) -> tuple[Any, str | None]:
     from urllib.parse import urlsplit
 
     from calibrate.serving import client
-    from sim.config import ConfigError
+    from sim.run.config import ConfigError
 
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -569,9 +570,9 @@ def model_facts(info: Any, model_config: str | Path | None) -> ModelFacts:
     model's folder when it is readable here) and the server's KV cache gauges."""
     import json
 
-    from sim.config import ConfigError
-    from sim.presets import model_shape_from_hf
-    from sim.profile import ModelShape
+    from sim.run.config import ConfigError
+    from sim.cost.presets import model_shape_from_hf
+    from sim.cost.profile import ModelShape
 
     vcfg = (info.raw or {}).get("vllm_config") or {}
     gauges = (info.raw or {}).get("info_gauges", {}).get("vllm:cache_config_info", {})

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from calibrate.model import INIT_STD, MODEL_PRESETS, RMS_NORM_EPS, check_buildable, get_model_shape
-from sim.profile import ModelShape
+from sim.cost.profile import ModelShape
 
 DEFAULT_PRESET = "tiny-llama"
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")

@@ -33,9 +33,10 @@ import pandas as pd
 from calibrate.serving.measured import Measurement, delivery_notes, client_run, measure_file, replay_table
 from policies.vllm_v1 import VllmV1Config
 from reports.presentation import validation as rv
-from sim.config import ConfigError, WorkloadConfig, load_workload, parse_override, workload_from_dict
-from sim.profile import Profile, ProfileError, load_profile
-from sim.runner import RunResult, make_requests, run_workload
+from sim.run.config import ConfigError, WorkloadConfig, load_workload, parse_override, workload_from_dict
+from sim.cost.profile import Profile, ProfileError, load_profile
+from sim.run.runner import make_requests, run_workload
+from sim.results.result import RunResult
 from workloads.generate import generate
 
 KNOBS = ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
@@ -59,7 +60,7 @@ def resolve_profile(cfg: WorkloadConfig, profile_arg: str | None) -> tuple[Profi
     if "profile" not in cfg.raw:
         raise ConfigError(f"{cfg.source}: no profile: pass --profile PATH (from `sim calibrate --server URL "
                           f"--out PATH`) or set profile.path in the workload")
-    from sim.runner import build_profile
+    from sim.run.runner import build_profile
     profile = build_profile(cfg)
     return profile, None, f"profile: the workload's {profile.name} ({profile.provenance.get('source', 'unknown')})"
 
@@ -206,7 +207,7 @@ def output_dir(out: str | None, name: str, label: str | None, *, say: bool = Tru
         stem += "-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
     base = Path(out) if out else Path("runs") / stem
     if out and base.exists() and not base.is_dir():
-        from sim.config import ConfigError
+        from sim.run.config import ConfigError
         raise ConfigError(f"--out {out}: is a file; give a folder for the report")
     path, k = base, 1
     while path.exists() and (not path.is_dir() or any(path.iterdir())):
@@ -351,7 +352,7 @@ def write_report(out: Path, v: ServerValidation) -> list[Path]:
     from reports.presentation.plots import save_figure
     from reports.presentation.render import write_document
     from reports.presentation.runplots import latency_cdfs
-    from sim.io import write_json, write_run
+    from sim.results.folder import write_json, write_run
 
     m, body = v.measurement, v.body()
     out.mkdir(parents=True, exist_ok=True)

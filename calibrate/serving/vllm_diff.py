@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from policies.base import PolicyContext
+from sim.core.policy import PolicyContext
 from policies.vllm_v1 import VllmV1Config, VllmV1Policy
-from sim.kv import BlockManager
-from sim.request import Request, Status
-from sim.state import SchedulerState
+from sim.core.kv import BlockManager
+from sim.core.request import Request, Status
+from sim.core.state import SchedulerState
 
 
 @dataclass(frozen=True)
@@ -243,8 +243,8 @@ def case_from_workload(path: str, step_ms: float, num_requests: int | None,
                        overrides: Sequence[str]) -> Case:
     """The workload's requests with arrivals on a ``step_ms`` grid, and its
     vllm_v1 knobs (explicit ones, else vLLM's defaults)."""
-    from sim.config import load_workload, parse_override
-    from sim.runner import build_profile, kv_blocks, make_requests
+    from sim.run.config import load_workload, parse_override
+    from sim.run.runner import build_profile, kv_blocks, make_requests
     from workloads.generate import generate
 
     cfg = load_workload(path, dict(parse_override(t) for t in overrides))
@@ -272,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, help="only the first N requests")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
-    from sim.config import ConfigError
+    from sim.run.config import ConfigError
     try:
         case = case_from_workload(args.workload, args.step_ms, args.num_requests, args.set)
     except ConfigError as exc:

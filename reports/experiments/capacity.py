@@ -46,8 +46,8 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from sim.config import Slo
-from sim.metrics import inter_token_latencies
+from sim.run.config import Slo
+from sim.results.metrics import inter_token_latencies
 
 
 def _fraction_within(values_s: np.ndarray, limit_ms: float, num_total: int) -> float:

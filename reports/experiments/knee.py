@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-# The slo keys (sim.config.Slo: a workload's goodput thresholds, plus a plan's itl_ms) and the p99 column each bounds.
+# The slo keys (sim.run.config.Slo: a workload's goodput thresholds, plus a plan's itl_ms) and the p99 column each bounds.
 SLO_COLUMNS = {"ttft_ms": "p99_ttft_ms", "itl_ms": "p99_itl_ms", "tpot_ms": "p99_tpot_ms", "e2el_ms": "p99_e2el_ms"}
 RULE = ("among the budgets whose mean p99s meet every SLO threshold at that rate, the one with the lowest "
         "p99 TTFT (ties: the smaller budget, whose prefill chunks stall decodes less)")

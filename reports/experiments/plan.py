@@ -33,10 +33,11 @@ from reports.experiments.capacity import (SearchSettings, find_capacity, fleet_c
                                utilization)
 from reports.experiments.planspec import Candidate, PlanSpec, Verify, parse_plan, spec_summary
 from reports.experiments.pool import check_pool_args, run_tasks
-from sim.atomic import write_text_atomic
-from sim.io import WHAT, folder_kind
+from sim.base.atomic import write_text_atomic
+from sim.results.folder import WHAT, folder_kind
 from reports.experiments.sweep import offered_rate, scalar_summary
-from sim.config import MAX_RATE, ConfigError, Slo, set_dotted, workload_from_dict
+from sim.run.config import ConfigError, Slo, set_dotted, workload_from_dict
+from workloads.spec import MAX_RATE
 
 SATURATION_RATE_FACTOR = 100.0      # the probe offers 100x max_rate: effectively all at once
 TRIAL_COLUMNS = ("p99_ttft_ms", "p99_itl_ms", "p99_tpot_ms", "p99_e2el_ms", "request_throughput",
@@ -95,7 +96,7 @@ def rate_factor(raw: dict[str, Any], source: str, base_dir: str) -> float:
 
 def simulate(task: CandidateTask, rate_rps: float, num_requests: int, num_replicas: int = 1):
     """Run the candidate's workload at offered ``rate_rps``; (RunResult, judge() dict plus metrics)."""
-    from sim.runner import run_workload
+    from sim.run.runner import run_workload
     raw = set_dotted(task.candidate.raw, "num_requests", num_requests)
     nominal = rate_rps / rate_factor(raw, task.source, task.base_dir)
     cfg = workload_from_dict(set_dotted(raw, "arrivals.rate", nominal), task.source, task.base_dir)
@@ -124,7 +125,7 @@ def check_queue(verdict: dict[str, Any], requests: Any, max_slope: float) -> dic
 
 def plan_candidate(task: CandidateTask) -> dict[str, Any]:
     """Worker entry point: capacity search, fleet check and cost of one candidate."""
-    from sim.io import write_run
+    from sim.results.folder import write_run
     s, cand = task.search, task.candidate
     probe, _ = simulate(task, min(s.max_rate * SATURATION_RATE_FACTOR, MAX_RATE), s.num_requests)
     saturation_rps = float(probe.summary["request_throughput"])

@@ -45,9 +45,9 @@ from reports.experiments.capacity import SearchSettings
 from reports.experiments.spec import (apply_set, check_keys, check_runnable, fail, file_name, free_folder,
                                       holds_other, load_base, out_dir, positive_int, split_overrides,
                                       validate_run_settings, within)
-from sim.config import ConfigError, Slo, load_yaml_mapping, set_dotted, workload_from_dict
-from sim.config import MAX_RATE, MIN_RATE
-from sim.io import folder_kind, refuse_foreign
+from sim.run.config import ConfigError, Slo, load_yaml_mapping, set_dotted, workload_from_dict
+from workloads.spec import MAX_RATE, MIN_RATE
+from sim.results.folder import folder_kind, refuse_foreign
 from workloads.generate import check_size
 
 PLAN_KEYS = ("name", "description", "base", "set", "target_rate", "target_utilization", "slo", "router", "search",
@@ -216,7 +216,7 @@ def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Pa
                 # A profile file states its own tensor-parallel degree (a path excludes the field):
                 # a replica of a TP-2 profile is priced as 2 GPUs, as it simulates (read once: every
                 # policy of the candidate runs the same file).
-                from sim.profile import load_profile
+                from sim.cost.profile import load_profile
                 gpus = load_profile(cfg.resolve_path(cfg.profile.path)).tensor_parallel
             out.append(Candidate(name=f"{hardware} / {_policy_label(policy)}", raw=raw, gpus_per_replica=gpus,
                                  price_per_gpu_hour=price, hardware=hardware, policy=_policy_label(policy)))

@@ -17,7 +17,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
 
-from sim.config import ConfigError
+from sim.run.config import ConfigError
 
 T = TypeVar("T")
 

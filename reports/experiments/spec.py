@@ -42,8 +42,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sim.config import ConfigError, WorkloadConfig, load_yaml_mapping, set_dotted, workload_from_dict
-from sim.io import folder_kind, refuse_foreign
+from sim.run.config import ConfigError, WorkloadConfig, load_yaml_mapping, set_dotted, workload_from_dict
+from sim.results.folder import folder_kind, refuse_foreign
 
 RUN_KEYS = ("num_replicas", "router")          # run_workload arguments, not workload fields
 MAX_RUNS = 100_000          # runs of one sweep (each a simulation: a bigger grid is a typo or days of work)
@@ -125,7 +125,7 @@ def apply_set(source: Path, raw: dict[str, Any], overrides: Any, field: str = "s
 
 def cli_overrides(pairs: list[str] | None, seed: int | None = None) -> dict[str, Any]:
     """``--set KEY=VALUE`` texts (YAML values) and ``--seed`` as one mapping of dotted key -> value."""
-    from sim.config import parse_override
+    from sim.run.config import parse_override
     overrides = dict(parse_override(text) for text in pairs or [])
     if seed is not None:
         overrides["seed"] = seed
@@ -333,7 +333,7 @@ def out_dir(source: Path, data: dict[str, Any], cli_out: Path | None) -> tuple[P
 
 def validate_run_settings(source: str, num_replicas: Any, router: Any) -> None:
     """num_replicas >= 1 and a known router, else a ConfigError naming ``source``."""
-    from sim.engine import ROUTERS
+    from sim.loop.feed import ROUTERS
     positive_int(source, "num_replicas", num_replicas)
     if router not in ROUTERS:
         raise fail(source, "router", f"must be one of {', '.join(ROUTERS)}, got {router!r}", "router: least_requests")
@@ -343,7 +343,7 @@ def check_runnable(cfg: WorkloadConfig, checked: dict[str, None]) -> None:
     """Build the profile and KV pool once per distinct (profile, server), and read each
     distinct trace file once, so that an unknown GPU, a model that does not fit or a
     malformed trace fails before any run starts."""
-    from sim.runner import build_profile, kv_blocks
+    from sim.run.runner import build_profile, kv_blocks
     from workloads.traces import load_trace
     resolved = cfg.to_dict()
     key = json.dumps([resolved["profile"], resolved["server"]], sort_keys=True, default=str)

@@ -31,8 +31,8 @@ from typing import Any, Callable, Sequence
 from reports.experiments.pool import check_pool_args, run_tasks
 from reports.experiments.spec import RunTask, SweepSpec, expand, parse_sweep
 from reports.experiments.table import ResultsTable, drop_damaged, grid_columns_of, scan_table, table_row
-from sim.config import ConfigError
-from sim.io import WHAT, folder_kind, write_json
+from sim.run.config import ConfigError
+from sim.results.folder import WHAT, folder_kind, write_json
 
 TABLE = "results.csv"
 LEAD_COLUMNS = ("run_id",)
@@ -64,8 +64,8 @@ def run_task(task: RunTask) -> dict[str, Any]:
     """Worker entry point: simulate one run and return its table metrics (no DataFrames)."""
     import warnings
 
-    from sim.config import workload_from_dict
-    from sim.runner import run_workload
+    from sim.run.config import workload_from_dict
+    from sim.run.runner import run_workload
 
     t0 = time.perf_counter()
     cfg = workload_from_dict(task.raw, task.source, task.base_dir)
@@ -73,7 +73,7 @@ def run_task(task: RunTask) -> dict[str, Any]:
         warnings.simplefilter("ignore")          # rejections are counted in 'failed'
         result = run_workload(cfg, num_replicas=task.num_replicas, router=task.router)
     if task.save_dir:
-        from sim.io import write_run
+        from sim.results.folder import write_run
         write_run(result, task.save_dir)
     row = scalar_summary(result.summary)
     row["offered_rate"] = offered_rate(result.requests["arrival_s"])

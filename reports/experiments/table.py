@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from reports.experiments.spec import RunTask
-from sim.atomic import write_bytes_atomic
-from sim.config import ConfigError
+from sim.base.atomic import write_bytes_atomic
+from sim.run.config import ConfigError
 
-# The summary's text scalars (sim.runner); every other column after the grid columns holds a number or
+# The summary's text scalars (sim.run.runner); every other column after the grid columns holds a number or
 # nothing. A new text scalar belongs here, or each resume would redo every run (test_sweep.py's resume
 # test and test_pool_faults.py's .tmp test would fail first).
 TEXT_METRICS = ("policy", "profile_source")

@@ -12,7 +12,7 @@ import pandas as pd
 from reports.presentation import plots
 from reports.presentation.render import Bullets, Callout, Document, Heading, Para, Table, write_document
 from reports.presentation.runreport import Figures, provenance_lines, read_runs, run_figures
-from sim.config import ConfigError
+from sim.run.config import ConfigError
 
 RANKED_COLUMNS = {"candidate": "candidate", "capacity_rps": "capacity / replica (req/s)",
                   "capacity_band": "capacity band (profile error)", "replicas": "replicas",

@@ -23,7 +23,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogFormatter, MaxNLocator, NullLocator  # noqa: E402
 
-from sim.atomic import write_atomic  # noqa: E402
+from sim.base.atomic import write_atomic  # noqa: E402
 
 FIG_WIDTH_IN = 11.0
 DPI = 110

@@ -17,7 +17,7 @@ from typing import Any, Union
 
 import pandas as pd
 
-from sim.atomic import write_text_atomic
+from sim.base.atomic import write_text_atomic
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """`sim report DIR`: rebuild figures and reports from saved results alone.
 
 DIR may be a sweep directory (results.csv), a plan directory (plan.json) or a
-single run directory (summary.json, as ``sim.io.write_run`` writes it).
+single run directory (summary.json, as ``sim.results.folder.write_run`` writes it).
 Figures go to DIR/figures/ as PNG and SVG; the report to DIR/report.md and
 DIR/report.html.
 """
@@ -19,7 +19,7 @@ import pandas as pd
 from reports.presentation.planreport import plan_report
 from reports.presentation.runreport import run_report
 from reports.presentation.sweepreport import sweep_report
-from sim.config import ConfigError
+from sim.run.config import ConfigError
 
 
 def regenerate(directory: Path) -> list[Path]:

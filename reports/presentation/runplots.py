@@ -1,7 +1,7 @@
 """Figures of single runs: latency CDFs, step time lines, batch-slot occupancy.
 
 Inputs are the DataFrames of a ``RunResult`` (``requests``, ``steps``,
-``tokens``) as ``sim.io.read_run`` returns them; outputs are Figures.
+``tokens``) as ``sim.results.folder.read_run`` returns them; outputs are Figures.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from matplotlib.patches import Patch
 from policies import POLICIES
 from reports.presentation.plots import (FIG_WIDTH_IN, REFERENCE, legend_outside, plain_log_ticks, plt, series_style, set_titles,
                            slo_line)
-from sim.metrics import inter_token_latencies
+from sim.results.metrics import inter_token_latencies
 
 NUM_TIME_BINS = 240
 TOKEN_COLUMNS = ("num_decode_tokens", "num_prefill_tokens", "num_pad_tokens")
@@ -28,7 +28,7 @@ STACK = [("num_decode_tokens", "tab:blue", "decode"), ("num_prefill_tokens", "ta
 
 def itl_s(tokens: pd.DataFrame) -> np.ndarray:
     """Every gap (s) between consecutive output tokens of the same request
-    (``sim.metrics``' ITL; each request's tokens in time order, as logged)."""
+    (``sim.results.metrics``' ITL; each request's tokens in time order, as logged)."""
     return inter_token_latencies(tokens["req_id"].to_numpy(), tokens["t_s"].to_numpy(dtype=float))
 
 

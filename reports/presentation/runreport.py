@@ -1,4 +1,4 @@
-"""The report of one run directory (summary.json, as ``sim.io.write_run`` writes
+"""The report of one run directory (summary.json, as ``sim.results.folder.write_run`` writes
 it), and the pieces the sweep and plan reports share with it: saved figures,
 reading runs back, the per-run figures and the provenance lines.
 """
@@ -35,7 +35,7 @@ class Figures:
 
 def read_runs(run_dirs: dict[str, Path]) -> dict[str, Any]:
     """label -> RunResult for every complete run directory among ``run_dirs``."""
-    from sim.io import read_run
+    from sim.results.folder import read_run
     return {label: read_run(p) for label, p in run_dirs.items() if (p / "summary.json").is_file()}
 
 
@@ -98,7 +98,7 @@ def provenance_lines(meta: dict[str, Any], summary: dict[str, Any]) -> list[str]
 
 def run_report(d: Path) -> list[Path]:
     """Report of one run directory: summary tables, CDFs, slots, time line, provenance."""
-    from sim.io import read_run
+    from sim.results.folder import read_run
     run = read_run(d)
     s, cfg = run.summary, run.meta.get("config", {})
     slo = cfg.get("slo") or {}

@@ -15,7 +15,7 @@ from reports.presentation import plots, sweepplots
 from reports.presentation.render import Bullets, Callout, Document, Heading, Image, Para, Table, write_document
 from reports.presentation.runreport import KEY_METRICS, Figures, read_runs, run_figures
 from reports.experiments.spec import flatten
-from sim.config import ConfigError
+from sim.run.config import ConfigError
 
 RATE_COLUMNS = ("arrivals.rate", "arrivals.rate_scale")
 BUDGET_COLUMN = "policy.max_num_batched_tokens"
@@ -52,7 +52,7 @@ def _sweep_config(d: Path, meta: dict[str, Any]) -> tuple[dict[str, Any], str | 
         run_meta = json.loads(path.read_text())
         return run_meta.get("config", {}), run_meta.get("profile_name")
     from reports.experiments.spec import parse_sweep
-    from sim.config import workload_from_dict
+    from sim.run.config import workload_from_dict
     try:
         spec = parse_sweep(meta["source"])
         return workload_from_dict(spec.base_raw, str(spec.base_path), spec.base_path.parent).to_dict(), None

@@ -1,6 +1,6 @@
 """Live-vs-simulated comparison: error tables, attribution, decision diff, figures.
 
-Torch-free; reads only the DataFrames of two runs (``sim.io.read_run`` or
+Torch-free; reads only the DataFrames of two runs (``sim.results.folder.read_run`` or
 ``RunResult``s): a *live* run whose ``steps`` carry ``batch`` (composition),
 ``forward_s`` (measured) and ``predicted_s`` (profile) times, and its twin.
 
@@ -31,11 +31,11 @@ from matplotlib.figure import Figure
 
 from reports.presentation.plots import FIG_WIDTH_IN, plt
 from reports.presentation.runplots import latency_cdfs
-from sim.metrics import summarize
+from sim.results.metrics import summarize
 
 if TYPE_CHECKING:
     from reports.presentation.render import Document
-    from sim.runner import RunResult as Run     # or anything with requests, steps, tokens, summary
+    from sim.results.result import RunResult as Run  # or anything with requests, steps, tokens, summary
 
 THROUGHPUTS = (("request_throughput", "req/s"), ("output_throughput", "tok/s"))
 LATENCIES = ("ttft", "itl", "tpot", "e2el")
@@ -91,7 +91,7 @@ VERDICT_EPS_PCT = 1e-9     # an error exactly on the target meets it, whatever t
 def parse_targets(text: str | None) -> dict[str, float]:
     """``"throughput=5,ttft_p99=25"`` -> the default targets with those replaced
     or added, as {target name: max |err %|}. ConfigError for a bad item."""
-    from sim.config import ConfigError
+    from sim.run.config import ConfigError
 
     out = {name: pct for name, (_, pct) in TARGETS.items()}
     known = {key for key, _ in metric_keys()}

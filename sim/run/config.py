@@ -9,58 +9,18 @@ allowed ones. Sweeps and ``--set`` overrides edit the *raw* mapping
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
-from policies import POLICIES
-from sim.strict import ConfigError, _positive, _require, build, did_you_mean, load_yaml
+from policies.config import policy_config
+from workloads.spec import MAX_TOKEN_COUNT, ArrivalsConfig, LengthsConfig, check_arrivals, check_lengths
+from sim.base.strict import ConfigError, _positive, build, did_you_mean, load_yaml
 
 __all__ = ["ConfigError", "WorkloadConfig", "load_workload", "load_yaml_mapping", "parse_override",
            "set_dotted", "workload_from_dict"]
-
-
-@dataclass(frozen=True, slots=True)
-class ArrivalsConfig:
-    kind: str = "poisson"          # poisson | gamma | constant | all_at_once | trace | concurrency
-    rate: float | None = None      # req/s; for a trace: rescale its mean rate to this
-    cv: float = 1.0                # gamma: coefficient of variation of the gaps (burstiness)
-    path: str | None = None        # trace file (CSV/JSONL); relative to the workload file
-    time_scale: float = 1.0        # trace: multiply timestamps (0.5 = replay twice as fast)
-    rate_scale: float = 1.0        # trace: multiply the arrival rate (2 = twice the traffic)
-    start_s: float = 0.0           # trace: skip arrivals before this time
-    columns: dict[str, str] | None = None  # trace: {arrival, prompt, output} column names
-    time_unit: str | None = None   # trace: s | ms | us | ns | datetime (guessed when omitted)
-    repeat: int = 1                # trace: replay the trace this many times back to back
-    # A closed-loop client population (vllm bench serve --max-concurrency):
-    # at most this many requests in flight; each client sends its next request
-    # when its last one finished or was refused (plus think_time_s), never
-    # before the request's drawn arrival. Required by kind concurrency (a pure
-    # closed loop); with another kind it caps that kind's arrivals.
-    max_concurrency: int | None = None
-    think_time_s: float = 0.0      # with max_concurrency: a client's pause between reply and next send
-    num_requests: int | None = None  # the top-level num_requests, spelled inside arrivals
-
-
-@dataclass(frozen=True, slots=True)
-class LengthsConfig:
-    kind: str = "trace"            # trace | fixed | uniform | lognormal | zipf | empirical
-    prompt_tokens: int | None = None     # fixed
-    output_tokens: int | None = None     # fixed
-    prompt_min: int = 1                  # uniform, zipf
-    prompt_max: int | None = None        # uniform, zipf; cap for lognormal
-    output_min: int = 1
-    output_max: int | None = None
-    prompt_mean: float | None = None     # lognormal
-    output_mean: float | None = None     # lognormal
-    sigma: float = 1.0                   # lognormal: std of log(length)
-    alpha: float = 1.2                   # zipf exponent
-    path: str | None = None              # empirical: a length file (prompt_tokens, output_tokens)
-    sample: str = "random"               # empirical: random (with replacement) | sequential
-    columns: dict[str, str] | None = None  # empirical: {prompt, output} column names
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +39,7 @@ class ProfileConfig:
     tensor_parallel: int = 1
     dtype: str = "bf16"
     # The serving engine generation whose host work the analytic preset charges
-    # (sim.collectives.ENGINES: vllm-v0 fitted on public runs; vllm-v1, vllm-v1-async).
+    # (sim.cost.collectives.ENGINES: vllm-v0 fitted on public runs; vllm-v1, vllm-v1-async).
     engine: str = "vllm-v0"
     path: str | None = None              # a profile file; overrides model/gpu
 
@@ -148,7 +108,7 @@ class WorkloadConfig:
         if p.is_absolute():
             return p
         local = Path(self.base_dir) / p
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parents[2]
         # A bare name or traces/NAME may name a bundled trace; any other folder is the user's own.
         bundled = (root / "workloads" / "traces" / p.name,) if p.parent in (Path("."), Path("traces")) else ()
         for candidate in (local, *bundled, root / p):
@@ -164,127 +124,6 @@ SECTIONS: dict[str, type] = {
 
 
 # ---- the workload ------------------------------------------------------------
-ALL_POLICY_KNOBS = frozenset(f.name for cfg_cls, _ in POLICIES.values()
-                             for f in dataclasses.fields(cfg_cls)) - {"kind"}
-ARRIVAL_KINDS = ("poisson", "gamma", "constant", "all_at_once", "trace", "concurrency")
-LENGTH_KINDS = ("trace", "fixed", "uniform", "lognormal", "zipf", "empirical")
-
-
-def _check_arrivals(a: ArrivalsConfig, src: str) -> None:
-    if a.kind not in ARRIVAL_KINDS:
-        raise ConfigError(f"{src}: field 'arrivals.kind' must be one of {', '.join(ARRIVAL_KINDS)}, "
-                          f"got {a.kind!r}")
-    if a.kind in ("poisson", "gamma", "constant"):
-        _require(src, "arrivals.rate", a.rate, f"for arrivals.kind {a.kind} (requests per second)")
-    if a.kind == "trace":
-        _require(src, "arrivals.path", a.path, "for arrivals.kind trace (a CSV or JSONL file)")
-    if a.kind == "concurrency":
-        _require(src, "arrivals.max_concurrency", a.max_concurrency,
-                 "for arrivals.kind concurrency (how many clients send at once, e.g. 8)")
-        if a.rate is not None:
-            raise ConfigError(f"{src}: field 'arrivals.rate' does not apply to arrivals.kind concurrency "
-                              f"(its clients send as fast as replies come back); to cap a request rate use "
-                              f"arrivals: {{kind: poisson, rate: R, max_concurrency: N}} (vllm bench serve "
-                              f"--request-rate R --max-concurrency N)")
-    _positive(src, "arrivals.max_concurrency", a.max_concurrency)
-    _positive(src, "arrivals.think_time_s", a.think_time_s, allow_zero=True)
-    if a.think_time_s > 0 and a.max_concurrency is None:
-        raise ConfigError(f"{src}: field 'arrivals.think_time_s' needs arrivals.max_concurrency (it is a "
-                          f"closed-loop client's pause; open-loop arrivals have no clients)")
-    for name in ("rate", "cv", "time_scale", "rate_scale"):
-        _positive(src, f"arrivals.{name}", getattr(a, name))
-    if a.rate is not None and not MIN_RATE <= a.rate <= MAX_RATE:   # 1e300 req/s: gaps below float resolution
-        raise ConfigError(f"{src}: field 'arrivals.rate' must be in [{MIN_RATE:g}, {MAX_RATE:g}] requests per "
-                          f"second, got {a.rate:g}")
-    if a.think_time_s > MAX_THINK_S:
-        raise ConfigError(f"{src}: field 'arrivals.think_time_s' must be at most {MAX_THINK_S:g} s, "
-                          f"got {a.think_time_s:g}")
-    if not MIN_CV <= a.cv <= MAX_CV:        # gamma shape 1/cv^2: 1e-300 divides by zero, 1e6 is one burst
-        raise ConfigError(f"{src}: field 'arrivals.cv' must be in [{MIN_CV:g}, {MAX_CV:g}] (the gaps' coefficient "
-                          f"of variation: 1 is Poisson, < 1 more regular, > 1 burstier), got {a.cv:g}")
-    _positive(src, "arrivals.start_s", a.start_s, allow_zero=True)
-    _positive(src, "arrivals.repeat", a.repeat)
-    if a.time_unit not in TIME_UNITS:
-        raise ConfigError(f"{src}: field 'arrivals.time_unit' must be one of {', '.join(TIME_UNITS[1:])}, "
-                          f"got {a.time_unit!r}")
-    _check_columns(a.columns, "arrivals.columns", ("arrival", "prompt", "output", "max_tokens"), src)
-    _warn_unused("arrivals", a, ARRIVAL_FIELD_KINDS, src)
-    if a.kind == "trace" and a.rate is not None:
-        scaled = [name for name in ("time_scale", "rate_scale") if getattr(a, name) != 1.0]
-        if scaled:
-            warnings.warn(f"{src}: arrivals.{' and arrivals.'.join(scaled)} ignored: arrivals.rate rescales the "
-                          f"replayed trace to its own mean rate (keep one of them)", stacklevel=4)
-
-
-# Which kinds read a field (the others ignore it): a field set to other than its default
-# under another kind is set aside with a warning, as another policy's knob is, so one
-# file or sweep can switch kinds while a typo-like slip (cv on poisson) is still seen.
-_TRACE = ("trace",)
-ARRIVAL_FIELD_KINDS: dict[str, tuple[str, ...]] = {
-    "rate": ("poisson", "gamma", "constant", "trace"), "cv": ("gamma",), "path": _TRACE,
-    "time_scale": _TRACE, "rate_scale": _TRACE, "start_s": _TRACE, "columns": _TRACE, "time_unit": _TRACE,
-    "repeat": _TRACE}
-LENGTH_FIELD_KINDS: dict[str, tuple[str, ...]] = {
-    "prompt_tokens": ("fixed",), "output_tokens": ("fixed",),
-    "prompt_min": ("uniform", "lognormal", "zipf"), "output_min": ("uniform", "lognormal", "zipf"),
-    "prompt_max": ("uniform", "lognormal", "zipf"), "output_max": ("uniform", "lognormal", "zipf"),
-    "prompt_mean": ("lognormal",), "output_mean": ("lognormal",), "sigma": ("lognormal",),
-    "alpha": ("zipf",), "path": ("empirical",), "sample": ("empirical",), "columns": ("empirical",)}
-
-
-def _warn_unused(section: str, cfg: Any, uses: dict[str, tuple[str, ...]], src: str) -> None:
-    """Warn about fields set away from their default that ``cfg.kind`` does not read."""
-    unused = [f"{section}.{f.name} (read by kind {' / '.join(uses[f.name])})"
-              for f in dataclasses.fields(cfg)
-              if f.name in uses and cfg.kind not in uses[f.name] and getattr(cfg, f.name) != f.default]
-    if unused:
-        warnings.warn(f"{src}: {', '.join(unused)} not used by {section}.kind {cfg.kind} (ignored)", stacklevel=4)
-
-
-TIME_UNITS = (None, "s", "ms", "us", "ns", "datetime")
-MIN_CV, MAX_CV = 0.001, 100.0
-MIN_RATE, MAX_RATE = 1e-6, 1e6        # requests per second: one in 11 days .. a million a second
-MAX_THINK_S = 1e6
-MAX_TOKEN_COUNT = 2**31 - 1           # as traces hold token counts
-
-
-def _check_columns(columns: dict[str, str] | None, name: str, roles: tuple[str, ...], src: str) -> None:
-    """A trace's column mapping names only roles the loader knows, each a column name."""
-    for role, column in (columns or {}).items():
-        if role not in roles:
-            raise ConfigError(f"{src}: field '{name}.{role}' is unknown{did_you_mean(role, roles)}; "
-                              f"expected some of {', '.join(roles)}")
-        if not isinstance(column, str) or not column.strip():
-            raise ConfigError(f"{src}: field '{name}.{role}' must be a column name, got {column!r}")
-
-
-def _check_lengths(ln: LengthsConfig, src: str) -> None:
-    if ln.kind not in LENGTH_KINDS:
-        raise ConfigError(f"{src}: field 'lengths.kind' must be one of {', '.join(LENGTH_KINDS)}, "
-                          f"got {ln.kind!r}")
-    need = {"fixed": ("prompt_tokens", "output_tokens"),
-            "uniform": ("prompt_max", "output_max"),
-            "lognormal": ("prompt_mean", "output_mean"),
-            "zipf": ("prompt_max", "output_max"),
-            "empirical": ("path",)}.get(ln.kind, ())
-    for name in need:
-        _require(src, f"lengths.{name}", getattr(ln, name), f"for lengths.kind {ln.kind}")
-    for name in ("prompt_tokens", "output_tokens", "prompt_min", "prompt_max", "output_min",
-                 "output_max", "prompt_mean", "output_mean", "sigma", "alpha"):
-        _positive(src, f"lengths.{name}", getattr(ln, name))
-    for lo, hi in (("prompt_min", "prompt_max"), ("output_min", "output_max")):
-        if getattr(ln, hi) is not None and getattr(ln, hi) < getattr(ln, lo):
-            raise ConfigError(f"{src}: field 'lengths.{hi}' ({getattr(ln, hi)}) must be >= "
-                              f"lengths.{lo} ({getattr(ln, lo)})")
-    if ln.sample not in ("random", "sequential"):
-        raise ConfigError(f"{src}: field 'lengths.sample' must be random or sequential, got {ln.sample!r}")
-    _check_columns(ln.columns, "lengths.columns", ("prompt", "output"), src)
-    if ln.columns and ln.kind != "empirical":
-        raise ConfigError(f"{src}: field 'lengths.columns' applies to lengths.kind empirical (a length file); "
-                          f"a trace's columns are arrivals.columns")
-    _warn_unused("lengths", ln, LENGTH_FIELD_KINDS, src)
-
-
 def _fold_num_requests(cfg: WorkloadConfig, src: str) -> WorkloadConfig:
     """``arrivals.num_requests`` is another spelling of the top-level
     ``num_requests`` (the one everything downstream reads): keep one."""
@@ -308,73 +147,6 @@ def _check_closed_loop(cfg: WorkloadConfig, src: str) -> None:
     if cfg.duration_s is not None:
         raise ConfigError(f"{src}: field 'duration_s' cannot bound arrivals.kind concurrency (its send times "
                           f"follow the replies); remove it and set num_requests")
-
-
-def _chunked_prefill_alias(data: dict[str, Any], src: str) -> dict[str, Any]:
-    """vLLM's ``enable_chunked_prefill`` flag, mapped onto the batchsim policy
-    that models the scheduler it selects, with a note. vLLM v0 with chunked
-    prefill is the ``sarathi`` policy (decode-first, then partial prefills,
-    then new prompts under one token budget); without it, ``vllm``. vLLM v1
-    and Sarathi always chunk here; v1's --no-enable-chunked-prefill (no
-    partial prefill of a new request, budget raised to max_model_len) is not
-    modelled, so it is refused."""
-    kind = data.get("kind")
-    if "enable_chunked_prefill" not in data or not isinstance(kind, str) or kind not in POLICIES:
-        return data                       # (an unknown kind is reported by the caller)
-    rest = {k: v for k, v in data.items() if k != "enable_chunked_prefill"}
-    flag = data["enable_chunked_prefill"]
-    if not isinstance(flag, bool):
-        raise ConfigError(f"{src}: field 'policy.enable_chunked_prefill' expected true or false, got {flag!r}")
-    if kind == "vllm":
-        if flag:
-            warnings.warn(f"{src}: policy.kind vllm with enable_chunked_prefill true is vLLM v0's chunked-"
-                          f"prefill scheduler: simulated as policy.kind sarathi", stacklevel=4)
-            return {**rest, "kind": "sarathi"}
-        return rest
-    if kind in ("vllm_v1", "sarathi") and flag:
-        return rest                       # they always chunk
-    if kind in ("vllm_v1", "sarathi"):
-        raise ConfigError(f"{src}: field 'policy.enable_chunked_prefill' false is not modelled for policy "
-                          f"{kind}, which always chunks prefills; for a scheduler without chunked prefill "
-                          f"use policy.kind vllm (vLLM v0)")
-    raise ConfigError(f"{src}: field 'policy.enable_chunked_prefill' applies to policy.kind vllm, vllm_v1 or "
-                      f"sarathi, not {kind!r}; remove it")
-
-
-def _build_policy(data: Any, src: str) -> Any:
-    if data is None:
-        data = {"kind": "vllm"}
-    if isinstance(data, str):
-        data = {"kind": data}
-    if not isinstance(data, dict) or "kind" not in data:
-        raise ConfigError(f"{src}: field 'policy' needs a 'kind' ({', '.join(POLICIES)})")
-    data = _chunked_prefill_alias(data, src)
-    kind = data["kind"]
-    if not isinstance(kind, str) or kind not in POLICIES:
-        raise ConfigError(f"{src}: field 'policy.kind' must be one of {', '.join(POLICIES)}, got {kind!r}"
-                          + did_you_mean(kind, list(POLICIES)))
-    cls = POLICIES[kind][0]
-    own = {f.name for f in dataclasses.fields(cls)}
-    knobs = {k: v for k, v in data.items() if k != "kind"}
-    # A knob of another policy (say max_num_batched_tokens on static) is set
-    # aside with a warning, so one file or sweep can switch policy.kind; a
-    # knob of no policy at all is a typo and an error.
-    foreign = sorted(k for k in knobs if k not in own and k in ALL_POLICY_KNOBS)
-    if foreign:
-        warnings.warn(f"{src}: policy.{', policy.'.join(foreign)} not used by policy {kind} (ignored)",
-                      stacklevel=3)
-    cfg = build(cls, {k: v for k, v in knobs.items() if k not in foreign}, "policy", src)
-    for f in dataclasses.fields(cls):
-        v = getattr(cfg, f.name)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            _positive(src, f"policy.{f.name}", v, allow_zero=f.default == 0)   # a default of 0 means "off"
-    if kind == "vllm_v1" and not cfg.watermark < 1:
-        raise ConfigError(f"{src}: field 'policy.watermark' must be in [0, 1), got {cfg.watermark}")
-    reserve = getattr(cfg, "reserve", None)
-    if reserve is not None and reserve not in ("max_tokens", "max", "pow2", "oracle"):
-        raise ConfigError(f"{src}: field 'policy.reserve' must be max_tokens, max, pow2 or oracle, "
-                          f"got {reserve!r}")
-    return cfg
 
 
 def _workload_slo(data: Any, source: str) -> Slo:
@@ -413,11 +185,11 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
     sections = {k: build(cls, data.get(k), k, source) for k, cls in SECTIONS.items() if k != "slo"}
     slo = _workload_slo(data["slo"], source) if data.get("slo") is not None else None
     cfg = build(WorkloadConfig, top, "", source, **sections, slo=slo,
-                policy=_build_policy(data.get("policy"), source))
+                policy=policy_config(data.get("policy"), source))
     cfg = dataclasses.replace(cfg, source=str(source), base_dir=str(base_dir), raw=data)
     cfg = _fold_num_requests(cfg, source)
-    _check_arrivals(cfg.arrivals, source)
-    _check_lengths(cfg.lengths, source)
+    check_arrivals(cfg.arrivals, source)
+    check_lengths(cfg.lengths, source)
     if cfg.lengths.kind == "trace" and cfg.arrivals.kind == "concurrency":
         raise ConfigError(f"{source}: field 'lengths.kind' is trace but arrivals.kind concurrency has no trace "
                           f"file; take a file's lengths in order with lengths: {{kind: empirical, path: FILE, "

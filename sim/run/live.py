@@ -1,6 +1,6 @@
 """The live seam: the simulator's own Server loop on the wall clock, with a real engine.
 
-``run_recorded`` runs a workload through ``sim.runner.drive`` (the one place
+``run_recorded`` runs a workload through ``sim.run.runner.drive`` (the one place
 that builds requests, policies, block pools and servers) and records every
 step's composition; only the environment and the executor differ:
 
@@ -26,29 +26,40 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Mapping, Protocol
 
 import simpy
 import simpy.rt
 
-from sim.batch import Batch, BatchItem, StepResult
-from sim.config import WorkloadConfig
-from sim.engine import Executor, Server, SimExecutor
-from sim.kv import BlockManager
-from sim.profile import Profile
-from sim.request import Request, Status
-from sim.runner import RunResult, collect, drive
-from sim.state import SchedulerState
+from sim.core.batch import Batch, BatchItem, StepResult
+from sim.run.config import WorkloadConfig
+from sim.loop.server import Executor, Server, SimExecutor
+from sim.core.kv import BlockManager
+from sim.cost.profile import Profile
+from sim.core.request import Request, Status
+from sim.run.runner import collect, drive
+from sim.results.result import RunResult
+from sim.core.state import SchedulerState
 
-if TYPE_CHECKING:
-    from calibrate.engine import LiveEngine
+class LiveEngine(Protocol):
+    """What the live seam needs of a real engine (``calibrate.engine.LiveEngine``
+    is one; this module never imports it, nor torch): run one batch on the
+    requests' block tables, wait for the device, drop a finished request's
+    bookkeeping, and the shape of its paged KV cache."""
 
+    num_blocks: int
+    block_size: int
+
+    def step(self, batch: Batch, requests: Mapping[int, Request]) -> Any: ...
+
+    def synchronize(self) -> None: ...
+
+    def forget(self, req_id: int) -> None: ...
 
 def format_batch(batch: Batch) -> str:
     """A batch's composition as text: ``"7:128:0 3:1:211"`` (req_id:num_new_tokens:context_len,
     ``+pad`` appended when an item carries padding), in the policy's item order."""
     return " ".join(f"{rid}:{n}:{ctx}" + (f"+{pad}" if pad else "") for rid, n, ctx, pad in batch.items)
-
 
 class LiveExecutor:
     """Executor for a live run on ``env`` (a RealtimeEnvironment with factor 1).
@@ -83,7 +94,6 @@ class LiveExecutor:
         return StepResult(duration_s=max(0.0, self.wall_s() - self.env.now),
                           predicted_s=predicted_s, device_s=forward_s)
 
-
 class StepRecorder:
     """Server.on_step hook: composition, forward time and token count of every
     step; tells the engine (if any) to forget requests that just finished."""
@@ -106,15 +116,14 @@ class StepRecorder:
                 if r is None or r.status >= Status.FINISHED:
                     self.engine.forget(it.req_id)
 
-
 def run_recorded(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len: int,
                  env: simpy.Environment, make_executor: Callable[[simpy.Environment], Executor],
                  engine: LiveEngine | None = None, *, live: bool = False) -> RunResult:
     """Run ``cfg``'s requests through one Server on ``env``; return its RunResult.
 
-    Requests, policy, block pool and servers are built by ``sim.runner.drive``,
+    Requests, policy, block pool and servers are built by ``sim.run.runner.drive``,
     the very code ``run_workload`` uses; ``live``: ``env`` is a wall clock
-    (``sim.runner.drive``). ``result.steps`` gets the extra columns ``batch``,
+    (``sim.run.runner.drive``). ``result.steps`` gets the extra columns ``batch``,
     ``forward_s`` and ``tok_end``. Raises RuntimeError if requests are left
     unfinished.
     """
@@ -135,7 +144,6 @@ def run_recorded(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_mod
                        router="round_robin", num_trace_rows_dropped=num_dropped)
     return result
 
-
 def run_sim(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len: int) -> RunResult:
     """The simulated twin of ``run_live``: same requests, policy and pool, profile time."""
     wall0 = time.perf_counter()
@@ -143,7 +151,6 @@ def run_sim(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_le
                           lambda env: SimExecutor(profile))
     result.meta.update(mode="sim", wall_s=time.perf_counter() - wall0)
     return result
-
 
 def warm_up(engine: LiveEngine, max_model_len: int, num_rounds: int = 2) -> None:
     """Run a few throw-away steps so one-time costs (allocator growth, RoPE
@@ -171,7 +178,6 @@ def warm_up(engine: LiveEngine, max_model_len: int, num_rounds: int = 2) -> None
             for r in reqs:
                 kv.free(r)
                 engine.forget(r.req_id)
-
 
 def run_live(cfg: WorkloadConfig, profile: Profile, engine: LiveEngine, max_model_len: int) -> RunResult:
     """Run ``cfg`` live on ``engine`` in wall-clock time (blocks for the run's duration).

@@ -2,7 +2,7 @@
 process while the simulation runs; and CSV text from numpy columns.
 
 ``csv_columns`` formats columns of ints, floats, bools and plain strings the
-way ``DataFrame.to_csv(index=False)`` does (``sim.io.write_csv`` uses it), with
+way ``DataFrame.to_csv(index=False)`` does (``sim.results.folder.write_csv`` uses it), with
 neither pandas nor a Python call per integer cell.
 
 Formatting steps.csv is most of what a run costs after its loop: a step has
@@ -40,10 +40,10 @@ from typing import IO, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from sim.heap import trim_heap
-from sim.logs import StepLog, read_chunk, token_chunk
+from sim.base.heap import trim_heap
+from sim.core.logs import StepLog, read_chunk, token_chunk
 
-# steps.csv's columns: replica, StepLog.COLUMNS, kv_total_blocks (sim.runner.step_frame's order).
+# steps.csv's columns: replica, StepLog.COLUMNS, kv_total_blocks (sim.run.runner.step_frame's order).
 STEP_COLUMNS = ("replica", *StepLog.COLUMNS, "kv_total_blocks")
 NUM_INTS = StepLog.NUM_INTS     # StepLog's integer columns, after its three float columns
 STREAM_STEP_CHUNK = 65_536      # steps a log holds before it spills while a process formats them
@@ -156,7 +156,7 @@ class RunFilesProcess:
     hold and announces the rest; ``commit()`` waits for the process and
     renames its files into place; ``close()`` stops a process that was not
     committed and removes its files. Where no process can be started,
-    ``started`` is False and ``sim.io.write_run`` writes both files itself."""
+    ``started`` is False and ``sim.results.folder.write_run`` writes both files itself."""
 
     NAMES = ("steps.csv", "tokens.npz")
 
@@ -180,11 +180,11 @@ class RunFilesProcess:
         False, and nothing started, for more than ``MAX_REPLICAS`` of them."""
         if len(step_logs) > MAX_REPLICAS:
             return False
-        package_root = str(Path(__file__).resolve().parents[1])
+        package_root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "sim.runfiles", *map(str, self.tmps),
+            self.proc = subprocess.Popen([sys.executable, "-m", "sim.results.runfiles", *map(str, self.tmps),
                                           str(kv_total_blocks)],
                                          stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                          env=env, text=True, encoding="utf-8")
@@ -362,7 +362,7 @@ def _peak_rss_kib() -> int | None:
 
 
 def main(argv: Sequence[str]) -> int:
-    """The second process's entry: ``python -m sim.runfiles STEPS_TMP TOKENS_TMP KV_TOTAL_BLOCKS``,
+    """The second process's entry: ``python -m sim.results.runfiles STEPS_TMP TOKENS_TMP KV_TOTAL_BLOCKS``,
     messages on stdin. A failure: one line ``FILE: why`` on stderr, no file left, status 1."""
     steps_tmp, tokens_tmp, kv_total_blocks = Path(argv[0]), Path(argv[1]), int(argv[2])
     doing = ["steps.csv"]

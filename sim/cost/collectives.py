@@ -1,6 +1,6 @@
 """Tensor-parallel collectives and the per-step costs that do not shrink with TP.
 
-Besides its share of the math (``sim.roofline``), every step on ``t`` GPUs pays:
+Besides its share of the math (``sim.cost.roofline``), every step on ``t`` GPUs pays:
 
 - collectives, each a latency plus a bandwidth term over the GPU-to-GPU link
   (NVLink, or PCIe where there is none): Megatron tensor parallelism puts two
@@ -16,8 +16,8 @@ Besides its share of the math (``sim.roofline``), every step on ``t`` GPUs pays:
   and output objects). The engine generation sets these (``ENGINES``).
 
 ``TpStepCosts`` evaluates them for one (model, GPU, t, dtype, engine), and
-``sim.roofline.Roofline`` adds them to its sharded math; their knobs are
-fields of ``sim.roofline.Efficiency`` (so of every analytic profile's
+``sim.cost.roofline.Roofline`` adds them to its sharded math; their knobs are
+fields of ``sim.cost.roofline.Efficiency`` (so of every analytic profile's
 ``efficiency`` mapping); ``terms`` names every number with its source. The
 values are fitted or sourced in ``calibrate/profiles/README.md`` ("Checked
 against public vLLM runs").
@@ -30,12 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from sim.presets import GpuSpec
-from sim.profile import ModelShape
+from sim.cost.presets import GpuSpec
+from sim.cost.profile import ModelShape
 
 ALLREDUCES_PER_LAYER = 2       # attention o_proj and MLP down_proj outputs (Megatron TP)
 EMBEDDING_ALLREDUCES = 1       # vocab-parallel embedding: each rank holds vocab / t rows
-# The LM head is charged for min(tokens, MAX_SAMPLED_ROWS) rows, as sim.roofline does.
+# The LM head is charged for min(tokens, MAX_SAMPLED_ROWS) rows, as sim.cost.roofline does.
 MAX_SAMPLED_ROWS = 256
 
 
@@ -74,7 +74,7 @@ ENGINES: dict[str, EngineOverhead] = {
 }
 DEFAULT_ENGINE = "vllm-v0"
 
-# Fitted with the engine terms above (calibrate/profiles/README.md); sim.roofline.Efficiency's defaults.
+# Fitted with the engine terms above (calibrate/profiles/README.md); sim.cost.roofline.Efficiency's defaults.
 LAYER_FIXED_S = 25e-6          # per decoder layer per forward pass: the kernels' launch/ramp/tail floor
 INTERCONNECT_EFFICIENCY = 0.20  # achieved all-reduce bus bandwidth / link peak at serving message sizes
 # vLLM's paged-attention decode kernel runs on CUDA cores, not tensor cores, and works
@@ -116,7 +116,7 @@ def gather_s(nbytes_total: Any, tp: int, link_bytes_s: float, latency_s: float, 
 
 
 class TpStepCosts:
-    """The terms that sim.roofline's sharded math leaves out, for one configuration.
+    """The terms that sim.cost.roofline's sharded math leaves out, for one configuration.
 
     ``comm_s(tokens)``: collectives of a step computing ``tokens`` tokens;
     ``layers_fixed_s``: the per-layer kernel floor of a forward pass (GPU time,
@@ -175,6 +175,6 @@ class TpStepCosts:
             "allreduce_latency_s": g.interconnect_latency_s if self.tp > 1 else 0.0,
             "interconnect_link": getattr(g, "interconnect_kind", "unknown"),
             "interconnect_efficiency": self.interconnect_efficiency,
-            "tp_costs_source": "sim.collectives; fitted and checked in calibrate/profiles/README.md "
+            "tp_costs_source": "sim.cost.collectives; fitted and checked in calibrate/profiles/README.md "
                                "('Checked against public vLLM runs')",
         }

@@ -7,7 +7,7 @@ itl and e2el; ``duration`` in s; ``request_rate`` "inf" for all-at-once
 traffic; the per-request ``latencies`` and ``queue_times`` (the wait for a
 free client under ``--max-concurrency``) always, as vLLM 0.32 writes them; with
 ``detailed`` (``--save-detailed``) the other per-request arrays; all in
-seconds. The metrics are defined as in ``sim.metrics`` (vLLM's definitions),
+seconds. The metrics are defined as in ``sim.results.metrics`` (vLLM's definitions),
 so the file agrees with summary.json wherever both name a number. As vLLM
 does, a metric with no values reports 0.0 and std is the population std.
 Extra top-level keys (``policy``, ``policy_knobs``, ...) are what vLLM's
@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
-from sim.config import ConfigError
-from sim.heap import trim_heap
-from sim.metrics import Values, finished_columns, latency_values_s, request_columns, stats_ms
+from sim.base.strict import ConfigError
+from sim.base.heap import trim_heap
+from sim.results.metrics import Values, finished_columns, latency_values_s, request_columns, stats_ms
 
 if TYPE_CHECKING:
-    from policies import Policy
-    from sim.runner import RunResult
+    from sim.core.policy import Policy
+    from sim.results.result import RunResult
 
 DEFAULT_PERCENTILES = "99"                  # vLLM's --metric-percentiles default
 BENCH_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -138,8 +138,8 @@ LATENCY_SERIES = ("ttft", "tpot", "itl", "e2el")           # vllm_bench.json's o
 
 def latency_series_s(requests: pd.DataFrame | Any, itl_s: Values) -> Iterator[tuple[str, Values]]:
     """(name, seconds) behind each metric in ``LATENCY_SERIES``, one at a time, selected as
-    ``sim.metrics.summarize`` selects them: finished requests; TPOT of those with more than
-    one output token; ITL over all token gaps (``itl_s``: ``sim.metrics.itl_values`` of the
+    ``sim.results.metrics.summarize`` selects them: finished requests; TPOT of those with more than
+    one output token; ITL over all token gaps (``itl_s``: ``sim.results.metrics.itl_values`` of the
     run, ``RunResult.itl()``)."""
     for name in LATENCY_SERIES:
         yield name, itl_s if name == "itl" else latency_values_s(requests, name).astype(np.float64, copy=False)
@@ -249,7 +249,7 @@ def per_request_itls_s(requests: pd.DataFrame, tokens: pd.DataFrame) -> list[lis
 def detailed_arrays(requests: pd.DataFrame, tokens: pd.DataFrame) -> dict[str, list[Any]]:
     """``--save-detailed``'s per-request arrays, a failed request's as vLLM fills
     them: output 0, ttft 0.0, no gaps, "rejected: REASON" in errors (a
-    ``sim.request.REJECT_REASONS`` key). start_times are the arrivals (s);
+    ``sim.core.request.REJECT_REASONS`` key). start_times are the arrivals (s);
     generated_texts are empty. (latencies and queue_times are written always.)"""
     ok = (requests["status"] == "finished").to_numpy()
 
@@ -270,7 +270,7 @@ def detailed_arrays(requests: pd.DataFrame, tokens: pd.DataFrame) -> dict[str, l
 
 class PerRequest:
     """One of vllm_bench.json's per-request series, made when written: ``chunks()`` yields
-    float64 arrays in request order (``sim.io.write_json`` writes them as one JSON list)."""
+    float64 arrays in request order (``sim.results.folder.write_json`` writes them as one JSON list)."""
 
     def __init__(self, make_chunks: Callable[[], Iterator[np.ndarray]], size: int) -> None:
         self.chunks, self.size = make_chunks, size
@@ -290,7 +290,7 @@ def bench_result(run: RunResult, percentiles: Sequence[float], *, detailed: bool
     """``run`` as the JSON ``vllm bench serve --save-result [--save-detailed]`` writes.
     Throughputs, counts and goodput are summary.json's numbers; latencies come from the
     same series summary.json's come from, at ``percentiles``. ``latencies`` and
-    ``queue_times`` are ``PerRequest`` series (``sim.io.write_json`` writes them as lists)."""
+    ``queue_times`` are ``PerRequest`` series (``sim.results.folder.write_json`` writes them as lists)."""
     s, meta = run.summary, run.meta
     cfg = meta.get("config") or {}
     model = (meta.get("profile_provenance") or {}).get("model") or meta.get("profile_name")
@@ -310,7 +310,7 @@ def bench_result(run: RunResult, percentiles: Sequence[float], *, detailed: bool
     }
     # Written with or without --save-detailed, as vLLM 0.32 does: each request's E2E latency
     # (s; 0.0 for a failed one) and its wait for a free client (s; 0.0 unless concurrency is
-    # capped), made chunk by chunk as sim.io.write_json writes them (a million values never
+    # capped), made chunk by chunk as sim.results.folder.write_json writes them (a million values never
     # sit in memory at once, as arrays or as Python floats).
     out["latencies"] = PerRequest(lambda: (np.nan_to_num(f["e2e_s"].to_numpy(dtype=np.float64), nan=0.0)
                                            for f in run.request_frames()), len(requests))

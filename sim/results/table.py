@@ -1,6 +1,6 @@
 """A run's requests table, kept compact until someone asks for the DataFrame.
 
-The servers hand over their ``RequestRecords`` (sim.request) after a run;
+The servers hand over their ``RequestRecords`` (sim.core.request) after a run;
 ``RequestTable.from_records`` places them in request-id order as compact
 columns (int32 counts, int8 status and reason codes: 58 bytes a request).
 The summary, vllm_bench.json and requests.csv read it column by column or in
@@ -10,7 +10,7 @@ strings, the four latencies). ``frame()`` builds that table, the one
 ``RunResult.requests`` returns, for whoever wants it whole.
 
 Each chunk is the full table's rows, built by the same code
-(``sim.metrics.add_request_metrics`` for the latencies), so chunks and the
+(``sim.results.metrics.add_request_metrics`` for the latencies), so chunks and the
 whole table agree value for value.
 """
 
@@ -21,9 +21,9 @@ from typing import Iterator, Sequence
 import numpy as np
 import pandas as pd
 
-from sim.heap import trim_heap
-from sim.metrics import add_request_metrics
-from sim.request import REJECT_REASONS, RequestRecords, Status
+from sim.base.heap import trim_heap
+from sim.results.metrics import add_request_metrics
+from sim.core.request import REJECT_REASONS, RequestRecords, Status
 
 # The requests table's columns before the latencies, in requests.csv's order.
 COLUMNS = ("req_id", "replica", "arrival_s", "prompt_tokens", "output_tokens", "max_tokens", "status",

@@ -1,5 +1,5 @@
 """Where a result came from: the one home of the provenance helpers that
-run directories (``sim.io``), calibrated profiles (``calibrate``) and
+run directories (``sim.results.folder``), calibrated profiles (``calibrate``) and
 reports stamp on what they write."""
 
 from __future__ import annotations

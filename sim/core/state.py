@@ -13,10 +13,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from sim.batch import Batch
-from sim.kv import BlockManager
-from sim.logs import TokenLog
-from sim.request import Request, RequestRecords, Status
+from sim.core.batch import Batch
+from sim.core.kv import BlockManager
+from sim.core.logs import TokenLog
+from sim.core.request import Request, RequestRecords, Status
 
 
 class SchedulerState:
@@ -43,10 +43,10 @@ class SchedulerState:
         self.num_preemptions = 0
         self._true_output: dict[int, int] = {}
         # The true output length of each request in flight, for the simulator's own
-        # bookkeeping (sim.stretch); policies use the explicit oracle_output_tokens.
+        # bookkeeping (sim.loop.stretch); policies use the explicit oracle_output_tokens.
         self.true_output_tokens = self._true_output
         self._group_of: dict[int, list[Request]] = {}
-        # The request of every sampled output token, in time order (sim.logs).
+        # The request of every sampled output token, in time order (sim.core.logs).
         self.tokens = TokenLog()
         # The requests done with, finished or rejected, compact (they leave ``requests``).
         self.records = RequestRecords()
@@ -56,7 +56,7 @@ class SchedulerState:
         """Queue an arrived request, or reject it as a real server would.
 
         A request is rejected (status REJECTED, counted as failed, with its
-        ``reject_reason``, see ``sim.request.REJECT_REASONS``) when prompt +
+        ``reject_reason``, see ``sim.core.request.REJECT_REASONS``) when prompt +
         max_tokens exceeds the model's context (vLLM's validation), when its
         prompt exceeds the policy's prompt limit (vLLM v0 ignores such
         prompts), or when it could never fit in the KV pool: with
@@ -89,6 +89,12 @@ class SchedulerState:
     def oracle_output_tokens(self, req: Request) -> int:
         """The true output length. Only oracle options may call this."""
         return self._true_output[req.req_id]
+
+    def fingerprint(self) -> tuple:
+        """What a scheduling decision can depend on, in counts: two equal ones at the
+        same time mean nothing changed in between (the loop's stall guard)."""
+        return (len(self.waiting), len(self.running), self.num_finished, self.num_rejected, self.num_preemptions,
+                self.all_arrived, self.kv.num_free_blocks)
 
     @property
     def done(self) -> bool:
@@ -191,7 +197,7 @@ class SchedulerState:
         """``commit`` of ``len(end_times_s)`` consecutive steps, ending at
         those times, that give each of ``live`` (running requests that have
         caught up, in running order; ``ids`` their ids) one token per step:
-        the fast path's (``sim.stretch``). The caller ends the stretch no
+        the fast path's (``sim.loop.stretch``). The caller ends the stretch no
         later than the step that samples some request's last token;
         ``finishing``, those whose last token the last step samples, finish as
         ``commit`` would finish them. ``prefilling``, if given, computes

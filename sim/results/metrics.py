@@ -14,7 +14,7 @@ KV utilisation is weighted by step duration over busy time; busy fraction is
 the busy time per replica over ``duration_s``.
 
 Long runs do not fit in memory: token and step logs arrive in chunks
-(``sim.logs``). ITL is computed chunk by chunk, carrying each request's last
+(``sim.core.logs``). ITL is computed chunk by chunk, carrying each request's last
 token time across chunks. Up to ``MAX_IN_MEMORY_VALUES`` tokens (and
 ``MAX_IN_MEMORY_STEPS`` steps) the numbers are computed in memory exactly as
 numpy computes them on one array; beyond, the ITL values are spilled to disk,
@@ -32,8 +32,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
-from sim.heap import trim_heap
-from sim.logs import SpillFolder
+from sim.base.heap import trim_heap
+from sim.core.logs import SpillFolder
 
 PERCENTILES = (50, 90, 95, 99)
 METRICS = ("ttft", "tpot", "itl", "e2el", "queue")
@@ -340,7 +340,7 @@ def summarize(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.DataFrame,
 
 def request_columns(requests: Any, columns: Sequence[str], *, finished_only: bool = False) -> dict[str, np.ndarray]:
     """``columns`` of the requests (a requests DataFrame or a compact
-    ``sim.table.RequestTable``) as arrays, of all of them or of the finished
+    ``sim.results.table.RequestTable``) as arrays, of all of them or of the finished
     ones only. From a DataFrame: its own columns (no copy) where every request
     is taken, the usual case, else copies of these columns only
     (``requests[finished]`` would copy every column: a second requests table
@@ -371,7 +371,7 @@ def latency_values_s(requests: Any, name: str) -> np.ndarray:
 
 def summarize_logs(requests: Any, itl_s: Values, steps: StepTotals,
                    slo: dict[str, float | None] | None = None) -> dict[str, Any]:
-    """The summary from the requests table (a DataFrame or a ``sim.table.RequestTable``),
+    """The summary from the requests table (a DataFrame or a ``sim.results.table.RequestTable``),
     the run's ITL values (``itl_values``) and its ``step_totals``."""
     # Column by column, each dropped after use: at a million requests a column is 8 MB.
     def done(name: str) -> np.ndarray:

@@ -1,7 +1,7 @@
 """A JSON Schema of workload files, for editors (`sim schema`).
 
 Generated from the same frozen dataclasses the loader builds
-(``sim.config``, the policies' configs), so it cannot drift from them: field
+(``sim.run.config``, the policies' configs), so it cannot drift from them: field
 names, types, defaults and the fixed choices of each ``kind``. ``null`` is
 allowed everywhere, as the loader reads it as "the default". The schema
 checks the shape of a file; the loader still checks what a schema cannot say
@@ -18,8 +18,8 @@ import typing
 from typing import Any, Literal
 
 from policies import POLICIES
-from sim.config import (ARRIVAL_KINDS, LENGTH_KINDS, GOODPUT_KEYS, ArrivalsConfig, LengthsConfig, ProfileConfig,
-                        ServerConfig, Slo, WorkloadConfig)
+from sim.run.config import GOODPUT_KEYS, ProfileConfig, ServerConfig, Slo, WorkloadConfig
+from workloads.spec import ARRIVAL_KINDS, LENGTH_KINDS, ArrivalsConfig, LengthsConfig
 
 SECTION_TYPES = {"arrivals": ArrivalsConfig, "lengths": LengthsConfig, "server": ServerConfig,
                  "profile": ProfileConfig}

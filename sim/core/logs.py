@@ -21,12 +21,11 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
-from sim.heap import trim_heap
-from sim.strict import ConfigError
+from sim.base.heap import trim_heap
+from sim.base.strict import ConfigError
 
 if TYPE_CHECKING:
-    from sim.batch import Batch, StepResult
-    from sim.state import SchedulerState
+    from sim.core.batch import Batch, StepResult
 
 TOKEN_CHUNK = 262_144       # tokens held in memory before a spill (2 MB of ids)
 STEP_CHUNK = 250_000        # steps held in memory before a spill (22 MB)
@@ -183,6 +182,8 @@ class StepLog:
                "num_decode_tokens", "num_pad_tokens", "num_prefill_seqs", "num_waiting",
                "num_running", "kv_used_blocks")
     NUM_INTS = 8                        # COLUMNS[3:]
+    # The integer columns by name: their index in a row of ``ints`` (COLUMNS[3:]).
+    BATCH_SIZE, PREFILL_TOKENS, DECODE_TOKENS, PAD_TOKENS, PREFILL_SEQS, WAITING, RUNNING, KV_USED_BLOCKS = range(8)
 
     def __init__(self) -> None:
         self.t_s = array("d")
@@ -196,7 +197,7 @@ class StepLog:
 
     def stream_to(self, on_spill: Callable[[Path], None], chunk_steps: int) -> None:
         """Spill every ``chunk_steps`` steps and call ``on_spill(chunk file)``
-        after each spill (``sim.runfiles.RunFilesProcess`` formats them)."""
+        after each spill (``sim.results.runfiles.RunFilesProcess`` formats them)."""
         self._on_spill = on_spill
         self._chunk_steps = chunk_steps
 
@@ -206,13 +207,14 @@ class StepLog:
         if len(self.t_s):
             self._flush()
 
-    def record(self, t_s: float, batch: Batch, result: StepResult, state: SchedulerState) -> None:
+    def record(self, t_s: float, batch: Batch, result: StepResult, num_waiting: int, num_running: int,
+               kv_used_blocks: int) -> None:
+        """One step that started at ``t_s``, with the queues and the KV blocks in use it ran with."""
         self.t_s.append(t_s)
         self.duration_s.append(result.duration_s)
         self.predicted_s.append(result.predicted_s if result.predicted_s is not None else float("nan"))
         self.ints.extend((len(batch.items), batch.num_prefill_tokens, batch.num_decode_tokens,
-                          batch.num_pad_tokens, batch.num_prefill_seqs, len(state.waiting),
-                          len(state.running), state.kv.num_used_blocks))
+                          batch.num_pad_tokens, batch.num_prefill_seqs, num_waiting, num_running, kv_used_blocks))
         if len(self.t_s) >= self._chunk_steps:
             self._flush()
 

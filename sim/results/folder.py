@@ -1,5 +1,5 @@
 """Run directories: the only place the simulator writes files (with
-``sim.runfiles``, whose second process writes ``sim run``'s steps.csv and
+``sim.results.runfiles``, whose second process writes ``sim run``'s steps.csv and
 tokens.npz while the run goes on; ``write_run`` renames them into place).
 
 A run directory holds requests.csv, steps.csv, tokens.npz (every output
@@ -25,12 +25,12 @@ from typing import Any, Iterable, NamedTuple, TextIO
 import numpy as np
 import pandas as pd
 
-from sim.atomic import tmp_path, write_atomic
-from sim.runfiles import RunFilesProcess, csv_columns, write_tokens_npz
-from sim.provenance import git_revision
-from sim.config import ConfigError
-from sim.heap import trim_heap
-from sim.runner import RunResult
+from sim.base.atomic import tmp_path, write_atomic
+from sim.results.runfiles import RunFilesProcess, csv_columns, write_tokens_npz
+from sim.base.provenance import git_revision
+from sim.base.strict import ConfigError
+from sim.base.heap import trim_heap
+from sim.results.result import RunResult
 
 
 class OutputError(ConfigError):
@@ -44,7 +44,7 @@ FIGURE_SUFFIXES = (".png", ".svg")
 
 
 def _atomic(path: Path, write) -> None:
-    """``sim.atomic.write_atomic``, with a failure (a full disk, no permission) as a one-line error."""
+    """``sim.base.atomic.write_atomic``, with a failure (a full disk, no permission) as a one-line error."""
     try:
         write_atomic(path, write)
     except OSError as exc:
@@ -160,7 +160,7 @@ def versions() -> dict[str, str]:
 
 def write_json(path: Path, data: Any, indent: int | None = 2) -> None:
     """``data`` as JSON; a compact (``indent`` None) mapping's chunked series (vllm_bench.json's
-    per-request ``sim.vllm_result.PerRequest``, a million values in a large run) are written as
+    per-request ``sim.results.vllm_bench.PerRequest``, a million values in a large run) are written as
     lists, chunk by chunk: the text ``json.dumps`` of their lists would give, never built whole."""
     if indent is None and isinstance(data, dict) and any(_chunked(v) for v in data.values()):
         write_text_chunks(path, _json_chunks(data))
@@ -172,7 +172,7 @@ JSON_ROWS = 65_536          # values per piece of ``_json_chunks``
 
 
 def _chunked(value: Any) -> bool:
-    """A series made chunk by chunk (``sim.vllm_result.PerRequest``: ``chunks()`` yields arrays)."""
+    """A series made chunk by chunk (``sim.results.vllm_bench.PerRequest``: ``chunks()`` yields arrays)."""
     return callable(getattr(value, "chunks", None))
 
 
@@ -227,7 +227,7 @@ def write_csv(f: TextIO, frame: pd.DataFrame, *, header: bool = True, rows: int 
 def csv_text(frame: pd.DataFrame, *, header: bool = True) -> str | None:
     """What ``frame.to_csv(index=False, header=header)`` returns, or None for a
     frame it does not know how to write the same way (then call ``to_csv``):
-    ``sim.runfiles.csv_columns`` of its columns (ints, float64, bools and
+    ``sim.results.runfiles.csv_columns`` of its columns (ints, float64, bools and
     plain strings, which is what the simulator's tables hold)."""
     return csv_columns(list(frame.columns), [frame[name].to_numpy() for name in frame.columns], header=header)
 
@@ -237,7 +237,7 @@ def write_run(result: RunResult, out_dir: str | Path, *, bench: dict[str, Any] |
     """Write ``result`` into ``out_dir`` over whatever an earlier run left there,
     with ``bench`` as vllm_bench.json (compact, as vLLM writes it) and the
     ``trace`` chunks as trace.json. ``files``: the process that wrote this
-    run's steps.csv and tokens.npz while it ran (``sim.runfiles``), if one did."""
+    run's steps.csv and tokens.npz while it ran (``sim.results.runfiles``), if one did."""
     out = ensure_writable(out_dir)
     try:
         clear_run(out)                     # a half-rewritten directory must not look complete

@@ -1,7 +1,7 @@
 """Datasheet facts of common GPUs and the shapes of common open models.
 
 ``GPU_PRESETS`` and ``MODEL_PRESETS`` are plain dicts keyed by lowercase names;
-``sim.roofline`` turns a (model, GPU) pair into an analytic ``Profile``.
+``sim.cost.roofline`` turns a (model, GPU) pair into an analytic ``Profile``.
 
 Memory sizes are what the CUDA driver reports as total memory (``nvidia-smi``
 "MiB" column, MiB = 2**20 bytes), not the marketing "GB" figure: that is the
@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from sim.profile import ModelShape
+from sim.cost.profile import ModelShape
 
 MIB = 1024**2
 TERA = 1e12
@@ -220,7 +220,7 @@ def model_shape_from_dict(spec: Mapping[str, Any]) -> ModelShape:
 
 
 # ---- validation error of the analytic presets ------------------------------------
-PRESET_ERRORS_PATH = Path(__file__).resolve().parent.parent / "calibrate" / "profiles" / "public_vllm" / "preset_errors.csv"
+PRESET_ERRORS_PATH = Path(__file__).resolve().parents[2] / "calibrate" / "profiles" / "public_vllm" / "preset_errors.csv"
 _INT_COLUMNS = ("tensor_parallel", "num_rows", "num_rows_all")
 _FLOAT_COLUMNS = ("mae_pct", "bias_pct", "p90_abs_pct", "mae_pct_all")
 

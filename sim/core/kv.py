@@ -3,21 +3,17 @@
 One paged block pool serves every policy. vLLM and Sarathi grow a request's
 block table one block at a time as its tokens are computed; static, dynamic
 and Orca *reserve* all the blocks a request may ever need when it is admitted
-(``reservation_tokens``). Either way a request owns a list of block ids, which
+(``policies.base.reservation_tokens``). Either way a request owns a list of block ids, which
 the live engine uses as its paged-KV block table, so live and simulated runs
 have the very same memory limits.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sim.request import Request
-
-ReserveMode = Literal["max_tokens", "max", "pow2", "oracle"]
-RESERVE_MODES: tuple[str, ...] = ("max_tokens", "max", "pow2", "oracle")
-
+    from sim.core.request import Request
 
 class BlockManager:
     """A pool of ``num_blocks`` KV blocks of ``block_size`` tokens each.
@@ -104,32 +100,3 @@ class BlockManager:
         """Return all of ``req``'s blocks to the pool."""
         self._free_ids.extend(reversed(req.block_ids))
         req.block_ids = []
-
-
-def reservation_tokens(
-    mode: str, num_prompt_tokens: int, max_output_tokens: int, true_output_tokens: int,
-    max_model_len: int,
-) -> int:
-    """Tokens a max-length allocator reserves for one request.
-
-    The vLLM paper's Orca variants (section 6.1): ``oracle`` knows the true
-    output length; ``pow2`` over-reserves the true total length to the next
-    power of two (at most 2x); ``max`` always reserves the maximum sequence
-    length. ``max_tokens`` (the default) reserves prompt + the client's
-    ``max_tokens``, which is what a server that honours ``max_tokens`` must do.
-
-    pow2 rounds the *output* up, not the total (the paper: "if the true output
-    length is 25, it reserves 32 positions for outputs"): prompt 100 with 5
-    outputs reserves 100 + 8 = 108 tokens, prompt 40 with 25 outputs 40 + 32 = 72.
-    """
-    if mode == "max_tokens":
-        tokens = num_prompt_tokens + max_output_tokens
-    elif mode == "oracle":
-        tokens = num_prompt_tokens + true_output_tokens
-    elif mode == "pow2":
-        tokens = num_prompt_tokens + (1 << (true_output_tokens - 1).bit_length())
-    elif mode == "max":
-        tokens = max_model_len
-    else:
-        raise ValueError(f"reserve must be one of {RESERVE_MODES}, got {mode!r}")
-    return min(tokens, max_model_len)

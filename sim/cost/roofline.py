@@ -1,6 +1,6 @@
 """Analytic step-cost profiles: a roofline model of one (model, GPU, TP, dtype).
 
-Every curve of ``sim.profile.Profile`` is a roofline of a compute time c and a
+Every curve of ``sim.cost.profile.Profile`` is a roofline of a compute time c and a
 memory time m, where the rates are the GPU's datasheet peaks times *achieved*
 fractions (``Efficiency``). Far from the ridge point the time is max(c, m); near
 it both limits are partly active and the time is the smooth maximum of a
@@ -11,7 +11,7 @@ load -> math pipeline with S tile buffers (``overlap_time``; S =
 piecewise-linear interpolation stays within ``GRID_TOLERANCE`` of the formula.
 All counts are per GPU: tensor parallelism t splits heads, KV heads, MLP
 columns and weights t ways; what it does not shrink (collectives, the
-per-layer kernel floor, the engine's host work) is ``sim.collectives``'.
+per-layer kernel floor, the engine's host work) is ``sim.cost.collectives``'.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from sim.collectives import (ATTN_DECODE_FLOPS, DEFAULT_ENGINE, ENGINES, INTERCONNECT_EFFICIENCY, LAYER_FIXED_S,
+from sim.cost.collectives import (ATTN_DECODE_FLOPS, DEFAULT_ENGINE, ENGINES, INTERCONNECT_EFFICIENCY, LAYER_FIXED_S,
                              EngineOverhead, TpStepCosts, engine_overhead)
-from sim.curves import Curve1D, Curve2D
-from sim.presets import GPU_PRESETS, MODEL_PRESETS, GpuSpec, model_shape_from_hf
-from sim.profile import FORMAT_VERSION, GIB, ModelShape, Profile
+from sim.cost.curves import Curve1D, Curve2D
+from sim.cost.presets import GPU_PRESETS, MODEL_PRESETS, GpuSpec, model_shape_from_hf
+from sim.cost.profile import FORMAT_VERSION, GIB, ModelShape, Profile
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Logits are computed only for the positions that get sampled (the last token of
@@ -59,7 +59,7 @@ class Efficiency:
     attn_mem_bw: float = 0.82       # paged KV reads (block-table gathers)
     interconnect: float = INTERCONNECT_EFFICIENCY  # all-reduce bus bandwidth / link peak at serving sizes
     layer_fixed_s: float = LAYER_FIXED_S          # per layer per forward pass: the kernels' floor
-    # The serving engine's host work (sim.collectives.ENGINES): per step (schedule, prepare
+    # The serving engine's host work (sim.cost.collectives.ENGINES): per step (schedule, prepare
     # inputs, sample, process outputs), extra per step when TP > 1, per scheduled sequence.
     engine: str = DEFAULT_ENGINE
     overhead_s: float = ENGINES[DEFAULT_ENGINE].step_s
@@ -80,9 +80,9 @@ class Efficiency:
         "attention keeps the 50% prior; vLLM's paged-attention decode kernel runs on CUDA cores per "
         "query head (~1.3% of the tensor-core peak). Every layer pays a kernel floor (layer_fixed_s) "
         "that TP does not shrink; TP adds 2 all-reduces per layer, one after the embedding and a "
-        "logits gather, each the link's call latency plus bytes at ~20% of link peak (sim.collectives). "
+        "logits gather, each the link's call latency plus bytes at ~20% of link peak (sim.cost.collectives). "
         "The engine's host work is per step, per step at TP > 1 and per sequence (engine: "
-        "sim.collectives.ENGINES; vllm-v0 fitted, vllm-v1 and vllm-v1-async from vLLM's own measurements). "
+        "sim.cost.collectives.ENGINES; vllm-v0 fitted, vllm-v1 and vllm-v1-async from vLLM's own measurements). "
         "Near the ridge point (96-768 tokens per step on A100/H100) compute and memory are both "
         "partly active: the time is that of a 3-buffer load -> math pipeline (ridge_law), up to "
         "4/3 x max(compute, memory); Vidur's A100 Llama-2-7B medians agree within 10% at 32, 128, "
@@ -111,7 +111,7 @@ class Efficiency:
 
     @classmethod
     def for_engine(cls, engine: str) -> Efficiency:
-        """The defaults with the host-work terms of ``engine`` (sim.collectives.ENGINES)."""
+        """The defaults with the host-work terms of ``engine`` (sim.cost.collectives.ENGINES)."""
         e = engine_overhead(engine)
         return cls(engine=e.name, overhead_s=e.step_s, tp_overhead_s=e.tp_step_s, per_seq_s=e.per_seq_s)
 
@@ -340,7 +340,7 @@ def analytic_profile(model: ModelShape, gpu: GpuSpec, tensor_parallel: int = 1,
         attn_prefill=curve2d(pre_c, pre_p, rf.attn_prefill_s, "curves.attn_prefill"),
         attn_decode=curve2d(dec_n, dec_c, rf.attn_decode_s, "curves.attn_decode"),
         provenance={"source": "analytic-roofline", "gpu": gpu.name, "model": model.name,
-                    "tensor_parallel": t, "dtype": dtype, "generator": "sim.roofline",
+                    "tensor_parallel": t, "dtype": dtype, "generator": "sim.cost.roofline",
                     "batchsim_format": FORMAT_VERSION,
                     "activations": "fixed + per token x the policy's max_num_batched_tokens "
                                    "(vLLM's profiling run)"},
@@ -362,7 +362,7 @@ def preset_profile(model: str | dict[str, Any], gpu: str, tensor_parallel: int =
                    dtype: str = "bf16", engine: str = DEFAULT_ENGINE) -> Profile:
     """``analytic_profile`` for a preset model name (or an HF-style config dict of a
     custom model) on a preset GPU, with the host-work terms of ``engine``
-    (sim.collectives.ENGINES). Raises ValueError listing the known names."""
+    (sim.cost.collectives.ENGINES). Raises ValueError listing the known names."""
     if isinstance(model, dict):
         shape = model_shape_from_hf(model)
     else:

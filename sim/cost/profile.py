@@ -8,7 +8,7 @@
 A token is a *decode* token when its item computes exactly one token (padding
 included); any item computing more is a prefill chunk. "context" is always the
 KV tokens present before the step. Curves come from measurements (``sim
-calibrate``) or from the analytic roofline (``sim.roofline``); the profile file
+calibrate``) or from the analytic roofline (``sim.cost.roofline``); the profile file
 says which in ``provenance``.
 
 File format history (``FORMAT_VERSION``):
@@ -30,10 +30,10 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from sim.atomic import write_text_atomic
-from sim.batch import Batch
-from sim.curves import Curve1D, Curve2D
-from sim.strict import load_yaml
+from sim.base.atomic import write_text_atomic
+from sim.core.batch import Batch
+from sim.cost.curves import Curve1D, Curve2D
+from sim.base.strict import load_yaml
 
 FORMAT_VERSION = 1
 GIB = 1024**3
@@ -54,7 +54,7 @@ _POSITIVE_INT_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads"
 @dataclass(frozen=True, slots=True)
 class ModelShape:
     """The shape facts of a transformer: what costs and memory follow from
-    (``sim.roofline``), and what ``calibrate.model`` builds its random-weight
+    (``sim.cost.roofline``), and what ``calibrate.model`` builds its random-weight
     Llama from. Validated on construction: ValueError naming the field."""
 
     name: str
@@ -169,7 +169,7 @@ class Profile:
         """Consecutive decode steps of ``num_seqs`` one-token items, the
         first starting at ``start_s`` with summed context ``context``, each
         next one ``growth`` tokens longer (the loop's fast path,
-        ``sim.stretch``), with, if ``pre_s`` is given, a prefill chunk in
+        ``sim.loop.stretch``), with, if ``pre_s`` is given, a prefill chunk in
         each, ``pre_s[k]`` being what step k costs before its decode
         attention (``chunk_steps_s``): their durations and end times, for at most
         ``max_steps`` steps, stopping before the first that would end at or
@@ -370,7 +370,7 @@ class Profile:
 
 def _get(d: dict, key: str, where: str, source: str) -> Any:
     if not isinstance(d, dict) or key not in d:
-        raise ProfileError(f"{source}: field '{where}{key}' is missing (see sim/profile.py for the format)")
+        raise ProfileError(f"{source}: field '{where}{key}' is missing (see sim/cost/profile.py for the format)")
     return d[key]
 
 

@@ -1,6 +1,6 @@
 """Run a workload: config -> requests -> SimPy servers -> RunResult (data only).
 
-Nothing here writes files; ``sim.io`` does, for the CLI.
+Nothing here writes files; ``sim.results.folder`` does, for the CLI.
 """
 
 from __future__ import annotations
@@ -11,151 +11,33 @@ import hashlib
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple, TextIO
 
 import numpy as np
 import pandas as pd
 import simpy
 
-from policies import Policy, make_policy
-from sim.batch import Batch, StepResult
-from sim.config import ConfigError, WorkloadConfig
-from sim.engine import ROUTERS, ClientPool, Executor, Server, SimExecutor, feed, feed_capped
-from sim.heap import trim_heap, tune_heap
-from sim.kv import BlockManager
-from sim.logs import StepLog, TokenLog
-from sim.metrics import Values, itl_values, step_totals, summarize_logs
-from sim.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
-from sim.request import REJECT_REASONS, Request
-from sim.runfiles import RunFilesProcess
-from sim.table import RequestTable
-from sim.state import SchedulerState
-from sim.vllm_result import policy_knobs
+from policies import make_policy
+from policies.config import policy_knobs
+from sim.base.heap import trim_heap, tune_heap
+from sim.core.batch import Batch, StepResult
+from sim.core.kv import BlockManager
+from sim.core.logs import StepLog, TokenLog
+from sim.core.policy import Policy, PolicyContext
+from sim.core.request import REJECT_REASONS, Request
+from sim.core.state import SchedulerState
+from sim.cost.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
+from sim.loop.feed import ROUTERS, ClientPool, feed, feed_capped
+from sim.loop.server import Executor, Server, SimExecutor
+from sim.results.metrics import Values, itl_values, step_totals, summarize_logs
+from sim.results.result import RunLogs, RunResult
+from sim.results.runfiles import RunFilesProcess
+from sim.results.table import RequestTable
+from sim.run.config import ConfigError, WorkloadConfig
 from workloads.generate import RequestSpecs, generate
 
 
 OnStep = Callable[[Server], Callable[[float, Batch, StepResult], None] | None]
-
-
-EMPTY_STEPS = (np.empty(0), np.empty(0), np.empty(0), np.empty((0, StepLog.NUM_INTS), dtype=np.int64))
-
-
-@dataclass
-class RunLogs:
-    """Each replica's step and token logs (``sim.logs``), in replica order;
-    ``kv_total_blocks`` is every replica's pool size."""
-
-    replicas: list[int]
-    steps: list[StepLog]
-    tokens: list[TokenLog]
-    kv_total_blocks: int
-
-    def step_frames(self) -> Iterator[pd.DataFrame]:
-        """The step table (as steps.csv), chunk by chunk, replica after replica."""
-        for replica, log in zip(self.replicas, self.steps):
-            for chunk in log.chunks():
-                yield step_frame(replica, *chunk, kv_total_blocks=self.kv_total_blocks)
-
-    def token_chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(req_id, t_s) of the tokens, chunk by chunk, replica after replica."""
-        for log in self.tokens:
-            yield from log.chunks()
-
-
-class RunResult:
-    """A run's tables, summary and metadata.
-
-    ``steps`` and ``tokens`` of a simulated run are built from its logs on
-    first use; writers read ``step_frames()`` and ``token_chunks()`` instead,
-    which stream the logs of a run too large to hold as tables.
-    """
-
-    def __init__(self, requests: pd.DataFrame | RequestTable, steps: pd.DataFrame | None,
-                 tokens: pd.DataFrame | None, summary: dict[str, Any], meta: dict[str, Any] | None = None,
-                 logs: RunLogs | None = None) -> None:
-        if logs is None and (steps is None or tokens is None):
-            raise ValueError("RunResult needs the steps and tokens tables or the logs they come from")
-        # A simulated run's requests come as a compact RequestTable (sim.table): the
-        # DataFrame is built on first use of ``requests``; writers and summaries read
-        # ``request_source`` and ``request_frames()``, which never build it whole.
-        self.table = requests if isinstance(requests, RequestTable) else None
-        self._requests = None if self.table is not None else requests
-        self.summary = summary
-        self.meta = {} if meta is None else meta
-        self.logs = logs
-        self._steps = steps
-        self._tokens = tokens
-        self._itl: Values | None = None
-        # Each request's wait for a free client under a concurrency cap, by request id (vLLM's
-        # client_queue_time; None: open-loop arrivals, sent when drawn).
-        self.client_queue_s: np.ndarray | None = None
-
-    @property
-    def requests(self) -> pd.DataFrame:
-        """One row per request (``sim.table.COLUMNS`` and the latencies)."""
-        if self._requests is None:
-            assert self.table is not None, "checked in __init__"
-            self._requests = self.table.frame()
-        return self._requests
-
-    @property
-    def request_source(self) -> pd.DataFrame | RequestTable:
-        """The requests as the summaries read them: the table if built, else the compact one."""
-        return self.table if self._requests is None else self._requests
-
-    def request_frames(self) -> Iterator[pd.DataFrame]:
-        """The requests table in row chunks (all of it at once if built)."""
-        if self._requests is None:
-            yield from self.table.frames()
-        else:
-            yield self._requests
-
-    @property
-    def steps(self) -> pd.DataFrame:
-        if self._steps is None:
-            assert self.logs is not None, "checked in __init__"
-            frames = (list(self.logs.step_frames()) or
-                      [step_frame(0, *EMPTY_STEPS, kv_total_blocks=self.logs.kv_total_blocks)])
-            self._steps = pd.concat(frames, ignore_index=True)
-        return self._steps
-
-    @property
-    def tokens(self) -> pd.DataFrame:
-        if self._tokens is None:
-            parts = list(self.token_chunks()) or [(np.empty(0, np.int64), np.empty(0))]
-            self._tokens = pd.DataFrame({"req_id": np.concatenate([p[0] for p in parts]),
-                                         "t_s": np.concatenate([p[1] for p in parts])})
-        return self._tokens
-
-    def step_frames(self) -> Iterator[pd.DataFrame]:
-        """The step table in chunks: from the logs unless the table was built."""
-        if self._steps is None and self.logs is not None and any(len(log) for log in self.logs.steps):
-            yield from self.logs.step_frames()
-        else:
-            yield self.steps                # as built (a caller may have added columns), or empty
-
-    def token_chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(req_id int64, t_s float64) of every token in chunks, from the table if built, else the logs."""
-        if self._tokens is not None or self.logs is None:
-            yield self.tokens["req_id"].to_numpy(dtype=np.int64), self.tokens["t_s"].to_numpy(dtype=np.float64)
-        else:
-            yield from self.logs.token_chunks()
-
-    def itl(self) -> Values:
-        """Every inter-token gap of the run (s; ``sim.metrics.itl_values``: spilled
-        to disk when too many for memory), computed once: the summary and
-        vllm_bench.json read the same values."""
-        if self._itl is None:
-            self._itl = itl_values(self.token_chunks(), self.num_tokens)
-            trim_heap()                    # the token chunks' and gaps' temporaries
-        return self._itl
-
-    @property
-    def num_tokens(self) -> int:
-        if self._tokens is not None or self.logs is None:
-            return len(self.tokens)
-        return sum(len(log) for log in self.logs.tokens)
 
 
 def build_profile(cfg: WorkloadConfig) -> Profile:
@@ -166,7 +48,7 @@ def build_profile(cfg: WorkloadConfig) -> Profile:
             return load_profile(cfg.resolve_path(p.path))
         except ProfileError as exc:
             raise ConfigError(f"{cfg.source}: field 'profile.path': {exc}") from None
-    from sim.roofline import preset_profile
+    from sim.cost.roofline import preset_profile
     try:
         return preset_profile(p.model, p.gpu, tensor_parallel=p.tensor_parallel, dtype=p.dtype, engine=p.engine)
     except ValueError as exc:
@@ -193,12 +75,9 @@ def resolve_server(cfg: WorkloadConfig, profile: Profile) -> WorkloadConfig:
     return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **updates))
 
 
-def kv_blocks(cfg: WorkloadConfig, profile: Profile) -> tuple[int, int]:
-    """(num_blocks, max_model_len), with vLLM's start-up checks as clear errors.
-
-    Unset, the pool is what the profile's memory leaves after weights and
-    activations, the activations sized (as vLLM's profiling run does) for the
-    policy's token budget; max_model_len is the model's context."""
+def max_model_len_of(cfg: WorkloadConfig, profile: Profile) -> int:
+    """The context the server serves: ``server.max_model_len`` if set (at most the
+    model's, as vLLM checks at start-up), else the model's."""
     s = cfg.server
     context = profile.model.max_position_embeddings
     if s.max_model_len is not None and s.max_model_len > context:
@@ -207,12 +86,25 @@ def kv_blocks(cfg: WorkloadConfig, profile: Profile) -> tuple[int, int]:
         raise ConfigError(f"{cfg.source}: field 'server.max_model_len' ({s.max_model_len:,}) is longer than the "
                           f"model's context ({profile.model.name}: max_position_embeddings {context:,}); "
                           f"set server.max_model_len <= {context:,} or leave it out")
-    max_model_len = s.max_model_len or context
+    return s.max_model_len or context
+
+
+def kv_blocks(cfg: WorkloadConfig, profile: Profile, policy: Policy | None = None) -> tuple[int, int]:
+    """(num_blocks, max_model_len), with vLLM's start-up checks as clear errors
+    (``policy``: the run's, built here if not given).
+
+    Unset, the pool is what the profile's memory leaves after weights and
+    activations, the activations sized (as vLLM's profiling run does) for the
+    policy's token budget; max_model_len is the model's context."""
+    s = cfg.server
+    max_model_len = max_model_len_of(cfg, profile)
     if s.num_blocks is not None:
         num_blocks = s.num_blocks
         where = "server.num_blocks"
     else:
-        step_tokens = build_policy(cfg, max_model_len, profile).token_budget or DEFAULT_ACTIVATION_TOKENS
+        if policy is None:
+            policy = build_policy(cfg, max_model_len, profile)
+        step_tokens = policy.token_budget or DEFAULT_ACTIVATION_TOKENS
         capacity = profile.kv_capacity_tokens(s.gpu_memory_utilization, step_tokens)
         if capacity <= 0:
             raise ConfigError(
@@ -232,11 +124,22 @@ def kv_blocks(cfg: WorkloadConfig, profile: Profile) -> tuple[int, int]:
     return num_blocks, max_model_len
 
 
+def policy_context(max_model_len: int, profile: Profile | None = None) -> PolicyContext:
+    """What the policy's engine defaults depend on, from the run's profile (the
+    device, its memory, the TP degree, a measured server's knobs); without a
+    profile the device is unknown."""
+    if profile is None:
+        return PolicyContext(max_model_len)
+    return PolicyContext(max_model_len, profile.device, profile.memory_bytes_per_gpu, profile.tensor_parallel,
+                         profile.engine)
+
+
 def build_policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile | None = None) -> Policy:
     """The policy object, with the engines' start-up checks as config errors
-    (``make_policy``: without a profile the device is unknown)."""
+    (``make_policy``: without a profile the device is unknown). Policies hold
+    no state of their own, so one object serves every replica of a run."""
     try:
-        return make_policy(cfg.policy, max_model_len, profile)
+        return make_policy(cfg.policy, policy_context(max_model_len, profile))
     except ValueError as exc:
         raise ConfigError(f"{cfg.source}: field 'policy': {exc}") from None
 
@@ -257,7 +160,7 @@ def request_max_tokens(cfg: WorkloadConfig, specs: RequestSpecs, max_model_len: 
 
 class RequestStream:
     """The run's requests in arrival order, each Request made as the feed
-    releases it (``sim.engine.feed``), a chunk of the arrays at a time, never
+    releases it (``sim.loop.feed.feed``), a chunk of the arrays at a time, never
     all at once: with the servers dropping done requests (``RequestRecords``),
     a run holds Request objects only for the requests in flight.
     ``true_outputs()`` yields their true output lengths in the same order."""
@@ -305,17 +208,21 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
           env: simpy.Environment, executor: Executor, *, num_replicas: int = 1,
           router: str = "round_robin", on_step: OnStep | None = None,
           progress: bool = False, live: bool = False,
-          files: RunFilesProcess | None = None) -> Driven:
+          files: RunFilesProcess | None = None, policy: Policy | None = None,
+          check_stretch: bool = False) -> Driven:
     """Run ``cfg``'s requests through ``num_replicas`` servers on ``env``.
 
     The one place that builds requests, policies, block pools and servers, for
     the simulator (``simpy.Environment`` + ``SimExecutor``) and the live driver
-    (``live``: a real-time environment + a live executor, ``sim.live``) alike.
+    (``live``: a real-time environment + a live executor, ``sim.run.live``) alike.
     Live, the servers step one iteration at a time on the wall clock and a
     measured server's per-request overhead is not added (it happens).
     ``on_step(server)`` builds each server's step hook. ``files``, if
     given, writes steps.csv and tokens.npz from the logs in a second process
-    while the loop runs and after it (``sim.runfiles``). Returns the servers
+    while the loop runs and after it (``sim.results.runfiles``). ``policy``: the
+    run's (built here if not given; one object for every replica).
+    ``check_stretch``: step every iteration and check the fast path's
+    prediction of each against it (``sim.loop.server.Server``). Returns the servers
     (each request is in one server's ``state.records``), the number of
     requests and of trace rows dropped, and under a concurrency cap each
     request's wait for a client (by request id); nothing else of the request
@@ -327,13 +234,14 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
         raise ConfigError(f"{cfg.source}: the workload has no requests (check num_requests, duration_s, "
                           f"arrivals.start_s)")
     requests = RequestStream(specs, request_max_tokens(cfg, specs, max_model_len))
+    if policy is None:
+        policy = build_policy(cfg, max_model_len, profile)
     servers = []
     for k in range(num_replicas):
-        policy = build_policy(cfg, max_model_len, profile)
-        usable = num_blocks - getattr(policy, "num_reserved_blocks", 0)    # vLLM v1's null block
+        usable = num_blocks - policy.num_reserved_blocks    # vLLM v1's null block
         state = SchedulerState(BlockManager(usable, cfg.server.block_size, cfg.server.watermark),
                                max_model_len, policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt)
-        server = Server(env, policy, state, executor, replica=k, coalesce=not live)
+        server = Server(env, policy, state, executor, replica=k, coalesce=not live, check_stretch=check_stretch)
         server.on_step = on_step(server) if on_step is not None else None
         servers.append(server)
     # A measured server's per-request overhead delays arrivals in simulation; live, it happens.
@@ -368,9 +276,9 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
 
 def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "round_robin",
                  progress: bool = False, strict: bool = False,
-                 files: RunFilesProcess | None = None) -> RunResult:
+                 files: RunFilesProcess | None = None, check_stretch: bool = False) -> RunResult:
     """Simulate ``cfg`` on ``num_replicas`` identical servers behind ``router``
-    (``files``: see ``drive``)."""
+    (``files``, ``check_stretch``: see ``drive``)."""
     if router not in ROUTERS:
         raise ConfigError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
     if num_replicas < 1:
@@ -388,11 +296,13 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
     tune_heap()
     profile = build_profile(cfg)
     cfg = resolve_server(cfg, profile)
-    num_blocks, max_model_len = kv_blocks(cfg, profile)
+    policy = build_policy(cfg, max_model_len_of(cfg, profile), profile)
+    num_blocks, max_model_len = kv_blocks(cfg, profile, policy)
     loop0 = time.perf_counter()
     servers, num_requests, num_dropped, client_queue_s = drive(
         cfg, profile, num_blocks, max_model_len, simpy.Environment(), SimExecutor(profile),
-        num_replicas=num_replicas, router=router, progress=progress, files=files)
+        num_replicas=num_replicas, router=router, progress=progress, files=files, policy=policy,
+        check_stretch=check_stretch)
     loop_s = time.perf_counter() - loop0
     result = collect(cfg, servers, num_requests, num_blocks, profile, client_queue_s)
     rejected = result.summary["failed_by_reason"]
@@ -501,10 +411,10 @@ def _progress_ticker(env: simpy.Environment, servers: list[Server], shown: Progr
 def profile_trust(profile: Profile) -> dict[str, Any]:
     """How far this profile's step costs are known to be off, and against what:
     an analytic preset's held-out error against public vLLM runs for its GPU
-    and TP degree (``sim.presets.preset_error``), or a measured profile's
+    and TP degree (``sim.cost.presets.preset_error``), or a measured profile's
     held-out self-check. ``error_pct`` is None where nothing was checked."""
     if profile.provenance.get("source") == "analytic-roofline":
-        from sim.presets import preset_error
+        from sim.cost.presets import preset_error
         err = preset_error(profile.device, profile.tensor_parallel)
         if err is None:
             return {"error_pct": None, "basis": f"analytic preset, not validated on {profile.device} at "
@@ -521,7 +431,7 @@ def profile_trust(profile: Profile) -> dict[str, Any]:
 
 
 def request_table(servers: list[Server], num_requests: int) -> RequestTable:
-    """The compact requests table of a run (``sim.table``), from the servers' records
+    """The compact requests table of a run (``sim.results.table``), from the servers' records
     (``drive`` numbers the requests 0 .. ``num_requests`` - 1)."""
     return RequestTable.from_records([s.state.records for s in servers], [s.replica for s in servers],
                                      num_requests)
@@ -529,9 +439,10 @@ def request_table(servers: list[Server], num_requests: int) -> RequestTable:
 
 def log_summary(requests: pd.DataFrame | RequestTable, steps: list[StepLog], tokens: list[TokenLog],
                 slo: dict[str, Any] | None, kv_total_blocks: int, itl: Values | None = None) -> dict[str, Any]:
-    """``sim.metrics.summarize_logs`` of these requests and these replicas' logs, read chunk by chunk
+    """``sim.results.metrics.summarize_logs`` of these requests and these replicas' logs, read chunk by chunk
     (``itl``: these logs' ITL values, if already computed)."""
-    columns = ((dur, ints[:, 0], ints[:, 7]) for log in steps for _, dur, _, ints in log.chunks())
+    columns = ((dur, ints[:, StepLog.BATCH_SIZE], ints[:, StepLog.KV_USED_BLOCKS])
+               for log in steps for _, dur, _, ints in log.chunks())
     totals = step_totals(columns, sum(len(log) for log in steps), sum(1 for log in steps if len(log)),
                          kv_total_blocks)
     if itl is None:
@@ -566,15 +477,3 @@ def collect(cfg: WorkloadConfig, servers: list[Server], num_requests: int, num_b
     result.summary, result.meta = summary, meta
     result.client_queue_s = client_queue_s
     return result
-
-
-def step_frame(replica: int, t_s: np.ndarray, duration_s: np.ndarray, predicted_s: np.ndarray, ints: np.ndarray,
-               *, kv_total_blocks: int) -> pd.DataFrame:
-    """Steps of one replica as rows of steps.csv: replica, ``StepLog.COLUMNS``, kv_total_blocks."""
-    df = pd.DataFrame(ints, columns=list(StepLog.COLUMNS[3:]))
-    df.insert(0, "predicted_s", predicted_s)
-    df.insert(0, "duration_s", duration_s)
-    df.insert(0, "t_s", t_s)
-    df.insert(0, "replica", replica)
-    df["kv_total_blocks"] = kv_total_blocks
-    return df

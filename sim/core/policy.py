@@ -1,0 +1,109 @@
+"""The contract between a policy and the loop: ``Policy``, the ``PolicyContext``
+it is built with, and the ``StretchShape`` it describes to the fast path.
+
+A policy is pure scheduling logic: ``schedule(state, now_s) -> Batch | Idle``.
+It never sleeps, reads no clock of its own and imports neither SimPy nor
+torch. It may admit and preempt requests and grow their block tables through
+``state`` (that is how nano-vllm and vLLM schedule too); ``state.commit``
+does all token accounting after the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, NamedTuple, Protocol, Sequence
+
+from sim.core.batch import Batch, Idle
+from sim.core.request import Request
+from sim.core.state import SchedulerState
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    """What an engine's defaults depend on besides the policy's own config:
+    the model's context length and the device (and, for a profile measured on
+    a serving engine, that engine's knobs) from the run's profile.
+
+    Without a profile the device is unknown (``memory_bytes_per_gpu`` 0), and
+    an engine picks its defaults for the smallest devices it distinguishes.
+    """
+
+    max_model_len: int
+    device: str = "unknown"                                    # the profile's device name
+    memory_bytes_per_gpu: int = 0                              # 0: unknown
+    world_size: int = 1                                        # tensor-parallel ranks
+    engine: Mapping[str, Any] = field(default_factory=dict)    # the measured server's knobs (Profile.engine)
+
+
+class StretchShape(NamedTuple):
+    """The step a policy repeats while nothing changes (``Policy.stretch_shape``),
+    as the loop's fast path (``sim.loop.stretch``) prices and logs it."""
+
+    decode_context: int    # the KV tokens the first step's decodes attend over, summed
+    context_growth: int    # how much that sum grows from one step to the next
+    chunk_tokens: int = 0  # case (c): the prefilling request's chunk in every full step (0: nobody prefills)
+
+
+class Policy(Protocol):
+    """Chooses the work of the next iteration, and declares what the rest of
+    batchsim needs to know about it (readers never guess knob names).
+
+    Built as ``PolicyClass(config, context)``; raises ValueError for a config
+    the engine would refuse at start-up.
+
+    schedule(state, now_s): return the Batch to run now, or Idle when nothing
+    can run (Idle.wake_at_s asks to be called again at that simulated/wall
+    time even if no request arrives). Raises nothing on normal input. Two
+    Idle decisions at the same time with nothing changed in between stall
+    the loop, which raises RuntimeError naming the policy.
+
+    knobs(): every config field, in declaration order, with the value that
+    runs (defaults filled in), as a result records it.
+
+    ``decode_stretch``: True if the policy keeps the invariant of the loop's
+    fast path (``sim.loop.stretch``, cases (a) and (b)): with nothing waiting
+    and every running request caught up it decodes them all; after a
+    decode-only step that admitted, preempted and finished nobody it returns
+    the same requests again, one token further on; both until something
+    arrives, finishes or fails to get a block. Say why beside the flag; False
+    steps every iteration. The flag is checked, not trusted: a run with
+    ``check_stretch`` (the tests run every policy so) steps every iteration
+    and fails on the first step that differs from the one the fast path
+    would have run.
+
+    ``chunk_stretch``: True if the policy also keeps case (c) of
+    ``sim.loop.stretch``: with one running request prefilling and every other
+    one caught up, it decodes them all and gives the prefilling request a
+    chunk of the rest of its token budget (the budget full, nobody admitted),
+    step after step, until the chunk that completes the prompt; its
+    ``stretch_shape`` says how large that chunk is. Say why beside the flag.
+
+    stretch_shape(running, live_context, num_live, prefilling): with
+    ``decode_stretch``, the shape of the step the policy repeats from here:
+    ``running`` is ``state.running``, of which ``num_live`` requests decode,
+    attending over ``live_context`` tokens in all; ``prefilling`` is the one
+    running request still prefilling (case (c) of ``sim.loop.stretch``), or
+    None. Return None when this state does not repeat (the loop steps it).
+    """
+
+    token_budget: int | None       # most tokens one step computes; sizes the activation reserve as vLLM's
+    #                                profiling run does (None: no budget, ``DEFAULT_ACTIVATION_TOKENS``)
+    max_num_seqs: int              # most requests running at once
+    holds_batch: bool              # True: a batch runs to completion and nobody joins it (static, dynamic):
+    #                                while any request runs, schedule() steps the running group, whatever waits
+    max_prompt_tokens: int | None  # longer prompts are refused at arrival (None: only the context limits)
+    refuses_by_prompt: bool        # True: refused at arrival for the pool (kv_pool) only if the prompt's blocks
+    #                                exceed it above the watermark (vLLM v0's AllocStatus.NEVER); a recompute
+    #                                that outgrows it later is cut short (SchedulerState.cut_short). False: if
+    #                                prompt + max_tokens exceeds the whole pool (reserved at admission, or
+    #                                vllm_v1, which keeps no watermark back from a lone request)
+    num_reserved_blocks: int       # blocks of the pool that never hold KV (vLLM v1's null block: 1)
+    decode_stretch: bool
+    chunk_stretch: bool
+
+    def knobs(self) -> dict[str, Any]: ...
+
+    def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle: ...
+
+    def stretch_shape(self, running: Sequence[Request], live_context: int, num_live: int,
+                      prefilling: Request | None) -> StretchShape | None: ...

@@ -1,0 +1,128 @@
+"""Arrivals and routers: ``feed`` releases open-loop arrivals at their times,
+``feed_capped`` runs a closed-loop client population (``ClientPool``) whose
+send times follow the servers' replies, and a router (``ROUTERS``) picks
+the server of each request.
+"""
+
+from __future__ import annotations
+
+from array import array
+from heapq import heappop, heappush
+from typing import Collection, Generator, Iterable, Sequence
+
+import simpy
+
+from sim.core.request import Request
+from sim.loop.server import Server
+
+
+ROUTERS = ("round_robin", "least_requests", "least_tokens")
+
+
+def pick_replica(router: str, servers: Sequence[Server], counter: int) -> Server:
+    """The server that gets the next request."""
+    if router == "round_robin" or len(servers) == 1:
+        return servers[counter % len(servers)]
+    if router == "least_requests":
+        return min(servers, key=lambda s: s.num_outstanding_requests)
+    if router == "least_tokens":
+        return min(servers, key=lambda s: s.num_outstanding_tokens)
+    raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+
+
+def feed(env: simpy.Environment, servers: Sequence[Server], requests: Iterable[Request],
+         true_output_tokens: Iterable[int], router: str = "round_robin",
+         lag_s: float = 0.0):  # SimPy process
+    """Release ``requests`` (sorted by arrival; any iterable, such as
+    ``sim.run.runner.RequestStream``, which makes each one as it is released) at
+    their arrival times; ``true_output_tokens`` in the same order.
+
+    ``lag_s``: each request reaches its server that long after its arrival,
+    which stays the origin of its TTFT: a serving engine's per-request
+    overhead (client send to the engine's queue plus the engine's output
+    back to the client) when simulating a measured server."""
+    for i, (req, true_output) in enumerate(zip(requests, true_output_tokens)):
+        delay = req.arrival_s + lag_s - env.now
+        if delay > 0:
+            yield env.timeout(delay)
+        pick_replica(router, servers, i).submit(req, true_output)
+    for s in servers:
+        s.state.all_arrived = True
+        s.wake()
+
+
+class ClientPool:
+    """``num_clients`` closed-loop clients: each sends one request, waits for
+    its reply, pauses ``think_time_s`` and may send again.
+
+    ``ready_s`` is a heap of the times at which idle clients may send; a
+    client that gets its reply at ``t`` (``release``) is ready at
+    ``t + think_time_s``.
+    """
+
+    def __init__(self, env: simpy.Environment, num_clients: int, think_time_s: float = 0.0) -> None:
+        self.env = env
+        self.think_time_s = think_time_s
+        self.ready_s = [0.0] * num_clients
+        self._released: simpy.Event | None = None
+        # Each request's wait for a free client, send - drawn arrival, in release order (vLLM's
+        # client_queue_time: the time it waited on the benchmark's semaphore).
+        self.waits_s = array("d")
+
+    def release(self, reply_s: float, num_clients: int = 1) -> None:
+        """``num_clients`` got their reply at ``reply_s``."""
+        for _ in range(num_clients):
+            heappush(self.ready_s, reply_s + self.think_time_s)
+        if self._released is not None and not self._released.triggered:
+            self._released.succeed()
+
+    def acquire(self):  # SimPy process fragment, use with ``yield from``
+        """Wait until some client is idle; return the time it may send."""
+        while not self.ready_s:
+            self._released = self.env.event()
+            yield self._released
+        return heappop(self.ready_s)
+
+
+def feed_capped(env: simpy.Environment, servers: Sequence[Server], requests: Collection[Request],
+                true_output_tokens: Iterable[int], clients: ClientPool, router: str = "round_robin",
+                lag_s: float = 0.0) -> Generator:
+    """The SimPy process that releases ``requests`` in order with at most
+    ``max_concurrency`` in flight over all ``servers``: a closed-loop client
+    population (``vllm bench serve --max-concurrency``, GuideLLM's concurrent
+    mode), ``clients`` (``ClientPool(env, min(max_concurrency, len(requests)),
+    think_time_s)``; its ``waits_s`` collects each request's wait for a client).
+    Hooks the servers' ``on_finish`` now, before the run starts.
+
+    On entry a request's ``arrival_s`` is the earliest it may be sent (0 in a
+    closed loop; its drawn arrival when a rate is capped, as vLLM's benchmark
+    holds each drawn request on a semaphore). It is sent, in order, at the
+    later of that and the time the first client is free (the reply to its
+    last request, a finish or a refusal, plus ``think_time_s``), and its
+    ``arrival_s`` becomes that send time: TTFT counts from the send, as in
+    vLLM's benchmark. ``lag_s`` as in ``feed``.
+
+    A request sent at the very end of a step misses the step that starts
+    then: the server picks its next batch before the client has its reply.
+    """
+    for s in servers:
+        s.on_finish = clients.release
+    return _release_capped(env, servers, requests, true_output_tokens, clients, router, lag_s)
+
+
+def _release_capped(env: simpy.Environment, servers: Sequence[Server], requests: Iterable[Request],
+                    true_output_tokens: Iterable[int], clients: ClientPool, router: str,
+                    lag_s: float):  # SimPy process
+    for i, (req, true_output) in enumerate(zip(requests, true_output_tokens)):
+        ready_s = yield from clients.acquire()
+        send_s = max(ready_s, req.arrival_s)
+        delay = send_s + lag_s - env.now
+        if delay > 0:
+            yield env.timeout(delay)
+        clients.waits_s.append(send_s - req.arrival_s)
+        req.arrival_s = send_s
+        if not pick_replica(router, servers, i).submit(req, true_output):
+            clients.release(env.now)          # refused at once: the client has its reply
+    for s in servers:
+        s.state.all_arrived = True
+        s.wake()

@@ -1,0 +1,174 @@
+"""The SimPy driver: ``schedule -> execute -> timeout -> commit``, event-driven.
+
+A ``Server`` is one replica: a policy, its ``SchedulerState``, an ``Executor``
+and a ``StepLog``. It never polls: when the policy has nothing to run, the
+server waits on an arrival event (and the policy's own deadline, if any).
+The executor is the only thing that differs between simulation (predicted
+duration) and a live run (measured duration). Arrivals reach servers
+through ``sim.loop.feed``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Protocol
+
+import simpy
+
+from sim.core.batch import Batch, Idle, StepResult
+from sim.core.logs import StepLog
+from sim.core.policy import Policy
+from sim.core.request import Request
+from sim.core.state import SchedulerState
+from sim.cost.profile import Profile
+from sim.loop.stretch import run_decode_stretch
+
+
+# Decode-only stretches between events run in one go (sim.loop.stretch) when the policy allows it.
+# False steps every iteration: same results, used by tests/loop/test_fast_path.py to prove it.
+FAST_PATH = os.environ.get("BATCHSIM_FAST_PATH", "1") != "0"
+
+
+class Executor(Protocol):
+    """Runs (or predicts) one step.
+
+    execute(batch, state): the step's StepResult; ``duration_s`` is the time
+    the step takes on the driving clock (seconds). Called before commit, so
+    ``state`` shows the requests as they were when the batch was chosen.
+    """
+
+    def execute(self, batch: Batch, state: SchedulerState) -> StepResult: ...
+
+
+class SimExecutor:
+    """Simulation: the step takes what the profile predicts."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+
+    def execute(self, batch: Batch, state: SchedulerState) -> StepResult:
+        t = self.profile.step_time_s(batch)
+        return StepResult(duration_s=t, predicted_s=t)
+
+
+class Server:
+    """One replica driven by SimPy. ``submit`` hands it an arrived request.
+
+    ``coalesce``: run steps that end before the next event back to back
+    without a SimPy timeout each, and decode stretches in one go (the fast
+    path); True in simulation, False on a wall clock.
+
+    ``check_stretch``: step every iteration of a stretch the fast path
+    would run at once, checking each against its plan (``sim.loop.stretch.
+    StretchMismatch`` on the first that differs): the policy's
+    ``decode_stretch`` and ``stretch_shape`` under test.
+
+    ``on_finish(end_s, num_finished)``, if set, is called after each step that
+    finished requests, with the step's end time (which may lie ahead of
+    ``env.now``: see ``_serve``) and how many it finished, and when choosing a
+    step cut requests short (``SchedulerState.cut_short``), with its start.
+    """
+
+    def __init__(self, env: simpy.Environment, policy: Policy, state: SchedulerState,
+                 executor: Executor, replica: int = 0,
+                 on_step: Callable[[float, Batch, StepResult], None] | None = None, *,
+                 coalesce: bool = True, check_stretch: bool = False) -> None:
+        self.env = env
+        self.policy = policy
+        self.state = state
+        self.executor = executor
+        self.replica = replica
+        self.log = StepLog()
+        self.on_step = on_step
+        self.on_finish: Callable[[float, int], None] | None = None
+        self._wake: simpy.Event | None = None
+        self.coalesce = coalesce
+        self.check_stretch = check_stretch
+        self.process = env.process(self._serve())
+
+    def submit(self, req: Request, true_output_tokens: int) -> bool:
+        accepted = self.state.add_arrival(req, true_output_tokens, self.env.now)
+        self.wake()
+        return accepted
+
+    def wake(self) -> None:
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    @property
+    def num_outstanding_requests(self) -> int:
+        return len(self.state.waiting) + len(self.state.running)
+
+    @property
+    def num_outstanding_tokens(self) -> int:
+        """Tokens still to compute for queued and running requests (prompt + max_tokens)."""
+        return sum(r.num_prompt_tokens + r.max_output_tokens - r.num_computed_tokens
+                   for q in (self.state.waiting, self.state.running) for r in q)
+
+    def _serve(self):  # SimPy process
+        env, state, policy, executor, log = self.env, self.state, self.policy, self.executor, self.log
+        on_step, on_finish = self.on_step, self.on_finish
+        # Steps that end before the next scheduled event (an arrival, another
+        # replica's step, a deadline) cannot be interleaved with anything, so
+        # they run back to back on a local clock without a SimPy timeout each;
+        # the server yields to SimPy before anything else can happen. Same
+        # results, a fraction of the events. ``coalesce`` is False for a live
+        # run (sim.run.runner.drive says which): there the clock is the wall clock.
+        coalesce = self.coalesce
+        # The fast path (sim.loop.stretch): decode-only stretches up to the next event in one go.
+        stretch = (coalesce and (FAST_PATH or self.check_stretch) and on_step is None
+                   and type(executor) is SimExecutor and policy.decode_stretch)
+        now_s = env.now
+        idle_at = None                     # (time, state) of the last Idle: a second one alike is a stall
+        while True:
+            num_preempted = state.num_preemptions
+            num_finished = state.num_finished if on_finish is not None else 0   # closed loops only
+            decision = policy.schedule(state, now_s)
+            if on_finish is not None and state.num_finished > num_finished:
+                on_finish(now_s, state.num_finished - num_finished)         # cut short (SchedulerState.cut_short)
+            if type(decision) is Idle:
+                if now_s > env.now:
+                    yield env.timeout(now_s - env.now)       # catch SimPy up first
+                    continue
+                if state.done:
+                    return
+                seen = (now_s, state.fingerprint())
+                if seen == idle_at:
+                    raise RuntimeError(f"policy {type(policy).__name__} stalled: it returned Idle twice at "
+                                       f"t={now_s:.9g} s with nothing changed in between (wake_at_s="
+                                       f"{decision.wake_at_s!r}, {len(state.waiting)} waiting, "
+                                       f"{len(state.running)} running); it must return work, or Idle with a "
+                                       f"later wake_at_s or none")
+                idle_at = seen
+                self._wake = env.event()
+                if decision.wake_at_s is not None:
+                    yield env.any_of([self._wake, env.timeout(max(0.0, decision.wake_at_s - env.now))])
+                else:
+                    yield self._wake
+                self._wake = None
+                now_s = env.now
+                continue
+            start_s = now_s
+            result = executor.execute(decision, state)
+            end_s = start_s + result.duration_s
+            coalesced = coalesce and end_s < env.peek()
+            if not coalesced:
+                yield env.timeout(end_s - env.now)
+                end_s = env.now
+            now_s = end_s
+            idle_at = None
+            # The queues and KV the step ran with.
+            log.record(start_s, decision, result, len(state.waiting), len(state.running), state.kv.num_used_blocks)
+            num_finished = state.num_finished if on_finish is not None else 0   # closed loops only
+            state.commit(decision, end_s)
+            if on_step is not None:
+                on_step(start_s, decision, result)
+            if on_finish is not None and state.num_finished > num_finished:
+                on_finish(end_s, state.num_finished - num_finished)
+            # (Only after a step that did not yield: nothing has arrived since it was chosen.)
+            if stretch and coalesced:
+                num_finished = state.num_finished
+                now_s = yield from run_decode_stretch(self, decision, state.num_preemptions != num_preempted,
+                                                      now_s, env.peek(), chain=on_finish is None)
+                if on_finish is not None and state.num_finished > num_finished:
+                    on_finish(now_s, state.num_finished - num_finished)

@@ -1,0 +1,45 @@
+"""Every registered policy, once, for the tests that run all of them.
+
+A policy-wide test reads ``CASES`` (never a list of its own), and
+``tests/policies/test_cases.py`` fails while a policy of ``policies.POLICIES``
+is missing here, so a new policy cannot be silently left out of the
+fast-path check, the property tests or the figures. A new policy's entry
+says which of its knobs crowd a small server (``small``) and what ranges the
+property tests draw them from (``ranges``; a knob not named keeps its
+default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import strategies as st
+
+from policies.base import RESERVE_MODES
+
+RESERVES = st.sampled_from(RESERVE_MODES)
+
+
+@dataclass(frozen=True)
+class PolicyCase:
+    small: dict[str, Any] = field(default_factory=dict)         # knobs for a 4-slot, 64-token-budget server
+    ranges: dict[str, Any] = field(default_factory=dict)        # hypothesis strategies for the knobs
+
+
+CASES: dict[str, PolicyCase] = {
+    "static": PolicyCase({"batch_size": 4}, {"batch_size": st.integers(1, 8), "reserve": RESERVES}),
+    "dynamic": PolicyCase({"max_batch_size": 4}, {"max_batch_size": st.integers(1, 8),
+                                                  "max_queue_delay_s": st.floats(0.001, 0.5)}),
+    "orca": PolicyCase({"max_batch_size": 4}, {"max_batch_size": st.integers(1, 16), "reserve": RESERVES}),
+    "vllm": PolicyCase({"max_num_seqs": 4}, {"max_num_seqs": st.integers(1, 16),
+                                             "max_num_batched_tokens": st.sampled_from([None, 512, 1024])}),
+    "sarathi": PolicyCase({"max_num_seqs": 4, "max_num_batched_tokens": 64},
+                          {"max_num_seqs": st.integers(1, 8), "max_num_batched_tokens": st.integers(8, 600)}),
+    "vllm_v1": PolicyCase({"max_num_seqs": 4, "max_num_batched_tokens": 64},
+                          {"max_num_seqs": st.integers(1, 8), "max_num_batched_tokens": st.integers(8, 600),
+                           "long_prefill_token_threshold": st.sampled_from([0, 16, 100]),
+                           "watermark": st.sampled_from([0.0, 0.05])}),
+}
+
+KINDS: tuple[str, ...] = tuple(CASES)

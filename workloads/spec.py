@@ -1,0 +1,190 @@
+"""What traffic a workload asks for: the arrivals and lengths sections, their
+checks, and the ``Traffic`` that ``workloads.generate`` draws requests from.
+
+The rest of a workload (server, profile, policy, slo) is ``sim.run.config``'s;
+this module imports only ``sim.base``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from sim.base.strict import ConfigError, _positive, _require, did_you_mean
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalsConfig:
+    kind: str = "poisson"          # poisson | gamma | constant | all_at_once | trace | concurrency
+    rate: float | None = None      # req/s; for a trace: rescale its mean rate to this
+    cv: float = 1.0                # gamma: coefficient of variation of the gaps (burstiness)
+    path: str | None = None        # trace file (CSV/JSONL); relative to the workload file
+    time_scale: float = 1.0        # trace: multiply timestamps (0.5 = replay twice as fast)
+    rate_scale: float = 1.0        # trace: multiply the arrival rate (2 = twice the traffic)
+    start_s: float = 0.0           # trace: skip arrivals before this time
+    columns: dict[str, str] | None = None  # trace: {arrival, prompt, output} column names
+    time_unit: str | None = None   # trace: s | ms | us | ns | datetime (guessed when omitted)
+    repeat: int = 1                # trace: replay the trace this many times back to back
+    # A closed-loop client population (vllm bench serve --max-concurrency):
+    # at most this many requests in flight; each client sends its next request
+    # when its last one finished or was refused (plus think_time_s), never
+    # before the request's drawn arrival. Required by kind concurrency (a pure
+    # closed loop); with another kind it caps that kind's arrivals.
+    max_concurrency: int | None = None
+    think_time_s: float = 0.0      # with max_concurrency: a client's pause between reply and next send
+    num_requests: int | None = None  # the top-level num_requests, spelled inside arrivals
+
+
+@dataclass(frozen=True, slots=True)
+class LengthsConfig:
+    kind: str = "trace"            # trace | fixed | uniform | lognormal | zipf | empirical
+    prompt_tokens: int | None = None     # fixed
+    output_tokens: int | None = None     # fixed
+    prompt_min: int = 1                  # uniform, zipf
+    prompt_max: int | None = None        # uniform, zipf; cap for lognormal
+    output_min: int = 1
+    output_max: int | None = None
+    prompt_mean: float | None = None     # lognormal
+    output_mean: float | None = None     # lognormal
+    sigma: float = 1.0                   # lognormal: std of log(length)
+    alpha: float = 1.2                   # zipf exponent
+    path: str | None = None              # empirical: a length file (prompt_tokens, output_tokens)
+    sample: str = "random"               # empirical: random (with replacement) | sequential
+    columns: dict[str, str] | None = None  # empirical: {prompt, output} column names
+
+
+class Traffic(Protocol):
+    """What request generation reads of a workload (``sim.run.config.WorkloadConfig`` is one)."""
+
+    seed: int
+    num_requests: int | None
+    duration_s: float | None
+    arrivals: ArrivalsConfig
+    lengths: LengthsConfig
+    source: str                      # the file, for messages
+
+    def resolve_path(self, path: str) -> Path: ...
+
+
+ARRIVAL_KINDS = ("poisson", "gamma", "constant", "all_at_once", "trace", "concurrency")
+LENGTH_KINDS = ("trace", "fixed", "uniform", "lognormal", "zipf", "empirical")
+
+
+def check_arrivals(a: ArrivalsConfig, src: str) -> None:
+    """The arrivals section on its own (``src`` names the file); warns of fields its kind never reads."""
+    if a.kind not in ARRIVAL_KINDS:
+        raise ConfigError(f"{src}: field 'arrivals.kind' must be one of {', '.join(ARRIVAL_KINDS)}, "
+                          f"got {a.kind!r}")
+    if a.kind in ("poisson", "gamma", "constant"):
+        _require(src, "arrivals.rate", a.rate, f"for arrivals.kind {a.kind} (requests per second)")
+    if a.kind == "trace":
+        _require(src, "arrivals.path", a.path, "for arrivals.kind trace (a CSV or JSONL file)")
+    if a.kind == "concurrency":
+        _require(src, "arrivals.max_concurrency", a.max_concurrency,
+                 "for arrivals.kind concurrency (how many clients send at once, e.g. 8)")
+        if a.rate is not None:
+            raise ConfigError(f"{src}: field 'arrivals.rate' does not apply to arrivals.kind concurrency "
+                              f"(its clients send as fast as replies come back); to cap a request rate use "
+                              f"arrivals: {{kind: poisson, rate: R, max_concurrency: N}} (vllm bench serve "
+                              f"--request-rate R --max-concurrency N)")
+    _positive(src, "arrivals.max_concurrency", a.max_concurrency)
+    _positive(src, "arrivals.think_time_s", a.think_time_s, allow_zero=True)
+    if a.think_time_s > 0 and a.max_concurrency is None:
+        raise ConfigError(f"{src}: field 'arrivals.think_time_s' needs arrivals.max_concurrency (it is a "
+                          f"closed-loop client's pause; open-loop arrivals have no clients)")
+    for name in ("rate", "cv", "time_scale", "rate_scale"):
+        _positive(src, f"arrivals.{name}", getattr(a, name))
+    if a.rate is not None and not MIN_RATE <= a.rate <= MAX_RATE:   # 1e300 req/s: gaps below float resolution
+        raise ConfigError(f"{src}: field 'arrivals.rate' must be in [{MIN_RATE:g}, {MAX_RATE:g}] requests per "
+                          f"second, got {a.rate:g}")
+    if a.think_time_s > MAX_THINK_S:
+        raise ConfigError(f"{src}: field 'arrivals.think_time_s' must be at most {MAX_THINK_S:g} s, "
+                          f"got {a.think_time_s:g}")
+    if not MIN_CV <= a.cv <= MAX_CV:        # gamma shape 1/cv^2: 1e-300 divides by zero, 1e6 is one burst
+        raise ConfigError(f"{src}: field 'arrivals.cv' must be in [{MIN_CV:g}, {MAX_CV:g}] (the gaps' coefficient "
+                          f"of variation: 1 is Poisson, < 1 more regular, > 1 burstier), got {a.cv:g}")
+    _positive(src, "arrivals.start_s", a.start_s, allow_zero=True)
+    _positive(src, "arrivals.repeat", a.repeat)
+    if a.time_unit not in TIME_UNITS:
+        raise ConfigError(f"{src}: field 'arrivals.time_unit' must be one of {', '.join(TIME_UNITS[1:])}, "
+                          f"got {a.time_unit!r}")
+    _check_columns(a.columns, "arrivals.columns", ("arrival", "prompt", "output", "max_tokens"), src)
+    _warn_unused("arrivals", a, ARRIVAL_FIELD_KINDS, src)
+    if a.kind == "trace" and a.rate is not None:
+        scaled = [name for name in ("time_scale", "rate_scale") if getattr(a, name) != 1.0]
+        if scaled:
+            warnings.warn(f"{src}: arrivals.{' and arrivals.'.join(scaled)} ignored: arrivals.rate rescales the "
+                          f"replayed trace to its own mean rate (keep one of them)", stacklevel=4)
+
+
+# Which kinds read a field (the others ignore it): a field set to other than its default
+# under another kind is set aside with a warning, as another policy's knob is, so one
+# file or sweep can switch kinds while a typo-like slip (cv on poisson) is still seen.
+_TRACE = ("trace",)
+ARRIVAL_FIELD_KINDS: dict[str, tuple[str, ...]] = {
+    "rate": ("poisson", "gamma", "constant", "trace"), "cv": ("gamma",), "path": _TRACE,
+    "time_scale": _TRACE, "rate_scale": _TRACE, "start_s": _TRACE, "columns": _TRACE, "time_unit": _TRACE,
+    "repeat": _TRACE}
+LENGTH_FIELD_KINDS: dict[str, tuple[str, ...]] = {
+    "prompt_tokens": ("fixed",), "output_tokens": ("fixed",),
+    "prompt_min": ("uniform", "lognormal", "zipf"), "output_min": ("uniform", "lognormal", "zipf"),
+    "prompt_max": ("uniform", "lognormal", "zipf"), "output_max": ("uniform", "lognormal", "zipf"),
+    "prompt_mean": ("lognormal",), "output_mean": ("lognormal",), "sigma": ("lognormal",),
+    "alpha": ("zipf",), "path": ("empirical",), "sample": ("empirical",), "columns": ("empirical",)}
+
+
+def _warn_unused(section: str, cfg: Any, uses: dict[str, tuple[str, ...]], src: str) -> None:
+    """Warn about fields set away from their default that ``cfg.kind`` does not read."""
+    unused = [f"{section}.{f.name} (read by kind {' / '.join(uses[f.name])})"
+              for f in dataclasses.fields(cfg)
+              if f.name in uses and cfg.kind not in uses[f.name] and getattr(cfg, f.name) != f.default]
+    if unused:
+        warnings.warn(f"{src}: {', '.join(unused)} not used by {section}.kind {cfg.kind} (ignored)", stacklevel=4)
+
+
+TIME_UNITS = (None, "s", "ms", "us", "ns", "datetime")
+MIN_CV, MAX_CV = 0.001, 100.0
+MIN_RATE, MAX_RATE = 1e-6, 1e6        # requests per second: one in 11 days .. a million a second
+MAX_THINK_S = 1e6
+MAX_TOKEN_COUNT = 2**31 - 1           # as traces hold token counts
+
+
+def _check_columns(columns: dict[str, str] | None, name: str, roles: tuple[str, ...], src: str) -> None:
+    """A trace's column mapping names only roles the loader knows, each a column name."""
+    for role, column in (columns or {}).items():
+        if role not in roles:
+            raise ConfigError(f"{src}: field '{name}.{role}' is unknown{did_you_mean(role, roles)}; "
+                              f"expected some of {', '.join(roles)}")
+        if not isinstance(column, str) or not column.strip():
+            raise ConfigError(f"{src}: field '{name}.{role}' must be a column name, got {column!r}")
+
+
+def check_lengths(ln: LengthsConfig, src: str) -> None:
+    """The lengths section on its own (``src`` names the file); warns of fields its kind never reads."""
+    if ln.kind not in LENGTH_KINDS:
+        raise ConfigError(f"{src}: field 'lengths.kind' must be one of {', '.join(LENGTH_KINDS)}, "
+                          f"got {ln.kind!r}")
+    need = {"fixed": ("prompt_tokens", "output_tokens"),
+            "uniform": ("prompt_max", "output_max"),
+            "lognormal": ("prompt_mean", "output_mean"),
+            "zipf": ("prompt_max", "output_max"),
+            "empirical": ("path",)}.get(ln.kind, ())
+    for name in need:
+        _require(src, f"lengths.{name}", getattr(ln, name), f"for lengths.kind {ln.kind}")
+    for name in ("prompt_tokens", "output_tokens", "prompt_min", "prompt_max", "output_min",
+                 "output_max", "prompt_mean", "output_mean", "sigma", "alpha"):
+        _positive(src, f"lengths.{name}", getattr(ln, name))
+    for lo, hi in (("prompt_min", "prompt_max"), ("output_min", "output_max")):
+        if getattr(ln, hi) is not None and getattr(ln, hi) < getattr(ln, lo):
+            raise ConfigError(f"{src}: field 'lengths.{hi}' ({getattr(ln, hi)}) must be >= "
+                              f"lengths.{lo} ({getattr(ln, lo)})")
+    if ln.sample not in ("random", "sequential"):
+        raise ConfigError(f"{src}: field 'lengths.sample' must be random or sequential, got {ln.sample!r}")
+    _check_columns(ln.columns, "lengths.columns", ("prompt", "output"), src)
+    if ln.columns and ln.kind != "empirical":
+        raise ConfigError(f"{src}: field 'lengths.columns' applies to lengths.kind empirical (a length file); "
+                          f"a trace's columns are arrivals.columns")
+    _warn_unused("lengths", ln, LENGTH_FIELD_KINDS, src)
