@@ -175,7 +175,7 @@ def simulate(rows: list[Row], profile_fn: Callable[[Row], Profile] = new_profile
 # ---- fit -------------------------------------------------------------------------
 # Weight streaming (mem_bw) and the per-layer floor are told apart only by how they scale
 # with TP and layer count; the result also stays within 10% of Vidur's per-operator A100
-# linear-layer medians (tests/test_roofline.py's check of the roofline).
+# linear-layer medians (tests/cost/test_roofline.py's check of the roofline).
 FIT_PARAMS = ("matmul_flops", "mem_bw", "attn_mem_bw", "attn_decode_flops", "layer_fixed_s",
               "interconnect_efficiency", "step_s", "tp_step_s", "per_seq_s")
 FIT_START = (0.65, 0.75, 0.7, 0.05, 10e-6, 0.5, 1e-3, 1e-3, 50e-6)

@@ -2,7 +2,7 @@
 
 The rules of ``vllm.v1.core.sched.scheduler.Scheduler.schedule`` in vLLM
 0.32.0 with FCFS, prefix caching off, no speculative decoding, no KV
-connector (``tests/test_vllm_v1_differential.py`` checks them step by step
+connector (``tests/policies/test_vllm_v1_differential.py`` checks them step by step
 against that class):
 
 1. ``long_prefill_token_threshold`` caps a request's tokens in a step, but

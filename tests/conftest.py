@@ -12,6 +12,8 @@ import simpy
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+# tests/policies/cases.py: the one table of policies that every policy-wide test reads.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "policies"))
 
 from policies import make_policy  # noqa: E402
 from sim.cost.curves import Curve1D, Curve2D  # noqa: E402
@@ -61,15 +63,16 @@ def add(state: SchedulerState, req_id: int, prompt: int, output: int, arrival_s:
 
 def simulate(specs: Sequence[tuple[float, int, int]], policy_cfg, profile: Profile | None = None,
              num_blocks: int = 4096, block_size: int = 16, max_model_len: int = 1 << 16,
-             watermark: float = 0.0, on_step=None):
+             watermark: float = 0.0, on_step=None, policy=None, check_stretch: bool = False):
     """Run (arrival_s, prompt, output) specs through one SimPy server; return
-    (server, requests)."""
+    (server, requests). ``policy``: a policy object to run instead of
+    ``policy_cfg``'s; ``check_stretch``: see ``sim.loop.server.Server``."""
     profile = profile or linear_profile()
     env = simpy.Environment()
-    policy = make_policy(policy_cfg, max_model_len)
-    state = SchedulerState(BlockManager(num_blocks, block_size, watermark), max_model_len,
-                           policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt)
-    server = Server(env, policy, state, SimExecutor(profile), on_step=on_step)
+    policy = policy or make_policy(policy_cfg, max_model_len)
+    state = SchedulerState(BlockManager(num_blocks, block_size, watermark),
+                           max_model_len, policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt)
+    server = Server(env, policy, state, SimExecutor(profile), on_step=on_step, check_stretch=check_stretch)
     reqs = [Request(i, a, p, o) for i, (a, p, o) in enumerate(specs)]
     env.process(feed(env, [server], reqs, [o for _, _, o in specs]))
     env.run()

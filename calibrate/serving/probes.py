@@ -41,7 +41,7 @@ Hand-checked example (budget 512): a decoder at prompt 100 has produced 10
 tokens when a 1000-token prompt arrives. vLLM runs 1 decode + a 511-token
 chunk, then 1 decode + 489 tokens (first token of the prompt): step shapes
 ``((511, 0),)`` + decode at 109, then ``((489, 511),)`` + decode at 110
-(``tests/test_server_calibrate.py`` checks it on a hand-made timeline).
+(``tests/serving/test_server_calibrate.py`` checks it on a hand-made timeline).
 
 The rest of the module sends probes (``HttpTransport`` to a real server,
 ``SimTransport`` to a simulated one with a known profile) and reads or infers

@@ -220,7 +220,8 @@ def model_shape_from_dict(spec: Mapping[str, Any]) -> ModelShape:
 
 
 # ---- validation error of the analytic presets ------------------------------------
-PRESET_ERRORS_PATH = Path(__file__).resolve().parents[2] / "calibrate" / "profiles" / "public_vllm" / "preset_errors.csv"
+PRESET_ERRORS_PATH = (Path(__file__).resolve().parents[2] / "calibrate" / "profiles" / "public_vllm"
+                      / "preset_errors.csv")
 _INT_COLUMNS = ("tensor_parallel", "num_rows", "num_rows_all")
 _FLOAT_COLUMNS = ("mae_pct", "bias_pct", "p90_abs_pct", "mae_pct_all")
 

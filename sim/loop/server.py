@@ -84,6 +84,7 @@ class Server:
         self._wake: simpy.Event | None = None
         self.coalesce = coalesce
         self.check_stretch = check_stretch
+        self.num_stretch_steps_checked = 0   # with check_stretch: planned steps stepped and found as planned
         self.process = env.process(self._serve())
 
     def submit(self, req: Request, true_output_tokens: int) -> bool:

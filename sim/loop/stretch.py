@@ -13,7 +13,7 @@ order stepping would, and writes the steps and their tokens to the logs in
 bulk. (Stretches are short, a median of 8 steps on the conversation trace,
 so a plain loop beats numpy, whose per-call overhead cost more than the
 steps.) Results are those of stepping one iteration
-at a time (``tests/test_fast_path.py`` compares every policy with the fast
+at a time (``tests/loop/test_fast_path.py`` compares every policy with the fast
 path on and off).
 
 The invariant it relies on is the policy's, declared by ``decode_stretch =
@@ -101,6 +101,7 @@ class Host(Protocol):
     executor: Any                   # a SimExecutor: its ``profile`` prices the steps
     log: StepLog
     check_stretch: bool
+    num_stretch_steps_checked: int
 
 
 def run_decode_stretch(server: Host, batch: Batch, preempted: bool, now_s: float, horizon_s: float,
@@ -382,6 +383,7 @@ def _step_through(server: Host, plan: _Plan) -> Generator:
             end_s = env.now
         log.record(now_s, decision, result, len(state.waiting), len(state.running), state.kv.num_used_blocks)
         state.commit(decision, end_s)
+        server.num_stretch_steps_checked += 1
         now_s = end_s
     return now_s, bool(plan.finishing) or plan.completes, crossing
 

@@ -459,7 +459,8 @@ def collect(cfg: WorkloadConfig, servers: list[Server], num_requests: int, num_b
                    num_blocks)
     slo = cfg.slo.goodput_thresholds() if cfg.slo else None
     result = RunResult(table, None, None, {}, {}, logs)
-    summary = log_summary(table, logs.steps, logs.tokens, slo, num_blocks, result.itl())   # each step row is one replica's
+    # each step row is one replica's
+    summary = log_summary(table, logs.steps, logs.tokens, slo, num_blocks, result.itl())
     summary["num_out_of_range_lookups"] = profile.num_out_of_range
     summary["profile_source"] = profile.provenance.get("source", "unknown")
     summary["profile_trust"] = profile_trust(profile)

@@ -25,21 +25,27 @@ RESERVES = st.sampled_from(RESERVE_MODES)
 class PolicyCase:
     small: dict[str, Any] = field(default_factory=dict)         # knobs for a 4-slot, 64-token-budget server
     ranges: dict[str, Any] = field(default_factory=dict)        # hypothesis strategies for the knobs
+    alone: dict[str, Any] = field(default_factory=dict)         # knobs that run a lone 1,000-token prompt in
+    #                                                             one step, at once (tests/loop/test_analytic.py)
 
 
 CASES: dict[str, PolicyCase] = {
-    "static": PolicyCase({"batch_size": 4}, {"batch_size": st.integers(1, 8), "reserve": RESERVES}),
+    "static": PolicyCase({"batch_size": 4}, {"batch_size": st.integers(1, 8), "reserve": RESERVES},
+                         {"batch_size": 1}),
     "dynamic": PolicyCase({"max_batch_size": 4}, {"max_batch_size": st.integers(1, 8),
-                                                  "max_queue_delay_s": st.floats(0.001, 0.5)}),
+                                                  "max_queue_delay_s": st.floats(0.001, 0.5)},
+                          {"max_batch_size": 1, "max_queue_delay_s": 0.0}),
     "orca": PolicyCase({"max_batch_size": 4}, {"max_batch_size": st.integers(1, 16), "reserve": RESERVES}),
     "vllm": PolicyCase({"max_num_seqs": 4}, {"max_num_seqs": st.integers(1, 16),
                                              "max_num_batched_tokens": st.sampled_from([None, 512, 1024])}),
     "sarathi": PolicyCase({"max_num_seqs": 4, "max_num_batched_tokens": 64},
-                          {"max_num_seqs": st.integers(1, 8), "max_num_batched_tokens": st.integers(8, 600)}),
+                          {"max_num_seqs": st.integers(1, 8), "max_num_batched_tokens": st.integers(8, 600)},
+                          {"max_num_batched_tokens": 4096}),
     "vllm_v1": PolicyCase({"max_num_seqs": 4, "max_num_batched_tokens": 64},
                           {"max_num_seqs": st.integers(1, 8), "max_num_batched_tokens": st.integers(8, 600),
                            "long_prefill_token_threshold": st.sampled_from([0, 16, 100]),
-                           "watermark": st.sampled_from([0.0, 0.05])}),
+                           "watermark": st.sampled_from([0.0, 0.05])},
+                          {"max_num_batched_tokens": 4096}),
 }
 
 KINDS: tuple[str, ...] = tuple(CASES)

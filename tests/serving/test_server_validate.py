@@ -367,7 +367,7 @@ def test_validate_bad_inputs_exit_2(tmp_path, capsys):
 # ---- against a real vLLM server --------------------------------------------------------------------
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 
-if Path(__file__).with_name("conftest_vllm.py").is_file():
+if Path(__file__).resolve().parents[1].joinpath("conftest_vllm.py").is_file():
     pytest_plugins = ["conftest_vllm"]     # the shared session server (tiny-llama, 8 seqs, 256 tokens)
 else:
     @pytest.fixture(scope="module")

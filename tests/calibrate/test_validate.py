@@ -256,4 +256,4 @@ def test_bad_input_is_a_config_error(calibrated, tmp_path: Path) -> None:
 
 def test_reports_validation_is_torch_free() -> None:
     code = "import sys, reports.presentation.validation, sim.run.live; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

@@ -19,7 +19,7 @@ import pytest
 from reports.presentation.report import regenerate
 from sim.cli import main as sim_main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CANDIDATES = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
 
 

@@ -20,7 +20,7 @@ from sim.cost.collectives import ENGINES, TpStepCosts, allreduce_s, engine_overh
 from sim.cost.presets import GPU_PRESETS, MODEL_PRESETS, preset_error
 from sim.cost.roofline import Efficiency, Roofline, preset_profile
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_presets_public as bench  # noqa: E402
 

@@ -358,7 +358,7 @@ def test_report_on_a_damaged_sweep_table_names_the_line(tmp_path, capsys):
 
 def test_a_profile_with_bad_engine_knobs_is_refused(tmp_path, capsys):
     import yaml
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     data = yaml.safe_load((root / "calibrate/profiles/cpu/tiny-llama/float32.yaml").read_text())
     for engine, expect in (({"max_num_seqs": -4}, "'engine.max_num_seqs' must be a positive integer, got -4"),
                            ({"block_size": "x"}, "'engine.block_size' must be a positive integer, got 'x'"),

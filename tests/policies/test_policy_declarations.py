@@ -15,15 +15,17 @@ from pathlib import Path
 import pytest
 from conftest import linear_profile
 
+from cases import KINDS
+
 from policies import POLICIES, knob_docs, make_policy
 from sim.run.runner import policy_context
 from sim.core.policy import PolicyContext
 
 GIB = 1024**3
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-@pytest.mark.parametrize("kind", list(POLICIES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_declarations_exist_with_their_types(kind):
     cfg_cls, policy_cls = POLICIES[kind]
     policy = policy_cls(cfg_cls(), PolicyContext(max_model_len=4096))
@@ -54,7 +56,7 @@ def test_default_declarations(kind):
     assert (policy.token_budget, policy.max_num_seqs, policy.holds_batch) == DEFAULTS[kind]
 
 
-@pytest.mark.parametrize("kind", list(POLICIES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_knobs_round_trip_through_the_config(kind):
     cfg_cls = POLICIES[kind][0]
     policy = make_policy(cfg_cls(), 4096)
@@ -85,7 +87,7 @@ def test_vllm_v1_defaults_follow_the_profiles_device_and_server():
     assert make_policy(cfg, policy_context(4, h200)).token_budget == 4096
 
 
-@pytest.mark.parametrize("kind", list(POLICIES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_knob_has_a_one_line_doc(kind):
     cfg_cls = POLICIES[kind][0]
     docs = knob_docs(kind)
@@ -103,7 +105,7 @@ def readme_policy_rows() -> dict[str, str]:
     return {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)` \|.*$", section, re.MULTILINE)}
 
 
-@pytest.mark.parametrize("kind", list(POLICIES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_readme_table_names_every_kind_and_knob(kind):
     rows = readme_policy_rows()
     assert kind in rows, f"README.md's policy table has no row for {kind}"

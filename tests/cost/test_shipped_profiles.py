@@ -8,7 +8,7 @@ from sim.run.config import workload_from_dict
 from sim.cost.profile import load_profile
 from sim.run.runner import run_workload
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "calibrate" / "profiles").rglob("*.yaml"))
 
 

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from cases import CASES, KINDS
 from conftest import linear_profile, simulate
 
 from policies import POLICIES
@@ -14,20 +15,13 @@ from sim.run.config import workload_from_dict
 from sim.run.runner import run_workload
 from sim.cost.roofline import preset_profile
 
-ONE_AT_A_TIME = {
-    "static": {"batch_size": 1}, "dynamic": {"max_batch_size": 1, "max_queue_delay_s": 0.0},
-    "orca": {}, "vllm": {}, "sarathi": {"max_num_batched_tokens": 4096},
-    "vllm_v1": {"max_num_batched_tokens": 4096},
-}
-
-
-@pytest.mark.parametrize("kind", list(POLICIES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_single_request_takes_prefill_plus_decodes(kind):
     """E2E = prefill(P) + sum of (N - 1) decode steps, on every policy."""
     profile = preset_profile("llama-3.1-8b", "h100-sxm")
     P, N = 1000, 50
     cfg_cls = POLICIES[kind][0]
-    server, (req,) = simulate([(2.0, P, N)], cfg_cls(**ONE_AT_A_TIME[kind]), profile=profile)
+    server, (req,) = simulate([(2.0, P, N)], cfg_cls(**CASES[kind].alone), profile=profile)
     expected_s = profile.step_time_s(Batch((BatchItem(0, P, 0),)))
     expected_s += sum(profile.step_time_s(Batch((BatchItem(0, 1, P + k),))) for k in range(N - 1))
     assert req.finished_s - req.arrival_s == pytest.approx(expected_s, rel=1e-9)

@@ -260,7 +260,9 @@ def test_bench_traffic_burstiness_and_empty_metrics():
 
 def test_every_policys_default_knobs_resolve():
     from policies import POLICIES, make_policy
-    for kind, (cfg_cls, _) in POLICIES.items():
+    from cases import KINDS
+    for kind in KINDS:
+        cfg_cls = POLICIES[kind][0]
         cfg = cfg_cls()
         knobs = policy_knobs(cfg, make_policy(cfg, 4096))
         assert None not in knobs.values(), (kind, knobs)

@@ -16,15 +16,16 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from cases import KINDS
 
 import sim.loop.server
 from sim.run.config import load_workload, load_yaml_mapping, workload_from_dict
 from sim.run.runner import run_workload
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ("azure_conv", "azure_code", "arxiv_long_prompt", "mixed_lengths", "sharegpt_poisson",
             "concurrency_sharegpt")
-POLICIES = ("static", "dynamic", "orca", "vllm", "sarathi", "vllm_v1")
+POLICIES = KINDS                   # every policy (tests/policies/cases.py)
 
 
 def _both(make_cfg, **kw):
@@ -161,3 +162,14 @@ def test_stretches_run_through_finishes_and_events(monkeypatch, example: str, ex
     # Case (c): sarathi's chunked prefills of the conversation trace's long prompts run in stretches.
     assert (seen["chunk"] > 0) == (extra.get("policy.kind") == "sarathi"), seen
     assert (seen["completes"] > 0) == (extra.get("policy.kind") == "sarathi"), seen
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_check_mode_on_a_bundled_trace(policy: str) -> None:
+    # The conversation trace under each policy's defaults, every stretch planned and then
+    # stepped through the policy (``check_stretch``): no step differs, and the result is the fast path's.
+    path = ROOT / "workloads" / "azure_conv.yaml"
+    data = {**load_yaml_mapping(path), "num_requests": 250, "policy": {"kind": policy}}
+    checked = run_workload(workload_from_dict(data, str(path), path.parent), check_stretch=True)
+    fast = run_workload(workload_from_dict(data, str(path), path.parent))
+    _assert_identical(checked, fast)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 import pytest
+from cases import CASES
 from matplotlib.colors import to_hex
 
 from reports.experiments import knee
@@ -211,9 +212,7 @@ def test_pareto_points_per_gpu_and_per_user() -> None:
 
 # ----------------------------------------------------------------------------- run figures
 
-POLICIES = {"static": {"batch_size": 4}, "dynamic": {"max_batch_size": 4}, "orca": {"max_batch_size": 4},
-            "vllm": {"max_num_seqs": 4}, "sarathi": {"max_num_seqs": 4, "max_num_batched_tokens": 64},
-            "vllm_v1": {"max_num_seqs": 4, "max_num_batched_tokens": 64}}
+POLICIES = {kind: case.small for kind, case in CASES.items()}    # tests/policies/cases.py
 
 
 def small_run(kind: str):
@@ -230,7 +229,7 @@ def small_run(kind: str):
 def test_slot_chart_draws_every_policy() -> None:
     runs = {kind: small_run(kind) for kind in POLICIES}
     fig = runplots.slot_occupancy({k: (r.requests, r.tokens, k) for k, r in runs.items()}, max_requests=10)
-    assert len(fig.axes) == 6
+    assert len(fig.axes) == len(POLICIES)
     for ax, kind in zip(fig.axes, POLICIES):
         assert ax.get_title().startswith(f"{kind}: on average")            # not "no request scheduled"
         assert len(ax.collections) >= 10                                  # a bar per request in the window

@@ -17,7 +17,7 @@ from sim.cost.curves import CurveRepairWarning
 from sim.cost.presets import GPU_PRESETS, MODEL_PRESETS
 from sim.cost.profile import load_profile
 
-FIXTURES = Path(__file__).parent / "fixtures" / "vidur"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vidur"
 MLP, ATTN = FIXTURES / "mlp.csv", FIXTURES / "attention.csv"
 LLAMA_3_8B = {"name": "llama-3.1-8b", "hidden_size": 4096, "num_layers": 32, "num_heads": 32,
               "num_kv_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
@@ -95,7 +95,7 @@ def test_wrong_model_and_unknown_device_are_clear_errors() -> None:
 
 
 # ---- Vidur's real A100 Llama-2-7B data (tests/fixtures/vidur_a100, MIT; see its README) ----------
-A100 = Path(__file__).parent / "fixtures" / "vidur_a100"
+A100 = Path(__file__).resolve().parents[1] / "fixtures" / "vidur_a100"
 A100_MLP = A100 / "mlp_tp1.csv"
 A100_ATTN = A100 / "attention_reconstructed_tp1.csv.gz"      # Vidur's ragged grid, real rows + fitted cells
 LAYERS = 32                                                  # Llama-2-7B; Vidur's times are per layer

@@ -14,7 +14,7 @@ from typing import Callable
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # The "sweep": two spawned pool workers, each running a 60 s task.
 SCRIPT = """

@@ -347,7 +347,7 @@ def test_monotone_repair_is_local_and_smallest():
 
 
 # ---- near the ridge point ----------------------------------------------------------------------
-VIDUR_A100_MLP = Path(__file__).parent / "fixtures" / "vidur_a100" / "mlp_tp1.csv"   # MIT, see its README
+VIDUR_A100_MLP = Path(__file__).resolve().parents[1] / "fixtures" / "vidur_a100" / "mlp_tp1.csv"   # MIT, see its README
 LAYER_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
              "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
 

@@ -273,7 +273,7 @@ def test_a_padded_group_decodes_over_the_padded_length():
     assert contexts == [(2, 2000), (2, 2002), (2, 2004), (2, 2006)]
     assert not st.running                                          # request 1's 5th token: both done
     # the fast path prices the same contexts: a static run gives identical results with it on and off
-    # (tests/test_fast_path.py); here its step costs follow 2 x (1000 + k - 1) for k = 1..4
+    # (tests/loop/test_fast_path.py); here its step costs follow 2 x (1000 + k - 1) for k = 1..4
     prof = linear_profile(per_token_s=0.0, overhead_s=0.0, decode_per_ctx_s=1e-6)
     server, _ = simulate([(0.0, 10, 3), (0.0, 1000, 5)], StaticConfig(batch_size=2), profile=prof)
     durations = list(server.log.duration_s)[1:]

@@ -28,7 +28,7 @@ from sim.run.config import ConfigError, workload_from_dict
 from sim.cost.profile import load_profile
 from sim.run.runner import run_workload
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRUE_PROFILE = ROOT / "calibrate" / "profiles" / "cpu" / "tiny-llama" / "float32.yaml"
 MS = 1e-3
 
@@ -285,7 +285,7 @@ def test_server_calibration_never_imports_torch():
 
 
 # ---- a real vLLM server ---------------------------------------------------------------------------
-if Path(__file__).with_name("conftest_vllm.py").is_file():
+if Path(__file__).resolve().parents[1].joinpath("conftest_vllm.py").is_file():
     pytest_plugins = ["conftest_vllm"]        # the shared session server (tiny-llama, 8 seqs, 256 tokens)
 else:                                         # not there: start our own
     @pytest.fixture(scope="session")

@@ -1,0 +1,123 @@
+"""The fast path's declarations are checked, not trusted.
+
+A server built with ``check_stretch`` plans every stretch as the fast path
+does (``sim.loop.stretch``), then steps each planned iteration through the
+policy and fails on the first that differs. Every policy of the table
+(``tests/policies/cases.py``) that declares a stretch runs so on random
+workloads; a policy whose declaration lies is caught; a policy that spins on
+Idle is stopped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+from cases import CASES, KINDS
+from conftest import linear_profile, simulate
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sim.loop.server
+from policies import POLICIES
+from policies.vllm import VllmPolicy
+from policies.vllm_v1 import VllmV1Config, VllmV1Policy
+from sim.core.batch import Idle
+from sim.core.policy import PolicyContext
+from sim.loop.stretch import StretchMismatch
+
+STRETCHING = [kind for kind in KINDS if POLICIES[kind][1].decode_stretch]
+WORKLOADS = st.lists(st.tuples(st.floats(0.0, 0.05), st.integers(1, 300), st.integers(1, 80)), min_size=1,
+                     max_size=30)
+
+
+def _run(specs, cfg, num_blocks, *, fast: bool, check: bool = False, policy=None):
+    sim.loop.server.FAST_PATH = fast
+    try:
+        server, reqs = simulate(specs, cfg, num_blocks=num_blocks, block_size=8, max_model_len=512,
+                                check_stretch=check, policy=policy)
+    finally:
+        sim.loop.server.FAST_PATH = True
+    return server, [(r.first_token_s, r.finished_s, r.num_output_tokens, r.num_preemptions) for r in reqs]
+
+
+def _specs(raw):
+    t, out = 0.0, []
+    for gap, prompt, output in raw:
+        t += gap
+        out.append((t, prompt, output))
+    return out
+
+
+def test_every_policy_that_stretches_is_checked() -> None:
+    assert STRETCHING, "no policy declares a stretch: the check below would check nothing"
+    assert set(STRETCHING) == {k for k, (_, cls) in POLICIES.items() if cls.decode_stretch}
+
+
+@pytest.mark.parametrize("kind", STRETCHING)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), raw=WORKLOADS, num_blocks=st.integers(64, 160))
+def test_check_mode_steps_every_stretch_as_planned(kind, data, raw, num_blocks) -> None:
+    # 64..160 blocks of 8 tokens for prompts of up to 300 + 80 outputs: the pool runs dry and
+    # preempts, stretches stop at dry pools, finishes and arrivals.
+    cfg = data.draw(st.builds(POLICIES[kind][0], **CASES[kind].ranges))
+    specs = _specs(raw)
+    checked, got = _run(specs, cfg, num_blocks, fast=True, check=True)      # raises StretchMismatch
+    _, fast = _run(specs, cfg, num_blocks, fast=True)
+    _, stepped = _run(specs, cfg, num_blocks, fast=False)
+    assert got == fast == stepped
+
+
+@pytest.mark.parametrize("kind", STRETCHING)
+def test_check_mode_really_checks_steps(kind) -> None:
+    # Not a check that checks nothing: on a busy run most steps are planned and then stepped.
+    specs = [(0.001 * i, 40 + 7 * i, 30 + i % 9) for i in range(24)]
+    cfg = POLICIES[kind][0](**CASES[kind].small)
+    server, _ = _run(specs, cfg, 400, fast=True, check=True)
+    assert server.num_stretch_steps_checked > 0.3 * len(server.log), (server.num_stretch_steps_checked,
+                                                                      len(server.log))
+
+
+class HeldAdmissions(VllmV1Policy):
+    """vllm_v1 that admits only in even 10 ms ticks: a time-based rule, so the
+    same queue gives different batches at different times, yet it keeps
+    ``decode_stretch = True`` from its parent. The fast path would skip the
+    tick where admission opens (nothing is scheduled there)."""
+
+    TICK_S = 0.01
+
+    def schedule(self, state, now_s):
+        if not state.waiting or int(now_s / self.TICK_S) % 2 == 0:
+            return super().schedule(state, now_s)
+        waiting, state.waiting = state.waiting, deque()           # hold admissions this tick
+        try:
+            decision = super().schedule(state, now_s)
+        finally:
+            waiting.extendleft(reversed(state.waiting))            # preempted ones go back in front
+            state.waiting = waiting
+        if isinstance(decision, Idle):
+            return Idle(wake_at_s=(int(now_s / self.TICK_S) + 1) * self.TICK_S)
+        return decision
+
+
+def test_a_declaration_that_lies_is_caught() -> None:
+    specs = [(0.0, 50, 400)] + [(0.0015 + 0.013 * i, 30, 5) for i in range(8)]
+    policy = HeldAdmissions(VllmV1Config(max_num_seqs=16, max_num_batched_tokens=256), PolicyContext(512))
+    _, stepped = _run(specs, None, 400, fast=False, policy=policy)
+    _, fast = _run(specs, None, 400, fast=True, policy=policy)
+    assert fast != stepped                    # the lie changes results: why the flag must be checked
+    with pytest.raises(StretchMismatch, match="HeldAdmissions at t=.*num_waiting|HeldAdmissions at t=.*requests"):
+        _run(specs, None, 400, fast=True, check=True, policy=policy)
+
+
+class Spinning(VllmPolicy):
+    """Asks to be called again now, forever, while requests wait."""
+
+    def schedule(self, state, now_s):
+        return Idle(wake_at_s=now_s)
+
+
+def test_a_policy_that_spins_on_idle_is_stopped() -> None:
+    policy = Spinning(POLICIES["vllm"][0](), PolicyContext(512))
+    with pytest.raises(RuntimeError, match=r"policy Spinning stalled: it returned Idle twice at t=0 s"):
+        simulate([(0.0, 10, 2)], None, policy=policy, profile=linear_profile())
