@@ -244,7 +244,7 @@ def case_from_workload(path: str, step_ms: float, num_requests: int | None,
     """The workload's requests with arrivals on a ``step_ms`` grid, and its
     vllm_v1 knobs (explicit ones, else vLLM's defaults)."""
     from sim.run.config import load_workload, parse_override
-    from sim.run.runner import build_profile, kv_blocks, make_requests
+    from sim.run.runner import build_profile, kv_blocks, make_requests, policy_context
     from workloads.generate import generate
 
     cfg = load_workload(path, dict(parse_override(t) for t in overrides))
@@ -252,7 +252,7 @@ def case_from_workload(path: str, step_ms: float, num_requests: int | None,
     num_blocks, max_model_len = kv_blocks(cfg, profile)
     from policies import make_policy
     pol = cfg.policy if cfg.policy.kind == "vllm_v1" else VllmV1Config()
-    policy = make_policy(pol, max_model_len, profile)
+    policy = make_policy(pol, policy_context(max_model_len, profile))
     specs = generate(cfg)
     reqs = make_requests(cfg, specs, max_model_len)[:num_requests]
     return Case(prompts=tuple(r.num_prompt_tokens for r in reqs),

@@ -128,7 +128,15 @@ def run_decode_stretch(server: Host, batch: Batch, preempted: bool, now_s: float
         if server.check_stretch:
             end_s, finished, crossed = yield from _step_through(server, plan)
         else:
-            end_s, finished, crossed = yield from _apply(server, plan)
+            end_s, finished = _apply(server, plan)
+            crossed = plan.crossing_s is not None
+            if crossed:
+                # The step during which the next event comes: chosen (its blocks allocated)
+                # before the event, logged and committed after it, as stepping does.
+                env = server.env
+                yield env.timeout(end_s + plan.crossing_s - env.now)
+                _commit_crossing(server, plan, end_s, env.now)
+                end_s = env.now            # as stepping takes it
         if crossed:
             if not chain or (state.waiting and not holds):
                 return end_s
@@ -320,40 +328,51 @@ def _plan(server: Host, batch: Batch, preempted: bool, now_s: float, horizon_s: 
                  prefilling, chunks, completes, lookups)
 
 
-def _apply(server: Host, plan: _Plan) -> Generator:
-    """Run ``plan`` at once: its blocks, logs and commits (a SimPy process
-    fragment); (end of its last step, whether the last committed step changed
-    the running requests' shape, whether it ran through the next event)."""
-    state, log = server.state, server.log
-    for _, k in plan.allocations:
-        state.kv.append_block(plan.live[k])
-    server.executor.profile.count_stretch_lookups(*plan.lookups)
-    num_steps, chunks = plan.num_steps, plan.chunks
-    crossing = plan.crossing_s is not None
-    end_s = plan.start_s
-    if num_steps:
-        ints = array("q", plan.row(0, len(state.waiting))) * num_steps
-        ints[KV_USED::NUM_INTS] = plan.kv_used[:num_steps]
-        completes = plan.completes and not crossing
-        if completes:
-            ints[NUM_INTS * (num_steps - 1) + PREFILL_TOKENS] = chunks[num_steps - 1]   # the completing chunk
-        log.record_stretch(plan.starts_s, plan.durations_s, plan.durations_s, ints)
-        # After the log, which records the queues as the steps ran them.
-        state.commit_decode_stretch(plan.live, plan.ids, plan.ends_s, [] if crossing else plan.finishing,
-                                    plan.prefilling, sum(chunks[:num_steps]), completes)
-        end_s = plan.ends_s[-1]
-        if not crossing:
-            return end_s, bool(plan.finishing) or completes, False
-    # The step during which the next event comes: chosen (its blocks allocated) before the
-    # event, logged and committed after it, as stepping does.
-    env = server.env
-    start_s, duration_s = end_s, plan.crossing_s
-    yield env.timeout(start_s + duration_s - env.now)
-    end_s = env.now                        # as stepping takes it
-    log.record_stretch((start_s,), (duration_s,), (duration_s,), array("q", plan.row(num_steps, len(state.waiting))))
+def _apply(server: Host, plan: _Plan) -> tuple[float, bool]:
+    """Run ``plan``'s steps before the horizon at once (its blocks, logs and
+    commits, the crossing step's blocks and lookups too); (end of the last of
+    them, whether it changed the running requests' shape). The crossing step,
+    if any, is ``_commit_crossing``'s."""
+    (start_s, starts_s, durations_s, ends_s, crossing_s, live, ids, num_seqs, kv_used, allocations, finishing,
+     prefilling, chunks, completes, lookups) = plan
+    state = server.state
+    if allocations:
+        append_block = state.kv.append_block
+        for _, k in allocations:
+            append_block(live[k])
+    server.executor.profile.count_stretch_lookups(*lookups)
+    num_steps = len(durations_s)
+    if not num_steps:
+        return start_s, False
+    crossing = crossing_s is not None
+    num_live = len(live)
+    prefill_seqs = 1 if chunks else 0
+    ints = array("q", (num_seqs,                               # batch_size
+                       chunks[0] if chunks else 0,             # num_prefill_tokens
+                       num_live,                               # num_decode_tokens
+                       num_seqs - num_live - prefill_seqs,     # num_pad_tokens
+                       prefill_seqs,                           # num_prefill_seqs
+                       len(state.waiting),                     # num_waiting
+                       num_seqs,                               # num_running
+                       0)) * num_steps                         # kv_used_blocks, set below
+    ints[KV_USED::NUM_INTS] = kv_used[:num_steps]
+    completes = completes and not crossing
+    if completes:
+        ints[NUM_INTS * (num_steps - 1) + PREFILL_TOKENS] = chunks[num_steps - 1]     # the completing chunk
+    server.log.record_stretch(starts_s, durations_s, durations_s, ints)
+    # After the log, which records the queues as the steps ran them.
+    state.commit_decode_stretch(live, ids, ends_s, [] if crossing else finishing, prefilling,
+                                sum(chunks[:num_steps]) if chunks else 0, completes)
+    return ends_s[-1], bool(finishing) or completes
+
+
+def _commit_crossing(server: Host, plan: _Plan, start_s: float, end_s: float) -> None:
+    """Log and commit the plan's crossing step, which ran from ``start_s`` to ``end_s``."""
+    state, num_steps, chunks = server.state, plan.num_steps, plan.chunks
+    row = array("q", plan.row(num_steps, len(state.waiting)))
+    server.log.record_stretch((start_s,), (plan.crossing_s,), (plan.crossing_s,), row)
     state.commit_decode_stretch(plan.live, plan.ids, [end_s], plan.finishing, plan.prefilling,
                                 chunks[num_steps] if chunks else 0, plan.completes)
-    return end_s, False, True
 
 
 def _step_through(server: Host, plan: _Plan) -> Generator:

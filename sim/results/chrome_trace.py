@@ -66,7 +66,7 @@ def _events(steps: pd.DataFrame) -> Iterator[dict]:
 
 
 def trace_chunks(steps: pd.DataFrame) -> Iterator[str]:
-    """The trace of ``steps`` (columns as steps.csv, ``sim.run.runner.step_frame``) as JSON text, in pieces."""
+    """The trace of ``steps`` (columns as steps.csv, ``sim.results.result.step_frame``) as JSON text, in pieces."""
     yield '{"displayTimeUnit": "ms", "traceEvents": [\n'
     batch: list[str] = []
     first = True

@@ -43,7 +43,7 @@ import numpy as np
 from sim.base.heap import trim_heap
 from sim.core.logs import StepLog, read_chunk, token_chunk
 
-# steps.csv's columns: replica, StepLog.COLUMNS, kv_total_blocks (sim.run.runner.step_frame's order).
+# steps.csv's columns: replica, StepLog.COLUMNS, kv_total_blocks (sim.results.result.step_frame's order).
 STEP_COLUMNS = ("replica", *StepLog.COLUMNS, "kv_total_blocks")
 NUM_INTS = StepLog.NUM_INTS     # StepLog's integer columns, after its three float columns
 STREAM_STEP_CHUNK = 65_536      # steps a log holds before it spills while a process formats them

@@ -16,7 +16,6 @@ Extra top-level keys (``policy``, ``policy_knobs``, ...) are what vLLM's
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from datetime import datetime
@@ -30,7 +29,6 @@ from sim.base.heap import trim_heap
 from sim.results.metrics import Values, finished_columns, latency_values_s, request_columns, stats_ms
 
 if TYPE_CHECKING:
-    from sim.core.policy import Policy
     from sim.results.result import RunResult
 
 DEFAULT_PERCENTILES = "99"                  # vLLM's --metric-percentiles default
@@ -59,18 +57,6 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
 def percentile_label(p: float) -> str:
     """The key's spelling, as vLLM's: 99.0 -> "99", 99.9 -> "99.9"."""
     return str(int(p)) if p == int(p) else str(p)
-
-
-def policy_knobs(config: Any, policy: Policy) -> dict[str, Any]:
-    """The knobs that ran (``policy.knobs()``): ``config``, the policy's own, with
-    every knob left to a default (None) replaced by the value the policy
-    resolved (vLLM v0's token budget of max(max_model_len, 2048), vLLM v1's
-    device defaults), so a result records what ran rather than "default"."""
-    knobs = policy.knobs()
-    for f in dataclasses.fields(config):        # a knob the config sets is what runs
-        value = getattr(config, f.name)
-        assert value is None or knobs[f.name] == value, f"{f.name}: {value} set, {knobs[f.name]} ran"
-    return knobs
 
 
 # ---- offered load ----------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ from sim.run.config import ConfigError
 from sim.results.folder import RUN_FILES, prepare_run_dir, write_json
 from sim.results.metrics import add_request_metrics, summarize
 from sim.results.result import RunResult
-from sim.results.vllm_bench import PerRequest, bench_result, offered_load, parse_percentiles, peak_second, policy_knobs
+from policies.config import policy_knobs
+from sim.results.vllm_bench import PerRequest, bench_result, offered_load, parse_percentiles, peak_second
 
 MIXED = str(WORKLOADS / "mixed_lengths.yaml")
 SMALL = ["--set", "num_requests=30", "--quiet"]
