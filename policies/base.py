@@ -7,7 +7,7 @@ The contract itself (``Policy``, ``PolicyContext``, ``StretchShape``) lives in
 from __future__ import annotations
 
 from dataclasses import field, fields
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from sim.core.batch import Batch, BatchItem, Idle
 from sim.core.policy import StretchShape
@@ -130,11 +130,16 @@ def admit_reserved(state: SchedulerState, now_s: float, reserve: str,
     return admitted
 
 
-def plain_stretch(live_context: int, num_live: int, prefilling: Request | None) -> StretchShape | None:
-    """The repeated step of a policy whose decodes attend over their own
-    contexts and that has no case (c) (``Policy.stretch_shape``): each live
-    request one token further on, so the summed context grows by their number."""
-    return StretchShape(live_context, num_live) if prefilling is None else None
+def plain_stretch_shape(policy: Any, running: Sequence[Request], live_context: int, num_live: int,
+                        prefilling: Request | None) -> StretchShape | None:
+    """``Policy.stretch_shape`` of a policy whose decodes attend over their own
+    contexts and that has no case (c): each live request one token further
+    on, so the summed context grows by their number. A policy takes it as
+    its method (``stretch_shape = plain_stretch_shape``): it runs once per
+    stretch, on the simulator's hottest path."""
+    if prefilling is not None:
+        return None
+    return tuple.__new__(StretchShape, (live_context, num_live, 0))    # StretchShape(...) without its __new__
 
 
 def batch_or_idle(items: list[BatchItem]) -> Batch | Idle:

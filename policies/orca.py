@@ -12,15 +12,14 @@ preempts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from policies.base import (RESERVE_DOC, admit_reserved, batch_or_idle, config_knobs, decode_items, knob,
-                           plain_stretch)
+                           plain_stretch_shape)
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.policy import PolicyContext, StretchShape
+from sim.core.policy import PolicyContext
 
 if TYPE_CHECKING:
-    from sim.core.request import Request
     from sim.core.state import SchedulerState
 
 
@@ -47,9 +46,7 @@ class OrcaPolicy:
         self.config = config
         self.max_num_seqs = config.max_batch_size
 
-    def stretch_shape(self, running: Sequence[Request], live_context: int, num_live: int,
-                      prefilling: Request | None) -> StretchShape | None:
-        return plain_stretch(live_context, num_live, prefilling)
+    stretch_shape = plain_stretch_shape          # its decodes attend over their own contexts; no case (c)
 
     def knobs(self) -> dict[str, Any]:
         return config_knobs(self.config)

@@ -56,7 +56,7 @@ def padded_stretch(running: Sequence[Request]) -> StretchShape:
     """A running padded group's repeated step (``Policy.stretch_shape``): every
     row, finished rows too, attends over the padded length (``padded_length``),
     which grows by one a step for all of them."""
-    return StretchShape(len(running) * padded_length(running), len(running))
+    return tuple.__new__(StretchShape, (len(running) * padded_length(running), len(running), 0))
 
 
 def launch_group(state: SchedulerState, now_s: float, reserve: str, max_size: int) -> Batch | Idle:

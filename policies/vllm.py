@@ -11,14 +11,13 @@ request is preempted (recompute). Prefills and decodes never mix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
-from policies.base import config_knobs, knob, plain_stretch, schedule_decodes
+from policies.base import config_knobs, knob, plain_stretch_shape, schedule_decodes
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.policy import PolicyContext, StretchShape
+from sim.core.policy import PolicyContext
 
 if TYPE_CHECKING:
-    from sim.core.request import Request
     from sim.core.state import SchedulerState
 
 
@@ -100,9 +99,7 @@ class VllmPolicy:
         # vLLM v0 ignores prompts longer than min(max_model_len, max_num_batched_tokens).
         self.max_prompt_tokens: int | None = self.token_budget
 
-    def stretch_shape(self, running: Sequence[Request], live_context: int, num_live: int,
-                      prefilling: Request | None) -> StretchShape | None:
-        return plain_stretch(live_context, num_live, prefilling)
+    stretch_shape = plain_stretch_shape          # its decodes attend over their own contexts; no case (c)
 
     def knobs(self) -> dict[str, Any]:
         return config_knobs(self.config, max_num_batched_tokens=self.token_budget)

@@ -32,16 +32,15 @@ caching, priorities, speculative decoding, KV connectors, multimodal inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
-from policies.base import config_knobs, knob, plain_stretch
+from policies.base import config_knobs, knob, plain_stretch_shape
 from policies.vllm import check_budget
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.policy import PolicyContext, StretchShape
+from sim.core.policy import PolicyContext
 from sim.core.request import Status
 
 if TYPE_CHECKING:
-    from sim.core.request import Request
     from sim.core.state import SchedulerState
 
 GIB = 1024**3
@@ -108,9 +107,7 @@ class VllmV1Policy:
             raise ValueError(f"long_prefill_token_threshold ({config.long_prefill_token_threshold}) cannot "
                              f"exceed max_model_len ({max_model_len}), as vLLM requires")
 
-    def stretch_shape(self, running: Sequence[Request], live_context: int, num_live: int,
-                      prefilling: Request | None) -> StretchShape | None:
-        return plain_stretch(live_context, num_live, prefilling)
+    stretch_shape = plain_stretch_shape          # its decodes attend over their own contexts; no case (c)
 
     def knobs(self) -> dict[str, Any]:
         return config_knobs(self.config, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.token_budget)

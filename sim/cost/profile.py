@@ -198,6 +198,8 @@ class Profile:
         ends: list[float] = []
         crossing_s = None
         t = start_s
+        add_duration, add_end = durations.append, ends.append      # bound once: this loop is hot
+        chunked = pre_s is not None
         for k in range(max_steps):
             if y >= y1 and j < last_j:
                 while j < last_j and y >= ys[j + 1]:
@@ -208,7 +210,7 @@ class Profile:
             ty = (y - y0) / dy
             z0 = z00 + dz0 * ty
             z = z0 + (z10 + dz1 * ty - z0) * tx
-            d = (pre_s[k] if pre_s is not None else base_s) + (z if z > 0.0 else 0.0)
+            d = (pre_s[k] if chunked else base_s) + (z if z > 0.0 else 0.0)
             if y < y_first:
                 num_below += 1
             elif y > y_last and first_above == max_steps:
@@ -217,8 +219,8 @@ class Profile:
             if end >= horizon_s:
                 crossing_s = d
                 break
-            durations.append(d)
-            ends.append(end)
+            add_duration(d)
+            add_end(end)
             t = end
             y += growth
 

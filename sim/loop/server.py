@@ -120,7 +120,7 @@ class Server:
         stretch = (coalesce and (FAST_PATH or self.check_stretch) and on_step is None
                    and type(executor) is SimExecutor and policy.decode_stretch)
         now_s = env.now
-        idle_at = None                     # (time, state) of the last Idle: a second one alike is a stall
+        idle_at = None                     # (time, state) of the last Idle(now): a second one alike is a stall
         while True:
             num_preempted = state.num_preemptions
             num_finished = state.num_finished if on_finish is not None else 0   # closed loops only
@@ -133,14 +133,17 @@ class Server:
                     continue
                 if state.done:
                     return
-                seen = (now_s, state.fingerprint())
-                if seen == idle_at:
-                    raise RuntimeError(f"policy {type(policy).__name__} stalled: it returned Idle twice at "
-                                       f"t={now_s:.9g} s with nothing changed in between (wake_at_s="
-                                       f"{decision.wake_at_s!r}, {len(state.waiting)} waiting, "
-                                       f"{len(state.running)} running); it must return work, or Idle with a "
-                                       f"later wake_at_s or none")
-                idle_at = seen
+                # Only an Idle that asks to be called again at once can come back at the same time
+                # with nothing changed (any other waits for an arrival or a later time): a spin.
+                if decision.wake_at_s is not None and decision.wake_at_s <= now_s:
+                    seen = (now_s, state.fingerprint())
+                    if seen == idle_at:
+                        raise RuntimeError(f"policy {type(policy).__name__} stalled: it returned Idle twice at "
+                                           f"t={now_s:.9g} s with nothing changed in between (wake_at_s="
+                                           f"{decision.wake_at_s!r}, {len(state.waiting)} waiting, "
+                                           f"{len(state.running)} running); it must return work, or Idle "
+                                           f"with a later wake_at_s or none")
+                    idle_at = seen
                 self._wake = env.event()
                 if decision.wake_at_s is not None:
                     yield env.any_of([self._wake, env.timeout(max(0.0, decision.wake_at_s - env.now))])
@@ -157,7 +160,6 @@ class Server:
                 yield env.timeout(end_s - env.now)
                 end_s = env.now
             now_s = end_s
-            idle_at = None
             # The queues and KV the step ran with.
             log.record(start_s, decision, result, len(state.waiting), len(state.running), state.kv.num_used_blocks)
             num_finished = state.num_finished if on_finish is not None else 0   # closed loops only

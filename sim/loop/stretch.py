@@ -68,6 +68,7 @@ follows at once: case (a) holds again.
 from __future__ import annotations
 
 from array import array
+from itertools import accumulate
 from typing import Any, Generator, NamedTuple, Protocol
 
 import simpy
@@ -121,11 +122,12 @@ def run_decode_stretch(server: Host, batch: Batch, preempted: bool, now_s: float
     (``StretchMismatch`` if not): the same results, checked."""
     state = server.state
     holds = server.policy.holds_batch
+    check = server.check_stretch
     while True:
         plan = _plan(server, batch, preempted, now_s, horizon_s)
         if plan is None:
             return now_s
-        if server.check_stretch:
+        if check:
             end_s, finished, crossed = yield from _step_through(server, plan)
         else:
             end_s, finished = _apply(server, plan)
@@ -300,12 +302,11 @@ def _plan(server: Host, batch: Batch, preempted: bool, now_s: float, horizon_s: 
     # Blocks in use in each step: those held now plus the step's allocations and all before it.
     used = kv.num_used_blocks
     if allocations:
-        kv_used = array("q")
-        a, num_allocations = 0, len(allocations)
-        for j in range(num_steps):
-            while a < num_allocations and allocations[a][0] == j:
-                a += 1
-            kv_used.append(used + a)
+        counts = [0] * num_steps           # allocations made in each step, then summed up
+        for j, _ in allocations:
+            counts[j] += 1
+        counts[0] += used
+        kv_used = array("q", accumulate(counts))
     else:
         kv_used = array("q", (used,)) * num_steps
     if prefilling is not None:
@@ -324,8 +325,8 @@ def _plan(server: Host, batch: Batch, preempted: bool, now_s: float, horizon_s: 
         lookups = (((decode_seqs + chunks[0], num_steps - completes), (decode_seqs + chunks[-1], int(completes))),
                    out_of_range(num_steps), sum(chunk_out[:num_steps]))
 
-    return _Plan(now_s, starts, durations, ends, crossing_s, live, ids, num_seqs, kv_used, allocations, finishing,
-                 prefilling, chunks, completes, lookups)
+    return tuple.__new__(_Plan, (now_s, starts, durations, ends, crossing_s, live, ids, num_seqs, kv_used,
+                                 allocations, finishing, prefilling, chunks, completes, lookups))
 
 
 def _apply(server: Host, plan: _Plan) -> tuple[float, bool]:
