@@ -83,7 +83,7 @@ from sim.cost.profile import Profile
 MIN_STEPS = 1       # stretches as short as one step: cheaper than stepping it (measured)
 
 # The integer columns of a step-log row, by name (``StepLog.COLUMNS[3:]``).
-BATCH_SIZE, PREFILL_TOKENS, KV_USED = StepLog.BATCH_SIZE, StepLog.PREFILL_TOKENS, StepLog.KV_USED_BLOCKS
+PREFILL_TOKENS, KV_USED = StepLog.PREFILL_TOKENS, StepLog.KV_USED_BLOCKS
 NUM_INTS = StepLog.NUM_INTS
 
 

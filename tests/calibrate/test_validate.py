@@ -20,7 +20,10 @@ forward-pass second (1.0 with one thread and the core to itself). When other
 processes take the cores (share < MIN_CPU_SHARE, during calibration or the
 live run) the live run is slower for reasons no cost model can see: the run is
 retried, and if the machine stays oversubscribed a tolerance miss is a skip
-that says so, never a pass. Structural checks (completion, report files,
+that says so, never a pass. A miss with the core to itself is measured again:
+a fresh calibration and a fresh live run, and only their miss fails (a
+neighbour on the shared caches can slow every step by a third without taking
+the core). Structural checks (completion, report files,
 the twin driver equals ``run_workload``, replay identity) always run.
 """
 
@@ -83,8 +86,7 @@ def _cpu_share(fn):
     return out, (time.process_time() - c0) / max(time.perf_counter() - t0, 1e-9) / THREADS
 
 
-@pytest.fixture(scope="module")
-def calibrated() -> tuple[Profile, float]:
+def calibrate_now() -> tuple[Profile, float]:
     """A quick calibration of the tiny model on a grid sized to BASE (one thread),
     redone once if other processes held the cores; (profile, CPU share)."""
     cfg = workload("vllm", "light")
@@ -97,17 +99,45 @@ def calibrated() -> tuple[Profile, float]:
     return cal.profile, share
 
 
+@pytest.fixture(scope="module")
+def calibrated() -> tuple[Profile, float]:
+    return calibrate_now()
+
+
 _RUNS: dict[tuple[str, str], Validation] = {}
+
+
+def tolerance_misses(v: Validation) -> list[str]:
+    """The metrics (and the per-step cost error) of a validation outside the tolerances."""
+    misses = rv.check(rv.error_table(v.live.summary, v.sim.summary), TOLERANCES_PCT)
+    step_err = v.comparison["steps"]["all"]["median_abs_pct"]
+    if not step_err <= STEP_TOLERANCE_PCT:
+        misses.append(f"median per-step |error| {step_err:.1f}% (limit {STEP_TOLERANCE_PCT:g}%)")
+    return misses
 
 
 def validated(calibrated: tuple[Profile, float], policy: str, load: str) -> Validation:
     """The validation of (policy, load), cached for the module; run once more if the cores were
-    shared (pointless if they were shared during calibration: the profile itself is off then)."""
+    shared (pointless if they were shared during calibration: the profile itself is off then).
+
+    A run that misses the tolerances with the core to itself is measured again, calibration
+    included: a neighbour on the shared caches or memory bus slows a live run without taking
+    its core, so the machine may not be the one the profile was measured on minutes ago (seen
+    in CI: every step +25-33% against the profile, the policy's decisions identical). The
+    fresh pair is kept, with the first one's misses in ``notes``; a broken cost model misses
+    with any calibration (test_broken_profile_fails_tolerances)."""
     if (policy, load) not in _RUNS:
         for _ in range(2 if calibrated[1] >= MIN_CPU_SHARE else 1):
             v = validate(workload(policy, load), calibrated[0], model=MODEL, num_threads=THREADS)
-            if v.comparison["steps"]["cpu_per_forward_s"] / THREADS >= MIN_CPU_SHARE:
+            share = v.comparison["steps"]["cpu_per_forward_s"] / THREADS
+            if share >= MIN_CPU_SHARE:
                 break
+        first = tolerance_misses(v)
+        if first and min(calibrated[1], share) >= MIN_CPU_SHARE:
+            fresh, fresh_share = calibrate_now()
+            v = validate(workload(policy, load), fresh, model=MODEL, num_threads=THREADS)
+            v.notes.append(f"measured again after missing with the first calibration: {', '.join(first)}")
+            v.comparison["calibration_share"] = fresh_share
         _RUNS[policy, load] = v
     return _RUNS[policy, load]
 
@@ -137,15 +167,12 @@ def test_validation_within_tolerances(calibrated, policy: str, load: str) -> Non
     report = to_markdown(rv.live_report(body, "t"), Path("."))
     assert "| p50_itl_ms (ms) |" in report and "**cost-curve %** = (replay - live) / live" in report
     assert "First divergence" in report or "identical decisions" in report
-    misses = rv.check(rv.error_table(v.live.summary, v.sim.summary), TOLERANCES_PCT)
-    step_err = v.comparison["steps"]["all"]["median_abs_pct"]
-    if not step_err <= STEP_TOLERANCE_PCT:
-        misses.append(f"median per-step |error| {step_err:.1f}% (limit {STEP_TOLERANCE_PCT:g}%)")
-    if misses:
-        share = min(calibrated[1], v.comparison["steps"]["cpu_per_forward_s"] / THREADS)
-        if share < MIN_CPU_SHARE:
-            pytest.skip(f"machine oversubscribed (CPU share {share:.2f} < {MIN_CPU_SHARE}): {misses}")
-    assert not misses, f"{policy} {load}: {misses}\n{rv.format_table(v.comparison['table'])}"
+    misses = tolerance_misses(v)
+    share = min(v.comparison.get("calibration_share", calibrated[1]),
+                v.comparison["steps"]["cpu_per_forward_s"] / THREADS)
+    if misses and share < MIN_CPU_SHARE:
+        pytest.skip(f"machine oversubscribed (CPU share {share:.2f} < {MIN_CPU_SHARE}): {misses}")
+    assert not misses, f"{policy} {load}: {misses} {v.notes}\n{rv.format_table(v.comparison['table'])}"
 
 
 @pytest.mark.parametrize("load", list(LOADS))
@@ -255,5 +282,6 @@ def test_bad_input_is_a_config_error(calibrated, tmp_path: Path) -> None:
 
 
 def test_reports_validation_is_torch_free() -> None:
-    code = "import sys, reports.presentation.validation, sim.run.live; assert 'torch' not in sys.modules, 'torch imported'"
+    code = ("import sys, reports.presentation.validation, sim.run.live; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
