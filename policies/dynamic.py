@@ -7,15 +7,14 @@ and same reserved memory as static batching.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from policies.base import RESERVE_DOC, config_knobs, knob
-from policies.static import group_step, launch_group, padded_stretch
+from policies.static import group_step, launch_group, padded_stretch_shape
 from sim.core.batch import Batch, Idle
-from sim.core.policy import PolicyContext, StretchShape
+from sim.core.policy import PolicyContext
 
 if TYPE_CHECKING:
-    from sim.core.request import Request
     from sim.core.state import SchedulerState
 
 
@@ -43,9 +42,7 @@ class DynamicPolicy:
         self.config = config
         self.max_num_seqs = config.max_batch_size
 
-    def stretch_shape(self, running: Sequence[Request], live_context: int, num_live: int,
-                      prefilling: Request | None) -> StretchShape | None:
-        return padded_stretch(running)
+    stretch_shape = padded_stretch_shape         # a padded group, as static's
 
     def knobs(self) -> dict[str, Any]:
         return config_knobs(self.config)

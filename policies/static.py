@@ -52,10 +52,12 @@ def group_step(state: SchedulerState) -> Batch:
     return batch
 
 
-def padded_stretch(running: Sequence[Request]) -> StretchShape:
-    """A running padded group's repeated step (``Policy.stretch_shape``): every
-    row, finished rows too, attends over the padded length (``padded_length``),
-    which grows by one a step for all of them."""
+def padded_stretch_shape(policy: Any, running: Sequence[Request], live_context: int, num_live: int,
+                         prefilling: Request | None) -> StretchShape:
+    """``Policy.stretch_shape`` of a running padded group: every row, finished
+    rows too, attends over the padded length (``padded_length``), which grows
+    by one a step for all of them. A policy takes it as its method
+    (``stretch_shape = padded_stretch_shape``): it runs once per stretch."""
     return tuple.__new__(StretchShape, (len(running) * padded_length(running), len(running), 0))
 
 
@@ -85,9 +87,7 @@ class StaticPolicy:
         self.config = config
         self.max_num_seqs = config.batch_size
 
-    def stretch_shape(self, running: Sequence[Request], live_context: int, num_live: int,
-                      prefilling: Request | None) -> StretchShape | None:
-        return padded_stretch(running)
+    stretch_shape = padded_stretch_shape         # a padded group: every row attends over the padded length
 
     def knobs(self) -> dict[str, Any]:
         return config_knobs(self.config)

@@ -261,7 +261,7 @@ def _plan(server: Host, batch: Batch, preempted: bool, now_s: float, horizon_s: 
     shape = policy.stretch_shape(running, context, len(live), prefilling)
     if shape is None:
         return None
-    context, growth = shape.decode_context, shape.context_growth
+    context, growth, chunk = shape         # StretchShape(decode_context, context_growth, chunk_tokens)
     decode_seqs = num_seqs
     chunks: list[int] = []                 # case (c): each step's prefill chunk
     completes = False                      # ... the last of which completes the prompt
@@ -278,7 +278,6 @@ def _plan(server: Host, batch: Batch, preempted: bool, now_s: float, horizon_s: 
         # it samples a token, and ends the stretch; it has the stretch's shape when it leaves
         # no budget for an admission, or nothing waits.
         decode_seqs = num_seqs - 1
-        chunk = shape.chunk_tokens
         uncomputed = prefilling.num_uncomputed_tokens
         num_full = (uncomputed - 1) // chunk
         last_chunk = uncomputed - num_full * chunk
