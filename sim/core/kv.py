@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from sim.core.request import Request
 
+
 class BlockManager:
     """A pool of ``num_blocks`` KV blocks of ``block_size`` tokens each.
 

@@ -333,7 +333,7 @@ def _apply(server: Host, plan: _Plan) -> tuple[float, bool]:
     commits, the crossing step's blocks and lookups too); (end of the last of
     them, whether it changed the running requests' shape). The crossing step,
     if any, is ``_commit_crossing``'s."""
-    (start_s, starts_s, durations_s, ends_s, crossing_s, live, ids, num_seqs, kv_used, allocations, finishing,
+    (start_s, starts_s, durations_s, ends_s, crossing_s, live, ids, _, kv_used, allocations, finishing,
      prefilling, chunks, completes, lookups) = plan
     state = server.state
     if allocations:
@@ -345,16 +345,7 @@ def _apply(server: Host, plan: _Plan) -> tuple[float, bool]:
     if not num_steps:
         return start_s, False
     crossing = crossing_s is not None
-    num_live = len(live)
-    prefill_seqs = 1 if chunks else 0
-    ints = array("q", (num_seqs,                               # batch_size
-                       chunks[0] if chunks else 0,             # num_prefill_tokens
-                       num_live,                               # num_decode_tokens
-                       num_seqs - num_live - prefill_seqs,     # num_pad_tokens
-                       prefill_seqs,                           # num_prefill_seqs
-                       len(state.waiting),                     # num_waiting
-                       num_seqs,                               # num_running
-                       0)) * num_steps                         # kv_used_blocks, set below
+    ints = array("q", plan.row(0, len(state.waiting))) * num_steps
     ints[KV_USED::NUM_INTS] = kv_used[:num_steps]
     completes = completes and not crossing
     if completes:

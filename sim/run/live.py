@@ -41,6 +41,7 @@ from sim.run.runner import collect, drive
 from sim.results.result import RunResult
 from sim.core.state import SchedulerState
 
+
 class LiveEngine(Protocol):
     """What the live seam needs of a real engine (``calibrate.engine.LiveEngine``
     is one; this module never imports it, nor torch): run one batch on the
@@ -55,6 +56,7 @@ class LiveEngine(Protocol):
     def synchronize(self) -> None: ...
 
     def forget(self, req_id: int) -> None: ...
+
 
 def format_batch(batch: Batch) -> str:
     """A batch's composition as text: ``"7:128:0 3:1:211"`` (req_id:num_new_tokens:context_len,
