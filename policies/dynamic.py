@@ -31,6 +31,7 @@ class DynamicConfig:
 class DynamicPolicy:
     # Fast path (sim.loop.stretch): a running group is stepped to its end, whatever arrives.
     decode_stretch = True
+    prefix_caching = False         # no prefix cache (vllm_v1 models vLLM's)
     chunk_stretch = False          # no case (c): see Policy
     holds_batch = True
     refuses_by_prompt = False

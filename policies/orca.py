@@ -35,6 +35,7 @@ class OrcaPolicy:
     # Fast path (sim.loop.stretch): decodes use reserved blocks, so the free pool and the free slots
     # that refused admission stay as they are while the same requests decode.
     decode_stretch = True
+    prefix_caching = False         # no prefix cache (vllm_v1 models vLLM's)
     chunk_stretch = False          # no case (c): see Policy
     holds_batch = False
     refuses_by_prompt = False

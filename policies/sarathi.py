@@ -37,6 +37,7 @@ class SarathiPolicy:
     # for want of slots, budget left after the decodes or free blocks; none of them grows while
     # the same requests decode.
     decode_stretch = True
+    prefix_caching = False         # no prefix cache (vllm_v1 models vLLM's)
     # Case (c): with one request prefilling and every other decoding, the decodes take their
     # tokens first and a chunk of at least the rest of the budget fills it, so nothing is admitted
     # and the same shape repeats, the chunk moving on, until the chunk that ends the prompt.

@@ -78,6 +78,7 @@ class VllmPolicy:
     # Fast path (sim.loop.stretch): a decode-only step means admission failed for want of sequence
     # slots or free blocks above the watermark; slots stay, free blocks only shrink while decoding.
     decode_stretch = True
+    prefix_caching = False         # no prefix cache (vllm_v1 models vLLM's)
     chunk_stretch = False          # no case (c): see Policy
     holds_batch = False
     # vLLM v0's block manager refuses a request for good (AllocStatus.NEVER) only when the blocks

@@ -1,7 +1,7 @@
 """vLLM v1 (the engine of today's vLLM): one token budget, running requests first.
 
 The rules of ``vllm.v1.core.sched.scheduler.Scheduler.schedule`` in vLLM
-0.32.0 with FCFS, prefix caching off, no speculative decoding, no KV
+0.32.0 with FCFS, prefix caching on or off, no speculative decoding, no KV
 connector (``tests/policies/test_vllm_v1_differential.py`` checks them step by step
 against that class):
 
@@ -25,8 +25,21 @@ against that class):
 4. One block of the pool is vLLM's null block and never holds KV:
    ``server.num_blocks`` is vLLM's ``num_gpu_blocks`` and one fewer is usable.
 
-Not modelled: async scheduling's one-step lag in freeing blocks, prefix
-caching, priorities, speculative decoding, KV connectors, multimodal inputs.
+5. Prefix caching (``enable_prefix_caching``, vLLM 0.32's default: on),
+   in the KV pool of ``sim.core.prefix`` (its doc gives the block rules). A
+   waiting request (new or preempted: none has computed tokens) first looks
+   up its longest cached prefix, at most ``num_tokens - 1`` tokens in whole
+   blocks; it then schedules ``num_tokens - hit`` tokens (threshold and
+   budget as above: hit tokens take no budget), and both admission checks
+   count the blocks it still needs plus the hit blocks no other request
+   holds (they leave the free queue when taken). Every allocation registers
+   the full blocks among the tokens scheduled, a decode's included, so a
+   later request of the same step can hit them. The lookup is counted
+   (vLLM's ``prefix_cache_queries`` / ``hits``) only when the request is
+   admitted.
+
+Not modelled: async scheduling's one-step lag in freeing blocks,
+priorities, speculative decoding, KV connectors, multimodal inputs.
 """
 
 from __future__ import annotations
@@ -59,6 +72,8 @@ class VllmV1Config:
                                            "scheduler_reserve_full_isl, default true)")
     watermark: float = knob(0.0, "share of the pool kept free when admitting while requests run (vLLM v1's "
                                  "default 0)")
+    enable_prefix_caching: bool = knob(True, "reuse the KV of cached full blocks of earlier requests' tokens "
+                                             "(vLLM 0.32's default: on; sim.core.prefix)")
 
 
 def engine_defaults(context: PolicyContext) -> tuple[int, int]:
@@ -95,6 +110,7 @@ class VllmV1Policy:
         """Knobs left unset come from the server a profile was measured on
         (``context.engine``), else from vLLM's defaults for the device."""
         self.config = config
+        self.prefix_caching = config.enable_prefix_caching
         self.max_model_len = max_model_len = context.max_model_len
         tokens, seqs = engine_defaults(context)
         tokens = context.engine.get("max_num_batched_tokens") or tokens
@@ -122,6 +138,7 @@ class VllmV1Policy:
         items: list[BatchItem] = []
         preempted = False
         block_size = kv.block_size
+        caching = kv.caching
         new_item = tuple.__new__          # BatchItem(...) without the NamedTuple call overhead
         i = 0
         while i < len(running) and budget > 0:
@@ -132,6 +149,8 @@ class VllmV1Policy:
                 items.append(new_item(BatchItem, (r.req_id, 1, computed, 0)))   # the hot path: a
                 budget -= 1                                                      # decode with room
                 i += 1
+                if caching and not (computed + 1) % block_size:
+                    kv.cache(r, computed + 1)          # the token completes its block
                 continue
             if 0 < threshold < n:
                 n = threshold
@@ -159,20 +178,31 @@ class VllmV1Policy:
         waiting, running = state.waiting, state.running
         # vLLM: int(watermark x num_gpu_blocks), the null block included
         watermark_blocks = int(self.config.watermark * (kv.num_blocks + self.num_reserved_blocks))
+        caching = kv.caching
+        block_size = kv.block_size
         while budget > 0 and waiting and len(running) < self.max_num_seqs:
             r = waiting[0]
-            n = r.num_prompt_tokens + r.num_output_tokens     # a preempted request recomputes its outputs too
+            known = r.num_prompt_tokens + r.num_output_tokens     # a preempted request recomputes its outputs too
+            hit = kv.lookup(r) if caching else ()
+            hit_tokens = len(hit) * block_size
+            # Blocks the request takes beyond its hit, plus the hit blocks now in the free queue.
+            extra = kv.num_evictable(hit) - len(hit) if hit else 0
+            n = known - hit_tokens
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget)
             free = kv.num_free_blocks - (watermark_blocks if running else 0)
             if self.config.reserve_full_prompt:
-                whole = min(r.num_prompt_tokens + r.num_output_tokens, self.max_model_len)
-                if kv.num_blocks_for(whole) > free:
+                whole = min(known, self.max_model_len)
+                if kv.num_blocks_for(whole) + extra > free:
                     break
-            if kv.num_blocks_for(n) > free:
+            if kv.num_blocks_for(hit_tokens + n) + extra > free:
                 break
-            kv.allocate(r, n)
-            state.admit(r, now_s)
-            items.append(BatchItem(r.req_id, n, 0))
+            if hit:
+                kv.touch(r, hit)
+            kv.allocate(r, hit_tokens + n)
+            if caching:
+                kv.record_lookup(r, hit_tokens)
+            state.admit(r, now_s, hit_tokens)
+            items.append(BatchItem(r.req_id, n, hit_tokens))
             budget -= n

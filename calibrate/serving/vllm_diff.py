@@ -33,6 +33,7 @@ from typing import Any, Sequence
 from sim.core.policy import PolicyContext
 from policies.vllm_v1 import VllmV1Config, VllmV1Policy
 from sim.core.kv import BlockManager
+from sim.core.prefix import PrefixCachePool, own_content
 from sim.core.request import Request, Status
 from sim.core.state import SchedulerState
 
@@ -52,6 +53,10 @@ class Case:
     long_prefill_token_threshold: int = 0
     watermark: float = 0.0
     reserve_full_prompt: bool = True
+    enable_prefix_caching: bool = False
+    # Each request's content (``sim.core.prefix``: (output key, key_0, len_0, ...)), or None: its
+    # tokens are its own. vLLM's side gets one token id per (key, offset), its outputs included.
+    contents: tuple[tuple[int, ...] | None, ...] | None = None
 
 
 @dataclass
@@ -60,6 +65,8 @@ class Step:
     preempted: list[int] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
     kv_used_blocks: int = 0
+    cached_blocks: int = 0           # blocks holding a hash, in use or free (prefix caching)
+    cached_free_blocks: int = 0      # free blocks still holding a hash
 
 
 # ---- vLLM's side ---------------------------------------------------------------------------
@@ -80,7 +87,7 @@ def _config_dir() -> str:
 
 
 class VllmReference:
-    """vLLM's v1 Scheduler (synchronous, FCFS, prefix caching off) for one case."""
+    """vLLM's v1 Scheduler (synchronous, FCFS, prefix caching as the case says) for one case."""
 
     def __init__(self, case: Case) -> None:
         import torch
@@ -96,7 +103,7 @@ class VllmReference:
             watermark=case.watermark, scheduler_reserve_full_isl=case.reserve_full_prompt)
         model = ModelConfig(model=_config_dir(), dtype="float32", seed=0, skip_tokenizer_init=True,
                             max_model_len=case.max_model_len)
-        cache = CacheConfig(block_size=case.block_size, enable_prefix_caching=False)
+        cache = CacheConfig(block_size=case.block_size, enable_prefix_caching=case.enable_prefix_caching)
         config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache)
         spec = FullAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         kv = KVCacheConfig(num_blocks=case.num_blocks, kv_cache_tensors=[],
@@ -106,6 +113,16 @@ class VllmReference:
                                    structured_output_manager=StructuredOutputManager(config),
                                    block_size=case.block_size)
         self.num_blocks = case.num_blocks
+        self.case = case
+        self.block_hasher = None
+        if case.enable_prefix_caching:
+            from vllm.utils.hashing import get_hash_fn_by_name
+            from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+            hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
+            init_none_hash(hash_fn)
+            self.block_hasher = get_request_block_hasher(case.block_size, hash_fn)
+        self._token_ids: dict[tuple[int, int], int] = {}
+        self._out_keys: dict[int, int] = {}
         self.requests: dict[int, Any] = {}
         self._preempted: list[int] = []
         inner = self.scheduler._preempt_request
@@ -121,10 +138,25 @@ class VllmReference:
         from vllm.v1.request import Request as VllmRequest
 
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-        req = VllmRequest(request_id=str(req_id), prompt_token_ids=[3 + req_id % 900] * prompt_tokens,
-                          sampling_params=params, pooling_params=None)
+        content = self.case.contents[req_id] if self.case.contents else None
+        if content is None:
+            content = own_content(req_id, prompt_tokens)
+        self._out_keys[req_id] = content[0]
+        prompt = [self._token((key, k)) for key, length in zip(content[1::2], content[2::2]) for k in range(length)]
+        if len(prompt) != prompt_tokens:
+            raise ValueError(f"request {req_id}: content holds {len(prompt)} tokens, the prompt {prompt_tokens}")
+        req = VllmRequest(request_id=str(req_id), prompt_token_ids=prompt, sampling_params=params,
+                          pooling_params=None, block_hasher=self.block_hasher)
         self.requests[req_id] = req
         self.scheduler.add_request(req)
+
+    def _token(self, where: tuple[int, int]) -> int:
+        """vLLM's token id of the token at ``where`` (key, offset): one id per pair."""
+        ids = self._token_ids
+        tid = ids.get(where)
+        if tid is None:
+            tid = ids[where] = 10 + len(ids)
+        return tid
 
     def step(self) -> Step:
         from vllm.v1.outputs import ModelRunnerOutput
@@ -138,13 +170,18 @@ class VllmReference:
             req = self.requests[int(rid)]
             n = out.num_scheduled_tokens[rid]
             step.items.append((int(rid), n, req.num_computed_tokens - n))
-            sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
+            caught_up = req.num_computed_tokens >= req.num_tokens
+            sampled.append([self._token((self._out_keys[int(rid)], req.num_output_tokens))] if caught_up else [])
         output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                    sampled_token_ids=sampled)
         self.scheduler.update_from_output(out, output)
         step.finished = sorted(int(rid) for rid in req_ids if self.requests[int(rid)].is_finished())
-        free = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-        step.kv_used_blocks = self.num_blocks - 1 - free
+        pool = self.scheduler.kv_cache_manager.block_pool
+        step.kv_used_blocks = self.num_blocks - 1 - pool.get_num_free_blocks()
+        if self.case.enable_prefix_caching:
+            step.cached_blocks = sum(1 for b in pool.blocks if b.block_hash is not None)
+            step.cached_free_blocks = sum(1 for b in pool.free_block_queue.get_all_free_blocks()
+                                          if b.block_hash is not None)
         return step
 
     @property
@@ -159,9 +196,12 @@ class BatchsimSide:
     def __init__(self, case: Case) -> None:
         config = VllmV1Config(max_num_seqs=case.max_num_seqs, max_num_batched_tokens=case.max_num_batched_tokens,
                               long_prefill_token_threshold=case.long_prefill_token_threshold,
-                              watermark=case.watermark, reserve_full_prompt=case.reserve_full_prompt)
+                              watermark=case.watermark, reserve_full_prompt=case.reserve_full_prompt,
+                              enable_prefix_caching=case.enable_prefix_caching)
         self.policy = VllmV1Policy(config, PolicyContext(case.max_model_len))
-        kv = BlockManager(case.num_blocks - self.policy.num_reserved_blocks, case.block_size)
+        pool = PrefixCachePool if case.enable_prefix_caching else BlockManager
+        kv = pool(case.num_blocks - self.policy.num_reserved_blocks, case.block_size)
+        self.case = case
         self.state = SchedulerState(kv, case.max_model_len)
         self._preempted: list[int] = []
         inner = self.state.preempt
@@ -175,7 +215,8 @@ class BatchsimSide:
 
     def add(self, req_id: int, prompt_tokens: int, max_tokens: int) -> None:
         req = Request(req_id=req_id, arrival_s=self.now_s, num_prompt_tokens=prompt_tokens,
-                      max_output_tokens=max_tokens)
+                      max_output_tokens=max_tokens,
+                      content=self.case.contents[req_id] if self.case.contents else None)
         if not self.state.add_arrival(req, max_tokens, self.now_s):
             raise ValueError(f"request {req_id} (prompt {prompt_tokens}, max_tokens {max_tokens}) "
                              f"is rejected by batchsim: it can never fit this case")
@@ -192,7 +233,10 @@ class BatchsimSide:
         live = self.state.requests                 # done requests have left it
         step.finished = sorted(it.req_id for it in items
                                if it.req_id not in live or live[it.req_id].status == Status.FINISHED)
-        step.kv_used_blocks = self.state.kv.num_used_blocks
+        kv = self.state.kv
+        step.kv_used_blocks = kv.num_used_blocks
+        if kv.caching:
+            step.cached_blocks, step.cached_free_blocks = kv.num_cached_blocks, kv.num_cached_free_blocks
         return step
 
     @property
@@ -214,7 +258,7 @@ class Difference:
 def _fmt(s: Step) -> str:
     items = " ".join(f"r{r}:{n}@{c}" for r, n, c in s.items) or "-"
     return (f"items [{items}] preempted {s.preempted or '-'} finished {s.finished or '-'} "
-            f"kv_used {s.kv_used_blocks}")
+            f"kv_used {s.kv_used_blocks} cached {s.cached_blocks} cached_free {s.cached_free_blocks}")
 
 
 def first_difference(case: Case, max_steps: int = 100_000) -> tuple[Difference | None, int]:

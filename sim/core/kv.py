@@ -24,6 +24,8 @@ class BlockManager:
     before anything must be preempted.
     """
 
+    caching = False             # no prefix cache: sim.core.prefix.PrefixCachePool has one
+
     __slots__ = ("num_blocks", "block_size", "watermark_blocks", "_free_ids", "_next_fresh")
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0) -> None:

@@ -100,6 +100,7 @@ class Policy(Protocol):
     num_reserved_blocks: int       # blocks of the pool that never hold KV (vLLM v1's null block: 1)
     decode_stretch: bool
     chunk_stretch: bool
+    prefix_caching: bool           # True: runs on a pool that caches blocks by content (sim.core.prefix)
 
     def knobs(self) -> dict[str, Any]: ...
 

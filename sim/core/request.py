@@ -67,6 +67,13 @@ class Request:
     last_token_s: float | None = None
     finished_s: float | None = None
     reject_reason: str | None = None     # set when REJECTED: one of REJECT_REASONS
+    # Prefix caching (sim.core.prefix): what the prompt holds, (output key, key_0, len_0, ...), None:
+    # nothing shared; the chained hashes of its full blocks so far; how many of its blocks are
+    # registered in the cache; the prompt tokens its first admission found cached.
+    content: tuple[int, ...] | None = None
+    block_hashes: list[int] | None = None
+    num_hashed_blocks: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -89,7 +96,7 @@ REASON_CODES = {reason: k for k, reason in enumerate(REJECT_REASONS, start=1)}
 
 class RequestRecords:
     """The requests a server is done with (finished or rejected), one compact
-    row each (``array.array`` columns, 58 bytes a request), appended as they
+    row each (``array.array`` columns, 62 bytes a request), appended as they
     end. The server then drops the Request object: a run holds objects only
     for the requests in flight, so a million requests fit in memory. A column
     grows in chunks of at most ``CHUNK`` rows: one array grown row by row to
@@ -101,7 +108,7 @@ class RequestRecords:
 
     COLUMNS = (("req_id", "q"), ("arrival_s", "d"), ("prompt_tokens", "i"), ("max_tokens", "i"),
                ("output_tokens", "i"), ("status", "b"), ("reason", "b"), ("first_scheduled_s", "d"),
-               ("first_token_s", "d"), ("finished_s", "d"), ("num_preemptions", "i"))
+               ("first_token_s", "d"), ("finished_s", "d"), ("num_preemptions", "i"), ("cached_tokens", "i"))
     CHUNK = 65_536
 
     def __init__(self) -> None:
@@ -115,7 +122,8 @@ class RequestRecords:
         self._appends = (c["req_id"].append, c["arrival_s"].append, c["prompt_tokens"].append,
                          c["max_tokens"].append, c["output_tokens"].append, c["status"].append,
                          c["reason"].append, c["first_scheduled_s"].append, c["first_token_s"].append,
-                         c["finished_s"].append, c["num_preemptions"].append)
+                         c["finished_s"].append, c["num_preemptions"].append,
+                         c["cached_tokens"].append)
 
     def __len__(self) -> int:
         return sum(map(len, self._full["req_id"])) + len(self._columns["req_id"])
@@ -124,7 +132,7 @@ class RequestRecords:
         """Record ``req`` (FINISHED or REJECTED, ``finished_s`` set); ``output_tokens``
         is its true output length (the oracle's)."""
         (a_id, a_arrival, a_prompt, a_max, a_out, a_status, a_reason,
-         a_sched, a_first, a_fin, a_pre) = self._appends
+         a_sched, a_first, a_fin, a_pre, a_cached) = self._appends
         a_id(req.req_id)
         a_arrival(req.arrival_s)
         a_prompt(req.num_prompt_tokens)
@@ -136,6 +144,7 @@ class RequestRecords:
         a_first(nan if req.first_token_s is None else req.first_token_s)
         a_fin(req.finished_s)
         a_pre(req.num_preemptions)
+        a_cached(req.num_cached_tokens)
         if len(self._columns["req_id"]) >= self.CHUNK:
             self._next_chunk()
 

@@ -101,8 +101,15 @@ class SchedulerState:
         return self.all_arrived and not self.waiting and not self.running
 
     # ---- mutators for policies ---------------------------------------------
-    def admit(self, req: Request, now_s: float) -> None:
-        """Move ``req`` from the waiting queue to the running list."""
+    def admit(self, req: Request, now_s: float, num_cached_tokens: int = 0) -> None:
+        """Move ``req`` from the waiting queue to the running list, the first
+        ``num_cached_tokens`` of its tokens found in the prefix cache (their
+        blocks already taken: ``sim.core.prefix.PrefixCachePool.touch``)."""
+        if num_cached_tokens:
+            if num_cached_tokens > len(req.block_ids) * self.kv.block_size or req.num_computed_tokens:
+                raise RuntimeError(f"request {req.req_id}: {num_cached_tokens} cached tokens admitted beyond "
+                                   f"its blocks or on top of computed ones")
+            req.num_computed_tokens = num_cached_tokens
         if self.waiting and self.waiting[0] is req:
             self.waiting.popleft()
         else:
@@ -214,6 +221,12 @@ class SchedulerState:
             known = p.num_prompt_tokens + p.num_output_tokens
             if p.num_computed_tokens != known if completes else p.num_computed_tokens >= known:
                 raise RuntimeError(f"request {p.req_id}: a stretch's chunks do not end its prefill as announced")
+        kv = self.kv
+        if kv.caching:          # the blocks the steps filled, registered as each step's allocation would
+            for r in live:
+                kv.cache(r, r.num_computed_tokens)
+            if p is not None:
+                kv.cache(p, p.num_computed_tokens)
         if not completes:
             self.tokens.add_stretch(end_times_s, ids)
         else:

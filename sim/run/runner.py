@@ -22,6 +22,7 @@ from policies.config import policy_knobs
 from sim.base.heap import trim_heap, tune_heap
 from sim.core.batch import Batch, StepResult
 from sim.core.kv import BlockManager
+from sim.core.prefix import PrefixCachePool
 from sim.core.logs import StepLog, TokenLog
 from sim.core.policy import Policy, PolicyContext
 from sim.core.request import REJECT_REASONS, Request
@@ -239,7 +240,8 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     servers = []
     for k in range(num_replicas):
         usable = num_blocks - policy.num_reserved_blocks    # vLLM v1's null block
-        state = SchedulerState(BlockManager(usable, cfg.server.block_size, cfg.server.watermark),
+        pool = PrefixCachePool if policy.prefix_caching else BlockManager
+        state = SchedulerState(pool(usable, cfg.server.block_size, cfg.server.watermark),
                                max_model_len, policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt)
         server = Server(env, policy, state, executor, replica=k, coalesce=not live, check_stretch=check_stretch)
         server.on_step = on_step(server) if on_step is not None else None

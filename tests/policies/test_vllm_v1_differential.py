@@ -62,6 +62,74 @@ def random_case(seed: int) -> Case:
                 watermark=watermark, reserve_full_prompt=rng.random() < 0.85)
 
 
+def random_prefix_case(seed: int) -> Case:
+    """Prefix caching on: requests that share system prompts (some block-aligned, some not,
+    some whole prompts repeated) and multi-turn sessions whose next prompt is the previous
+    prompt + its answer + new tokens; pools from one request's worth (evictions and
+    preemptions on every step) to ample."""
+    rng = random.Random(10_000_000 + seed)
+    block_size = rng.choice([1, 2, 4, 8, 16, 16, 32])
+    max_model_len = rng.choice([128, 256, 512, 1024])
+    num = rng.choice([2, 3, 5, 8, 13, 20, 40])
+    short = rng.random() < 0.6
+    prefixes = [rng.randint(1, max_model_len // 3) for _ in range(rng.choice([1, 2, 3, 5]))]
+    if rng.random() < 0.3:                                   # block-aligned prefixes
+        prefixes = [max(block_size, p - p % block_size) for p in prefixes]
+    prompts, outputs, contents = [], [], []
+    key = 100
+    for i in range(num):
+        kind = rng.random()
+        out_key = 1_000_000 + i
+        if kind < 0.45 or not contents:                      # shared prefix + own suffix
+            j = rng.randrange(len(prefixes))
+            suffix = rng.choice([0, rng.randint(1, 8), rng.randint(1, max_model_len // 4)])
+            content = (out_key, j, prefixes[j]) + ((key, suffix) if suffix else ())
+            p = prefixes[j] + suffix
+        elif kind < 0.8:                                     # the next turn of an earlier request
+            k = rng.randrange(len(contents))
+            new = rng.randint(1, 24)
+            content = (out_key, *contents[k][1:], contents[k][0], outputs[k], key, new)
+            p = prompts[k] + outputs[k] + new
+        else:                                                # an earlier prompt, resent whole
+            k = rng.randrange(len(contents))
+            content = (out_key, *contents[k][1:])
+            p = prompts[k]
+        key += 1
+        if p >= max_model_len - 1:                           # too long: a fresh short prompt
+            p = rng.randint(1, 16)
+            content = (out_key, key, p)
+            key += 1
+        o = rng.randint(1, min(max_model_len - p, 12 if short else 80))
+        prompts.append(p)
+        outputs.append(o)
+        contents.append(content)
+    budget = rng.choice([8, 16, 32, 64, 128, 256, 2048])
+    max_num_seqs = min(budget, rng.choice([1, 2, 4, 8, 16, 256]))
+    need = max(-(-(p + o) // block_size) for p, o in zip(prompts, outputs)) + 1
+    total = sum(-(-(p + o) // block_size) for p, o in zip(prompts, outputs)) + 1
+    num_blocks = rng.choice([need, need + 1, need + rng.randint(0, need), max(need, total // 3),
+                             max(need, total // 2), total + 8])
+    threshold = 0 if rng.random() < 0.6 else rng.randint(1, min(budget, max_model_len))
+    watermark = 0.0 if rng.random() < 0.8 else rng.choice([0.01, 0.05, 0.2])
+    if rng.random() < 0.3:
+        arrivals = [0] * num
+    else:
+        span = rng.choice([5, 50, 500])
+        arrivals = sorted(rng.randint(0, span) for _ in range(num))
+    return Case(prompts=tuple(prompts), outputs=tuple(outputs), arrival_steps=tuple(arrivals),
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                num_blocks=num_blocks, block_size=block_size, long_prefill_token_threshold=threshold,
+                watermark=watermark, reserve_full_prompt=rng.random() < 0.85, enable_prefix_caching=True,
+                contents=tuple(contents))
+
+
+@pytest.mark.parametrize("seed", range(SEED0, SEED0 + NUM_CASES))
+def test_prefix_caching_identical_decisions(seed: int) -> None:
+    case = random_prefix_case(seed)
+    diff, num_steps = first_difference(case)
+    assert diff is None, f"seed {seed}: {case}\nfirst difference after {num_steps - 1} steps\n{diff}"
+
+
 @pytest.mark.parametrize("seed", range(SEED0, SEED0 + NUM_CASES))
 def test_random_workload_identical_decisions(seed: int) -> None:
     case = random_case(seed)

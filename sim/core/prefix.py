@@ -1,0 +1,308 @@
+"""KV blocks with identity: vLLM's automatic prefix caching.
+
+``PrefixCachePool`` is a drop-in for the counting ``sim.core.kv.BlockManager``
+(same counts, same ``can_allocate`` / ``allocate`` / ``append_block`` /
+``free``) whose blocks also carry the hash of the tokens they hold, as vLLM
+0.32's v1 KV manager keeps them (``vllm/v1/core/block_pool.py``,
+``kv_cache_manager.py``, ``single_type_kv_cache_manager.py``'s
+``FullAttentionManager``, ``kv_cache_utils.py``'s ``FreeKVCacheBlockQueue``),
+rule for rule:
+
+- Only full blocks are hashed, each hash chained to its parent block's.
+  Generated tokens complete blocks too, and those are cached as well.
+- ``lookup`` (vLLM's ``get_computed_blocks``, run by the scheduler only for
+  a request with no computed tokens: new or preempted) walks the request's
+  block hashes from the first and stops at the first miss. The hit is capped
+  at ``num_tokens - 1`` tokens and is block-granular, so a fully cached,
+  block-aligned prompt recomputes its whole last block.
+- A hit block with no other user (ref count 0) sits in the free queue: it
+  counts against the free pool when admission checks its blocks
+  (``num_evictable``), and is taken out of the queue when the request takes
+  it (``touch``), before any new block is popped.
+- New full blocks are registered when the request is *scheduled*
+  (``allocate`` caches up to the tokens scheduled, as ``allocate_slots``
+  calls ``cache_blocks``), so a later request of the same step can hit them.
+- Freeing goes tail-first. A freed block with a hash goes to the end of the
+  free queue (evicted last: LRU), one without to its front (reused first).
+  A free block keeps its hash until it is popped for reuse, which evicts it.
+- Two blocks may hold the same hash (two requests computed the same block
+  before either could hit the other's); a lookup takes the first registered.
+
+The free queue is vLLM's one doubly linked list, kept here in its three
+parts, which never mix: unhashed blocks put at the front (a stack), the
+never-used ids in order, and the hashed blocks in LRU order (an
+OrderedDict). Pops take the front first, exactly as vLLM's ``popleft_n``.
+
+Content without token ids: a request's ``content`` (``Request.content``) is
+``(output_key, key_0, len_0, key_1, len_1, ...)``: its prompt is the runs of
+tokens ``(key_i, 0 .. len_i - 1)``, and output token ``j`` is
+``(output_key, j)``. Two tokens are equal when their (key, offset) pairs
+are. A block's hash chains its parent's with the (key, start, stop) runs it
+covers (Python's hash of a tuple of ints: deterministic, 64-bit). A request
+without content has a prompt and output no other request shares. The hashes
+of a request in flight live on its ``Request`` (``block_hashes``), a list of
+ints that goes with it: memory stays bounded by the requests in flight and
+the pool, whatever the run's length.
+
+Not modelled: hybrid models' KV groups (sliding window, Mamba), partial-block
+hits (vLLM's fine-grained mode), KV connectors and offloading, cache salts,
+LoRA and multimodal extra keys.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sim.core.request import Request
+
+# Key spaces for requests that carry no content of their own: their prompt and
+# output tokens are theirs alone (request ids are unique within a run).
+_OWN_PROMPT = 1 << 62
+_OWN_OUTPUT = 3 << 61
+_ROOT = 0x5EED          # the parent hash of a request's first block
+
+
+def own_content(req_id: int, num_prompt_tokens: int) -> tuple[int, ...]:
+    """The content of a request that shares nothing: one run of prompt tokens of its own."""
+    return (_OWN_OUTPUT + req_id, _OWN_PROMPT + req_id, num_prompt_tokens)
+
+
+def extend_hashes(req: Request, num_tokens: int, block_size: int) -> list[int]:
+    """``req.block_hashes`` (made if missing) extended to the full blocks of its
+    first ``num_tokens`` tokens (prompt, then outputs)."""
+    hashes = req.block_hashes
+    if hashes is None:
+        hashes = req.block_hashes = []
+    want = num_tokens // block_size
+    k = len(hashes)
+    if k >= want:
+        return hashes
+    content = req.content
+    if content is None:
+        content = req.content = own_content(req.req_id, req.num_prompt_tokens)
+    out_key = content[0]
+    prompt = req.num_prompt_tokens
+    parent = hashes[-1] if hashes else _ROOT
+    append = hashes.append
+    pos = k * block_size
+    # Blocks wholly in the outputs: one run each (the common case: decodes).
+    if pos >= prompt:
+        off = pos - prompt
+        for _ in range(want - k):
+            parent = hash((parent, out_key, off, off + block_size))
+            append(parent)
+            off += block_size
+        return hashes
+    # Walk the prompt's runs from the one holding ``pos``.
+    runs = content
+    i, run_start = 1, 0
+    while i < len(runs) and run_start + runs[i + 1] <= pos:
+        run_start += runs[i + 1]
+        i += 2
+    while k < want:
+        stop = pos + block_size
+        pieces: list[int] = [parent]
+        p = pos
+        while p < stop:
+            if i < len(runs):
+                key, length = runs[i], runs[i + 1]
+                if length <= 0:
+                    i += 2
+                    continue
+                take = min(stop, run_start + length)
+                pieces += (key, p - run_start, take - run_start)
+                if take == run_start + length:
+                    run_start += length
+                    i += 2
+                p = take
+            else:                          # past the prompt's runs: the outputs
+                off = p - prompt
+                pieces += (out_key, off, off + stop - p)
+                p = stop
+        parent = hash(tuple(pieces))
+        append(parent)
+        pos = stop
+        k += 1
+    return hashes
+
+
+class PrefixCachePool:
+    """``num_blocks`` KV blocks of ``block_size`` tokens whose full blocks are
+    cached by content (the module doc gives vLLM's rules). ``watermark`` as
+    ``BlockManager``'s."""
+
+    caching = True
+
+    __slots__ = ("num_blocks", "block_size", "watermark_blocks", "_front", "_next_fresh", "_lru", "_ref",
+                 "_hash_of", "_cached", "queries", "hits", "preempted_queries", "preempted_hits", "evictions")
+
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.watermark_blocks = int(watermark * num_blocks)
+        self._front: list[int] = []                 # unhashed free blocks; the end is the queue's front
+        self._next_fresh = 0                        # never-used ids _next_fresh .. num_blocks - 1 come next
+        self._lru: OrderedDict[int, None] = OrderedDict()   # hashed free blocks, evicted first to last
+        self._ref = array("i", bytes(4 * num_blocks))       # requests holding each block
+        self._hash_of: dict[int, int] = {}         # block -> its hash (cached blocks only)
+        self._cached: dict[int, list[int]] = {}    # hash -> its blocks, first registered first
+        # vLLM's PrefixCacheStats: tokens queried and hit at admission, new requests and preempted apart.
+        self.queries = self.hits = self.preempted_queries = self.preempted_hits = 0
+        self.evictions = 0                          # cached blocks popped for reuse
+
+    # ---- counts (BlockManager's) -----------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._front) + self.num_blocks - self._next_fresh + len(self._lru)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._next_fresh - len(self._front) - len(self._lru)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix (evicted when reused)."""
+        return len(self._lru)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks with a hash, in use or free."""
+        return len(self._hash_of)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, req: Request, num_tokens: int, *, use_watermark: bool = False) -> bool:
+        missing = max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
+        reserve = self.watermark_blocks if use_watermark else 0
+        return missing <= self.num_free_blocks - reserve
+
+    # ---- the free queue ---------------------------------------------------------------------------
+    def _pop(self) -> int:
+        """The block at the free queue's front, its hash evicted; ref count 1."""
+        if self._front:
+            b = self._front.pop()
+        elif self._next_fresh < self.num_blocks:
+            b = self._next_fresh
+            self._next_fresh += 1
+        else:
+            b, _ = self._lru.popitem(last=False)
+            h = self._hash_of.pop(b)
+            blocks = self._cached[h]
+            blocks.remove(b)
+            if not blocks:
+                del self._cached[h]
+            self.evictions += 1
+        self._ref[b] = 1
+        return b
+
+    def allocate(self, req: Request, num_tokens: int) -> None:
+        """Grow ``req``'s blocks to hold ``num_tokens`` tokens and register the
+        full blocks among the tokens it knows (vLLM's ``allocate_slots`` then
+        ``cache_blocks``). Raises RuntimeError if the pool is short."""
+        missing = -(-num_tokens // self.block_size) - len(req.block_ids)
+        if missing > 0:
+            if missing > self.num_free_blocks:
+                raise RuntimeError(f"KV pool exhausted: request {req.req_id} needs {missing} blocks, "
+                                   f"{self.num_free_blocks} free (policy must call can_allocate first)")
+            ids = req.block_ids
+            for _ in range(missing):
+                ids.append(self._pop())
+        self.cache(req, min(num_tokens, req.num_prompt_tokens + req.num_output_tokens))
+
+    def append_block(self, req: Request) -> bool:
+        if not self.num_free_blocks:
+            return False
+        req.block_ids.append(self._pop())
+        return True
+
+    def cache(self, req: Request, num_tokens: int) -> None:
+        """Register ``req``'s full blocks among its first ``num_tokens`` tokens
+        (vLLM's ``cache_full_blocks``; those already registered are skipped)."""
+        block_size = self.block_size
+        full = min(num_tokens // block_size, len(req.block_ids))
+        done = req.num_hashed_blocks
+        if done >= full:
+            return
+        hashes = extend_hashes(req, full * block_size, block_size)
+        ids, hash_of, cached = req.block_ids, self._hash_of, self._cached
+        for k in range(done, full):
+            b, h = ids[k], hashes[k]
+            hash_of[b] = h
+            blocks = cached.get(h)
+            if blocks is None:
+                cached[h] = [b]
+            else:
+                blocks.append(b)
+        req.num_hashed_blocks = full
+
+    def free(self, req: Request) -> None:
+        """Give back ``req``'s blocks, tail first (vLLM's ``free_blocks``)."""
+        ref, hash_of, lru, front = self._ref, self._hash_of, self._lru, self._front
+        unhashed = []
+        for b in reversed(req.block_ids):
+            left = ref[b] - 1
+            ref[b] = left
+            if left == 0:
+                if b in hash_of:
+                    lru[b] = None
+                else:
+                    unhashed.append(b)
+        # prepend_n: the first of the list ends at the very front
+        front.extend(reversed(unhashed))
+        req.block_ids = []
+        req.num_hashed_blocks = 0
+
+    # ---- lookups ------------------------------------------------------------------------------------
+    def lookup(self, req: Request) -> list[int]:
+        """The cached blocks of ``req``'s longest cached prefix (vLLM's
+        ``find_longest_cache_hit``), at most ``num_tokens - 1`` tokens; changes nothing."""
+        num_tokens = req.num_prompt_tokens + req.num_output_tokens
+        limit = (num_tokens - 1) // self.block_size
+        if limit <= 0 or not self._cached:
+            return []
+        hashes = extend_hashes(req, limit * self.block_size, self.block_size)
+        cached = self._cached
+        hit = []
+        for k in range(limit):
+            blocks = cached.get(hashes[k])
+            if blocks is None:
+                break
+            hit.append(blocks[0])
+        return hit
+
+    def num_evictable(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` no request holds (they are in the free queue)."""
+        ref = self._ref
+        return sum(1 for b in blocks if ref[b] == 0)
+
+    def touch(self, req: Request, blocks: list[int]) -> None:
+        """``req`` (holding no blocks) takes the hit ``blocks`` as its first ones."""
+        ref, lru = self._ref, self._lru
+        for b in blocks:
+            if ref[b] == 0:
+                del lru[b]
+            ref[b] += 1
+        req.block_ids = list(blocks)
+        req.num_hashed_blocks = len(blocks)
+
+    def record_lookup(self, req: Request, num_hit_tokens: int) -> None:
+        """Count an admitted request's lookup as vLLM's ``record_prefix_cache_stats``
+        does: ``num_tokens`` queried, the hit's tokens hit; preempted ones apart."""
+        num_tokens = req.num_prompt_tokens + req.num_output_tokens
+        if req.num_preemptions:
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hit_tokens
+        else:
+            self.queries += num_tokens
+            self.hits += num_hit_tokens
+            req.num_cached_tokens = num_hit_tokens
