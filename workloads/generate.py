@@ -21,12 +21,56 @@ from workloads.traces import load_trace
 
 
 @dataclass(frozen=True)
+class Contents:
+    """What each request's prompt holds, for prefix caching (``sim.core.prefix``),
+    as flat arrays: request i's prompt is the runs ``starts[i] .. starts[i+1] - 1``,
+    run r being tokens ``(keys[r], 0 .. lengths[r] - 1)``; its output tokens
+    are ``(output_keys[i], 0, 1, ...)``. Equal (key, offset) pairs are equal
+    tokens, so two prompts share a prefix exactly where their runs agree. The
+    runs of request i sum to its prompt length. Keys are int64; a generator
+    keeps its key spaces apart (``key_space``)."""
+
+    keys: np.ndarray            # int64, one per run
+    lengths: np.ndarray         # int64 > 0, one per run
+    starts: np.ndarray          # int64, len(requests) + 1 offsets into the runs
+    output_keys: np.ndarray     # int64, one per request
+
+    def __len__(self) -> int:
+        return len(self.output_keys)
+
+    def content(self, i: int) -> tuple[int, ...]:
+        """Request i's ``Request.content``: (output key, key_0, len_0, key_1, len_1, ...)."""
+        lo, hi = int(self.starts[i]), int(self.starts[i + 1])
+        out = [int(self.output_keys[i])]
+        for k, n in zip(self.keys[lo:hi].tolist(), self.lengths[lo:hi].tolist()):
+            out += (k, n)
+        return tuple(out)
+
+    def take(self, index: np.ndarray) -> Contents:
+        """The contents of requests ``index`` (an int array or a boolean mask), in that order."""
+        idx = np.arange(len(self))[index] if np.asarray(index).dtype == bool else np.asarray(index, np.int64)
+        counts = (self.starts[idx + 1] - self.starts[idx]).astype(np.int64)
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        runs = (np.concatenate([np.arange(self.starts[i], self.starts[i + 1]) for i in idx])
+                if len(idx) else np.zeros(0, np.int64)).astype(np.int64)
+        return Contents(self.keys[runs], self.lengths[runs], starts, self.output_keys[idx])
+
+
+def key_space(tag: int) -> int:
+    """The first key of key space ``tag`` (1 .. 15): generators draw keys from
+    their own spaces, so keys of different origins never meet. Space 0 is a
+    trace's own ids (Mooncake's hash ids); ``sim.core.prefix`` uses 1 << 61 and up."""
+    return tag << 56
+
+
+@dataclass(frozen=True)
 class RequestSpecs:
     arrival_s: np.ndarray          # float64, non-decreasing
     prompt_tokens: np.ndarray      # int64 > 0
     output_tokens: np.ndarray      # int64 > 0 (the true output length)
     num_dropped: int = 0           # trace rows that could not be replayed
     max_tokens: np.ndarray | None = None   # per-request client max_tokens (trace column)
+    contents: Contents | None = None       # what the prompts hold (None: nothing shared)
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -196,6 +240,9 @@ def generate(cfg: Traffic) -> RequestSpecs:
     if specs.num_dropped:
         warnings.warn(f"{cfg.source}: {specs.num_dropped} trace rows with a zero token count were "
                       f"dropped (they cannot be replayed)", stacklevel=2)
+    if keep.all():
+        return specs
     return RequestSpecs(specs.arrival_s[keep], specs.prompt_tokens[keep], specs.output_tokens[keep],
                         specs.num_dropped,
-                        specs.max_tokens[keep] if specs.max_tokens is not None else None)
+                        specs.max_tokens[keep] if specs.max_tokens is not None else None,
+                        specs.contents.take(keep) if specs.contents is not None else None)

@@ -177,13 +177,15 @@ class RequestStream:
 
     def __iter__(self) -> Iterator[Request]:
         specs = self.specs
+        contents = specs.contents
         for lo in range(0, len(specs), self.CHUNK):
             hi = lo + self.CHUNK
             for i, arrival, prompt, max_tokens in zip(range(lo, min(hi, len(specs))),
                                                       specs.arrival_s[lo:hi].tolist(),
                                                       specs.prompt_tokens[lo:hi].tolist(),
                                                       self.max_tokens[lo:hi].tolist()):
-                yield Request(req_id=i, arrival_s=arrival, num_prompt_tokens=prompt, max_output_tokens=max_tokens)
+                yield Request(req_id=i, arrival_s=arrival, num_prompt_tokens=prompt, max_output_tokens=max_tokens,
+                              content=contents.content(i) if contents is not None else None)
 
     def true_outputs(self) -> Iterator[int]:
         out = self.specs.output_tokens
