@@ -73,6 +73,10 @@ def format_summary(summary: dict[str, Any], title: str = "", *, load: Any = None
     lines.append(f"batch       mean size {s.get('mean_batch_size', 0):.1f}   busy {100 * s.get('busy_fraction', 0):.1f}%   "
                  f"KV use mean {100 * (s.get('mean_kv_utilization') or 0):.1f}% peak "
                  f"{100 * (s.get('peak_kv_utilization') or 0):.1f}%   preemptions {s['num_preemptions']:,}")
+    if "prefix_cache_hit_rate" in s:
+        lines.append(f"prefix cache  hit rate {100 * s['prefix_cache_hit_rate']:.1f}% "
+                     f"({s['prefix_cache_hits']:,} of {s['prefix_cache_queries']:,} prompt tokens)   "
+                     f"evicted blocks {s['prefix_cache_evicted_blocks']:,}")
     return "\n".join(lines)
 
 

@@ -26,7 +26,8 @@ rule for rule:
   free queue (evicted last: LRU), one without to its front (reused first).
   A free block keeps its hash until it is popped for reuse, which evicts it.
 - Two blocks may hold the same hash (two requests computed the same block
-  before either could hit the other's); a lookup takes the first registered.
+  before either could hit the other's); a lookup takes the first registered,
+  and when that one is evicted the next takes its place.
 
 The free queue is vLLM's one doubly linked list, kept here in its three
 parts, which never mix: unhashed blocks put at the front (a stack), the
@@ -104,6 +105,17 @@ def extend_hashes(req: Request, num_tokens: int, block_size: int) -> list[int]:
         i += 2
     while k < want:
         stop = pos + block_size
+        if i < len(runs) and pos >= run_start and stop <= run_start + runs[i + 1]:
+            # inside one run: the same tuple the general case builds, (parent, key, start, stop)
+            key, off = runs[i], pos - run_start
+            parent = hash((parent, key, off, off + block_size))
+            append(parent)
+            if stop == run_start + runs[i + 1]:
+                run_start = stop
+                i += 2
+            pos = stop
+            k += 1
+            continue
         pieces: list[int] = [parent]
         p = pos
         while p < stop:
@@ -137,7 +149,7 @@ class PrefixCachePool:
     caching = True
 
     __slots__ = ("num_blocks", "block_size", "watermark_blocks", "_front", "_next_fresh", "_lru", "_ref",
-                 "_hash_of", "_cached", "queries", "hits", "preempted_queries", "preempted_hits", "evictions")
+                 "_hash_of", "_cached", "_dups", "queries", "hits", "preempted_queries", "preempted_hits", "evictions")
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -150,7 +162,8 @@ class PrefixCachePool:
         self._lru: OrderedDict[int, None] = OrderedDict()   # hashed free blocks, evicted first to last
         self._ref = array("i", bytes(4 * num_blocks))       # requests holding each block
         self._hash_of: dict[int, int] = {}         # block -> its hash (cached blocks only)
-        self._cached: dict[int, list[int]] = {}    # hash -> its blocks, first registered first
+        self._cached: dict[int, int] = {}          # hash -> the first block registered with it
+        self._dups: dict[int, list[int]] = {}      # hash -> the later ones, in order (rare)
         # vLLM's PrefixCacheStats: tokens queried and hit at admission, new requests and preempted apart.
         self.queries = self.hits = self.preempted_queries = self.preempted_hits = 0
         self.evictions = 0                          # cached blocks popped for reuse
@@ -187,23 +200,46 @@ class PrefixCachePool:
         return missing <= self.num_free_blocks - reserve
 
     # ---- the free queue ---------------------------------------------------------------------------
-    def _pop(self) -> int:
-        """The block at the free queue's front, its hash evicted; ref count 1."""
-        if self._front:
-            b = self._front.pop()
-        elif self._next_fresh < self.num_blocks:
-            b = self._next_fresh
-            self._next_fresh += 1
+    def _take(self, n: int, ids: list[int]) -> None:
+        """Append the ``n`` blocks at the free queue's front to ``ids``, evicting
+        their hashes; their ref counts become 1. The caller checked that ``n`` are free."""
+        ref = self._ref
+        front = self._front
+        while n and front:
+            b = front.pop()
+            ref[b] = 1
+            ids.append(b)
+            n -= 1
+        if n and self._next_fresh < self.num_blocks:
+            lo = self._next_fresh
+            hi = min(lo + n, self.num_blocks)
+            self._next_fresh = hi
+            ids.extend(range(lo, hi))
+            for b in range(lo, hi):
+                ref[b] = 1
+            n -= hi - lo
+        if n:
+            popitem, hash_of, cached = self._lru.popitem, self._hash_of, self._cached
+            self.evictions += n
+            for _ in range(n):
+                b = popitem(False)[0]
+                h = hash_of.pop(b)
+                if cached[h] == b and h not in self._dups:
+                    del cached[h]
+                else:
+                    self._forget_dup(h, b)
+                ref[b] = 1
+                ids.append(b)
+
+    def _forget_dup(self, h: int, b: int) -> None:
+        """Drop block ``b`` of hash ``h``, which has more than one block."""
+        later = self._dups[h]
+        if self._cached[h] == b:
+            self._cached[h] = later.pop(0)
         else:
-            b, _ = self._lru.popitem(last=False)
-            h = self._hash_of.pop(b)
-            blocks = self._cached[h]
-            blocks.remove(b)
-            if not blocks:
-                del self._cached[h]
-            self.evictions += 1
-        self._ref[b] = 1
-        return b
+            later.remove(b)
+        if not later:
+            del self._dups[h]
 
     def allocate(self, req: Request, num_tokens: int) -> None:
         """Grow ``req``'s blocks to hold ``num_tokens`` tokens and register the
@@ -214,15 +250,15 @@ class PrefixCachePool:
             if missing > self.num_free_blocks:
                 raise RuntimeError(f"KV pool exhausted: request {req.req_id} needs {missing} blocks, "
                                    f"{self.num_free_blocks} free (policy must call can_allocate first)")
-            ids = req.block_ids
-            for _ in range(missing):
-                ids.append(self._pop())
-        self.cache(req, min(num_tokens, req.num_prompt_tokens + req.num_output_tokens))
+            self._take(missing, req.block_ids)
+        known = req.num_prompt_tokens + req.num_output_tokens
+        if (num_tokens if num_tokens < known else known) // self.block_size > req.num_hashed_blocks:
+            self.cache(req, min(num_tokens, known))
 
     def append_block(self, req: Request) -> bool:
         if not self.num_free_blocks:
             return False
-        req.block_ids.append(self._pop())
+        self._take(1, req.block_ids)
         return True
 
     def cache(self, req: Request, num_tokens: int) -> None:
@@ -238,11 +274,10 @@ class PrefixCachePool:
         for k in range(done, full):
             b, h = ids[k], hashes[k]
             hash_of[b] = h
-            blocks = cached.get(h)
-            if blocks is None:
-                cached[h] = [b]
+            if h in cached:
+                self._dups.setdefault(h, []).append(b)
             else:
-                blocks.append(b)
+                cached[h] = b
         req.num_hashed_blocks = full
 
     def free(self, req: Request) -> None:
@@ -271,13 +306,13 @@ class PrefixCachePool:
         if limit <= 0 or not self._cached:
             return []
         hashes = extend_hashes(req, limit * self.block_size, self.block_size)
-        cached = self._cached
+        get = self._cached.get
         hit = []
         for k in range(limit):
-            blocks = cached.get(hashes[k])
-            if blocks is None:
+            b = get(hashes[k])
+            if b is None:
                 break
-            hit.append(blocks[0])
+            hit.append(b)
         return hit
 
     def num_evictable(self, blocks: list[int]) -> int:

@@ -223,10 +223,10 @@ class SchedulerState:
                 raise RuntimeError(f"request {p.req_id}: a stretch's chunks do not end its prefill as announced")
         kv = self.kv
         if kv.caching:          # the blocks the steps filled, registered as each step's allocation would
-            for r in live:
-                kv.cache(r, r.num_computed_tokens)
-            if p is not None:
-                kv.cache(p, p.num_computed_tokens)
+            bs = kv.block_size
+            for r in (*live, p) if p is not None else live:
+                if r.num_computed_tokens // bs > r.num_hashed_blocks:
+                    kv.cache(r, r.num_computed_tokens)
         if not completes:
             self.tokens.add_stretch(end_times_s, ids)
         else:

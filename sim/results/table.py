@@ -2,7 +2,7 @@
 
 The servers hand over their ``RequestRecords`` (sim.core.request) after a run;
 ``RequestTable.from_records`` places them in request-id order as compact
-columns (int32 counts, int8 status and reason codes: 58 bytes a request).
+columns (int32 counts, int8 status and reason codes: 58 bytes a request, 62 with prefix caching).
 The summary, vllm_bench.json and requests.csv read it column by column or in
 row chunks (``columns_of``, ``frames``), so a million-request run never holds
 the full table of ~140 bytes a request (int64 and float64 columns, status
@@ -47,9 +47,12 @@ class RequestTable:
 
     @classmethod
     def from_records(cls, records: Sequence[RequestRecords], replicas: Sequence[int],
-                     num_requests: int) -> RequestTable:
+                     num_requests: int, *, prefix_caching: bool = False) -> RequestTable:
         """The table of requests 0 .. ``num_requests`` - 1 from each replica's
-        records, which it takes over (they are empty afterwards). Each column is
+        records, which it takes over (they are empty afterwards); with
+        ``prefix_caching`` it keeps each request's cached prompt tokens
+        (``num_cached_tokens`` in ``frame()``, vLLM's
+        ``prompt_tokens_details.cached_tokens``), else drops them. Each column is
         placed in id order and its record dropped before the next, so the table
         never sits beside a second copy of itself. Raises RuntimeError unless
         every id is recorded exactly once."""
@@ -72,6 +75,10 @@ class RequestTable:
         for k, replica in enumerate(replicas):
             cols["replica"][ids[bounds[k]:bounds[k + 1]]] = replica
         for name, _ in RequestRecords.COLUMNS[1:]:
+            if name == "cached_tokens" and not prefix_caching:
+                for r in records:
+                    r.pop(name)
+                continue
             out = np.empty(n, dtype=_RECORD_DTYPES[name])
             for k, r in enumerate(records):
                 out[ids[bounds[k]:bounds[k + 1]]] = r.pop(name)
@@ -107,6 +114,8 @@ class RequestTable:
                 frame[name] = REASON_TEXT[c["reason"]]
             else:
                 frame[name] = c[name].astype(np.int64) if name in as64 else c[name].copy()
+        if "cached_tokens" in c:
+            frame["num_cached_tokens"] = c["cached_tokens"].astype(np.int64)
         return add_request_metrics(pd.DataFrame(frame, copy=False))
 
     def frames(self, rows: int | None = None) -> Iterator[pd.DataFrame]:
@@ -129,6 +138,8 @@ class RequestTable:
                     values = STATUS_TEXT[self.cols["status"]]
                 elif name == "reject_reason":
                     values = REASON_TEXT[self.cols["reason"]]
+                elif name == "num_cached_tokens":
+                    values = self.cols["cached_tokens"].astype(np.int64)
                 else:                       # selected, then widened: one copy the size of the result
                     values = self.cols[name] if keep is None else self.cols[name][keep]
                     out[name] = values.astype(np.int64) if values.dtype.kind == "i" else values

@@ -310,6 +310,8 @@ def bench_result(run: RunResult, percentiles: Sequence[float], *, detailed: bool
         out.update(distribution_ms(name, values, percentiles))
         del values
         trim_heap()                        # its series and sorted copies, before the next one's
+    if "prefix_cache_hit_rate" in s:        # batchsim's own: vLLM's benchmark reads it from /metrics
+        out.update({k: s[k] for k in ("prefix_cache_hit_rate", "prefix_cache_queries", "prefix_cache_hits")})
     out.update(policy=(cfg.get("policy") or {}).get("kind"), policy_knobs=meta.get("policy_knobs"),
                num_replicas=meta.get("num_replicas", 1), router=meta.get("router"), simulated=True)
     trim_heap()                            # the series' columns and sorted copies

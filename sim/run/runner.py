@@ -11,7 +11,7 @@ import hashlib
 import sys
 import time
 import warnings
-from typing import Any, Callable, Iterator, NamedTuple, TextIO
+from typing import Any, Callable, Iterator, NamedTuple, Sequence, TextIO
 
 import numpy as np
 import pandas as pd
@@ -434,11 +434,28 @@ def profile_trust(profile: Profile) -> dict[str, Any]:
     return {"error_pct": None, "basis": f"{profile.provenance.get('source', 'unknown')}: no held-out check recorded"}
 
 
+def prefix_cache_summary(pools: Sequence[Any]) -> dict[str, Any]:
+    """The prefix cache's counters over ``pools`` (nothing without prefix caching):
+    ``prefix_cache_hit_rate`` = hit tokens / queried tokens of new requests, the
+    ratio of vLLM's ``vllm:prefix_cache_hits`` and ``vllm:prefix_cache_queries``
+    (a preempted request's lookup is counted apart, as vLLM does), and the
+    cached blocks popped for reuse."""
+    if not pools or not pools[0].caching:
+        return {}
+    queries = sum(p.queries for p in pools)
+    hits = sum(p.hits for p in pools)
+    return {"prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "prefix_cache_queries": queries, "prefix_cache_hits": hits,
+            "prefix_cache_preempted_queries": sum(p.preempted_queries for p in pools),
+            "prefix_cache_preempted_hits": sum(p.preempted_hits for p in pools),
+            "prefix_cache_evicted_blocks": sum(p.evictions for p in pools)}
+
+
 def request_table(servers: list[Server], num_requests: int) -> RequestTable:
     """The compact requests table of a run (``sim.results.table``), from the servers' records
     (``drive`` numbers the requests 0 .. ``num_requests`` - 1)."""
     return RequestTable.from_records([s.state.records for s in servers], [s.replica for s in servers],
-                                     num_requests)
+                                     num_requests, prefix_caching=servers[0].state.kv.caching)
 
 
 def log_summary(requests: pd.DataFrame | RequestTable, steps: list[StepLog], tokens: list[TokenLog],
@@ -470,12 +487,14 @@ def collect(cfg: WorkloadConfig, servers: list[Server], num_requests: int, num_b
     summary["profile_trust"] = profile_trust(profile)
     summary["policy"] = cfg.policy.kind
     summary["failed_by_reason"] = table.failed_by_reason()
+    summary.update(prefix_cache_summary([s.state.kv for s in servers]))
     if len(servers) > 1:
         # grouped once: O(requests), not O(replicas x requests)
         order = np.argsort(table.cols["replica"], kind="stable")
         bounds = np.searchsorted(table.cols["replica"][order], [s.replica for s in servers] + [len(servers)])
         summary["replicas"] = [log_summary(table.take(order[bounds[k]:bounds[k + 1]]), [s.log], [s.state.tokens],
-                                           slo, num_blocks) for k, s in enumerate(servers)]
+                                           slo, num_blocks) | prefix_cache_summary([s.state.kv])
+                               for k, s in enumerate(servers)]
     meta = {"config": cfg.to_dict(), "seed": cfg.seed, "profile_name": profile.name,
             "profile_provenance": profile.provenance, "profile_efficiency": profile.efficiency,
             "kv_block_size": cfg.server.block_size, "policy_knobs": policy_knobs(cfg.policy, servers[0].policy)}
