@@ -22,7 +22,7 @@ from typing import Any, Sequence
 EXIT_BAD_INPUT = 2
 STARTED_S = time.perf_counter()      # the command's "in all" counts from here (interpreter start-up aside)
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")   # calibrate.runner.DTYPES, without importing torch
-ROUTER_CHOICES = ("round_robin", "least_requests", "least_tokens")   # sim.loop.feed.ROUTERS, without importing simpy
+ROUTER_CHOICES = ("round_robin", "least_requests", "least_tokens", "prefix_aware")   # sim.loop.feed.ROUTERS, without importing simpy
 
 
 def _num(v: Any, decimals: int) -> str:
@@ -129,6 +129,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     files = ["requests.csv", "steps.csv", "tokens.npz", "meta.json", "vllm_bench.json"]
     if traced is not None:
         files.append("trace.json")
+    if result.prefix_cache is not None:
+        files.append("prefix_cache.csv")
     print(f"wrote {out}/ ({', '.join(files + ['summary.json'])}): simulated in {meta['wall_s']:.2f} s, "
           f"{time.perf_counter() - STARTED_S:.2f} s in all")
     if taken is not None:

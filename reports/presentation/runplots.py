@@ -290,3 +290,59 @@ def slot_occupancy(runs: Mapping[str, tuple[pd.DataFrame, pd.DataFrame | None, s
     fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=8)
     set_titles(fig, title, subtitle)
     return fig
+
+
+def prefix_cache_timeline(requests: pd.DataFrame, cache: pd.DataFrame, num_blocks: int, *,
+                          title: str = "Prefix cache", subtitle: str = "",
+                          num_bins: int = NUM_TIME_BINS) -> Figure:
+    """Two panels over simulated time: the prefix cache hit rate of the requests
+    first scheduled in each bin (their cached prompt tokens / their prompt
+    tokens, vLLM's hits / queries) with the run's cumulative rate, and the KV
+    blocks of the fleet split into in use, free but still caching a prefix
+    (evicted only when reused) and free and empty.
+
+    ``requests``: the requests table (``num_cached_tokens`` column);
+    ``cache``: ``RunResult.prefix_cache``; ``num_blocks``: usable blocks per replica."""
+    fig, axes = plt.subplots(2, 1, figsize=(FIG_WIDTH_IN, 6.4), sharex=True, layout="constrained",
+                             gridspec_kw={"height_ratios": [1.0, 1.3]})
+    admitted = requests[requests["first_scheduled_s"].notna()].sort_values("first_scheduled_s")
+    t = admitted["first_scheduled_s"].to_numpy(dtype=np.float64)
+    cached = admitted["num_cached_tokens"].to_numpy(dtype=np.float64)
+    prompt = admitted["prompt_tokens"].to_numpy(dtype=np.float64)
+    t_end = max(float(t[-1]) if len(t) else 0.0, float(cache["time_s"].max()) if len(cache) else 0.0, 1e-9)
+    edges = np.linspace(0.0, t_end, max(2, min(num_bins, max(len(t) // 4, 2))) + 1)
+    hit_sum, _ = np.histogram(t, bins=edges, weights=cached)
+    query_sum, _ = np.histogram(t, bins=edges, weights=prompt)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rate = 100.0 * hit_sum / query_sum
+    overall = 100.0 * cached.sum() / prompt.sum() if prompt.sum() else 0.0
+    axes[0].plot(edges[:-1], rate, drawstyle="steps-post", color="tab:blue",
+                 label="hit rate of the requests first scheduled in the bin")
+    if len(t):
+        axes[0].plot(t, 100.0 * np.cumsum(cached) / np.cumsum(prompt), color="black", linewidth=1.0,
+                     linestyle="--", label=f"cumulative hit rate (run: {overall:.1f}%)")
+    axes[0].set_ylim(0, 100)
+    axes[0].set_ylabel("prefix cache hit rate\n(% of prompt tokens)")
+    num_replicas = int(cache["replica"].nunique()) if len(cache) else 1
+    fleet = cache.groupby("time_s", sort=True)[["kv_used_blocks", "cached_free_blocks"]].sum() if len(cache) \
+        else pd.DataFrame({"kv_used_blocks": [], "cached_free_blocks": []})
+    x = fleet.index.to_numpy(dtype=np.float64)
+    total = num_blocks * num_replicas
+    used = 100.0 * fleet["kv_used_blocks"].to_numpy() / total
+    cached_free = 100.0 * fleet["cached_free_blocks"].to_numpy() / total
+    axes[1].fill_between(x, 0, used, step="post", color="tab:purple", alpha=0.6, linewidth=0,
+                         label="in use by running requests")
+    axes[1].fill_between(x, used, used + cached_free, step="post", color="tab:olive", alpha=0.5, linewidth=0,
+                         label="free, still caching a prefix (LRU: evicted when reused)")
+    axes[1].set_ylim(0, 100)
+    axes[1].set_ylabel(f"KV blocks\n(% of {total:,})")
+    axes[1].set_xlabel("simulated time (s)")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    axes[0].set_xlim(0, t_end)
+    legend_outside(fig)
+    set_titles(fig, title, subtitle)
+    where = f"{num_replicas} replicas summed; " if num_replicas > 1 else ""
+    axes[0].set_title(f"{where}hit rate in {edges[1]:.3g} s bins by first scheduling (preempted requests' "
+                      f"re-admissions not counted, as vLLM counts them apart)", fontsize=9)
+    return fig

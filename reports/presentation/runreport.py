@@ -120,5 +120,13 @@ def run_report(d: Path) -> list[Path]:
                           "replicas", "Per-replica load"))
     doc.add(Heading("Figures"), *run_figures(figs, {cfg.get("name", d.name): run}, prefix="run_",
                                              slo_ttft_ms=slo.get("ttft_ms")))
+    if run.prefix_cache is not None and "num_cached_tokens" in run.requests.columns:
+        usable = int(run.meta.get("num_blocks", 0)) - 1          # vLLM v1's null block never caches
+        doc.add(figs.save(runplots.prefix_cache_timeline(run.requests, run.prefix_cache, max(usable, 1),
+                                                         title=f"Prefix cache: {cfg.get('name', d.name)}",
+                                                         subtitle=describe_runs({"": run})),
+                          "run_prefix_cache",
+                          f"Prefix cache hit rate {100 * s.get('prefix_cache_hit_rate', 0):.1f}% over the run, "
+                          f"and KV blocks in use vs free but still caching a prefix"))
     doc.add(Heading("Provenance"), Bullets(provenance_lines(run.meta, s)))
     return figs.written + write_document(doc, d)

@@ -99,6 +99,10 @@ class BlockManager:
             return False
         return True
 
+    def cached_prefix_blocks(self, req: Request) -> int:
+        """No prefix cache: nothing is ever cached (``sim.core.prefix.PrefixCachePool``'s)."""
+        return 0
+
     def free(self, req: Request) -> None:
         """Return all of ``req``'s blocks to the pool."""
         self._free_ids.extend(reversed(req.block_ids))

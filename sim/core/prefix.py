@@ -315,6 +315,19 @@ class PrefixCachePool:
             hit.append(b)
         return hit
 
+    def cached_prefix_blocks(self, req: Request) -> int:
+        """How many of ``req``'s leading prompt blocks this pool holds cached (a
+        router's view: whole prompt blocks, no ``num_tokens - 1`` cap; changes nothing)."""
+        if not self._cached:
+            return 0
+        limit = req.num_prompt_tokens // self.block_size
+        hashes = extend_hashes(req, limit * self.block_size, self.block_size)
+        cached = self._cached
+        k = 0
+        while k < limit and hashes[k] in cached:
+            k += 1
+        return k
+
     def num_evictable(self, blocks: list[int]) -> int:
         """How many of ``blocks`` no request holds (they are in the free queue)."""
         ref = self._ref

@@ -16,17 +16,42 @@ from sim.core.request import Request
 from sim.loop.server import Server
 
 
-ROUTERS = ("round_robin", "least_requests", "least_tokens")
+ROUTERS = ("round_robin", "least_requests", "least_tokens", "prefix_aware")
+PREFIX_LOAD_SLACK = 1.25      # prefix_aware's load guard: candidates carry at most this x the least load, + 1
 
 
-def pick_replica(router: str, servers: Sequence[Server], counter: int) -> Server:
-    """The server that gets the next request."""
+def pick_replica(router: str, servers: Sequence[Server], counter: int, req: Request | None = None) -> Server:
+    """The server that gets the next request (``req``: the request, which
+    ``prefix_aware`` reads).
+
+    ``prefix_aware`` sends a request to the replica whose prefix cache holds
+    the longest prefix of its prompt (whole cached blocks, in use or free,
+    ``PrefixCachePool.cached_prefix_blocks``), among the replicas whose
+    outstanding requests are at most ``PREFIX_LOAD_SLACK`` times the least
+    loaded one's, plus one: the load guard, so a hot prefix does not pile
+    its traffic onto one replica. Ties, and a request no replica has cached,
+    go to the least loaded candidate (then the lowest index). This is the
+    shape of llm-d's precise prefix-cache scorer combined with a load scorer,
+    and of vLLM production-stack's prefix-aware routing with its
+    load check; their weights and thresholds differ and are not modelled."""
     if router == "round_robin" or len(servers) == 1:
         return servers[counter % len(servers)]
     if router == "least_requests":
         return min(servers, key=lambda s: s.num_outstanding_requests)
     if router == "least_tokens":
         return min(servers, key=lambda s: s.num_outstanding_tokens)
+    if router == "prefix_aware":
+        least = min(s.num_outstanding_requests for s in servers)
+        cap = PREFIX_LOAD_SLACK * least + 1
+        best, best_key = servers[0], None
+        for s in servers:
+            load = s.num_outstanding_requests
+            if load > cap:
+                continue
+            key = (s.state.kv.cached_prefix_blocks(req) if req is not None else 0, -load)
+            if best_key is None or key > best_key:
+                best, best_key = s, key
+        return best
     raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
 
 
@@ -45,7 +70,7 @@ def feed(env: simpy.Environment, servers: Sequence[Server], requests: Iterable[R
         delay = req.arrival_s + lag_s - env.now
         if delay > 0:
             yield env.timeout(delay)
-        pick_replica(router, servers, i).submit(req, true_output)
+        pick_replica(router, servers, i, req).submit(req, true_output)
     for s in servers:
         s.state.all_arrived = True
         s.wake()
@@ -121,7 +146,7 @@ def _release_capped(env: simpy.Environment, servers: Sequence[Server], requests:
             yield env.timeout(delay)
         clients.waits_s.append(send_s - req.arrival_s)
         req.arrival_s = send_s
-        if not pick_replica(router, servers, i).submit(req, true_output):
+        if not pick_replica(router, servers, i, req).submit(req, true_output):
             clients.release(env.now)          # refused at once: the client has its reply
     for s in servers:
         s.state.all_arrived = True

@@ -11,6 +11,7 @@ through ``sim.loop.feed``.
 from __future__ import annotations
 
 import os
+from array import array
 from typing import Callable, Protocol
 
 import simpy
@@ -51,6 +52,8 @@ class SimExecutor:
         return StepResult(duration_s=t, predicted_s=t)
 
 
+CACHE_SAMPLE_S = 0.25         # the prefix cache time line's sampling interval (simulated seconds)
+
 class Server:
     """One replica driven by SimPy. ``submit`` hands it an arrived request.
 
@@ -85,7 +88,17 @@ class Server:
         self.coalesce = coalesce
         self.check_stretch = check_stretch
         self.num_stretch_steps_checked = 0   # with check_stretch: planned steps stepped and found as planned
+        # With a prefix cache: (time, blocks in use, free blocks still cached) after a step, at most
+        # one sample per CACHE_SAMPLE_S of simulated time (a million requests stay a few MB).
+        self.cache_samples = array("d") if state.kv.caching else None
+        self._next_sample_s = 0.0
         self.process = env.process(self._serve())
+
+    def _sample_cache(self, now_s: float) -> None:
+        if now_s >= self._next_sample_s:
+            kv = self.state.kv
+            self.cache_samples.extend((now_s, kv.num_used_blocks, kv.num_cached_free_blocks))
+            self._next_sample_s = now_s + CACHE_SAMPLE_S
 
     def submit(self, req: Request, true_output_tokens: int) -> bool:
         accepted = self.state.add_arrival(req, true_output_tokens, self.env.now)
@@ -168,6 +181,8 @@ class Server:
                 on_step(start_s, decision, result)
             if on_finish is not None and state.num_finished > num_finished:
                 on_finish(end_s, state.num_finished - num_finished)
+            if self.cache_samples is not None:
+                self._sample_cache(end_s)
             # (Only after a step that did not yield: nothing has arrived since it was chosen.)
             if stretch and coalesced:
                 num_finished = state.num_finished
@@ -175,3 +190,5 @@ class Server:
                                                       now_s, env.peek(), chain=on_finish is None)
                 if on_finish is not None and state.num_finished > num_finished:
                     on_finish(now_s, state.num_finished - num_finished)
+                if self.cache_samples is not None:
+                    self._sample_cache(now_s)

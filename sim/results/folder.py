@@ -4,7 +4,8 @@ tokens.npz while the run goes on; ``write_run`` renames them into place).
 
 A run directory holds requests.csv, steps.csv, tokens.npz (every output
 token: req_id, t_s), meta.json, vllm_bench.json (``vllm bench serve``'s
-result format), optionally trace.json (a Perfetto trace), summary.json, and,
+result format), optionally trace.json (a Perfetto trace) and prefix_cache.csv
+(with a prefix cache: its time line), summary.json, and,
 once a report is built, report.md, report.html and figures/. Files are
 written to a temporary name and renamed, and summary.json is written last, so
 a directory with a summary.json is complete. A run never lands on top of
@@ -39,7 +40,7 @@ class OutputError(ConfigError):
 
 # What batchsim writes into a run directory: its files and, under figures/, the reports' images.
 RUN_FILES = ("summary.json", "requests.csv", "steps.csv", "tokens.npz", "meta.json", "vllm_bench.json",
-             "trace.json", "report.md", "report.html")
+             "trace.json", "report.md", "report.html", "prefix_cache.csv")
 FIGURE_SUFFIXES = (".png", ".svg")
 
 
@@ -260,6 +261,8 @@ def write_run(result: RunResult, out_dir: str | Path, *, bench: dict[str, Any] |
             _atomic(out / "requests.csv", lambda p: write_csv_chunks(p, result.request_frames()))
             _atomic(out / "steps.csv", lambda p: write_csv_chunks(p, result.step_frames()))
             tokens.result()
+    if result.prefix_cache is not None:
+        _atomic(out / "prefix_cache.csv", lambda p: write_csv_chunks(p, iter((result.prefix_cache,))))
     meta = dict(result.meta)
     if files is not None and files.peak_rss_mib is not None:
         meta["files_process_peak_rss_mib"] = round(files.peak_rss_mib, 1)    # the second process's own
@@ -280,10 +283,13 @@ def read_run(out_dir: str | Path) -> RunResult:
         raise FileNotFoundError(f"{out}: not a complete run directory (no summary.json)")
     with np.load(out / "tokens.npz") as z:
         tokens = pd.DataFrame({"req_id": z["req_id"], "t_s": z["t_s"]})
-    return RunResult(
+    result = RunResult(
         requests=pd.read_csv(out / "requests.csv"),
         steps=pd.read_csv(out / "steps.csv"),
         tokens=tokens,
         summary=json.loads((out / "summary.json").read_text()),
         meta=json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {},
     )
+    if (out / "prefix_cache.csv").is_file():
+        result.prefix_cache = pd.read_csv(out / "prefix_cache.csv")
+    return result

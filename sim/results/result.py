@@ -69,6 +69,9 @@ class RunResult:
         # Each request's wait for a free client under a concurrency cap, by request id (vLLM's
         # client_queue_time; None: open-loop arrivals, sent when drawn).
         self.client_queue_s: np.ndarray | None = None
+        # With a prefix cache: its time line, rows (time_s, replica, kv_used_blocks,
+        # cached_free_blocks) sampled after steps (sim.loop.server.CACHE_SAMPLE_S); None without.
+        self.prefix_cache: pd.DataFrame | None = None
 
     @property
     def requests(self) -> pd.DataFrame:

@@ -500,4 +500,19 @@ def collect(cfg: WorkloadConfig, servers: list[Server], num_requests: int, num_b
             "kv_block_size": cfg.server.block_size, "policy_knobs": policy_knobs(cfg.policy, servers[0].policy)}
     result.summary, result.meta = summary, meta
     result.client_queue_s = client_queue_s
+    result.prefix_cache = prefix_cache_timeline(servers)
     return result
+
+
+def prefix_cache_timeline(servers: list[Server]) -> pd.DataFrame | None:
+    """The servers' prefix cache samples as one table (None without a prefix cache)."""
+    if servers[0].cache_samples is None:
+        return None
+    parts = []
+    for s in servers:
+        a = np.frombuffer(s.cache_samples, dtype=np.float64).reshape(-1, 3)
+        parts.append(pd.DataFrame({"time_s": a[:, 0], "replica": np.full(len(a), s.replica, np.int64),
+                                   "kv_used_blocks": a[:, 1].astype(np.int64),
+                                   "cached_free_blocks": a[:, 2].astype(np.int64)}))
+    return pd.concat(parts, ignore_index=True).sort_values(["time_s", "replica"], kind="stable",
+                                                           ignore_index=True)
