@@ -3,6 +3,7 @@
     python benchmarks/bench_scale.py                                   # 100k and 1M; vllm and sarathi
     python benchmarks/bench_scale.py --quick                           # 10k and 100k
     python benchmarks/bench_scale.py --sizes 2000,5000 --policies vllm,sarathi,orca
+    python benchmarks/bench_scale.py --policies vllm_v1,vllm_v1-nocache     # the cost of prefix caching
 
 The workload is ShareGPT-like: prompt and output lengths lognormal (sigma 1)
 with means 200 and 250 tokens, capped at 2,048 each, Poisson arrivals at 70%
@@ -27,6 +28,12 @@ ratios of peak RSS (linear memory: the size ratio) and of req/s (linear time:
 `sim run` refuses a size whose estimated memory (workloads.generate.
 BYTES_PER_REQUEST a request, with a margin) exceeds the machine's. A refused
 or failed run is printed as such and the others go on.
+A policy ``X-nocache`` is policy X with ``enable_prefix_caching: false``
+(vllm_v1 caches prefixes by default, as vLLM does); with both in
+``--policies``, a last line per size gives caching's cost as the ratios of
+req/s and peak RSS measured in this run. The workload's prompts share
+nothing, so the cache finds no hits: this is the bookkeeping's price (every
+full block hashed, registered and evicted), the worst case for its speed.
 Figures are measured in this run; on a shared machine the CPU seconds beside
 the wall seconds show how much of the wall time the run had the CPU.
 """
@@ -76,7 +83,7 @@ def sustained_rate(workload: Path, tmp: Path) -> tuple[float, str]:
     return summary["request_throughput"], meta["profile_name"]
 
 
-HEADER = (f"{'policy':<9}{'requests':>10}{'steps':>10}{'events':>10}{'wall s':>9}{'cpu s':>9}{'sim s':>9}"
+HEADER = (f"{'policy':<16}{'requests':>10}{'steps':>10}{'events':>10}{'wall s':>9}{'cpu s':>9}{'sim s':>9}"
           f"{'req/s':>8}{'steps/s':>9}{'events/s':>10}{'RSS MiB':>9}{'+files':>8}{'= MiB':>7}")
 
 
@@ -84,12 +91,12 @@ def row(policy: str, n: int, child: Child, summary: dict, meta: dict) -> tuple[s
     """The printed line of one run and its figures (None when the run failed)."""
     if child.returncode != 0:
         last = (child.stderr.strip().splitlines() or ["(no message)"])[-1]
-        return f"{policy:<9}{n:>10,}  failed (exit {child.returncode}, {child.wall_s:.1f} s): {last}", None
+        return f"{policy:<16}{n:>10,}  failed (exit {child.returncode}, {child.wall_s:.1f} s): {last}", None
     wall = child.wall_s
     steps, events = summary["num_steps"], num_events(n, summary)
     files = meta.get("files_process_peak_rss_mib") or 0.0
     figures = {"req_per_s": n / wall, "rss_mib": child.peak_rss_mib, "total_mib": child.peak_rss_mib + files}
-    return (f"{policy:<9}{n:>10,}{steps:>10,}{events:>10,}{wall:>9.1f}{child.cpu_s:>9.1f}{meta['wall_s']:>9.1f}"
+    return (f"{policy:<16}{n:>10,}{steps:>10,}{events:>10,}{wall:>9.1f}{child.cpu_s:>9.1f}{meta['wall_s']:>9.1f}"
             f"{n / wall:>8.0f}{steps / wall:>9.0f}{events / wall:>10.0f}{child.peak_rss_mib:>9.0f}{files:>8.0f}"
             f"{figures['total_mib']:>7.0f}"), figures
 
@@ -124,14 +131,29 @@ def main() -> None:
         results = {}
         for n in sizes:
             for policy in policies:
-                child, summary, meta = sim_run(workload, tmp / f"{policy}-{n}", {
-                    "num_requests": n, "policy.kind": policy, "arrivals.kind": "poisson", "arrivals.rate": rate})
+                kind, _, variant = policy.partition("-")
+                overrides = {"num_requests": n, "policy.kind": kind, "arrivals.kind": "poisson",
+                             "arrivals.rate": rate}
+                if variant == "nocache":
+                    overrides["policy.enable_prefix_caching"] = False
+                elif variant:
+                    sys.exit(f"--policies: {policy!r}: the only variant is KIND-nocache")
+                child, summary, meta = sim_run(workload, tmp / f"{policy}-{n}", overrides)
                 line, results[(policy, n)] = row(policy, n, child, summary, meta)
                 print(line, flush=True)
     if len(sizes) > 1:
         print()
         for policy in policies:
             print(ratio_line(policy, min(sizes), max(sizes), results))
+    for policy in policies:
+        if policy + "-nocache" not in policies:
+            continue
+        for n in sizes:
+            on, off = results.get((policy, n)), results.get((policy + "-nocache", n))
+            if on is None or off is None:
+                continue
+            print(f"prefix caching on vs off, {policy} at {n:,} requests: req/s x{on['req_per_s'] / off['req_per_s']:.2f}, "
+                  f"peak RSS x{on['rss_mib'] / off['rss_mib']:.2f} ({on['rss_mib']:.0f} vs {off['rss_mib']:.0f} MiB)")
 
 
 if __name__ == "__main__":
