@@ -52,7 +52,6 @@ LoRA and multimodal extra keys.
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -148,7 +147,7 @@ class PrefixCachePool:
 
     caching = True
 
-    __slots__ = ("num_blocks", "block_size", "watermark_blocks", "_front", "_next_fresh", "_lru", "_ref",
+    __slots__ = ("num_blocks", "block_size", "watermark_blocks", "_front", "_next_fresh", "_lru", "_shared",
                  "_hash_of", "_cached", "_dups", "queries", "hits", "preempted_queries", "preempted_hits", "evictions")
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0) -> None:
@@ -160,7 +159,9 @@ class PrefixCachePool:
         self._front: list[int] = []                 # unhashed free blocks; the end is the queue's front
         self._next_fresh = 0                        # never-used ids _next_fresh .. num_blocks - 1 come next
         self._lru: OrderedDict[int, None] = OrderedDict()   # hashed free blocks, evicted first to last
-        self._ref = array("i", bytes(4 * num_blocks))       # requests holding each block
+        # Ref counts, kept only where they exceed one: a block in use has one holder unless a hit
+        # shared it (block -> holders beyond the first); a hashed block with none is in ``_lru``.
+        self._shared: dict[int, int] = {}
         self._hash_of: dict[int, int] = {}         # block -> its hash (cached blocks only)
         self._cached: dict[int, int] = {}          # hash -> the first block registered with it
         self._dups: dict[int, list[int]] = {}      # hash -> the later ones, in order (rare)
@@ -202,33 +203,29 @@ class PrefixCachePool:
     # ---- the free queue ---------------------------------------------------------------------------
     def _take(self, n: int, ids: list[int]) -> None:
         """Append the ``n`` blocks at the free queue's front to ``ids``, evicting
-        their hashes; their ref counts become 1. The caller checked that ``n`` are free."""
-        ref = self._ref
+        their hashes (each then has one holder). The caller checked that ``n`` are free."""
         front = self._front
-        while n and front:
-            b = front.pop()
-            ref[b] = 1
-            ids.append(b)
-            n -= 1
+        if front:
+            k = min(n, len(front))
+            ids.extend(front[:-k - 1:-1])          # popped from the end, the queue's front
+            del front[-k:]
+            n -= k
         if n and self._next_fresh < self.num_blocks:
             lo = self._next_fresh
             hi = min(lo + n, self.num_blocks)
             self._next_fresh = hi
             ids.extend(range(lo, hi))
-            for b in range(lo, hi):
-                ref[b] = 1
             n -= hi - lo
         if n:
-            popitem, hash_of, cached = self._lru.popitem, self._hash_of, self._cached
+            popitem, hash_of, cached, dups = self._lru.popitem, self._hash_of, self._cached, self._dups
             self.evictions += n
             for _ in range(n):
                 b = popitem(False)[0]
                 h = hash_of.pop(b)
-                if cached[h] == b and h not in self._dups:
+                if not dups or h not in dups:
                     del cached[h]
                 else:
                     self._forget_dup(h, b)
-                ref[b] = 1
                 ids.append(b)
 
     def _forget_dup(self, h: int, b: int) -> None:
@@ -263,37 +260,48 @@ class PrefixCachePool:
 
     def cache(self, req: Request, num_tokens: int) -> None:
         """Register ``req``'s full blocks among its first ``num_tokens`` tokens
-        (vLLM's ``cache_full_blocks``; those already registered are skipped)."""
+        (vLLM's ``cache_full_blocks``; those already registered are skipped).
+        A request's registered blocks are always the first ``num_hashed_blocks``
+        of its table (hits, then its own), the rest hold no hash."""
         block_size = self.block_size
         full = min(num_tokens // block_size, len(req.block_ids))
         done = req.num_hashed_blocks
         if done >= full:
             return
         hashes = extend_hashes(req, full * block_size, block_size)
-        ids, hash_of, cached = req.block_ids, self._hash_of, self._cached
-        for k in range(done, full):
-            b, h = ids[k], hashes[k]
-            hash_of[b] = h
-            if h in cached:
-                self._dups.setdefault(h, []).append(b)
-            else:
-                cached[h] = b
+        ids, cached = req.block_ids, self._cached
+        new = dict(zip(hashes[done:full], ids[done:full]))
+        self._hash_of.update(zip(ids[done:full], hashes[done:full]))
+        if len(new) == full - done and cached.keys().isdisjoint(new):
+            cached.update(new)                     # the common case: no hash seen before
+        else:
+            for k in range(done, full):
+                b, h = ids[k], hashes[k]
+                if h in cached:
+                    self._dups.setdefault(h, []).append(b)
+                else:
+                    cached[h] = b
         req.num_hashed_blocks = full
 
     def free(self, req: Request) -> None:
-        """Give back ``req``'s blocks, tail first (vLLM's ``free_blocks``)."""
-        ref, hash_of, lru, front = self._ref, self._hash_of, self._lru, self._front
-        unhashed = []
-        for b in reversed(req.block_ids):
-            left = ref[b] - 1
-            ref[b] = left
-            if left == 0:
-                if b in hash_of:
+        """Give back ``req``'s blocks, tail first (vLLM's ``free_blocks``): its
+        unhashed tail to the queue's front (the last block frontmost), its
+        hashed blocks no other request holds to the LRU end, last block first."""
+        ids, k = req.block_ids, req.num_hashed_blocks
+        self._front.extend(ids[k:])               # prepend_n of the tail-first list
+        shared = self._shared
+        if not shared:
+            self._lru.update(dict.fromkeys(ids[k - 1::-1] if k else ()))
+        else:
+            lru = self._lru
+            for b in ids[k - 1::-1] if k else ():
+                left = shared.get(b)
+                if left is None:
                     lru[b] = None
+                elif left == 1:
+                    del shared[b]
                 else:
-                    unhashed.append(b)
-        # prepend_n: the first of the list ends at the very front
-        front.extend(reversed(unhashed))
+                    shared[b] = left - 1
         req.block_ids = []
         req.num_hashed_blocks = 0
 
@@ -329,17 +337,18 @@ class PrefixCachePool:
         return k
 
     def num_evictable(self, blocks: list[int]) -> int:
-        """How many of ``blocks`` no request holds (they are in the free queue)."""
-        ref = self._ref
-        return sum(1 for b in blocks if ref[b] == 0)
+        """How many of ``blocks`` (cached ones) no request holds: they sit in the free queue."""
+        lru = self._lru
+        return sum(1 for b in blocks if b in lru)
 
     def touch(self, req: Request, blocks: list[int]) -> None:
         """``req`` (holding no blocks) takes the hit ``blocks`` as its first ones."""
-        ref, lru = self._ref, self._lru
+        lru, shared = self._lru, self._shared
         for b in blocks:
-            if ref[b] == 0:
+            if b in lru:
                 del lru[b]
-            ref[b] += 1
+            else:
+                shared[b] = shared.get(b, 0) + 1
         req.block_ids = list(blocks)
         req.num_hashed_blocks = len(blocks)
 
