@@ -48,11 +48,11 @@ class Contents:
 
     def take(self, index: np.ndarray) -> Contents:
         """The contents of requests ``index`` (an int array or a boolean mask), in that order."""
-        idx = np.arange(len(self))[index] if np.asarray(index).dtype == bool else np.asarray(index, np.int64)
+        idx = np.flatnonzero(index) if np.asarray(index).dtype == bool else np.asarray(index, np.int64)
         counts = (self.starts[idx + 1] - self.starts[idx]).astype(np.int64)
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        runs = (np.concatenate([np.arange(self.starts[i], self.starts[i + 1]) for i in idx])
-                if len(idx) else np.zeros(0, np.int64)).astype(np.int64)
+        # run j of the result is run (its request's first run) + (j - the request's first place)
+        runs = np.repeat(self.starts[idx] - starts[:-1], counts) + np.arange(starts[-1], dtype=np.int64)
         return Contents(self.keys[runs], self.lengths[runs], starts, self.output_keys[idx])
 
 
