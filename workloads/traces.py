@@ -16,8 +16,11 @@ their magnitude; datetimes are ISO 8601 or one consistent format.
 An optional ``max_tokens`` column gives each request its own client cap.
 An optional ``hash_ids`` column (Mooncake's, Alibaba's) gives each request's
 prompt-block ids, for prefix caching: a JSON list in JSON files; in a CSV, ids
-separated by spaces or commas (quoted when commas), or a JSON list string. An
-empty cell, a missing key or an empty list is a request with no ids.
+separated by spaces or commas (commas quoted, except in a last column named
+hash_ids, whose extra fields are more ids), or a JSON list string. An empty
+cell, a missing key or an empty list is a request with no ids. A CSV's first
+row with more fields than the header is an error (pandas would shift every
+column by one).
 
 Rows with a zero output (BurstGPT logs failed calls that way) cannot be
 replayed and are dropped with a count; anything else malformed is an error
@@ -26,7 +29,9 @@ that names the file, the row and the column.
 
 from __future__ import annotations
 
+import csv
 import gzip
+import io
 import json
 import re
 import warnings
@@ -131,6 +136,19 @@ def _separator(header: str) -> str:
     return ","
 
 
+def _ids_last(text: str, width: int) -> io.StringIO:
+    """A CSV whose last column is hash_ids, with unquoted commas between the ids
+    tolerated: a row's fields past the header's width are more ids (the text
+    rewritten with each row's ids in one quoted field)."""
+    rows = list(csv.reader(io.StringIO(text), skipinitialspace=True))
+    out = io.StringIO()
+    writer = csv.writer(out)
+    for row in rows:
+        writer.writerow(row[:width - 1] + [" ".join(row[width - 1:])] if len(row) > width else row)
+    out.seek(0)
+    return out
+
+
 def _read_table(path: Path) -> pd.DataFrame:
     if not path.is_file():
         if path.is_dir():
@@ -145,11 +163,19 @@ def _read_table(path: Path) -> pd.DataFrame:
             return _read_json(path, _read_text(path))
         opener = gzip.open if path.name.lower().endswith(".gz") else open
         with opener(path, "rt", encoding="utf-8-sig") as f:
-            header = f.readline()
+            header, first = f.readline(), f.readline()
         sep = _separator(header)
-        _unique_names(path, [name.strip().strip('"') for name in header.rstrip("\r\n").split(sep)])
+        names = [name.strip().strip('"') for name in header.rstrip("\r\n").split(sep)]
+        _unique_names(path, names)
+        if sep == "," and names[-1].lower() in ALIASES["hash_ids"]:
+            return pd.read_csv(_ids_last(_read_text(path), len(names)), sep=sep, skipinitialspace=True)
+        # pandas reads a first row one field longer than the header as (row label, fields), every
+        # column shifted by one: refuse it (a longer later row is a parse error below)
+        if len(next(csv.reader([first], delimiter=sep), [])) > len(names):
+            raise ConfigError(f"{path}: row 2 has more fields than the header's {len(names)} "
+                              f"({', '.join(names)}); quote a field that holds the separator")
         return pd.read_csv(path, sep=sep, skipinitialspace=True, encoding="utf-8-sig")
-    except (json.JSONDecodeError, pd.errors.ParserError, UnicodeDecodeError, gzip.BadGzipFile, EOFError,
+    except (json.JSONDecodeError, pd.errors.ParserError, csv.Error, UnicodeDecodeError, gzip.BadGzipFile, EOFError,
             zlib.error) as exc:
         what = "JSON lines or a JSON array" if kind == "json" else "CSV"
         raise ConfigError(f"{path}: cannot parse as {what}: {str(exc).splitlines()[0]}") from None

@@ -152,6 +152,20 @@ def test_csv_hash_ids_in_any_spelling_match_the_jsonl(tmp_path, cells):
     assert _contents(_generate_quietly(cfg)) == [(TRACE_OUTPUT + i, *runs) for i, runs in enumerate(RUNS)]
 
 
+def test_unquoted_commas_in_a_last_hash_ids_column_are_more_ids(tmp_path):
+    p = tmp_path / "u.csv"
+    p.write_text("arrival_time_s,prompt_tokens,output_tokens,hash_ids\n0,40,1,7,8,9\n1,20,1,7\n2,40,1,7, 8 ,10\n")
+    t = load_trace(p, need_arrivals=True)
+    assert t.hash_ids.tolist() == [7, 8, 9, 7, 7, 8, 10] and t.hash_starts.tolist() == [0, 3, 4, 7]
+    assert t.prompt_tokens.tolist() == [40, 20, 40]
+    # Elsewhere a first row longer than the header would shift every column by one (pandas
+    # reads its first field as a row label): refused.
+    p.write_text("arrival_time_s,prompt_tokens,output_tokens\n0,40,1,\n1,20,1,\n")
+    with pytest.raises(ConfigError, match=r"u.csv: row 2 has more fields than the header's 3 \(arrival_time_s, "
+                                          r"prompt_tokens, output_tokens\); quote a field that holds the separator"):
+        load_trace(p, need_arrivals=True)
+
+
 def test_rows_without_ids_and_dropped_rows_stay_aligned(tmp_path):
     # Row 2 has an empty cell (no ids: all 30 tokens its own); row 3 has a zero output and is
     # dropped, so row 4 becomes request 2 and keeps its own ids.
