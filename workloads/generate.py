@@ -1,9 +1,11 @@
 """Turn a workload's traffic (``workloads.spec.Traffic``) into request specs: arrival times,
-prompt and output lengths.
+prompt and output lengths, and what the prompts share (``Contents``: prefix_repetition's
+prefixes, a trace's hash ids).
 
 Randomness: one ``np.random.SeedSequence(seed)`` spawns independent streams for
 arrivals, prompt lengths and output lengths, so changing the length model does
-not move the arrival times (and vice versa).
+not move the arrival times (and vice versa); prefix_repetition's shuffle draws
+from the prompt stream.
 """
 
 from __future__ import annotations
