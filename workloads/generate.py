@@ -1,9 +1,11 @@
 """Turn a workload's traffic (``workloads.spec.Traffic``) into request specs: arrival times,
-prompt and output lengths.
+prompt and output lengths, and what the prompts share (``Contents``: prefix_repetition's
+prefixes, a trace's hash ids).
 
 Randomness: one ``np.random.SeedSequence(seed)`` spawns independent streams for
 arrivals, prompt lengths and output lengths, so changing the length model does
-not move the arrival times (and vice versa).
+not move the arrival times (and vice versa); prefix_repetition's shuffle draws
+from the prompt stream.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 
 from sim.base.strict import ConfigError
 from workloads.spec import Traffic
-from workloads.traces import load_trace
+from workloads.traces import TraceData, load_trace
 
 
 @dataclass(frozen=True)
@@ -48,19 +50,92 @@ class Contents:
 
     def take(self, index: np.ndarray) -> Contents:
         """The contents of requests ``index`` (an int array or a boolean mask), in that order."""
-        idx = np.arange(len(self))[index] if np.asarray(index).dtype == bool else np.asarray(index, np.int64)
+        idx = np.flatnonzero(index) if np.asarray(index).dtype == bool else np.asarray(index, np.int64)
         counts = (self.starts[idx + 1] - self.starts[idx]).astype(np.int64)
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        runs = (np.concatenate([np.arange(self.starts[i], self.starts[i + 1]) for i in idx])
-                if len(idx) else np.zeros(0, np.int64)).astype(np.int64)
+        # run j of the result is run (its request's first run) + (j - the request's first place)
+        runs = np.repeat(self.starts[idx] - starts[:-1], counts) + np.arange(starts[-1], dtype=np.int64)
         return Contents(self.keys[runs], self.lengths[runs], starts, self.output_keys[idx])
 
 
 def key_space(tag: int) -> int:
     """The first key of key space ``tag`` (1 .. 15): generators draw keys from
     their own spaces, so keys of different origins never meet. Space 0 is a
-    trace's own ids (Mooncake's hash ids); ``sim.core.prefix`` uses 1 << 61 and up."""
+    trace's own ids (Mooncake's hash ids); ``sim.core.prefix`` uses 1 << 61 and up.
+    Taken here: 8 and 9 (a trace's tokens its ids do not cover, its outputs),
+    10 to 12 (prefix_repetition's prefixes, suffixes, outputs)."""
     return tag << 56
+
+
+# A key space holds 2^56 keys: a key below is its space's start plus a
+# request's serial number (or a prefix's index), far below 2^56.
+TRACE_OWN = key_space(8)          # + serial: a trace request's prompt tokens its hash ids do not cover
+TRACE_OUTPUT = key_space(9)       # + serial: a trace request's output tokens
+REPEAT_PREFIX = key_space(10)     # + prefix index: prefix_repetition's shared prefixes
+REPEAT_SUFFIX = key_space(11)     # + request: prefix_repetition's suffixes
+REPEAT_OUTPUT = key_space(12)     # + request: prefix_repetition's outputs
+
+
+def hashed_contents(prompt: np.ndarray, hash_ids: np.ndarray, hash_starts: np.ndarray, rows: np.ndarray,
+                    serial: np.ndarray, block_tokens: int) -> tuple[Contents, int, int, int]:
+    """The contents of requests replaying trace rows ``rows`` (a row may come
+    more than once), from the rows' hash ids (``traces.TraceData``): id k of a
+    row covers prompt tokens ``k * block_tokens`` up to the next id's, the last
+    id what is left (a partial last block has an id too), and becomes the run
+    (id, tokens covered) in key space 0, so the simulator's blocks, of any size,
+    hold equal tokens exactly where two rows' ids agree, a partial last block
+    sharing only the tokens it covers. Ids beyond ``ceil(prompt / block_tokens)``
+    cover nothing and are dropped; prompt tokens the ids leave uncovered are the
+    request's own (a run of its own key, from ``serial``, a number unique to the
+    request: copies of a row share its ids but not its own tokens), and so are
+    its outputs. Also returns, over the trace's rows: how many rows hold surplus
+    ids, how many ids they are, and how many rows leave tokens uncovered."""
+    prompt = np.asarray(prompt, np.int64)
+    b = int(block_tokens)
+    have = np.diff(hash_starts)
+    need = -(-prompt // b)
+    used = np.minimum(have, need)
+    own = np.maximum(prompt - b * used, 0)         # > 0 only where the ids run out first
+    runs = used + (own > 0)
+    starts = np.concatenate([[0], np.cumsum(runs)]).astype(np.int64)
+    keys = np.empty(int(starts[-1]), np.int64)
+    lengths = np.full(int(starts[-1]), b, np.int64)
+    id_at = np.concatenate([[0], np.cumsum(used)]).astype(np.int64)
+    k = np.arange(int(id_at[-1]), dtype=np.int64)
+    keys[np.repeat(starts[:-1] - id_at[:-1], used) + k] = hash_ids[np.repeat(hash_starts[:-1] - id_at[:-1], used) + k]
+    whole = (used > 0) & (own == 0)                # the last id covers the remainder
+    lengths[starts[1:][whole] - 1] = prompt[whole] - b * (used[whole] - 1)
+    lengths[starts[1:][own > 0] - 1] = own[own > 0]
+    keys[starts[1:][own > 0] - 1] = -1             # set per request below
+    base = Contents(keys, lengths, starts, np.zeros(len(prompt), np.int64))
+    out = base.take(np.asarray(rows, np.int64))
+    serial = np.asarray(serial, np.int64)
+    mine = own[rows] > 0
+    out.keys[out.starts[1:][mine] - 1] = TRACE_OWN + serial[mine]
+    out.output_keys[:] = TRACE_OUTPUT + serial
+    surplus = have - used
+    return out, int((surplus > 0).sum()), int(surplus.sum()), int((own > 0).sum())
+
+
+def _trace_contents(cfg: Traffic, data: TraceData, rows: np.ndarray, serial: np.ndarray,
+                    field: str) -> Contents | None:
+    """``hashed_contents`` of a file with a hash_ids column (else None), warning of ids that do
+    not fit ``lengths.hash_block_tokens`` (``field`` names the file's workload field)."""
+    if data.hash_ids is None:
+        return None
+    b = cfg.lengths.hash_block_tokens
+    contents, surplus_rows, surplus_ids, short_rows = hashed_contents(
+        data.prompt_tokens, data.hash_ids, data.hash_starts, rows, serial, b)
+    if surplus_rows:
+        warnings.warn(f"{cfg.source}: {surplus_rows:,} rows of {field} hold more hash_ids than their prompt "
+                      f"needs at lengths.hash_block_tokens {b} (ceil(prompt / {b})); their {surplus_ids:,} "
+                      f"surplus ids were dropped (is hash_block_tokens right? Mooncake's is 512, "
+                      f"Alibaba's 16)", stacklevel=3)
+    if short_rows:
+        warnings.warn(f"{cfg.source}: {short_rows:,} rows of {field} hold fewer hash_ids than their prompt "
+                      f"needs at lengths.hash_block_tokens {b}; the tokens past their last id are theirs "
+                      f"alone (is hash_block_tokens right? Mooncake's is 512, Alibaba's 16)", stacklevel=3)
+    return contents
 
 
 @dataclass(frozen=True)
@@ -104,14 +179,59 @@ def _bounded_zipf(rng: np.random.Generator, lo: int, hi: int, alpha: float, n: i
     return rng.choice(np.arange(lo, hi + 1), size=n, p=p / p.sum())
 
 
-def _lengths(cfg: Traffic, streams: list[np.random.Generator], n: int) -> tuple[np.ndarray, np.ndarray]:
+def prefix_repetition(cfg: Traffic, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, Contents]:
+    """``n`` requests of lengths kind prefix_repetition, built as ``vllm bench
+    serve --dataset-name prefix_repetition`` builds them (vLLM's
+    ``PrefixRepetitionRandomDataset``), with its four parameters: ``num_prefixes``
+    prefixes of ``prefix_len`` tokens, each followed by ``n // num_prefixes``
+    requests' own suffixes of ``suffix_len`` tokens, every request asking for
+    ``output_len`` tokens; the list, prefix by prefix, is then shuffled. The
+    same: the structure, the counts per prefix, the fixed output length, the
+    shuffle (a uniform permutation). Different: lengths are exact (vLLM's
+    random token ids can re-tokenize a few tokens longer or shorter); the
+    tokens are keys, not ids, so no two suffixes or prefixes share a token by
+    chance; the shuffle draws from the prompt-length stream (``rng``), not
+    Python's ``random``, so the order differs from vLLM's for the same seed;
+    and where ``num_prefixes`` does not divide ``n``, vLLM makes only
+    ``num_prefixes * (n // num_prefixes)`` requests, while here the first
+    ``n % num_prefixes`` prefixes get one request more, so ``n`` are made."""
+    ln = cfg.lengths
+    if n < ln.num_prefixes:
+        raise ConfigError(f"{cfg.source}: field 'lengths.num_prefixes' ({ln.num_prefixes:,}) is more than the "
+                          f"{n:,} requests to make; every prefix needs a request (vllm bench serve refuses it "
+                          f"too): lower num_prefixes")
+    per, extra = divmod(n, ln.num_prefixes)
+    if extra and cfg.num_requests is not None:
+        warnings.warn(f"{cfg.source}: num_requests {n:,} is not a multiple of lengths.num_prefixes "
+                      f"{ln.num_prefixes:,}: the first {extra:,} prefixes get {per + 1:,} requests, the others "
+                      f"{per:,} (vllm bench serve would send only {per * ln.num_prefixes:,}, {per:,} each)",
+                      stacklevel=3)
+    counts = np.full(ln.num_prefixes, per, np.int64)
+    counts[:extra] += 1
+    prefix = np.repeat(np.arange(ln.num_prefixes, dtype=np.int64), counts)[rng.permutation(n)]
+    keys = np.empty(2 * n, np.int64)
+    keys[0::2] = REPEAT_PREFIX + prefix
+    keys[1::2] = REPEAT_SUFFIX + np.arange(n, dtype=np.int64)
+    lengths = np.empty(2 * n, np.int64)
+    lengths[0::2], lengths[1::2] = ln.prefix_len, ln.suffix_len
+    contents = Contents(keys, lengths, np.arange(0, 2 * n + 1, 2, dtype=np.int64),
+                        REPEAT_OUTPUT + np.arange(n, dtype=np.int64))
+    return (np.full(n, ln.prefix_len + ln.suffix_len, np.int64), np.full(n, ln.output_len, np.int64), contents)
+
+
+def _lengths(cfg: Traffic, streams: list[np.random.Generator],
+             n: int) -> tuple[np.ndarray, np.ndarray, Contents | None]:
+    """Prompt and output lengths of ``n`` requests, and their contents where the kind says what
+    prompts share (prefix_repetition, or a length file with hash ids)."""
     ln = cfg.lengths
     rp, ro = streams
+    if ln.kind == "prefix_repetition":
+        return prefix_repetition(cfg, rp, n)
     if ln.kind == "fixed":
-        return np.full(n, ln.prompt_tokens, np.int64), np.full(n, ln.output_tokens, np.int64)
+        return np.full(n, ln.prompt_tokens, np.int64), np.full(n, ln.output_tokens, np.int64), None
     if ln.kind == "uniform":
         return (rp.integers(ln.prompt_min, ln.prompt_max + 1, n),
-                ro.integers(ln.output_min, ln.output_max + 1, n))
+                ro.integers(ln.output_min, ln.output_max + 1, n), None)
     if ln.kind == "lognormal":
         def draw(rng: np.random.Generator, mean: float, lo: int, hi: int | None) -> np.ndarray:
             # Lognormal with the requested mean: mu = log(mean) - sigma^2 / 2.
@@ -119,11 +239,12 @@ def _lengths(cfg: Traffic, streams: list[np.random.Generator], n: int) -> tuple[
             x = np.rint(rng.lognormal(mu, ln.sigma, n)).astype(np.int64)
             return np.clip(x, lo, hi if hi is not None else np.iinfo(np.int64).max)
         return (draw(rp, ln.prompt_mean, ln.prompt_min, ln.prompt_max),
-                draw(ro, ln.output_mean, ln.output_min, ln.output_max))
+                draw(ro, ln.output_mean, ln.output_min, ln.output_max), None)
     if ln.kind == "zipf":
         return (_bounded_zipf(rp, ln.prompt_min, ln.prompt_max, ln.alpha, n),
-                _bounded_zipf(ro, ln.output_min, ln.output_max, ln.alpha, n))
-    # empirical: pairs from a length file, keeping prompt/output correlated
+                _bounded_zipf(ro, ln.output_min, ln.output_max, ln.alpha, n), None)
+    # empirical: pairs from a length file, keeping prompt/output correlated (and a row's hash ids:
+    # a row drawn twice repeats its ids, not its own tokens)
     data = load_trace(cfg.resolve_path(ln.path), need_arrivals=False, columns=ln.columns,
                       columns_field="lengths.columns")
     if data.num_dropped:
@@ -133,7 +254,8 @@ def _lengths(cfg: Traffic, streams: list[np.random.Generator], n: int) -> tuple[
         idx = np.arange(n) % len(data.prompt_tokens)
     else:
         idx = rp.integers(0, len(data.prompt_tokens), n)
-    return data.prompt_tokens[idx], data.output_tokens[idx]
+    contents = _trace_contents(cfg, data, idx, np.arange(n), "lengths.path")
+    return data.prompt_tokens[idx], data.output_tokens[idx], contents
 
 
 # Peak memory of a simulation per request, with a margin: the token and step
@@ -185,8 +307,10 @@ def _trace(cfg: Traffic) -> RequestSpecs:
     prompt = np.tile(data.prompt_tokens, copies)
     output = np.tile(data.output_tokens, copies)
     max_tokens = np.tile(data.max_tokens, copies) if data.max_tokens is not None else None
+    # Each request's trace row, and its serial number (unique across copies): its content's own keys.
+    serial = np.arange(first * rows, last * rows, dtype=np.int64)
     keep = t >= a.start_s
-    t, prompt, output = t[keep] - a.start_s, prompt[keep], output[keep]
+    t, prompt, output, serial = t[keep] - a.start_s, prompt[keep], output[keep], serial[keep]
     max_tokens = max_tokens[keep] if max_tokens is not None else None
     if len(t) == 0:
         raise ConfigError(f"{cfg.source}: field 'arrivals.start_s' ({a.start_s}) is past the "
@@ -198,7 +322,7 @@ def _trace(cfg: Traffic) -> RequestSpecs:
             warnings.warn(f"{cfg.source}: num_requests is {n:,} but the trace holds {len(t):,} requests"
                           f"{' after arrivals.start_s' if a.start_s else ''}; replaying those {len(t):,} "
                           f"(arrivals.repeat: {-(-n // len(t))} would replay it back to back)", stacklevel=2)
-        t, prompt, output = t[:n], prompt[:n], output[:n]
+        t, prompt, output, serial = t[:n], prompt[:n], output[:n], serial[:n]
         max_tokens = max_tokens[:n] if max_tokens is not None else None
     if a.rate is not None and not (len(t) > 1 and t[-1] > 0):
         warnings.warn(f"{cfg.source}: arrivals.rate has no effect: the replayed requests all arrive at "
@@ -206,7 +330,12 @@ def _trace(cfg: Traffic) -> RequestSpecs:
     if a.rate is not None and len(t) > 1 and t[-1] > 0:
         # arrivals.rate: the mean rate of the requests replayed, (n - 1) / span
         t = t * ((len(t) - 1) / t[-1]) / a.rate       # rescale to the requested mean rate
-    return RequestSpecs(t, prompt, output, data.num_dropped, max_tokens)
+    # Repeating a trace repeats its content: every copy of a row has the row's hash ids (a copy
+    # hits the cache the original filled, as a replayed request would), but tokens the ids do not
+    # cover and outputs stay each request's own.
+    contents = (_trace_contents(cfg, data, serial % rows, serial, "arrivals.path")
+                if cfg.lengths.kind == "trace" else None)
+    return RequestSpecs(t, prompt, output, data.num_dropped, max_tokens, contents)
 
 
 def generate(cfg: Traffic) -> RequestSpecs:
@@ -219,8 +348,8 @@ def generate(cfg: Traffic) -> RequestSpecs:
     if cfg.arrivals.kind == "trace":
         specs = _trace(cfg)
         if cfg.lengths.kind != "trace":
-            p, o = _lengths(cfg, [prompt_rng, output_rng], len(specs))
-            specs = RequestSpecs(specs.arrival_s, p, o, specs.num_dropped, specs.max_tokens)
+            p, o, contents = _lengths(cfg, [prompt_rng, output_rng], len(specs))
+            specs = RequestSpecs(specs.arrival_s, p, o, specs.num_dropped, specs.max_tokens, contents)
     else:
         if cfg.num_requests is not None:
             n = cfg.num_requests
@@ -230,8 +359,8 @@ def generate(cfg: Traffic) -> RequestSpecs:
             check_size(cfg, rate * cfg.duration_s, "duration_s")
             n = int(rate * cfg.duration_s * 1.5 + 10 * np.sqrt(rate * cfg.duration_s) + 10)
         t = _synthetic_arrivals(cfg, arr_rng, n)
-        p, o = _lengths(cfg, [prompt_rng, output_rng], n)
-        specs = RequestSpecs(t, np.asarray(p, np.int64), np.asarray(o, np.int64))
+        p, o, contents = _lengths(cfg, [prompt_rng, output_rng], n)
+        specs = RequestSpecs(t, np.asarray(p, np.int64), np.asarray(o, np.int64), contents=contents)
     keep = np.ones(len(specs), bool)
     if cfg.duration_s is not None:
         keep &= specs.arrival_s <= cfg.duration_s

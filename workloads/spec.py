@@ -40,7 +40,7 @@ class ArrivalsConfig:
 
 @dataclass(frozen=True, slots=True)
 class LengthsConfig:
-    kind: str = "trace"            # trace | fixed | uniform | lognormal | zipf | empirical
+    kind: str = "trace"            # trace | fixed | uniform | lognormal | zipf | empirical | prefix_repetition
     prompt_tokens: int | None = None     # fixed
     output_tokens: int | None = None     # fixed
     prompt_min: int = 1                  # uniform, zipf
@@ -53,7 +53,14 @@ class LengthsConfig:
     alpha: float = 1.2                   # zipf exponent
     path: str | None = None              # empirical: a length file (prompt_tokens, output_tokens)
     sample: str = "random"               # empirical: random (with replacement) | sequential
-    columns: dict[str, str] | None = None  # empirical: {prompt, output} column names
+    columns: dict[str, str] | None = None  # empirical: {prompt, output, hash_ids} column names
+    # trace, empirical: prompt tokens each id of a hash_ids column covers (Mooncake 512, Alibaba 16)
+    hash_block_tokens: int = 512
+    # prefix_repetition (vllm bench serve --dataset-name prefix_repetition, its defaults):
+    prefix_len: int = 256                # tokens of each shared prefix
+    suffix_len: int = 256                # tokens of each request's own suffix
+    num_prefixes: int = 10               # distinct prefixes; requests split evenly among them
+    output_len: int = 128                # every request's output tokens
 
 
 class Traffic(Protocol):
@@ -70,7 +77,7 @@ class Traffic(Protocol):
 
 
 ARRIVAL_KINDS = ("poisson", "gamma", "constant", "all_at_once", "trace", "concurrency")
-LENGTH_KINDS = ("trace", "fixed", "uniform", "lognormal", "zipf", "empirical")
+LENGTH_KINDS = ("trace", "fixed", "uniform", "lognormal", "zipf", "empirical", "prefix_repetition")
 
 
 def check_arrivals(a: ArrivalsConfig, src: str) -> None:
@@ -111,7 +118,7 @@ def check_arrivals(a: ArrivalsConfig, src: str) -> None:
     if a.time_unit not in TIME_UNITS:
         raise ConfigError(f"{src}: field 'arrivals.time_unit' must be one of {', '.join(TIME_UNITS[1:])}, "
                           f"got {a.time_unit!r}")
-    _check_columns(a.columns, "arrivals.columns", ("arrival", "prompt", "output", "max_tokens"), src)
+    _check_columns(a.columns, "arrivals.columns", ("arrival", "prompt", "output", "max_tokens", "hash_ids"), src)
     _warn_unused("arrivals", a, ARRIVAL_FIELD_KINDS, src)
     if a.kind == "trace" and a.rate is not None:
         scaled = [name for name in ("time_scale", "rate_scale") if getattr(a, name) != 1.0]
@@ -133,7 +140,10 @@ LENGTH_FIELD_KINDS: dict[str, tuple[str, ...]] = {
     "prompt_min": ("uniform", "lognormal", "zipf"), "output_min": ("uniform", "lognormal", "zipf"),
     "prompt_max": ("uniform", "lognormal", "zipf"), "output_max": ("uniform", "lognormal", "zipf"),
     "prompt_mean": ("lognormal",), "output_mean": ("lognormal",), "sigma": ("lognormal",),
-    "alpha": ("zipf",), "path": ("empirical",), "sample": ("empirical",), "columns": ("empirical",)}
+    "alpha": ("zipf",), "path": ("empirical",), "sample": ("empirical",), "columns": ("empirical",),
+    "hash_block_tokens": ("trace", "empirical"), "prefix_len": ("prefix_repetition",),
+    "suffix_len": ("prefix_repetition",), "num_prefixes": ("prefix_repetition",),
+    "output_len": ("prefix_repetition",)}
 
 
 def _warn_unused(section: str, cfg: Any, uses: dict[str, tuple[str, ...]], src: str) -> None:
@@ -183,7 +193,15 @@ def check_lengths(ln: LengthsConfig, src: str) -> None:
                               f"lengths.{lo} ({getattr(ln, lo)})")
     if ln.sample not in ("random", "sequential"):
         raise ConfigError(f"{src}: field 'lengths.sample' must be random or sequential, got {ln.sample!r}")
-    _check_columns(ln.columns, "lengths.columns", ("prompt", "output"), src)
+    for name in ("hash_block_tokens", "prefix_len", "suffix_len", "num_prefixes", "output_len"):
+        _positive(src, f"lengths.{name}", getattr(ln, name))
+        if getattr(ln, name) > MAX_TOKEN_COUNT:
+            raise ConfigError(f"{src}: field 'lengths.{name}' must be at most {MAX_TOKEN_COUNT:,}, "
+                              f"got {getattr(ln, name):,}")
+    if ln.kind == "prefix_repetition" and ln.prefix_len + ln.suffix_len > MAX_TOKEN_COUNT:
+        raise ConfigError(f"{src}: fields 'lengths.prefix_len' + 'lengths.suffix_len' ({ln.prefix_len:,} + "
+                          f"{ln.suffix_len:,}) make prompts over {MAX_TOKEN_COUNT:,} tokens")
+    _check_columns(ln.columns, "lengths.columns", ("prompt", "output", "hash_ids"), src)
     if ln.columns and ln.kind != "empirical":
         raise ConfigError(f"{src}: field 'lengths.columns' applies to lengths.kind empirical (a length file); "
                           f"a trace's columns are arrivals.columns")

@@ -4,7 +4,7 @@ Understood out of the box (column names matched case-insensitively):
   batchsim / bundled:  arrival_time_s, prompt_tokens, output_tokens
   Azure LLM 2023/24:   TIMESTAMP (datetime), ContextTokens, GeneratedTokens
   Vidur / Sarathi:     arrived_at, num_prefill_tokens, num_decode_tokens
-  Mooncake (JSONL):    timestamp (ms), input_length, output_length
+  Mooncake (JSONL):    timestamp (ms), input_length, output_length, hash_ids
   BurstGPT:            Timestamp (s), Request tokens, Response tokens
 Other names can be given with ``arrivals.columns: {arrival, prompt, output}``.
 
@@ -14,6 +14,13 @@ Numeric times without ``arrivals.time_unit`` are seconds from the start
 (Mooncake's: milliseconds), or epoch times in s, ms, us or ns told apart by
 their magnitude; datetimes are ISO 8601 or one consistent format.
 An optional ``max_tokens`` column gives each request its own client cap.
+An optional ``hash_ids`` column (Mooncake's, Alibaba's) gives each request's
+prompt-block ids, for prefix caching: a JSON list in JSON files; in a CSV, ids
+separated by spaces or commas (commas quoted, except in a last column named
+hash_ids, whose extra fields are more ids), or a JSON list string. An empty
+cell, a missing key or an empty list is a request with no ids. A CSV's first
+row with more fields than the header is an error (pandas would shift every
+column by one).
 
 Rows with a zero output (BurstGPT logs failed calls that way) cannot be
 replayed and are dropped with a count; anything else malformed is an error
@@ -22,7 +29,9 @@ that names the file, the row and the column.
 
 from __future__ import annotations
 
+import csv
 import gzip
+import io
 import json
 import re
 import warnings
@@ -43,6 +52,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "output": ("output_tokens", "generatedtokens", "num_decode_tokens", "output_length",
                "response tokens", "completion_tokens", "output_len", "num_output_tokens"),
     "max_tokens": ("max_tokens", "max_output_tokens"),
+    "hash_ids": ("hash_ids",),
 }
 
 
@@ -55,6 +65,9 @@ class TraceData:
     output_tokens: np.ndarray
     num_dropped: int = 0
     max_tokens: np.ndarray | None = None    # per-request client max_tokens, if the file has it
+    # A hash_ids column, flat: row i's ids are hash_ids[hash_starts[i]:hash_starts[i + 1]] (None: no column).
+    hash_ids: np.ndarray | None = None      # int64, 0 .. MAX_HASH_ID
+    hash_starts: np.ndarray | None = None   # int64, rows + 1 offsets
 
 
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -123,6 +136,19 @@ def _separator(header: str) -> str:
     return ","
 
 
+def _ids_last(text: str, width: int) -> io.StringIO:
+    """A CSV whose last column is hash_ids, with unquoted commas between the ids
+    tolerated: a row's fields past the header's width are more ids (the text
+    rewritten with each row's ids in one quoted field)."""
+    rows = list(csv.reader(io.StringIO(text), skipinitialspace=True))
+    out = io.StringIO()
+    writer = csv.writer(out)
+    for row in rows:
+        writer.writerow(row[:width - 1] + [" ".join(row[width - 1:])] if len(row) > width else row)
+    out.seek(0)
+    return out
+
+
 def _read_table(path: Path) -> pd.DataFrame:
     if not path.is_file():
         if path.is_dir():
@@ -137,11 +163,19 @@ def _read_table(path: Path) -> pd.DataFrame:
             return _read_json(path, _read_text(path))
         opener = gzip.open if path.name.lower().endswith(".gz") else open
         with opener(path, "rt", encoding="utf-8-sig") as f:
-            header = f.readline()
+            header, first = f.readline(), f.readline()
         sep = _separator(header)
-        _unique_names(path, [name.strip().strip('"') for name in header.rstrip("\r\n").split(sep)])
+        names = [name.strip().strip('"') for name in header.rstrip("\r\n").split(sep)]
+        _unique_names(path, names)
+        if sep == "," and names[-1].lower() in ALIASES["hash_ids"]:
+            return pd.read_csv(_ids_last(_read_text(path), len(names)), sep=sep, skipinitialspace=True)
+        # pandas reads a first row one field longer than the header as (row label, fields), every
+        # column shifted by one: refuse it (a longer later row is a parse error below)
+        if len(next(csv.reader([first], delimiter=sep), [])) > len(names):
+            raise ConfigError(f"{path}: row 2 has more fields than the header's {len(names)} "
+                              f"({', '.join(names)}); quote a field that holds the separator")
         return pd.read_csv(path, sep=sep, skipinitialspace=True, encoding="utf-8-sig")
-    except (json.JSONDecodeError, pd.errors.ParserError, UnicodeDecodeError, gzip.BadGzipFile, EOFError,
+    except (json.JSONDecodeError, pd.errors.ParserError, csv.Error, UnicodeDecodeError, gzip.BadGzipFile, EOFError,
             zlib.error) as exc:
         what = "JSON lines or a JSON array" if kind == "json" else "CSV"
         raise ConfigError(f"{path}: cannot parse as {what}: {str(exc).splitlines()[0]}") from None
@@ -205,6 +239,65 @@ def _tokens(df: pd.DataFrame, col: str, path: Path) -> np.ndarray:
         raise ConfigError(f"{path}: column '{col}' {_where(df, row)}: expected a non-negative integer "
                           f"token count up to {MAX_TOKENS}, got {_shown(df[col].iloc[row])}")
     return values.to_numpy(dtype=np.int64)
+
+
+MAX_HASH_ID = (1 << 56) - 1     # key space 0 of workloads.generate.key_space: a trace's own ids
+_ID_SEPARATORS = re.compile(r"[\s,]+")
+
+
+def _id_list(value: object) -> list[int] | str:
+    """One hash_ids cell as a list of ids, or why it is none: a list (JSON),
+    a number (a CSV column of single ids), or a string of ids separated by
+    spaces or commas, with or without JSON's brackets; empty means no ids."""
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return []
+    if isinstance(value, (bool, np.bool_)):
+        return f"{str(value).lower()} is not an id"
+    if isinstance(value, (int, np.integer)):
+        items: list[object] = [value]
+    elif isinstance(value, (float, np.floating)):
+        if not value.is_integer() or abs(value) > 2**53:   # a float column holds ids exactly up to 2^53
+            return f"{value!r} is not a whole number (quote large ids in a CSV)"
+        items = [int(value)]
+    elif isinstance(value, list):
+        items = value
+    elif isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                parsed = json.loads(text)
+            except json.JSONDecodeError as exc:
+                return f"cannot parse as a JSON list: {exc.msg}"
+            if not isinstance(parsed, list):
+                return "not a JSON list"
+            items = parsed
+        else:
+            items = [t for t in _ID_SEPARATORS.split(text) if t]
+            for t in items:
+                if not (t.isascii() and t.isdigit()):
+                    return f"{t!r} is not a non-negative integer"
+            items = [int(t) for t in items]
+    else:
+        return f"expected a list of ids, got {type(value).__name__}"
+    for v in items:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            return f"{v!r} is not an integer"
+        if not 0 <= v <= MAX_HASH_ID:
+            return f"{v} is outside 0 .. 2^56 - 1"
+    return [int(v) for v in items]
+
+
+def _hash_ids(df: pd.DataFrame, col: str, path: Path) -> list[list[int]]:
+    """Each row's hash ids (``_id_list``); a malformed cell is an error naming its row."""
+    out: list[list[int]] = []
+    for row, value in enumerate(df[col].tolist()):
+        ids = _id_list(value)
+        if isinstance(ids, str):
+            raise ConfigError(f"{path}: column '{col}' {_where(df, row)}: expected hash ids (non-negative "
+                              f"integers as a JSON list, or separated by spaces or commas), got "
+                              f"{_shown(value) if not isinstance(value, list) else repr(value)[:80]}: {ids}")
+        out.append(ids)
+    return out
 
 
 # Epoch timestamps, by magnitude: seconds since 1970 are ~1.7e9 today, milliseconds
@@ -309,20 +402,28 @@ def load_trace(path: Path, *, need_arrivals: bool, columns: dict[str, str] | Non
     arrival = _times(df, arrival_col, time_unit, path, mooncake) if (need_arrivals and arrival_col) else None
     max_col = _find(df, "max_tokens", columns, path, columns_field)
     max_tokens = _tokens(df, max_col, path) if max_col is not None else None
+    hash_col = _find(df, "hash_ids", columns, path, columns_field)
+    ids = _hash_ids(df, hash_col, path) if hash_col is not None else None
     keep = (prompt > 0) & (output > 0)
+    rows = np.arange(len(prompt))                  # which file row each kept row is
     if arrival is not None:
         order = np.argsort(arrival, kind="stable")
-        arrival, prompt, output, keep = arrival[order], prompt[order], output[order], keep[order]
+        arrival, prompt, output, keep, rows = arrival[order], prompt[order], output[order], keep[order], order
         max_tokens = max_tokens[order] if max_tokens is not None else None
     dropped = int((~keep).sum())
     if dropped == len(keep):
         raise ConfigError(f"{path}: every row has a zero prompt or output token count")
     if dropped:
-        prompt, output = prompt[keep], output[keep]
+        prompt, output, rows = prompt[keep], output[keep], rows[keep]
         arrival = arrival[keep] if arrival is not None else None
         max_tokens = max_tokens[keep] if max_tokens is not None else None
         if arrival is not None:
             arrival = arrival - arrival[0]
     if max_tokens is not None and (max_tokens < 1).any():
         raise ConfigError(f"{path}: column '{max_col}' must hold positive integers")
-    return TraceData(arrival, prompt, output, dropped, max_tokens)
+    hash_ids = hash_starts = None
+    if ids is not None:
+        kept = [ids[r] for r in rows.tolist()]
+        hash_starts = np.concatenate([[0], np.cumsum([len(x) for x in kept])]).astype(np.int64)
+        hash_ids = np.fromiter((h for x in kept for h in x), np.int64, int(hash_starts[-1]))
+    return TraceData(arrival, prompt, output, dropped, max_tokens, hash_ids, hash_starts)

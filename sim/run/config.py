@@ -198,6 +198,11 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
     if cfg.lengths.kind == "trace" and cfg.arrivals.kind != "trace":
         raise ConfigError(f"{source}: field 'lengths.kind' is trace but arrivals.kind is "
                           f"{cfg.arrivals.kind}; use lengths.kind empirical with a length file")
+    if (cfg.lengths.kind == "prefix_repetition" and cfg.num_requests is not None
+            and cfg.num_requests < cfg.lengths.num_prefixes):
+        raise ConfigError(f"{source}: field 'lengths.num_prefixes' ({cfg.lengths.num_prefixes:,}) is more than "
+                          f"num_requests ({cfg.num_requests:,}); every prefix needs a request (vllm bench serve "
+                          f"refuses it too): lower num_prefixes or raise num_requests")
     _check_closed_loop(cfg, source)
     if cfg.arrivals.kind != "trace" and cfg.num_requests is None and cfg.duration_s is None:
         raise ConfigError(f"{source}: set 'num_requests' or 'duration_s' for synthetic arrivals")
