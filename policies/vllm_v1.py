@@ -99,6 +99,13 @@ def engine_defaults(context: PolicyContext) -> tuple[int, int]:
 class VllmV1Policy:
     # Fast path (sim.loop.stretch): a decode-only step that preempted nobody means admission failed
     # for want of slots, budget or free blocks; slots and budget stay, free blocks only shrink.
+    # With prefix caching the whole-prompt check's need (its blocks less the hit blocks others
+    # hold) only grows: a stretch registers no block a waiting prompt holds (prompts never hold a
+    # running request's outputs) and its evictions only cut hits short. Without that check
+    # (reserve_full_prompt false) the first chunk's need can shrink when an eviction cuts a hit
+    # (blocks_for(hit + chunk) falls with the hit while the chunk stays capped by the budget); the
+    # LRU evicts a hit's deepest block first, which keeps the fall within the freed block, but
+    # duplicate blocks of one hash break that argument, so that case steps every iteration.
     decode_stretch = True
     chunk_stretch = False          # no case (c): see Policy
     holds_batch = False
@@ -111,6 +118,8 @@ class VllmV1Policy:
         (``context.engine``), else from vLLM's defaults for the device."""
         self.config = config
         self.prefix_caching = config.enable_prefix_caching
+        if self.prefix_caching and not config.reserve_full_prompt:
+            self.decode_stretch = False      # see the class's decode_stretch
         self.max_model_len = max_model_len = context.max_model_len
         tokens, seqs = engine_defaults(context)
         tokens = context.engine.get("max_num_batched_tokens") or tokens

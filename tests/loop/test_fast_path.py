@@ -12,6 +12,7 @@ out-of-range curve lookups cover the stretch's stopping rules.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -24,7 +25,7 @@ from sim.run.runner import run_workload
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ("azure_conv", "azure_code", "arxiv_long_prompt", "mixed_lengths", "sharegpt_poisson",
-            "concurrency_sharegpt")
+            "concurrency_sharegpt", "prefix_repetition")
 POLICIES = KINDS                   # every policy (tests/policies/cases.py)
 
 
@@ -66,6 +67,21 @@ def _tight(policy: dict, num_blocks: int, **extra) -> dict:
                         "output_min": 20, "output_max": 400},
             "policy": policy, "server": {"num_blocks": num_blocks, "block_size": 16, "max_model_len": 1024, **extra},
             "profile": {"model": "llama-2-7b", "gpu": "a100-80gb"}}
+
+
+@pytest.mark.parametrize("extra", [{}, {"server.num_blocks": 4000, "server.max_model_len": 48000}])
+def test_fast_path_identical_on_the_mooncake_trace_with_prefix_caching(extra: dict) -> None:
+    # 250 requests of the bundled Mooncake trace (hash ids: 53% of prompt tokens cached over the
+    # whole trace), vllm_v1 with prefix caching; with a 4,000-block pool the cache evicts (and
+    # prompts beyond its 48,000-token context are rejected).
+    path = ROOT / "workloads" / "mooncake_prefix.yaml"
+    cfg = load_workload(path, {"num_requests": 250, **extra})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # the rejections
+        stepped, fast = _both(lambda: cfg)
+    _assert_identical(stepped, fast)
+    assert fast.summary["prefix_cache_hits"] > 0
+    assert (fast.summary["prefix_cache_evicted_blocks"] > 0) == bool(extra)
 
 
 @pytest.mark.parametrize("policy", [{"kind": "vllm"}, {"kind": "sarathi", "max_num_batched_tokens": 256},

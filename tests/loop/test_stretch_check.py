@@ -68,6 +68,40 @@ def test_check_mode_steps_every_stretch_as_planned(kind, data, raw, num_blocks) 
     assert got == fast == stepped
 
 
+SHARED = st.lists(st.tuples(st.floats(0.0, 0.05), st.integers(0, 3), st.integers(0, 120), st.integers(1, 80)),
+                  min_size=1, max_size=30)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(raw=SHARED, num_blocks=st.integers(40, 160), reserve=st.booleans(),
+       budget=st.sampled_from([32, 64, 600]))
+def test_check_mode_with_shared_prefixes(raw, num_blocks, reserve, budget) -> None:
+    # vllm_v1 with prefix caching: each request is one of 4 prefixes (0 .. 3 x 50 tokens, prefix 0
+    # empty) + its own suffix; 40..160 blocks of 8 evict cached prefixes and preempt. Checked ==
+    # fast == stepped, whichever way reserve_full_prompt makes the policy stretch.
+    specs, contents, t = [], [], 0.0
+    for i, (gap, prefix, suffix, output) in enumerate(raw):
+        t += gap
+        runs = ((7, 50 * prefix) if prefix else ()) + ((1000 + i, suffix) if suffix else ())
+        if not runs:
+            runs = (1000 + i, 1)
+        prompt = sum(runs[1::2])
+        specs.append((t, prompt, output))
+        contents.append((5000 + i, *runs))
+    cfg = VllmV1Config(max_num_seqs=8, max_num_batched_tokens=budget, reserve_full_prompt=reserve)
+    outcome = []
+    for fast, check in ((True, True), (True, False), (False, False)):
+        sim.loop.server.FAST_PATH = fast
+        try:
+            server, reqs = simulate(specs, cfg, num_blocks=num_blocks, block_size=8, max_model_len=512,
+                                    check_stretch=check, contents=contents)
+        finally:
+            sim.loop.server.FAST_PATH = True
+        assert server.state.kv.caching
+        outcome.append([(r.first_token_s, r.finished_s, r.num_cached_tokens, r.num_preemptions) for r in reqs])
+    assert outcome[0] == outcome[1] == outcome[2]
+
+
 @pytest.mark.parametrize("kind", STRETCHING)
 def test_check_mode_really_checks_steps(kind) -> None:
     # Not a check that checks nothing: on a busy run most steps are planned and then stepped.
