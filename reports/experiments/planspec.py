@@ -8,7 +8,7 @@ directory, like ``--out``)::
     set: {max_tokens: output}           # overrides for every run (optional)
     target_rate: 50                     # req/s the fleet must serve
     slo: {ttft_ms: 2000, itl_ms: 100, attainment: 0.99}   # tpot_ms too; see reports.experiments.capacity
-    router: least_requests              # round_robin | least_requests | least_tokens
+    router: least_requests              # round_robin | least_requests | least_tokens | prefix_aware
     target_utilization: 0.8             # size fleets to run at <= 80% of capacity (headroom)
     search: {num_requests: 400, rel_tol: 0.05, max_runs: 14}
     verify: {min_duration_s: 180, min_requests: 2000, max_extra_replicas: 3, max_queue_slope: 0.01}
