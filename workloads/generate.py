@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim.base.strict import ConfigError
-from workloads.spec import Traffic, num_turns_range
+from workloads.spec import MAX_TOKEN_COUNT, Traffic, num_turns_range
 from workloads.traces import load_sessions, load_trace
 
 
@@ -295,6 +295,9 @@ def _sessions(cfg: Traffic, streams: list[np.random.Generator]) -> RequestSpecs:
     system = s.system_prompt_tokens
     done = np.cumsum(user + output)                # over all requests, both kinds
     prompt = system + done - output - (done - user - output)[first_of]
+    if n and prompt.max() > MAX_TOKEN_COUNT:       # no server takes it, and no table holds the count
+        raise ConfigError(f"{cfg.source}: field 'sessions.num_turns': a session's prompt grows to "
+                          f"{int(prompt.max()):,} tokens, past {MAX_TOKEN_COUNT:,}; fewer turns or shorter ones")
     # Runs: the sequence user_0, answer_0, user_1, ... over all requests (2i: user, 2i + 1: answer),
     # the system prompt after them at 2n; request i takes [2n] + 2 * first .. 2 * i.
     ids = np.arange(n, dtype=np.int64)

@@ -268,3 +268,12 @@ def test_a_session_file_needs_sessions_and_a_duration_needs_a_rate(tmp_path: Pat
 def test_the_example_loads() -> None:
     cfg = load_workload(ROOT / "workloads" / "multi_turn.yaml")
     assert (cfg.arrivals.kind, cfg.lengths.kind, cfg.policy.kind) == ("sessions", "sessions", "vllm_v1")
+
+
+def test_a_prompt_past_the_largest_token_count_is_refused(tmp_path: Path) -> None:
+    # 2^31 - 3 system tokens + 1 user token: turn 0 holds 2^31 - 2; turn 1 adds an answer and a user
+    # token: 2^31, past the largest count a request's columns hold (2^31 - 1).
+    raw = sessions_workload(tmp_path, [(1, 1)], sessions={"num_sessions": 1, "num_turns": 2,
+                                                           "system_prompt_tokens": 2**31 - 3})
+    with pytest.raises(ConfigError, match="a session's prompt grows to 2,147,483,648 tokens, past 2,147,483,647"):
+        generate(workload_from_dict(raw))
