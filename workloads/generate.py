@@ -1,11 +1,11 @@
 """Turn a workload's traffic (``workloads.spec.Traffic``) into request specs: arrival times,
 prompt and output lengths, and what the prompts share (``Contents``: prefix_repetition's
-prefixes, a trace's hash ids).
+prefixes, a trace's hash ids, multi-turn sessions' histories).
 
 Randomness: one ``np.random.SeedSequence(seed)`` spawns independent streams for
-arrivals, prompt lengths and output lengths, so changing the length model does
-not move the arrival times (and vice versa); prefix_repetition's shuffle draws
-from the prompt stream.
+arrivals, prompt lengths and output lengths (and sessions' turn counts), so
+changing the length model does not move the arrival times (and vice versa);
+prefix_repetition's shuffle draws from the prompt stream.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim.base.strict import ConfigError
-from workloads.spec import Traffic
-from workloads.traces import TraceData, load_trace
+from workloads.spec import MAX_TOKEN_COUNT, Traffic, num_turns_range
+from workloads.traces import TraceData, load_sessions, load_trace
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,10 @@ class RequestSpecs:
     num_dropped: int = 0           # trace rows that could not be replayed
     max_tokens: np.ndarray | None = None   # per-request client max_tokens (trace column)
     contents: Contents | None = None       # what the prompts hold (None: nothing shared)
+    # Multi-turn sessions: session s is requests sessions[s] .. sessions[s + 1] - 1, its turns in
+    # order (int64, number of sessions + 1 offsets; None: no sessions). A turn's arrival_s is the
+    # earliest it may be sent, its session's start: the feed sends it after the previous reply.
+    sessions: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -273,15 +277,21 @@ def _physical_memory_bytes() -> int:
         return 1 << 40
 
 
-def check_size(cfg: Traffic, num_requests: float, field: str) -> None:
+def check_size(cfg: Traffic, num_requests: float, field: str, num_runs: float = 0) -> None:
     """Refuse, before anything is allocated, a workload that cannot fit this
-    machine's memory (a MemoryError later would come after minutes of work)."""
-    need = num_requests * BYTES_PER_REQUEST
+    machine's memory (a MemoryError later would come after minutes of work);
+    ``num_runs``: the runs of prompt contents it holds (``RUN_BYTES`` each)."""
+    need = num_requests * BYTES_PER_REQUEST + num_runs * RUN_BYTES
     have = _physical_memory_bytes()
     if need > have:
-        raise ConfigError(f"{cfg.source}: field '{field}' asks for about {num_requests:.3g} requests, "
-                          f"~{need / 2**30:.3g} GiB at ~{BYTES_PER_REQUEST // 1000} KB each, more than this "
+        runs = f" and {num_runs:.3g} runs of prompt contents" if num_runs else ""
+        raise ConfigError(f"{cfg.source}: field '{field}' asks for about {num_requests:.3g} requests{runs}, "
+                          f"~{need / 2**30:.3g} GiB at ~{BYTES_PER_REQUEST // 1000} KB a request, more than this "
                           f"machine's {have / 2**30:.1f} GiB; lower it or split the run")
+
+
+# A run of prompt contents (Contents): its key and length (16 bytes), with the temporaries that build them.
+RUN_BYTES = 64
 
 
 def _trace(cfg: Traffic) -> RequestSpecs:
@@ -338,9 +348,111 @@ def _trace(cfg: Traffic) -> RequestSpecs:
     return RequestSpecs(t, prompt, output, data.num_dropped, max_tokens, contents)
 
 
+# Key spaces of sessions' contents (key_space): the system prompt and each turn's user tokens,
+# and each turn's answer.
+USER_KEYS, ANSWER_KEYS = key_space(4), key_space(5)
+
+
+def _session_turns(cfg: Traffic, rng: np.random.Generator, num_sessions: int, field: str,
+                   prompt_rng: np.random.Generator, output_rng: np.random.Generator
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each session's number of turns, and each turn's user and output tokens
+    (sessions in order, their turns in order): from a session file (``rng``
+    picks its sessions) or drawn (``rng`` the number of turns, the lengths
+    section each turn's tokens). A session of T turns holds T (T + 1) runs
+    of contents (T^2, and T of the system prompt), counted in the size check."""
+    ln, turns_range = cfg.lengths, num_turns_range(cfg.sessions)
+    if ln.kind == "sessions":
+        data = load_sessions(cfg.resolve_path(ln.path))
+        counts = data.num_turns
+        pool = np.arange(len(counts))
+        if turns_range is not None:
+            pool = pool[(counts >= turns_range[0]) & (counts <= turns_range[1])]
+            if not len(pool):
+                want = turns_range[0] if turns_range[0] == turns_range[1] else list(turns_range)
+                raise ConfigError(f"{cfg.source}: field 'sessions.num_turns' ({want}): no session of lengths.path "
+                                  f"has that many turns (its sessions have {counts.min()} to {counts.max()})")
+        pick = (pool[np.arange(num_sessions) % len(pool)] if ln.sample == "sequential"
+                else pool[rng.integers(0, len(pool), num_sessions)])
+        turns = counts[pick]
+        check_size(cfg, float(turns.sum()), field, float((turns * (turns + 1)).sum()))
+        rows = np.arange(int(turns.sum())) - np.repeat(np.cumsum(turns) - turns, turns) + np.repeat(
+            data.starts[pick], turns)
+        return turns, data.user_tokens[rows], data.output_tokens[rows]
+    lo, hi = turns_range
+    turns = np.full(num_sessions, lo, np.int64) if lo == hi else rng.integers(lo, hi + 1, num_sessions)
+    check_size(cfg, float(turns.sum()), field, float((turns * (turns + 1)).sum()))
+    user, output = _lengths(cfg, [prompt_rng, output_rng], int(turns.sum()))
+    return turns, np.asarray(user, np.int64), np.asarray(output, np.int64)
+
+
+def _sessions(cfg: Traffic, streams: list[np.random.Generator]) -> RequestSpecs:
+    """Multi-turn sessions (``arrivals.kind sessions``): requests by session, then
+    turn. Sessions start by a Poisson process at ``arrivals.rate`` (all at 0
+    without one: then ``max_concurrency`` paces them), as many as
+    ``sessions.num_sessions``, those that start within ``duration_s``.
+
+    Turn k's prompt is the system prompt (one run, key ``USER_KEYS``, shared
+    by every session), then for each earlier turn j its user tokens (key
+    ``USER_KEYS + 1 + id of turn j``) and its answer (``ANSWER_KEYS + id``:
+    the run of that turn's output tokens, as long as its true output), then
+    its own user tokens: request i's runs are the system prompt and runs
+    ``2 * first .. 2 * i`` of the sequence user_0, answer_0, user_1, answer_1,
+    ... of its session's requests (first: its session's first request)."""
+    arr_rng, prompt_rng, output_rng, turn_rng = streams
+    a, s = cfg.arrivals, cfg.sessions
+    if s.num_sessions is not None:
+        num, field = s.num_sessions, "sessions.num_sessions"
+    else:   # enough sessions to cover duration_s with a wide margin; cut below
+        num = int(a.rate * cfg.duration_s * 1.5 + 10 * np.sqrt(a.rate * cfg.duration_s) + 10)
+        field = "duration_s"
+    check_size(cfg, float(num), field)             # at least a request a session, before any array
+    if a.rate is None:
+        start = np.zeros(num)
+    else:
+        gaps = arr_rng.exponential(1.0 / a.rate, num)
+        gaps[0] = 0.0
+        start = np.cumsum(gaps)
+        if cfg.duration_s is not None:
+            start = start[start <= cfg.duration_s]
+    turns, user, output = _session_turns(cfg, turn_rng, len(start), field, prompt_rng, output_rng)
+    n = int(turns.sum())
+    first = np.cumsum(turns) - turns               # each session's first request id
+    first_of = np.repeat(first, turns)             # ... of each request
+    turn = np.arange(n) - first_of
+    # Prompt i: system prompt + users of turns 0..k + answers of turns 0..k-1 of its session.
+    system = s.system_prompt_tokens
+    done = np.cumsum(user + output)                # over all requests, both kinds
+    prompt = system + done - output - (done - user - output)[first_of]
+    if n and prompt.max() > MAX_TOKEN_COUNT:       # no server takes it, and no table holds the count
+        raise ConfigError(f"{cfg.source}: field 'sessions.num_turns': a session's prompt grows to "
+                          f"{int(prompt.max()):,} tokens, past {MAX_TOKEN_COUNT:,}; fewer turns or shorter ones")
+    # Runs: the sequence user_0, answer_0, user_1, ... over all requests (2i: user, 2i + 1: answer),
+    # the system prompt after them at 2n; request i takes [2n] + 2 * first .. 2 * i.
+    ids = np.arange(n, dtype=np.int64)
+    seq_keys = np.empty(2 * n + 1, np.int64)
+    seq_lens = np.empty(2 * n + 1, np.int64)
+    seq_keys[0:2 * n:2], seq_keys[1:2 * n:2], seq_keys[2 * n] = USER_KEYS + 1 + ids, ANSWER_KEYS + ids, USER_KEYS
+    seq_lens[0:2 * n:2], seq_lens[1:2 * n:2], seq_lens[2 * n] = user, output, system
+    own = 2 * turn + 1                             # runs of request i after the system prompt
+    count = own + (system > 0)
+    run_starts = np.concatenate([[0], np.cumsum(count)]).astype(np.int64)
+    pos = np.arange(int(run_starts[-1])) - np.repeat(run_starts[:-1], count)     # run r's place in its prompt
+    index = np.repeat(2 * first_of, count) + pos - (system > 0)
+    if system > 0:
+        index[run_starts[:-1]] = 2 * n
+    contents = Contents(seq_keys[index], seq_lens[index], run_starts, ANSWER_KEYS + ids)
+    arrival = np.repeat(start, turns)
+    return RequestSpecs(arrival, prompt.astype(np.int64), output, contents=contents,
+                        sessions=np.concatenate([first, [n]]).astype(np.int64))
+
+
 def generate(cfg: Traffic) -> RequestSpecs:
     """The workload's requests, in arrival order, truncated by num_requests /
-    duration_s. Deterministic for a given config and seed."""
+    duration_s (sessions: by session then turn, arrival_s the session's
+    start). Deterministic for a given config and seed."""
+    if cfg.arrivals.kind == "sessions":
+        return _sessions(cfg, [np.random.default_rng(s) for s in np.random.SeedSequence(cfg.seed).spawn(4)])
     if cfg.num_requests is not None:
         check_size(cfg, float(cfg.num_requests), "num_requests")
     ss = np.random.SeedSequence(cfg.seed)

@@ -229,15 +229,15 @@ def _no_booleans(df: pd.DataFrame, col: str, path: Path, what: str) -> None:
                           f"{str(df[col].iloc[row]).lower()}")
 
 
-def _tokens(df: pd.DataFrame, col: str, path: Path) -> np.ndarray:
-    _no_booleans(df, col, path, "a non-negative integer token count")
+def _tokens(df: pd.DataFrame, col: str, path: Path, what: str = "token count") -> np.ndarray:
+    _no_booleans(df, col, path, f"a non-negative integer {what}")
     values = pd.to_numeric(df[col], errors="coerce")
     # > 2^31 tokens is no request any model serves (and would overflow int64 casts of floats).
     bad = values.isna() | (values < 0) | (values > MAX_TOKENS) | (values != np.floor(values.fillna(0)))
     if bad.any():
         row = int(np.flatnonzero(bad.to_numpy())[0])
         raise ConfigError(f"{path}: column '{col}' {_where(df, row)}: expected a non-negative integer "
-                          f"token count up to {MAX_TOKENS}, got {_shown(df[col].iloc[row])}")
+                          f"{what} up to {MAX_TOKENS}, got {_shown(df[col].iloc[row])}")
     return values.to_numpy(dtype=np.int64)
 
 
@@ -427,3 +427,59 @@ def load_trace(path: Path, *, need_arrivals: bool, columns: dict[str, str] | Non
         hash_starts = np.concatenate([[0], np.cumsum([len(x) for x in kept])]).astype(np.int64)
         hash_ids = np.fromiter((h for x in kept for h in x), np.int64, int(hash_starts[-1]))
     return TraceData(arrival, prompt, output, dropped, max_tokens, hash_ids, hash_starts)
+
+
+@dataclass(frozen=True)
+class SessionData:
+    """A session file's sessions: session s's turns are rows ``starts[s] ..
+    starts[s + 1] - 1`` of ``user_tokens`` and ``output_tokens``, in turn order."""
+
+    starts: np.ndarray          # int64, number of sessions + 1 offsets
+    user_tokens: np.ndarray     # int64 > 0: turn 0's whole first prompt, a later turn's tokens after the history
+    output_tokens: np.ndarray   # int64 > 0
+
+    @property
+    def num_turns(self) -> np.ndarray:
+        return np.diff(self.starts)
+
+
+SESSION_COLUMNS = ("session", "turn", "user_tokens", "output_tokens")
+
+
+def load_sessions(path: Path) -> SessionData:
+    """A session file (``lengths.kind sessions``): CSV or JSON rows with
+    ``session``, ``turn``, ``user_tokens`` and ``output_tokens`` (other
+    columns, such as the bundled file's ``gap_s``, are ignored). A session's
+    rows come together, its turns numbered 0, 1, ... in order; token counts
+    are positive."""
+    df = _read_table(path)
+    if len(df) == 0:
+        raise ConfigError(f"{path}: the file has a header but no rows")
+    lower = {str(c).strip().lower(): c for c in df.columns}
+    missing = [c for c in SESSION_COLUMNS if c not in lower]
+    if missing:
+        raise ConfigError(f"{path}: missing column(s) {', '.join(missing)} of a session file (session, turn, "
+                          f"user_tokens, output_tokens); found {', '.join(map(str, df.columns))}")
+    session, turn, user, output = (_tokens(df, lower[c], path, what) for c, what in
+                                   zip(SESSION_COLUMNS, ("session id", "turn number", "token count", "token count")))
+    for name, values in (("user_tokens", user), ("output_tokens", output)):
+        if (values < 1).any():
+            row = int(np.flatnonzero(values < 1)[0])
+            raise ConfigError(f"{path}: column '{lower[name]}' {_where(df, row)}: expected a positive token "
+                              f"count, got {values[row]}")
+    new = np.r_[True, session[1:] != session[:-1]]          # the first row of each session
+    starts = np.flatnonzero(new)
+    first = np.repeat(starts, np.diff(np.r_[starts, len(df)]))
+    bad = turn != np.arange(len(df)) - first
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise ConfigError(f"{path}: column '{lower['turn']}' {_where(df, row)}: expected turn "
+                          f"{row - first[row]} of session {session[row]} (a session's rows come together, "
+                          f"turns 0, 1, ... in order), got {turn[row]}")
+    if len(np.unique(session[starts])) != len(starts):
+        ids, counts = np.unique(session[starts], return_counts=True)
+        again = int(ids[counts > 1][0])
+        row = int(starts[session[starts] == again][1])
+        raise ConfigError(f"{path}: column '{lower['session']}' {_where(df, row)}: session {again} starts "
+                          f"again after other sessions (a session's rows come together)")
+    return SessionData(np.r_[starts, len(df)].astype(np.int64), user, output)

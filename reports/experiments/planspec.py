@@ -262,6 +262,10 @@ def parse_plan(path: str | Path, out: Path | None = None, overrides: dict[str, A
     if kind == "all_at_once":
         raise fail(source, "base", "has arrivals.kind all_at_once, which has no rate to rescale",
                    "use a trace or a poisson/gamma/constant arrival process")
+    if kind == "sessions":
+        raise fail(source, "base", "has arrivals.kind sessions: each session sends its next turn after its reply, "
+                   "and arrivals.rate counts sessions, so the request rates the plan offers are never offered",
+                   "plan on open-loop arrivals (a trace or a poisson/gamma/constant process)")
     if kind == "concurrency" or (base_raw.get("arrivals") or {}).get("max_concurrency") is not None:
         raise fail(source, "base", "caps concurrency (arrivals.max_concurrency): its clients send as fast as replies "
                    "come back, so the rates the plan offers are never offered (capacity and verification would "

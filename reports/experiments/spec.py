@@ -367,6 +367,13 @@ def check_runnable(cfg: WorkloadConfig, checked: dict[str, None]) -> None:
         if key not in checked:
             load_trace(path, **how)
             checked[key] = None
+    if ln.kind == "sessions" and ln.path:
+        from workloads.traces import load_sessions
+        path = cfg.resolve_path(ln.path)
+        key = json.dumps([str(path), "sessions"])
+        if key not in checked:
+            load_sessions(path)
+            checked[key] = None
 
 
 def expand(spec: SweepSpec) -> list[RunTask]:

@@ -81,6 +81,12 @@ def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
         return isinstance(value, str), value
     if origin is dict or hint is dict:
         return isinstance(value, dict), value
+    if origin is list:                    # list[int]: a YAML list whose items all pass
+        if not isinstance(value, list):
+            return False, value
+        (item,) = typing.get_args(hint)
+        checked = [_type_ok(v, item) for v in value]
+        return all(ok for ok, _ in checked), [v for _, v in checked]
     return isinstance(value, hint), value
 
 
@@ -88,6 +94,11 @@ def _describe(hint: Any) -> str:
     if isinstance(hint, type):
         return {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
                 "dict": "a mapping"}.get(hint.__name__, hint.__name__)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType) and any(typing.get_origin(h) is list for h in args):
+        return " or ".join(_describe(h) for h in args if h is not type(None))     # int | list[int]: in words
+    if origin is list:
+        return f"a list of {_describe(args[0]).removeprefix('an ').removeprefix('a ')}s"
     return str(hint).replace("typing.", "").replace("NoneType", "null")
 
 

@@ -50,6 +50,9 @@ class SchedulerState:
         self.tokens = TokenLog()
         # The requests done with, finished or rejected, compact (they leave ``requests``).
         self.records = RequestRecords()
+        # The ids of the requests finished (cut short included) since ``take_finished_ids``, for a
+        # closed-loop client that waits on them (sim.loop.server.Server.on_finish); None keeps none.
+        self.finished_ids: list[int] | None = None
 
     # ---- arrivals -----------------------------------------------------------
     def add_arrival(self, req: Request, true_output_tokens: int, now_s: float) -> bool:
@@ -85,6 +88,12 @@ class SchedulerState:
         self.num_rejected += 1
         self.records.add(req, min(true_output_tokens, req.max_output_tokens))
         return False
+
+    def take_finished_ids(self) -> list[int]:
+        """The ids of the requests finished since the last call, in finish
+        order, and a fresh list for the next (``finished_ids`` must be one)."""
+        ids, self.finished_ids = self.finished_ids, []
+        return ids
 
     def oracle_output_tokens(self, req: Request) -> int:
         """The true output length. Only oracle options may call this."""
@@ -144,6 +153,8 @@ class SchedulerState:
         del self._true_output[req.req_id]
         self.records.add(req, req.num_output_tokens)
         del self.requests[req.req_id]
+        if self.finished_ids is not None:
+            self.finished_ids.append(req.req_id)
 
     def form_group(self, reqs: Iterable[Request]) -> None:
         """Static batching: members finish and free KV together, when the last
@@ -264,6 +275,8 @@ class SchedulerState:
             self.num_finished += 1
             self.records.add(m, self._true_output.pop(m.req_id))
             del self.requests[m.req_id]
+            if self.finished_ids is not None:
+                self.finished_ids.append(m.req_id)
 
     def token_log(self) -> tuple[np.ndarray, np.ndarray]:
         """(request id, time in s) of every output token so far, in time order."""

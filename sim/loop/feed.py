@@ -1,14 +1,15 @@
 """Arrivals and routers: ``feed`` releases open-loop arrivals at their times,
 ``feed_capped`` runs a closed-loop client population (``ClientPool``) whose
-send times follow the servers' replies, and a router (``ROUTERS``) picks
-the server of each request.
+send times follow the servers' replies, ``SessionFeed`` runs multi-turn
+sessions (each closed, open across), and a router (``ROUTERS``) picks the
+server of each request.
 """
 
 from __future__ import annotations
 
 from array import array
 from heapq import heappop, heappush
-from typing import Collection, Generator, Iterable, Sequence
+from typing import Callable, Collection, Generator, Iterable, Sequence
 
 import simpy
 
@@ -130,8 +131,11 @@ def feed_capped(env: simpy.Environment, servers: Sequence[Server], requests: Col
     A request sent at the very end of a step misses the step that starts
     then: the server picks its next batch before the client has its reply.
     """
+    def replied(end_s: float, req_ids: list[int]) -> None:
+        clients.release(end_s, len(req_ids))
+
     for s in servers:
-        s.on_finish = clients.release
+        s.on_finish = replied
     return _release_capped(env, servers, requests, true_output_tokens, clients, router, lag_s)
 
 
@@ -151,3 +155,87 @@ def _release_capped(env: simpy.Environment, servers: Sequence[Server], requests:
     for s in servers:
         s.state.all_arrived = True
         s.wake()
+
+
+class SessionFeed:
+    """Multi-turn sessions over ``servers``: closed per session, open across.
+
+    Session s is requests ``sessions[s] .. sessions[s + 1] - 1``, its turns in
+    order; ``make(i)`` builds request i and gives its true output length.
+    A first turn's ``arrival_s`` on entry is its session's start: it is sent
+    then (``release_first_turns``, the SimPy process), or, with ``clients``
+    (a ``ClientPool`` of ``max_concurrency`` clients, no think time), at the
+    later of that and the moment a client is free: a client runs one session
+    at a time and is free at its last turn's reply (vLLM's multi-turn
+    benchmark's clients, one conversation each); ``waits_s[i]``, if given,
+    gets that wait. Turn k + 1 is sent ``think_time_s`` after turn k's
+    reply, never before: the servers' ``on_finish`` (hooked here, before the
+    run starts) reports the finish, and a refusal at arrival is a reply too
+    (a turn refused for its length is followed by longer ones, refused in
+    their turn). Every turn's ``arrival_s`` becomes its send time, which
+    TTFT counts from; it reaches its server ``lag_s`` later (as ``feed``'s).
+    ``router`` picks each turn's server, in send order.
+
+    As in ``feed_capped``, a turn sent at the very end of a step misses the
+    step that starts then.
+    """
+
+    def __init__(self, env: simpy.Environment, servers: Sequence[Server],
+                 make: Callable[[int], tuple[Request, int]], sessions: Sequence[int], think_time_s: float,
+                 router: str = "round_robin", lag_s: float = 0.0, clients: ClientPool | None = None,
+                 waits_s: array | None = None) -> None:
+        self.env, self.servers, self.make = env, servers, make
+        self.first_ids = sessions[:-1]
+        self.num_requests = sessions[-1]
+        self.think_time_s, self.router, self.lag_s = think_time_s, router, lag_s
+        self.clients, self.waits_s = clients, waits_s
+        self.is_last = bytearray(self.num_requests)     # the last turn of its session
+        for end in sessions[1:]:
+            self.is_last[end - 1] = 1
+        self.num_sent = 0
+        for s in servers:
+            s.on_finish = self.replied
+
+    def release_first_turns(self) -> Generator:  # SimPy process
+        """Send each session's first turn at its start (or when a client is free)."""
+        env, clients, lag_s = self.env, self.clients, self.lag_s
+        for i in self.first_ids:
+            req, true_output = self.make(i)
+            send_s = req.arrival_s
+            if clients is not None:
+                ready_s = yield from clients.acquire()
+                if ready_s > send_s:
+                    send_s = ready_s
+                if self.waits_s is not None:
+                    self.waits_s[i] = send_s - req.arrival_s
+            delay = send_s + lag_s - env.now
+            if delay > 0:
+                yield env.timeout(delay)
+            req.arrival_s = send_s
+            self._submit(req, true_output)
+
+    def replied(self, reply_s: float, req_ids: list[int]) -> None:
+        """Requests ``req_ids`` got their replies at ``reply_s`` (a server's ``on_finish``)."""
+        for i in req_ids:
+            if not self.is_last[i]:
+                self._send_at(i + 1, reply_s + self.think_time_s)
+            elif self.clients is not None:
+                self.clients.release(reply_s)     # its client takes the next session
+
+    def _send_at(self, i: int, send_s: float) -> None:
+        """Send request i (a later turn) at ``send_s`` (>= now), by a timeout's callback."""
+        def send(_event: simpy.Event) -> None:
+            req, true_output = self.make(i)
+            req.arrival_s = send_s
+            self._submit(req, true_output)
+        self.env.timeout(max(0.0, send_s + self.lag_s - self.env.now)).callbacks.append(send)
+
+    def _submit(self, req: Request, true_output: int) -> None:
+        server = pick_replica(self.router, self.servers, self.num_sent)
+        self.num_sent += 1
+        if not server.submit(req, true_output):
+            self.replied(self.env.now, [req.req_id])      # refused at once: its reply
+        if self.num_sent == self.num_requests:           # every turn sent: the servers may finish
+            for s in self.servers:
+                s.state.all_arrived = True
+                s.wake()

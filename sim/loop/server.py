@@ -66,10 +66,11 @@ class Server:
     StretchMismatch`` on the first that differs): the policy's
     ``decode_stretch`` and ``stretch_shape`` under test.
 
-    ``on_finish(end_s, num_finished)``, if set, is called after each step that
-    finished requests, with the step's end time (which may lie ahead of
-    ``env.now``: see ``_serve``) and how many it finished, and when choosing a
-    step cut requests short (``SchedulerState.cut_short``), with its start.
+    ``on_finish(end_s, req_ids)``, if set before the run starts, is called
+    after each step that finished requests, with the step's end time (which
+    may lie ahead of ``env.now``: see ``_serve``) and the ids of those it
+    finished (a list the callee keeps), and when choosing a step cut requests
+    short (``SchedulerState.cut_short``), with its start.
     """
 
     def __init__(self, env: simpy.Environment, policy: Policy, state: SchedulerState,
@@ -83,7 +84,7 @@ class Server:
         self.replica = replica
         self.log = StepLog()
         self.on_step = on_step
-        self.on_finish: Callable[[float, int], None] | None = None
+        self.on_finish: Callable[[float, list[int]], None] | None = None
         self._wake: simpy.Event | None = None
         self.coalesce = coalesce
         self.check_stretch = check_stretch
@@ -122,6 +123,8 @@ class Server:
     def _serve(self):  # SimPy process
         env, state, policy, executor, log = self.env, self.state, self.policy, self.executor, self.log
         on_step, on_finish = self.on_step, self.on_finish
+        if on_finish is not None:
+            state.finished_ids = []        # the state collects the finished requests' ids for it
         # Steps that end before the next scheduled event (an arrival, another
         # replica's step, a deadline) cannot be interleaved with anything, so
         # they run back to back on a local clock without a SimPy timeout each;
@@ -136,10 +139,9 @@ class Server:
         idle_at = None                     # (time, state) of the last Idle(now): a second one alike is a stall
         while True:
             num_preempted = state.num_preemptions
-            num_finished = state.num_finished if on_finish is not None else 0   # closed loops only
             decision = policy.schedule(state, now_s)
-            if on_finish is not None and state.num_finished > num_finished:
-                on_finish(now_s, state.num_finished - num_finished)         # cut short (SchedulerState.cut_short)
+            if on_finish is not None and state.finished_ids:
+                on_finish(now_s, state.take_finished_ids())                # cut short (SchedulerState.cut_short)
             if type(decision) is Idle:
                 if now_s > env.now:
                     yield env.timeout(now_s - env.now)       # catch SimPy up first
@@ -175,20 +177,18 @@ class Server:
             now_s = end_s
             # The queues and KV the step ran with.
             log.record(start_s, decision, result, len(state.waiting), len(state.running), state.kv.num_used_blocks)
-            num_finished = state.num_finished if on_finish is not None else 0   # closed loops only
             state.commit(decision, end_s)
             if on_step is not None:
                 on_step(start_s, decision, result)
-            if on_finish is not None and state.num_finished > num_finished:
-                on_finish(end_s, state.num_finished - num_finished)
+            if on_finish is not None and state.finished_ids:
+                on_finish(end_s, state.take_finished_ids())
             if self.cache_samples is not None:
                 self._sample_cache(end_s)
             # (Only after a step that did not yield: nothing has arrived since it was chosen.)
             if stretch and coalesced:
-                num_finished = state.num_finished
                 now_s = yield from run_decode_stretch(self, decision, state.num_preemptions != num_preempted,
                                                       now_s, env.peek(), chain=on_finish is None)
-                if on_finish is not None and state.num_finished > num_finished:
-                    on_finish(now_s, state.num_finished - num_finished)
+                if on_finish is not None and state.finished_ids:
+                    on_finish(now_s, state.take_finished_ids())
                 if self.cache_samples is not None:
                     self._sample_cache(now_s)

@@ -66,7 +66,8 @@ class Load:
 
     ``offered_rps``: (requests - 1) / arrival span, the mean gap's inverse
     (None when every request arrived at once or clients sent in a closed
-    loop); with a concurrency cap, the workload's rate. ``ttft_growth``: the
+    loop); with a concurrency cap, the workload's rate (sessions: the measured
+    one, their rate counts sessions). ``ttft_growth``: the
     least-squares slope of TTFT over arrival time. A server that keeps up has
     a flat TTFT; one that serves mu req/s of lambda offered makes the request
     arriving at t wait t (lambda/mu - 1) longer, so it sustains
@@ -101,7 +102,7 @@ def offered_load(requests: pd.DataFrame | Any, arrivals: dict[str, Any] | None =
     span_s = float(arrival.max() - arrival.min()) if len(arrival) else 0.0
     measured_rps = (len(arrival) - 1) / span_s if span_s > 0 else None
     if cap is not None:                 # the sends follow the replies: the asked rate is the workload's
-        rate = a.get("rate")
+        rate = a.get("rate") if a.get("kind") != "sessions" else None     # sessions': sessions per second
         return Load(float(rate) if rate is not None else measured_rps, None, cap)
     if measured_rps is None:
         return Load(None, None)

@@ -16,7 +16,8 @@ from typing import Any, Mapping
 import yaml
 
 from policies.config import policy_config
-from workloads.spec import MAX_TOKEN_COUNT, ArrivalsConfig, LengthsConfig, check_arrivals, check_lengths
+from workloads.spec import (MAX_TOKEN_COUNT, ArrivalsConfig, LengthsConfig, SessionsConfig, check_arrivals,
+                            check_lengths, check_sessions)
 from sim.base.strict import ConfigError, _positive, build, did_you_mean, load_yaml
 
 __all__ = ["ConfigError", "WorkloadConfig", "load_workload", "load_yaml_mapping", "parse_override",
@@ -84,6 +85,7 @@ class WorkloadConfig:
     duration_s: float | None = None
     arrivals: ArrivalsConfig = field(default_factory=ArrivalsConfig)
     lengths: LengthsConfig = field(default_factory=LengthsConfig)
+    sessions: SessionsConfig | None = None   # with arrivals.kind sessions
     max_tokens: int | str = "output"     # output | context | an integer cap
     policy: Any = None                   # one of the policies' config dataclasses
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -96,6 +98,8 @@ class WorkloadConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("raw")
+        if self.sessions is None:                # a run without sessions records its config as before
+            d.pop("sessions")
         if self.slo is not None:                 # a workload's slo holds goodput thresholds only
             d["slo"] = self.slo.goodput_thresholds()
         return d
@@ -119,8 +123,9 @@ class WorkloadConfig:
 
 SECTIONS: dict[str, type] = {
     "arrivals": ArrivalsConfig, "lengths": LengthsConfig, "server": ServerConfig,
-    "profile": ProfileConfig, "slo": Slo,
+    "profile": ProfileConfig, "slo": Slo, "sessions": SessionsConfig,
 }
+OPTIONAL_SECTIONS = ("slo", "sessions")     # None unless the file has them
 
 
 # ---- the workload ------------------------------------------------------------
@@ -147,6 +152,19 @@ def _check_closed_loop(cfg: WorkloadConfig, src: str) -> None:
     if cfg.duration_s is not None:
         raise ConfigError(f"{src}: field 'duration_s' cannot bound arrivals.kind concurrency (its send times "
                           f"follow the replies); remove it and set num_requests")
+
+
+def _check_sessions_run(cfg: WorkloadConfig, src: str) -> None:
+    """What sessions need of the rest of the workload: answers as long as drawn, and a policy
+    that serves a turn without waiting for more."""
+    if isinstance(cfg.max_tokens, int) and not isinstance(cfg.max_tokens, bool):
+        raise ConfigError(f"{src}: field 'max_tokens' ({cfg.max_tokens}) would cut answers short of the lengths "
+                          f"drawn, while each next turn's prompt holds the whole answer; cap the answers with "
+                          f"lengths.output_max (or leave max_tokens at output)")
+    if getattr(cfg.policy, "kind", None) == "static":
+        raise ConfigError(f"{src}: field 'policy.kind': static batching waits for a full batch, and a session "
+                          f"sends its next turn only after its reply, so the last sessions would wait forever; "
+                          f"use policy dynamic (it launches after max_queue_delay_s) or another policy")
 
 
 def _workload_slo(data: Any, source: str) -> Slo:
@@ -182,14 +200,18 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
     if "name" in top:
         _check_name(top["name"], source)
     top.setdefault("name", Path(source).stem)
-    sections = {k: build(cls, data.get(k), k, source) for k, cls in SECTIONS.items() if k != "slo"}
+    sections = {k: build(cls, data.get(k), k, source) for k, cls in SECTIONS.items() if k not in OPTIONAL_SECTIONS}
     slo = _workload_slo(data["slo"], source) if data.get("slo") is not None else None
-    cfg = build(WorkloadConfig, top, "", source, **sections, slo=slo,
+    sessions = build(SessionsConfig, data["sessions"], "sessions", source) if data.get("sessions") is not None else None
+    cfg = build(WorkloadConfig, top, "", source, **sections, slo=slo, sessions=sessions,
                 policy=policy_config(data.get("policy"), source))
     cfg = dataclasses.replace(cfg, source=str(source), base_dir=str(base_dir), raw=data)
     cfg = _fold_num_requests(cfg, source)
     check_arrivals(cfg.arrivals, source)
     check_lengths(cfg.lengths, source)
+    check_sessions(cfg, source)
+    if cfg.arrivals.kind == "sessions":
+        _check_sessions_run(cfg, source)
     if cfg.lengths.kind == "trace" and cfg.arrivals.kind == "concurrency":
         raise ConfigError(f"{source}: field 'lengths.kind' is trace but arrivals.kind concurrency has no trace "
                           f"file; take a file's lengths in order with lengths: {{kind: empirical, path: FILE, "
@@ -204,7 +226,7 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
                           f"num_requests ({cfg.num_requests:,}); every prefix needs a request (vllm bench serve "
                           f"refuses it too): lower num_prefixes or raise num_requests")
     _check_closed_loop(cfg, source)
-    if cfg.arrivals.kind != "trace" and cfg.num_requests is None and cfg.duration_s is None:
+    if cfg.arrivals.kind not in ("trace", "sessions") and cfg.num_requests is None and cfg.duration_s is None:
         raise ConfigError(f"{source}: set 'num_requests' or 'duration_s' for synthetic arrivals")
     _positive(source, "seed", cfg.seed, allow_zero=True)
     _positive(source, "num_requests", cfg.num_requests)

@@ -11,6 +11,7 @@ import hashlib
 import sys
 import time
 import warnings
+from array import array
 from typing import Any, Callable, Iterator, NamedTuple, Sequence, TextIO
 
 import numpy as np
@@ -28,7 +29,7 @@ from sim.core.policy import Policy, PolicyContext
 from sim.core.request import REJECT_REASONS, Request
 from sim.core.state import SchedulerState
 from sim.cost.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
-from sim.loop.feed import ROUTERS, ClientPool, feed, feed_capped
+from sim.loop.feed import ROUTERS, ClientPool, SessionFeed, feed, feed_capped
 from sim.loop.server import Executor, Server, SimExecutor
 from sim.results.metrics import Values, itl_values, step_totals, summarize_logs
 from sim.results.result import RunLogs, RunResult
@@ -192,6 +193,15 @@ class RequestStream:
         for lo in range(0, len(out), self.CHUNK):
             yield from out[lo:lo + self.CHUNK].tolist()
 
+    def make(self, i: int) -> tuple[Request, int]:
+        """Request i, as iteration makes it, and its true output length: for a
+        feed that sends requests out of id order (``sim.loop.feed.SessionFeed``)."""
+        specs, contents = self.specs, self.specs.contents
+        req = Request(req_id=i, arrival_s=float(specs.arrival_s[i]), num_prompt_tokens=int(specs.prompt_tokens[i]),
+                      max_output_tokens=int(self.max_tokens[i]),
+                      content=contents.content(i) if contents is not None else None)
+        return req, int(specs.output_tokens[i])
+
 
 def make_requests(cfg: WorkloadConfig, specs: RequestSpecs, max_model_len: int) -> list[Request]:
     """All of ``specs``' requests as a list (small runs and tools; ``drive`` streams them)."""
@@ -204,7 +214,7 @@ class Driven(NamedTuple):
     servers: list[Server]              # each request is in one server's ``state.records``
     num_requests: int
     num_dropped: int                   # trace rows that could not be replayed
-    client_queue_s: np.ndarray | None  # with max_concurrency: each request's wait for a free client
+    client_queue_s: np.ndarray | None  # with max_concurrency: each request's wait for a free client (by id)
 
 
 def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len: int,
@@ -228,8 +238,10 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     prediction of each against it (``sim.loop.server.Server``). Returns the servers
     (each request is in one server's ``state.records``), the number of
     requests and of trace rows dropped, and under a concurrency cap each
-    request's wait for a client (by request id); nothing else of the request
-    arrays outlives the run.
+    request's wait for a client (by request id; sessions: a first turn's wait,
+    0 for later turns); nothing else of the request arrays outlives the run.
+    Multi-turn sessions (``specs.sessions``) go through ``SessionFeed``: each
+    turn is sent ``think_time_s`` after its predecessor's reply.
     Raises RuntimeError if a request is left unfinished (a policy that stalls).
     """
     specs = generate(cfg)
@@ -252,10 +264,20 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     lag_s = 0.0 if live else float(profile.engine.get("request_overhead_s") or 0.0)
     a = cfg.arrivals
     clients = None
-    if a.max_concurrency is None:
+    waits_s = None                          # each request's wait for a free client, by id
+    if specs.sessions is not None:          # a client per session, or max_concurrency of them
+        first_ids = specs.sessions.tolist()
+        if a.max_concurrency is not None:
+            clients = ClientPool(env, min(a.max_concurrency, len(first_ids) - 1))
+            waits_s = array("d", bytes(8 * len(requests)))
+        sessions = SessionFeed(env, servers, requests.make, first_ids, a.think_time_s, router, lag_s, clients,
+                               waits_s)
+        env.process(sessions.release_first_turns())
+    elif a.max_concurrency is None:
         env.process(feed(env, servers, requests, requests.true_outputs(), router, lag_s))
     else:                                   # clients over the whole fleet, not per replica
         clients = ClientPool(env, min(a.max_concurrency, len(requests)), a.think_time_s)
+        waits_s = clients.waits_s           # in release order, which is id order
         env.process(feed_capped(env, servers, requests, requests.true_outputs(), clients, router, lag_s))
     profile.reset_counters()
     if files is not None:
@@ -275,7 +297,7 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     if files is not None:
         files.finish()
     return Driven(servers, len(specs), specs.num_dropped,
-                  np.frombuffer(clients.waits_s, dtype=np.float64) if clients is not None else None)
+                  np.frombuffer(waits_s, dtype=np.float64) if waits_s is not None else None)
 
 
 def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "round_robin",

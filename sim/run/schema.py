@@ -19,10 +19,10 @@ from typing import Any, Literal
 
 from policies import POLICIES
 from sim.run.config import GOODPUT_KEYS, ProfileConfig, ServerConfig, Slo, WorkloadConfig
-from workloads.spec import ARRIVAL_KINDS, LENGTH_KINDS, ArrivalsConfig, LengthsConfig
+from workloads.spec import ARRIVAL_KINDS, LENGTH_KINDS, ArrivalsConfig, LengthsConfig, SessionsConfig
 
-SECTION_TYPES = {"arrivals": ArrivalsConfig, "lengths": LengthsConfig, "server": ServerConfig,
-                 "profile": ProfileConfig}
+SECTION_TYPES = {"arrivals": ArrivalsConfig, "lengths": LengthsConfig, "sessions": SessionsConfig,
+                 "server": ServerConfig, "profile": ProfileConfig}
 KIND_CHOICES = {ArrivalsConfig: ARRIVAL_KINDS, LengthsConfig: LENGTH_KINDS}
 INTERNAL = {"source", "base_dir", "raw"}          # WorkloadConfig fields no file sets
 
@@ -37,6 +37,8 @@ def _type_schema(hint: Any) -> dict[str, Any]:
         return {"enum": list(typing.get_args(hint))}
     if origin in (dict, typing.Mapping) or hint is dict:
         return {"type": "object"}
+    if origin is list and typing.get_args(hint):
+        return {"type": "array", "items": _type_schema(typing.get_args(hint)[0])}
     if origin in (list, tuple):
         return {"type": "array"}
     if hint is bool:

@@ -254,6 +254,8 @@ def test_plan_report_opens_in_headless_chromium(tmp_path: Path) -> None:
     ({"router": "random"}, "field 'router' must be one of"),
     ({"base": "missing.yaml"}, "field 'base' names 'missing.yaml', which does not exist"),
     ({"set": {"arrivals.max_concurrency": 8}}, "field 'base' caps concurrency"),
+    ({"set": {"arrivals.kind": "sessions"}}, "field 'base' has arrivals.kind sessions: each session sends its next "
+                                            "turn after its reply"),
     ({"policies": []}, "field 'policies' must be a non-empty list of policies, got \\[\\]"),
     ({"candidates": [{"profile": {"gpu": "h100-sxm"}, "price_per_gpu_hour": 2, "policies": []}]},
      "field 'candidates\\[0\\].policies' must be a non-empty list"),
