@@ -382,7 +382,13 @@ def _session_turns(cfg: Traffic, rng: np.random.Generator, num_sessions: int, fi
     lo, hi = turns_range
     turns = np.full(num_sessions, lo, np.int64) if lo == hi else rng.integers(lo, hi + 1, num_sessions)
     check_size(cfg, float(turns.sum()), field, float((turns * (turns + 1)).sum()))
-    user, output = _lengths(cfg, [prompt_rng, output_rng], int(turns.sum()))
+    user, output, shared = _lengths(cfg, [prompt_rng, output_rng], int(turns.sum()))
+    if shared is not None:
+        raise ConfigError(f"{cfg.source}: field 'lengths.kind' {ln.kind!r} says what prompts share (shared "
+                          f"prefixes or hash ids), which a session's turns cannot: under arrivals.kind "
+                          f"sessions each turn's prompt is its session's history + new user tokens; use a "
+                          f"length kind without shared content, or sessions.system_prompt_tokens for a "
+                          f"prefix all sessions share")
     return turns, np.asarray(user, np.int64), np.asarray(output, np.int64)
 
 

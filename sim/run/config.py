@@ -161,6 +161,10 @@ def _check_sessions_run(cfg: WorkloadConfig, src: str) -> None:
         raise ConfigError(f"{src}: field 'max_tokens' ({cfg.max_tokens}) would cut answers short of the lengths "
                           f"drawn, while each next turn's prompt holds the whole answer; cap the answers with "
                           f"lengths.output_max (or leave max_tokens at output)")
+    if cfg.lengths.kind == "prefix_repetition":
+        raise ConfigError(f"{src}: field 'lengths.kind': prefix_repetition builds whole prompts around shared "
+                          f"prefixes, not a session's turns (each turn's prompt is its history + new user "
+                          f"tokens); use sessions.system_prompt_tokens for a prefix all sessions share")
     if getattr(cfg.policy, "kind", None) == "static":
         raise ConfigError(f"{src}: field 'policy.kind': static batching waits for a full batch, and a session "
                           f"sends its next turn only after its reply, so the last sessions would wait forever; "
