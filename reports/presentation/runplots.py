@@ -310,7 +310,7 @@ def prefix_cache_timeline(requests: pd.DataFrame, cache: pd.DataFrame, num_block
     cached = admitted["num_cached_tokens"].to_numpy(dtype=np.float64)
     prompt = admitted["prompt_tokens"].to_numpy(dtype=np.float64)
     t_end = max(float(t[-1]) if len(t) else 0.0, float(cache["time_s"].max()) if len(cache) else 0.0, 1e-9)
-    edges = np.linspace(0.0, t_end, max(2, min(num_bins, max(len(t) // 4, 2))) + 1)
+    edges = np.linspace(0.0, t_end, max(2, min(num_bins // 2, len(t) // 10)) + 1)      # ~10+ requests a bin
     hit_sum, _ = np.histogram(t, bins=edges, weights=cached)
     query_sum, _ = np.histogram(t, bins=edges, weights=prompt)
     with np.errstate(invalid="ignore", divide="ignore"):
