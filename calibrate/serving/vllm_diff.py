@@ -285,8 +285,9 @@ def first_difference(case: Case, max_steps: int = 100_000) -> tuple[Difference |
 # ---- command line ------------------------------------------------------------------------------
 def case_from_workload(path: str, step_ms: float, num_requests: int | None,
                        overrides: Sequence[str]) -> Case:
-    """The workload's requests with arrivals on a ``step_ms`` grid, and its
-    vllm_v1 knobs (explicit ones, else vLLM's defaults)."""
+    """The workload's requests with arrivals on a ``step_ms`` grid, their
+    contents (what their prompts share, for prefix caching), and its vllm_v1
+    knobs (explicit ones, else vLLM's defaults)."""
     from sim.run.config import load_workload, parse_override
     from sim.run.runner import build_profile, kv_blocks, make_requests, policy_context
     from workloads.generate import generate
@@ -305,7 +306,8 @@ def case_from_workload(path: str, step_ms: float, num_requests: int | None,
                 max_num_seqs=policy.max_num_seqs, max_num_batched_tokens=policy.token_budget,
                 max_model_len=max_model_len, num_blocks=num_blocks, block_size=cfg.server.block_size,
                 long_prefill_token_threshold=pol.long_prefill_token_threshold, watermark=pol.watermark,
-                reserve_full_prompt=pol.reserve_full_prompt)
+                reserve_full_prompt=pol.reserve_full_prompt, enable_prefix_caching=pol.enable_prefix_caching,
+                contents=tuple(r.content for r in reqs) if specs.contents is not None else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
