@@ -118,15 +118,20 @@ def sweep_rows(table: pd.DataFrame, meta: dict[str, Any]) -> tuple[list[str], li
     reps = table["repetition"].nunique() > 1
     # every p99 the SLO constrains is shown, so that 'SLO met' can be checked from the table
     extra = [m for m in ("tpot", "e2el") if f"{m}_ms" in slo and f"p99_{m}_ms" in table.columns]
+    # the prefix cache's hit rate, when some run of the sweep had a cache
+    cache = "prefix_cache_hit_rate" in table.columns and bool(table["prefix_cache_hit_rate"].notna().any())
     headers = [*knobs, *(["rep"] if reps else []), "completed", "failed", "req/s", "output tok/s", "p50 TTFT ms",
-               "p99 TTFT ms", "p99 ITL ms", *(f"p99 {m.upper()} ms" for m in extra), *(["SLO met"] if slo else [])]
+               "p99 TTFT ms", "p99 ITL ms", *(f"p99 {m.upper()} ms" for m in extra),
+               *(["cache hits"] if cache else []), *(["SLO met"] if slo else [])]
     rows = []
     for i in order:
         r = table.loc[i]
+        hits = r["prefix_cache_hit_rate"] if cache else None
         rows.append([*(_knob(r, k, cols) for k, cols in knobs.items()), *([str(r["repetition"])] if reps else []),
                      f"{r['completed']:,}", f"{r['failed']:,}", f"{r['request_throughput']:.2f}",
                      _num(r["output_throughput"]), _num(r["p50_ttft_ms"]), _num(r["p99_ttft_ms"]),
                      _num(r["p99_itl_ms"]), *(_num(r[f"p99_{m}_ms"]) for m in extra),
+                     *([("-" if _missing(hits) else f"{100 * hits:.1f}%")] if cache else []),
                      *(["yes" if slo_met(r, slo) else "no"] if slo else [])])
     return headers, rows
 
