@@ -16,17 +16,15 @@ if TYPE_CHECKING:
     from sim.core.request import Request
 
 
-class BlockManager:
-    """A pool of ``num_blocks`` KV blocks of ``block_size`` tokens each.
+class KVPool:
+    """What every KV pool shares: ``num_blocks`` blocks of ``block_size``
+    tokens, a watermark, the block arithmetic and ``can_allocate`` over the
+    subclass's ``num_free_blocks``. ``BlockManager`` counts blocks;
+    ``sim.core.prefix.PrefixCachePool`` also caches them by content."""
 
-    ``watermark`` (a fraction of the pool, vLLM's default 0.01) is kept free
-    when admitting *new* requests, so running ones can still grow a little
-    before anything must be preempted.
-    """
+    caching = False             # True: blocks are cached by content (PrefixCachePool)
 
-    caching = False             # no prefix cache: sim.core.prefix.PrefixCachePool has one
-
-    __slots__ = ("num_blocks", "block_size", "watermark_blocks", "_free_ids", "_next_fresh")
+    __slots__ = ("num_blocks", "block_size", "watermark_blocks")
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -34,6 +32,40 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.watermark_blocks = int(watermark * num_blocks)
+
+    num_free_blocks: int        # a property of each pool
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, req: Request, num_tokens: int, *, use_watermark: bool = False) -> bool:
+        """Whether ``req`` can grow to hold ``num_tokens`` tokens now."""
+        missing = max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
+        reserve = self.watermark_blocks if use_watermark else 0
+        return missing <= self.num_free_blocks - reserve
+
+    def cached_prefix_blocks(self, req: Request) -> int:
+        """How many of ``req``'s leading prompt blocks the pool holds cached: none without a cache."""
+        return 0
+
+
+class BlockManager(KVPool):
+    """A pool of ``num_blocks`` KV blocks of ``block_size`` tokens each, counted.
+
+    ``watermark`` (a fraction of the pool, vLLM's default 0.01) is kept free
+    when admitting *new* requests, so running ones can still grow a little
+    before anything must be preempted.
+    """
+
+    __slots__ = ("_free_ids", "_next_fresh")
+
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0) -> None:
+        super().__init__(num_blocks, block_size, watermark)
         # The free blocks are a stack: on top the freed ones (``_free_ids``, popped
         # from the end: the request freed last gives its blocks back first, in
         # block-table order), below them the never-used ids _next_fresh,
@@ -51,16 +83,8 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self._next_fresh - len(self._free_ids)
 
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    def num_blocks_for(self, num_tokens: int) -> int:
-        """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
-        return -(-num_tokens // self.block_size)
-
     def can_allocate(self, req: Request, num_tokens: int, *, use_watermark: bool = False) -> bool:
-        """Whether ``req`` can grow to hold ``num_tokens`` tokens now."""
+        """Whether ``req`` can grow to hold ``num_tokens`` tokens now (``KVPool``'s, the count inline: a hot call)."""
         missing = max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
         reserve = self.watermark_blocks if use_watermark else 0
         return missing <= len(self._free_ids) + self.num_blocks - self._next_fresh - reserve
@@ -98,10 +122,6 @@ class BlockManager:
         else:
             return False
         return True
-
-    def cached_prefix_blocks(self, req: Request) -> int:
-        """No prefix cache: nothing is ever cached (``sim.core.prefix.PrefixCachePool``'s)."""
-        return 0
 
     def free(self, req: Request) -> None:
         """Return all of ``req``'s blocks to the pool."""

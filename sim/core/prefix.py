@@ -55,6 +55,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from sim.core.kv import KVPool
+
 if TYPE_CHECKING:
     from sim.core.request import Request
 
@@ -140,22 +142,18 @@ def extend_hashes(req: Request, num_tokens: int, block_size: int) -> list[int]:
     return hashes
 
 
-class PrefixCachePool:
+class PrefixCachePool(KVPool):
     """``num_blocks`` KV blocks of ``block_size`` tokens whose full blocks are
     cached by content (the module doc gives vLLM's rules). ``watermark`` as
     ``BlockManager``'s."""
 
     caching = True
 
-    __slots__ = ("num_blocks", "block_size", "watermark_blocks", "_front", "_next_fresh", "_lru", "_shared",
+    __slots__ = ("_front", "_next_fresh", "_lru", "_shared",
                  "_hash_of", "_cached", "_dups", "queries", "hits", "preempted_queries", "preempted_hits", "evictions")
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.watermark_blocks = int(watermark * num_blocks)
+        super().__init__(num_blocks, block_size, watermark)
         self._front: list[int] = []                 # unhashed free blocks; the end is the queue's front
         self._next_fresh = 0                        # never-used ids _next_fresh .. num_blocks - 1 come next
         self._lru: OrderedDict[int, None] = OrderedDict()   # hashed free blocks, evicted first to last
@@ -187,18 +185,6 @@ class PrefixCachePool:
     def num_cached_blocks(self) -> int:
         """Blocks with a hash, in use or free."""
         return len(self._hash_of)
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def can_allocate(self, req: Request, num_tokens: int, *, use_watermark: bool = False) -> bool:
-        missing = max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
-        reserve = self.watermark_blocks if use_watermark else 0
-        return missing <= self.num_free_blocks - reserve
 
     # ---- the free queue ---------------------------------------------------------------------------
     def _take(self, n: int, ids: list[int]) -> None:

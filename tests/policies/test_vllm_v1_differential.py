@@ -41,17 +41,25 @@ def random_case(seed: int) -> Case:
         o = rng.randint(1, min(max_model_len - p, 24 if short else 160))
         prompts.append(p)
         outputs.append(o)
-    budget = rng.choice([8, 16, 32, 64, 128, 256, 512, 2048])
-    max_num_seqs = min(budget, rng.choice([1, 2, 4, 8, 16, 64, 256]))
+    return _knobs(rng, prompts, outputs, block_size, max_model_len, [8, 16, 32, 64, 128, 256, 512, 2048],
+                  [1, 2, 4, 8, 16, 64, 256], threshold_off=0.5, at_once=0.5)
+
+
+def _knobs(rng: random.Random, prompts: list[int], outputs: list[int], block_size: int, max_model_len: int,
+           budgets: list[int], seqs: list[int], *, threshold_off: float, at_once: float, **case) -> Case:
+    """The case of these requests with knobs, a pool and arrivals drawn from ``rng``."""
+    budget = rng.choice(budgets)
+    max_num_seqs = min(budget, rng.choice(seqs))
     # The pool holds at least the largest request (and the null block), so
     # every request can run alone; from there up to far more than needed.
     need = max(-(-(p + o) // block_size) for p, o in zip(prompts, outputs)) + 1
     total = sum(-(-(p + o) // block_size) for p, o in zip(prompts, outputs)) + 1
     num_blocks = rng.choice([need, need + 1, need + rng.randint(0, need), max(need, total // 3),
                              max(need, total // 2), total + 8])
-    threshold = 0 if rng.random() < 0.5 else rng.randint(1, min(budget, max_model_len))   # vLLM: <= max_model_len
+    threshold = 0 if rng.random() < threshold_off else rng.randint(1, min(budget, max_model_len))  # vLLM: <= it
     watermark = 0.0 if rng.random() < 0.8 else rng.choice([0.01, 0.05, 0.2])
-    if rng.random() < 0.5:
+    num = len(prompts)
+    if rng.random() < at_once:
         arrivals = [0] * num
     else:
         span = rng.choice([5, 50, 500])
@@ -59,7 +67,7 @@ def random_case(seed: int) -> Case:
     return Case(prompts=tuple(prompts), outputs=tuple(outputs), arrival_steps=tuple(arrivals),
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
                 num_blocks=num_blocks, block_size=block_size, long_prefill_token_threshold=threshold,
-                watermark=watermark, reserve_full_prompt=rng.random() < 0.85)
+                watermark=watermark, reserve_full_prompt=rng.random() < 0.85, **case)
 
 
 def random_prefix_case(seed: int) -> Case:
@@ -103,24 +111,9 @@ def random_prefix_case(seed: int) -> Case:
         prompts.append(p)
         outputs.append(o)
         contents.append(content)
-    budget = rng.choice([8, 16, 32, 64, 128, 256, 2048])
-    max_num_seqs = min(budget, rng.choice([1, 2, 4, 8, 16, 256]))
-    need = max(-(-(p + o) // block_size) for p, o in zip(prompts, outputs)) + 1
-    total = sum(-(-(p + o) // block_size) for p, o in zip(prompts, outputs)) + 1
-    num_blocks = rng.choice([need, need + 1, need + rng.randint(0, need), max(need, total // 3),
-                             max(need, total // 2), total + 8])
-    threshold = 0 if rng.random() < 0.6 else rng.randint(1, min(budget, max_model_len))
-    watermark = 0.0 if rng.random() < 0.8 else rng.choice([0.01, 0.05, 0.2])
-    if rng.random() < 0.3:
-        arrivals = [0] * num
-    else:
-        span = rng.choice([5, 50, 500])
-        arrivals = sorted(rng.randint(0, span) for _ in range(num))
-    return Case(prompts=tuple(prompts), outputs=tuple(outputs), arrival_steps=tuple(arrivals),
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                num_blocks=num_blocks, block_size=block_size, long_prefill_token_threshold=threshold,
-                watermark=watermark, reserve_full_prompt=rng.random() < 0.85, enable_prefix_caching=True,
-                contents=tuple(contents))
+    return _knobs(rng, prompts, outputs, block_size, max_model_len, [8, 16, 32, 64, 128, 256, 2048],
+                  [1, 2, 4, 8, 16, 256], threshold_off=0.6, at_once=0.3, enable_prefix_caching=True,
+                  contents=tuple(contents))
 
 
 @pytest.mark.parametrize("seed", range(SEED0, SEED0 + NUM_CASES))
