@@ -31,14 +31,15 @@ WORKLOADS = st.lists(st.tuples(st.floats(0.0, 0.05), st.integers(1, 300), st.int
                      max_size=30)
 
 
-def _run(specs, cfg, num_blocks, *, fast: bool, check: bool = False, policy=None):
+def _run(specs, cfg, num_blocks, *, fast: bool, check: bool = False, policy=None, contents=None):
     sim.loop.server.FAST_PATH = fast
     try:
         server, reqs = simulate(specs, cfg, num_blocks=num_blocks, block_size=8, max_model_len=512,
-                                check_stretch=check, policy=policy)
+                                check_stretch=check, policy=policy, contents=contents)
     finally:
         sim.loop.server.FAST_PATH = True
-    return server, [(r.first_token_s, r.finished_s, r.num_output_tokens, r.num_preemptions) for r in reqs]
+    return server, [(r.first_token_s, r.finished_s, r.num_output_tokens, r.num_preemptions, r.num_cached_tokens)
+                    for r in reqs]
 
 
 def _specs(raw):
@@ -89,17 +90,11 @@ def test_check_mode_with_shared_prefixes(raw, num_blocks, reserve, budget) -> No
         specs.append((t, prompt, output))
         contents.append((5000 + i, *runs))
     cfg = VllmV1Config(max_num_seqs=8, max_num_batched_tokens=budget, reserve_full_prompt=reserve)
-    outcome = []
-    for fast, check in ((True, True), (True, False), (False, False)):
-        sim.loop.server.FAST_PATH = fast
-        try:
-            server, reqs = simulate(specs, cfg, num_blocks=num_blocks, block_size=8, max_model_len=512,
-                                    check_stretch=check, contents=contents)
-        finally:
-            sim.loop.server.FAST_PATH = True
-        assert server.state.kv.caching
-        outcome.append([(r.first_token_s, r.finished_s, r.num_cached_tokens, r.num_preemptions) for r in reqs])
-    assert outcome[0] == outcome[1] == outcome[2]
+    server, checked = _run(specs, cfg, num_blocks, fast=True, check=True, contents=contents)
+    assert server.state.kv.caching
+    _, fast = _run(specs, cfg, num_blocks, fast=True, contents=contents)
+    _, stepped = _run(specs, cfg, num_blocks, fast=False, contents=contents)
+    assert checked == fast == stepped
 
 
 @pytest.mark.parametrize("kind", STRETCHING)
