@@ -22,7 +22,7 @@ from calibrate.fit import CurveGrid, fit_curves
 from calibrate.schema import Shape
 from calibrate.serving.calibrate_server import calibrate_server, main, traffic
 from calibrate.serving.client import ServerInfo
-from calibrate.serving.probes import Knobs, Sent, SimTransport, align, analyse, combine
+from calibrate.serving.probes import HttpTransport, Knobs, Sent, SimTransport, align, analyse, combine, tag_length
 from sim.core.batch import Batch, BatchItem
 from sim.run.config import ConfigError, workload_from_dict
 from sim.cost.profile import load_profile
@@ -218,6 +218,50 @@ def test_knob_flags_override_and_are_recorded():
                            max_num_seqs=16, max_num_batched_tokens=256)
     assert cal.profile.engine["knob_source"] == {"max_num_batched_tokens": "flag", "max_num_seqs": "flag"}
     assert cal.profile.fit_error["fit_num_points"] > 0
+
+
+# ---- probes never hit a prefix cache ------------------------------------------------------------
+def test_probe_tags_spell_nonce_and_serial_in_leading_tokens():
+    # vocab 13: 10 digits (ids 3..12); 2^48 needs 15 of them (10^14 < 2^48 = 2.8e14 <= 10^15)
+    assert tag_length(13) == 15 and tag_length(4096) == 5 and tag_length(4099) == 4
+    tr = HttpTransport("http://x", "m", 13, seed=0, nonce=1)
+    # serial 0, 1 with nonce 1: the numbers 1 << 24 = 16777216 and 16777217; base-10 digits, lowest
+    # first, each + 3: 16777216 -> 6,1,2,7,7,7,6,1,0,... -> 9,4,5,10,10,10,9,4,3,...
+    first, second = tr.prompts([Sent(0.0, 20, 1), Sent(0.0, 20, 1)])
+    assert first[:15] == [9, 4, 5, 10, 10, 10, 9, 4, 3, 3, 3, 3, 3, 3, 3]
+    assert second[:15] == [10] + first[1:15]                                # 16777217: lowest digit 7 -> 10
+    assert len(first) == 20 and min(first + second) >= 3                    # no special id 0-2
+    assert tr.prompts([Sent(0.0, 3, 1)]) == [[11, 4, 5]]                     # 16777218, shorter than its tag
+    with pytest.raises(ValueError, match="at least 2 ids"):
+        HttpTransport("http://x", "m", 4)
+
+
+class _RecordingTransport(SimTransport):
+    """A simulated server that also makes, for every probe, the prompt a real server would get."""
+
+    def __init__(self, *args, vocab_size: int, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.http = HttpTransport("http://x", "m", vocab_size, seed=0)
+        self.prompts: list[list[int]] = []
+
+    def __call__(self, sents):
+        self.prompts += self.http.prompts(sents)
+        return super().__call__(sents)
+
+
+def test_no_two_probes_of_a_calibration_share_a_first_block():
+    """Every probe of a calibration (knob inference, designs, traffic, self-check): with the
+    tiny model's 4,096 ids the tags take 5 tokens, so the first 16 tokens (vLLM's smallest
+    usual block) of any two prompts at least 5 long differ, repeated designs included
+    (B: sends k identical Sents)."""
+    tr = _RecordingTransport(load_profile(TRUE_PROFILE), max_num_seqs=16, max_num_batched_tokens=256,
+                             max_model_len=2048, seed=3, vocab_size=4096)
+    calibrate_server("http://simulated", budget_s=25, transport=tr, info=_info(False))
+    heads = [tuple(p[:16]) for p in tr.prompts if len(p) >= 16]
+    assert len(tr.prompts) > 300 and len(heads) > 200
+    assert len(set(heads)) == len(heads)
+    tags = [tuple(p[:5]) for p in tr.prompts if len(p) >= 5]
+    assert len(set(tags)) == len(tags)
 
 
 # ---- the simulator takes the measured server's facts -----------------------------------------------
