@@ -44,7 +44,8 @@ chunk, then 1 decode + 489 tokens (first token of the prompt): step shapes
 (``tests/serving/test_server_calibrate.py`` checks it on a hand-made timeline).
 
 The rest of the module sends probes (``HttpTransport`` to a real server,
-``SimTransport`` to a simulated one with a known profile) and reads or infers
+each prompt tagged so that none hits a prefix cache; ``SimTransport`` to a
+simulated one with a known profile) and reads or infers
 the server's knobs (``read_server``, ``model_facts``, ``infer_knobs``).
 """
 

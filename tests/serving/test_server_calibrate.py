@@ -339,7 +339,7 @@ else:                                         # not there: start our own
         from calibrate.serving.tiny_model import write_preset
         folder = write_preset(tmp_path_factory.mktemp("model") / "tiny-llama")
         with VllmServer(folder, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
-                        enforce_eager=True) as server:
+                        enforce_eager=True, prefix_caching=True) as server:
             yield server
 
 
@@ -365,6 +365,10 @@ def test_calibrate_a_real_vllm_server(vllm_server, tmp_path):
     assert errs and all(math.isfinite(v) for v in errs)
     assert fe["elapsed_s"] < 75 * 1.3
     assert prof.provenance["url"] == vllm_server.url and prof.provenance["vllm_version"]
+    # the server caches prefixes, but no probe hit it (their prompts differ from the first tokens on)
+    cache = prof.provenance["prefix_cache"]
+    assert cache["enabled"] is info.enable_prefix_caching is True
+    assert cache["queries"] > 10_000 and cache["hits"] == 0
     assert (out.with_suffix(".csv")).is_file()
     # the profile drives the simulator with the server's knobs
     batch = Batch((BatchItem(0, 100, 0), BatchItem(1, 1, 50)))
