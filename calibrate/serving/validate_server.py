@@ -159,19 +159,25 @@ def load_line(load: dict[str, Any]) -> str:
             f"{load['cpus']} CPUs (the server's speed moves with the load)")
 
 
-def special_ids(info: Any) -> set[int]:
-    """Ids a replayed prompt leaves out: 0-2 (the tiny model's unk, bos, eos) and the
-    bos / eos / pad ids of the served model's config.json when it is readable here."""
+def model_config(info: Any) -> dict[str, Any]:
+    """The served model's config.json when its folder (``/v1/models``' root) is readable here, else {}."""
     import json
 
-    out = {0, 1, 2}
     root = next((m.get("root") for m in ((info.raw or {}).get("models") or {}).get("data", [])), None)
     try:
         cfg = json.loads((Path(root) / "config.json").read_text()) if root else {}
     except (OSError, ValueError):
-        cfg = {}
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def special_ids(info: Any) -> set[int]:
+    """Ids a replayed prompt leaves out: 0-2 (the tiny model's unk, bos, eos) and the
+    bos / eos / pad ids of the served model's config.json (``model_config``)."""
+    out = {0, 1, 2}
+    cfg = model_config(info)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        value = cfg.get(key) if isinstance(cfg, dict) else None
+        value = cfg.get(key)
         out.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
     return out
 
@@ -213,9 +219,9 @@ def measure_server(cfg: WorkloadConfig, url: str, info: Any, vocab_size: int, ma
     cap = getattr(cfg.arrivals, "max_concurrency", None)     # vllm bench serve --max-concurrency
     think = float(getattr(cfg.arrivals, "think_time_s", 0.0) or 0.0) if think_time_s is None else think_time_s
     if vocab_size <= 3:
-        raise ConfigError(f"{cfg.source}: the profile's model has vocab_size {vocab_size}, too few ids for a "
-                          f"replayed prompt; recalibrate with --model-config (the model's config.json) or pass a "
-                          f"profile whose model shape is known")
+        raise ConfigError(f"{cfg.source}: the model's vocab_size is {vocab_size}, too few ids for a replayed "
+                          f"prompt (the profile's model shape is a placeholder?); recalibrate with --model-config "
+                          f"(the model's config.json) or pass a profile whose model shape is known")
     plan = ReplayPlan.of_requests(specs.contents, specs.prompt_tokens, vocab_size,
                                   fresh_salt() if salt is None else salt, special_ids(info))
     follows = [bool(w) for w in plan.waits_for]
@@ -406,14 +412,8 @@ def sends_specs(m: Measurement, specs: RequestSpecs) -> RequestSpecs:
 
 
 def _vocab_size(info: Any, prof: Profile) -> int:
-    """The served model's vocabulary: its config.json when readable here, else the profile's model."""
-    import json
-
-    root = next((m.get("root") for m in ((info.raw or {}).get("models") or {}).get("data", [])), None)
-    try:
-        value = json.loads((Path(root) / "config.json").read_text()).get("vocab_size") if root else None
-    except (OSError, ValueError, AttributeError):
-        value = None
+    """The served model's vocabulary: its config.json's (``model_config``), else the profile's model's."""
+    value = model_config(info).get("vocab_size")
     return int(value) if isinstance(value, int) and value > 0 else int(prof.model.vocab_size)
 
 
