@@ -270,7 +270,7 @@ def calibrate_server(url: str, *, budget_s: float, seed: int = 0, progress: Prog
         prof.provenance["prefix_cache"] = cache = prefix_cache_record(
             info.enable_prefix_caching, counters0, prefix_counters(url))
         if cache["hits"]:
-            say(f"warning: the server's prefix cache hit {cache['hits']:g} of the {cache['queries']:g} prompt "
+            say(f"warning: the server's prefix cache hit {cache['hits']} of the {cache['queries']} prompt "
                 f"tokens of the probes (they are built to miss it: was other traffic sharing the server?); "
                 f"the times of those prefills are short")
     return cal
@@ -292,7 +292,7 @@ def prefix_cache_record(enabled: bool | None, before: dict[str, float | None],
     delta = {}
     for key, name in zip(("queries", "hits"), PREFIX_COUNTERS):
         a, b = before.get(name), after.get(name)
-        delta[key] = None if a is None or b is None else b - a
+        delta[key] = None if a is None or b is None else int(round(b - a))
     return {"enabled": enabled, **delta,
             "note": "the probes' prompts differ from their first tokens on (probes.HttpTransport), so a "
                     "prefix cache never hits them"}

@@ -236,6 +236,17 @@ def test_probe_tags_spell_nonce_and_serial_in_leading_tokens():
         HttpTransport("http://x", "m", 4)
 
 
+def test_prefix_cache_record_is_the_counters_growth():
+    from calibrate.serving.calibrate_server import PREFIX_COUNTERS, prefix_cache_record
+
+    queries, hits = PREFIX_COUNTERS
+    # 1200 -> 5200 tokens queried, 256 hit before and after: 4000 queried during the calibration, none hit
+    rec = prefix_cache_record(True, {queries: 1200.0, hits: 256.0}, {queries: 5200.0, hits: 256.0})
+    assert (rec["enabled"], rec["queries"], rec["hits"]) == (True, 4000, 0)
+    rec = prefix_cache_record(None, {queries: None, hits: None}, {queries: 5.0, hits: 0.0})   # unreadable before
+    assert (rec["enabled"], rec["queries"], rec["hits"]) == (None, None, None)
+
+
 class _RecordingTransport(SimTransport):
     """A simulated server that also makes, for every probe, the prompt a real server would get."""
 
