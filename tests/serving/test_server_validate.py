@@ -570,10 +570,12 @@ def test_server_hit_rate_matches_hand_count_and_the_simulation_over_repeats(vllm
 @needs_vllm
 def test_validate_repeat_from_the_command_line(tmp_path, vllm_server, capsys):
     """--repeat 2: the table shows the live spread, report.json each run, measured-2/ the second;
-    the workload's random prompts share nothing, so both sides hit 0% of the server's cache."""
+    the workload's random prompts share nothing, so both sides hit 0% of the server's cache. The
+    workload turns prefix caching off, the server has it on: the simulation follows the server."""
     url = getattr(vllm_server, "url", vllm_server)
     wl = write(tmp_path, SERVER_WORKLOAD.replace("num_requests: 40", "num_requests: 10")
-               .replace("rate: 4, cv: 2", "rate: 8, cv: 1"), "w.yaml")
+               .replace("rate: 4, cv: 2", "rate: 8, cv: 1")
+               .replace("policy: {kind: vllm_v1}", "policy: {kind: vllm_v1, enable_prefix_caching: false}"), "w.yaml")
     out = tmp_path / "report"
     assert main(["validate", str(wl), "--server", url, "--profile", str(PROFILE), "--out", str(out), "--quiet",
                  "--repeat", "2"]) == 0
@@ -587,3 +589,7 @@ def test_validate_repeat_from_the_command_line(tmp_path, vllm_server, capsys):
     assert sorted(r["output_throughput"] for r in body["live_runs"]) == pytest.approx([lo, hi])
     assert (rows["prefix_cache_hit_rate"]["live"], rows["prefix_cache_hit_rate"]["sim"]) == (0.0, 0.0)
     assert [r["prefix_cache_hits"] for r in body["live_runs"]] == [0, 0]
+    assert body["policy"]["enable_prefix_caching"] is True
+    assert body["prefix_caching"]["server"] is True and body["prefix_caching"]["simulated"] is True
+    assert any("the server has prefix caching on, the workload's policy off; the simulation follows the "
+               "server" in n for n in body["notes"])
