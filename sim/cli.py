@@ -234,7 +234,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from sim.run.config import ConfigError
     check_budget(args.budget_s)
+    if args.repeat < 1:
+        raise ConfigError(f"--repeat must be >= 1, got {args.repeat}")
+    if args.repeat > 1 and not args.server:
+        raise ConfigError(f"--repeat {args.repeat}: only a live replay against a server (--server URL) can be "
+                          f"repeated")
     if args.server or args.measured:    # a real vLLM server, live or from a saved benchmark (no torch)
         from calibrate.serving.validate_server import main as validate_server_main
         return validate_server_main(args)
@@ -378,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--out", help="report directory")
     v.add_argument("--quiet", action="store_true", help="--server: no progress on stderr")
     v.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a workload field (repeatable)")
+    v.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="--server: replay the workload N times; the table gives the live spread beside each "
+                        "error, and a target is met within its limit or inside that spread (default 1)")
     v.add_argument("--budget-s", type=float, default=120.0, help="calibration budget if calibrating")
     v.add_argument("--threads", type=int, help="torch engine: CPU threads (default: torch's)")
     v.set_defaults(func=cmd_validate)

@@ -6,7 +6,9 @@ of the session. Each fixture skips when what it needs is not installed.
 
 ``vllm_server``: the ``tiny-llama`` model with ``max_num_seqs`` 8,
 ``max_num_batched_tokens`` 256, ``max_model_len`` 1024, a 64 MiB KV cache
-(128 blocks of 128 tokens) and ``enforce_eager`` (no 30 s compilation).
+(128 blocks of 128 tokens), prefix caching on (vLLM's default: calibration
+probes must miss it, validation compares its hit rate) and ``enforce_eager``
+(no 30 s compilation).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ VLLM_MAX_NUM_SEQS = 8
 VLLM_MAX_NUM_BATCHED_TOKENS = 256
 VLLM_MAX_MODEL_LEN = 1024
 VLLM_KV_CACHE_BYTES = 64 * 1024**2
+VLLM_PREFIX_CACHING = True
 
 # One model folder and one server per session, even where several modules define the
 # fixtures (by importing them rather than loading the plugin).
@@ -57,7 +60,7 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer
         server = _shared_server["server"] = VllmServer(
             _model_dir(tmp_path_factory), max_num_seqs=VLLM_MAX_NUM_SEQS,
             max_num_batched_tokens=VLLM_MAX_NUM_BATCHED_TOKENS, max_model_len=VLLM_MAX_MODEL_LEN,
-            kv_cache_bytes=VLLM_KV_CACHE_BYTES, enforce_eager=True,
+            kv_cache_bytes=VLLM_KV_CACHE_BYTES, enforce_eager=True, prefix_caching=VLLM_PREFIX_CACHING,
             log_path=tmp_path_factory.mktemp("vllm-log") / "server.log").start()
     yield server
     if owner:

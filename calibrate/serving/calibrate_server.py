@@ -39,6 +39,14 @@ each request by it before the server sees it. The same overhead bounded from
 prompts that joined a busy engine is stored beside it
 (``request_overhead_busy_s``, for information).
 
+Prefix caching: a cache hit would skip the prefill a probe times, so every
+probe prompt starts with a tag of its own (``probes.HttpTransport``: a
+calibration's prompts differ within their first ``tag_length`` tokens, 3-5
+for real vocabularies, fewer than any KV block holds). The server's
+``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total``
+are read before and after; their growth is stored in
+``provenance.prefix_cache`` (hits should be 0; a warning says otherwise).
+
 Self-check (held out, after the fit): fresh random traffic of the same kind,
 at about 50% and 80% of the capacity the fitted profile predicts, is
 replayed against the server and simulated with
@@ -182,6 +190,7 @@ def calibrate_server(url: str, *, budget_s: float, seed: int = 0, progress: Prog
     loads = [os.getloadavg()[0]]
     info, version = (info, None) if info is not None else read_server(url)
     facts = model_facts(info, model_config)
+    counters0 = prefix_counters(url) if transport is None else None
     transport = transport or HttpTransport(url, info.model, facts.vocab_size, seed)
     rng = np.random.default_rng(seed)
     knobs, costs = infer_knobs(info, transport, say, kv_bytes_per_token=facts.kv_bytes_per_token,
@@ -257,7 +266,36 @@ def calibrate_server(url: str, *, budget_s: float, seed: int = 0, progress: Prog
     prof.fit_error["elapsed_s"] = round(clock() - start, 1)
     loads.append(os.getloadavg()[0])
     prof.provenance["machine"].update(load_1min_min=min(loads), load_1min_max=max(loads))
+    if counters0 is not None:
+        prof.provenance["prefix_cache"] = cache = prefix_cache_record(
+            info.enable_prefix_caching, counters0, prefix_counters(url))
+        if cache["hits"]:
+            say(f"warning: the server's prefix cache hit {cache['hits']} of the {cache['queries']} prompt "
+                f"tokens of the probes (they are built to miss it: was other traffic sharing the server?); "
+                f"the times of those prefills are short")
     return cal
+
+
+PREFIX_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+
+
+def prefix_counters(url: str) -> dict[str, float | None]:
+    """The server's prefix-cache counters (tokens queried and hit, new requests), None where unreadable."""
+    from calibrate.serving.client import metric_totals
+    return metric_totals(url, PREFIX_COUNTERS)
+
+
+def prefix_cache_record(enabled: bool | None, before: dict[str, float | None],
+                        after: dict[str, float | None]) -> dict[str, Any]:
+    """provenance.prefix_cache: whether the server caches prefixes and the counters'
+    growth over the calibration (None where a reading is missing); ``hits`` should be 0."""
+    delta = {}
+    for key, name in zip(("queries", "hits"), PREFIX_COUNTERS):
+        a, b = before.get(name), after.get(name)
+        delta[key] = None if a is None or b is None else int(round(b - a))
+    return {"enabled": enabled, **delta,
+            "note": "the probes' prompts differ from their first tokens on (probes.HttpTransport), so a "
+                    "prefix cache never hits them"}
 
 
 def _dump(name: str, sents: list[Sent], ses: Session, exc: Exception) -> None:

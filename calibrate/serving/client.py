@@ -2,9 +2,12 @@
 
 asyncio streams, HTTP/1.1 (chunked transfer encoding) and server-sent events:
 no torch, no vLLM, no third-party package. ``stream_completion`` sends one
-token-id prompt with a forced output length and times every output token;
-``replay`` sends a timed schedule of them concurrently; ``server_info`` reads
-a vLLM server's model length, KV-cache capacity and scheduler knobs.
+token-id prompt with a forced output length and times every output token
+(and, asked, keeps the ids the server generated); ``replay`` sends a timed
+schedule of them concurrently, a request that waits for earlier ones (a
+session's next turn) a think time after their replies; ``server_info`` reads
+a vLLM server's model length, KV-cache capacity and scheduler knobs;
+``metric_totals`` reads its Prometheus counters.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ class StreamResult:
     given, else ``len(token_times_s)``; they differ only if a server without
     continuous usage stats packs several tokens in one event. On failure
     ``error`` says why and the other fields keep what arrived before it.
+    ``token_ids``: the output token ids the server sent (vLLM's
+    ``return_token_ids``), None unless asked for. ``scheduled_s``: when
+    ``replay`` meant to send it (None outside ``replay``); ``end_s``: when
+    its exchange ended.
     """
 
     index: int
@@ -45,6 +52,9 @@ class StreamResult:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None
+    token_ids: list[int] | None = None
+    scheduled_s: float | None = None
+    end_s: float | None = None
 
 
 @dataclass
@@ -70,17 +80,23 @@ class _StreamEnded(Exception):
 
 
 async def stream_completion(url: str, model: str, prompt_token_ids: list[int], max_tokens: int, *,
-                            index: int = 0, timeout_s: float = 600.0) -> StreamResult:
+                            index: int = 0, timeout_s: float = 600.0,
+                            return_token_ids: bool = False) -> StreamResult:
     """Stream one completion of exactly ``max_tokens`` tokens (``ignore_eos``, greedy).
 
     ``url`` is the server root (``http://host:port``, optionally with a path
-    prefix). Never raises for network or server failures (see StreamResult);
-    the whole exchange is bounded by ``timeout_s``.
+    prefix). ``return_token_ids``: ask for the generated ids (vLLM's
+    ``return_token_ids``: each event's ``token_ids`` holds its new ones) and
+    keep them in ``token_ids``. Never raises for network or server failures
+    (see StreamResult); the whole exchange is bounded by ``timeout_s``.
     """
-    result = StreamResult(index, time.perf_counter(), [], len(prompt_token_ids), 0)
+    result = StreamResult(index, time.perf_counter(), [], len(prompt_token_ids), 0,
+                          token_ids=[] if return_token_ids else None)
     body = {"model": model, "prompt": prompt_token_ids, "max_tokens": max_tokens,
             "min_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if return_token_ids:
+        body["return_token_ids"] = True
     try:
         await asyncio.wait_for(_exchange(url, json.dumps(body).encode(), result), timeout_s)
     except asyncio.TimeoutError:
@@ -95,6 +111,7 @@ async def stream_completion(url: str, model: str, prompt_token_ids: list[int], m
         result.error += f" ({len(result.token_times_s)} tokens received)"
     if result.num_output_tokens == 0:
         result.num_output_tokens = len(result.token_times_s)
+    result.end_s = time.perf_counter()
     return result
 
 
@@ -186,6 +203,8 @@ async def _read_events(pieces: AsyncIterator[bytes], result: StreamResult) -> No
             if "error" in obj:
                 raise _HttpError(f"server error in stream: {_error_message(data.encode())}")
             result.token_times_s.extend([now] * _new_tokens(obj, usage_tokens))
+            if result.token_ids is not None and (obj.get("choices") or [{}])[0].get("token_ids"):
+                result.token_ids.extend(int(t) for t in obj["choices"][0]["token_ids"])
             usage = obj.get("usage") or {}
             if isinstance(usage.get("completion_tokens"), int):
                 usage_tokens = usage["completion_tokens"]
@@ -209,25 +228,58 @@ def _new_tokens(obj: dict[str, Any], usage_tokens: int) -> int:
 
 async def replay(url: str, model: str, schedule: Sequence[tuple[float, list[int], int]], *,
                  max_concurrency: int | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> list[StreamResult]:
+                 progress: Callable[[int, int], None] | None = None,
+                 waits_for: Sequence[Sequence[int]] | None = None, think_time_s: float = 0.0,
+                 prompt_at_send: Callable[[int, Sequence[StreamResult | None]], list[int]] | None = None,
+                 return_token_ids: Sequence[bool] | bool = False) -> list[StreamResult]:
     """Send each ``(offset_s, prompt_token_ids, max_tokens)`` at ``offset_s`` after the start.
 
     All run concurrently; with ``max_concurrency`` later ones wait for a slot
-    (``send_s`` is when each was actually sent). ``progress(done, total)`` is
-    called as each finishes. Returns the results in schedule order.
+    (``send_s`` is when each was actually sent, ``scheduled_s`` when it was
+    due). ``waits_for[i]``: earlier items that item ``i`` follows (a
+    session's next turn): it is due ``think_time_s`` after the last of them
+    ended, whatever its offset. ``prompt_at_send(i, results)``, if given,
+    makes item ``i``'s prompt when it is due, from the results so far (None:
+    not ended yet); else the schedule's prompt is sent. ``return_token_ids``
+    (one flag, or one per item) asks for the generated ids. ``progress(done,
+    total)`` is called as each finishes. Returns the results in schedule order.
     """
+    n = len(schedule)
+    after = [list(w) for w in waits_for] if waits_for is not None else [[] for _ in range(n)]
+    if len(after) != n:
+        raise ValueError(f"waits_for has {len(after)} entries for {n} schedule items")
+    for i, deps in enumerate(after):
+        if any(not 0 <= j < i for j in deps):
+            raise ValueError(f"item {i} waits for {deps}: only earlier items can be waited for")
+    ids_wanted = [return_token_ids] * n if isinstance(return_token_ids, bool) else list(return_token_ids)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     start = time.perf_counter()
     done = 0
+    results: list[StreamResult | None] = [None] * n
+    ended = [asyncio.Event() for _ in range(n)]
 
     async def one(i: int, offset_s: float, prompt: list[int], max_tokens: int) -> StreamResult:
         nonlocal done
-        await asyncio.sleep(max(0.0, start + offset_s - time.perf_counter()))
-        async with limit:
-            res = await stream_completion(url, model, prompt, max_tokens, index=i)
+        try:
+            if after[i]:
+                for j in after[i]:
+                    await ended[j].wait()
+                due = max(results[j].end_s or start for j in after[i]) + think_time_s  # type: ignore[union-attr]
+            else:
+                due = start + offset_s
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            if prompt_at_send is not None:
+                prompt = prompt_at_send(i, results)
+            async with limit:
+                res = await stream_completion(url, model, prompt, max_tokens, index=i,
+                                              return_token_ids=bool(ids_wanted[i]))
+            res.scheduled_s = due
+            results[i] = res
+        finally:
+            ended[i].set()
         done += 1
         if progress is not None:
-            progress(done, len(schedule))
+            progress(done, n)
         return res
 
     return list(await asyncio.gather(*(one(i, *item) for i, item in enumerate(schedule))))
@@ -274,6 +326,23 @@ def server_info(url: str, timeout_s: float = 10.0) -> ServerInfo:
         max_num_seqs=_int(sched.get("max_num_seqs")),
         max_num_batched_tokens=_int(sched.get("max_num_batched_tokens")),
         raw={"models": models, "info_gauges": info_gauges, "vllm_config": config})
+
+
+def metric_totals(url: str, names: Iterable[str], timeout_s: float = 5.0) -> dict[str, float | None]:
+    """Each Prometheus counter of ``names`` summed over its label sets, from the
+    server's ``/metrics``; None for a name it does not export or when
+    ``/metrics`` cannot be read."""
+    names = list(names)
+    try:
+        text = _get(url.rstrip("/") + "/metrics", timeout_s).decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return dict.fromkeys(names)
+    out: dict[str, float | None] = {}
+    for name in names:
+        values = [float(m.group(1)) for m in
+                  re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+        out[name] = sum(values) if values else None
+    return out
 
 
 def _get(url: str, timeout_s: float) -> bytes:

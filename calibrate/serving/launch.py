@@ -73,7 +73,9 @@ class VllmServer:
     """A vLLM server subprocess, usable as a context manager.
 
     A knob left at ``None`` is not passed, so vLLM's own default applies.
-    Prefix caching is always off. KV cache: ``kv_cache_bytes`` (exact, via
+    Prefix caching is off (``--no-enable-prefix-caching``) unless
+    ``prefix_caching`` (then ``--enable-prefix-caching``; vLLM's own default is
+    on, so it is always passed one way or the other). KV cache: ``kv_cache_bytes`` (exact, via
     ``--kv-cache-memory-bytes``) wins over ``kv_cache_space_gib``
     (``VLLM_CPU_KVCACHE_SPACE``); with both None vLLM sizes it from free
     memory. The environment is the caller's, with the thread variables set or,
@@ -95,7 +97,7 @@ class VllmServer:
                  enforce_eager: bool = False, kv_cache_space_gib: int | None = 1,
                  kv_cache_bytes: int | None = None, threads_bind: str = "auto",
                  reserved_cpus: int | None = None, omp_num_threads: int | None = None,
-                 dev_mode: bool = True, served_model_name: str | None = None,
+                 dev_mode: bool = True, served_model_name: str | None = None, prefix_caching: bool = False,
                  extra_args: Sequence[str] = (), python: str = sys.executable,
                  log_path: str | os.PathLike[str] | None = None,
                  startup_timeout_s: float = 300.0, stop_grace_s: float = 15.0,
@@ -116,7 +118,7 @@ class VllmServer:
         self.command: list[str] = [
             python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--host", host, "--port", str(self.port), "--dtype", dtype, "--seed", str(seed),
-            "--no-enable-prefix-caching",
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
             *[part for flag, value in knobs.items() if value is not None for part in (flag, str(value))],
             *(["--enforce-eager"] if enforce_eager else []), *extra_args]
         self.env: dict[str, str] = dict(os.environ)
@@ -260,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-bytes", type=int, help="exact KV cache size (wins over GiB)")
     parser.add_argument("--threads-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
     parser.add_argument("--enforce-eager", action="store_true", help="skip torch.compile")
+    parser.add_argument("--prefix-caching", action="store_true", help="turn vLLM's prefix caching on (default off)")
     parser.add_argument("--log", help="server log file (default: a temporary file)")
     parser.add_argument("--timeout", type=float, default=300.0, help="start-up timeout, seconds")
     parser.add_argument("extra", nargs="*", help="extra vLLM arguments (after --)")
@@ -273,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                         seed=args.seed, kv_cache_space_gib=args.kv_cache_gib,
                         kv_cache_bytes=args.kv_cache_bytes,
                         threads_bind=args.threads_bind, enforce_eager=args.enforce_eager,
+                        prefix_caching=args.prefix_caching,
                         extra_args=args.extra, log_path=args.log, startup_timeout_s=args.timeout)
     try:
         with server:

@@ -44,13 +44,15 @@ chunk, then 1 decode + 489 tokens (first token of the prompt): step shapes
 (``tests/serving/test_server_calibrate.py`` checks it on a hand-made timeline).
 
 The rest of the module sends probes (``HttpTransport`` to a real server,
-``SimTransport`` to a simulated one with a known profile) and reads or infers
+each prompt tagged so that none hits a prefix cache; ``SimTransport`` to a
+simulated one with a known profile) and reads or infers
 the server's knobs (``read_server``, ``model_facts``, ``infer_knobs``).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -442,20 +444,71 @@ class Session:
 Transport = Callable[[Sequence[Sent]], Session]
 
 
-class HttpTransport:
-    """Sends a session to a real server (``client.replay``), fresh random prompt ids per request."""
+PROBE_SPECIAL_IDS = (0, 1, 2)    # left out of probe prompts (unk, bos, eos of the tiny model)
+SERIAL_BITS = 24                 # probes one transport can number (16.7 million)
+NONCE_BITS = 24                  # the transport's own number, drawn at random
 
-    def __init__(self, url: str, model: str, vocab_size: int, seed: int = 0) -> None:
+
+def tag_length(vocab_size: int) -> int:
+    """Tokens a probe's leading tag takes: the fewest base ``vocab_size - 3`` digits
+    that spell any ``NONCE_BITS + SERIAL_BITS``-bit number (5 for the tiny model's
+    4,096 ids: 4093^4 < 2^48; 3 for Llama 3's 128,256)."""
+    base = vocab_size - len(PROBE_SPECIAL_IDS)
+    if base < 2:
+        raise ValueError(f"vocab_size {vocab_size}: a probe prompt needs at least 2 ids besides "
+                         f"{PROBE_SPECIAL_IDS}")
+    digits, span = 1, base
+    while span < 1 << (SERIAL_BITS + NONCE_BITS):
+        digits, span = digits + 1, span * base
+    return digits
+
+
+class HttpTransport:
+    """Sends a session to a real server (``client.replay``), a prompt of its own per request.
+
+    Probes must not hit a prefix cache (vLLM's is on by default): a hit skips
+    the prefill that the probe times. Every prompt therefore starts with a
+    tag of ``tag_length(vocab_size)`` tokens (5 for the tiny model's 4,096
+    ids) that spells ``nonce << 24 | serial`` in base ``vocab_size - 3``
+    (digit d is id d + 3, so ids 0-2 never appear): ``serial`` counts the
+    transport's prompts and ``nonce`` is drawn from the OS per transport
+    (``nonce`` fixes it, for tests). Two prompts of one calibration thus
+    differ within their first ``tag_length`` tokens, so no two share a first
+    KV block of that many tokens or more (vLLM's are 16 or 128): a prefix
+    cache, which matches from the first block on, never hits. Prompts of
+    another calibration differ from them but for a 2^-24 chance. The rest of
+    each prompt is random ids (``client.prompt_ids``, seeded by ``seed`` and
+    the serial)."""
+
+    def __init__(self, url: str, model: str, vocab_size: int, seed: int = 0, nonce: int | None = None) -> None:
         self.url, self.model, self.vocab_size = url, model, vocab_size
         self._seed = seed * 1_000_003
+        self._serial = 0
+        self.nonce = (int.from_bytes(os.urandom(4), "little") if nonce is None else nonce) % (1 << NONCE_BITS)
+        self.tag_len = tag_length(vocab_size)
+
+    def prompts(self, sents: Sequence[Sent]) -> list[list[int]]:
+        """The next prompts, one per probe of ``sents`` (the class doc's rule)."""
+        from calibrate.serving import client
+        base, k = self.vocab_size - len(PROBE_SPECIAL_IDS), len(PROBE_SPECIAL_IDS)
+        out = []
+        for s in sents:
+            if self._serial >= 1 << SERIAL_BITS:
+                raise RuntimeError(f"more than {1 << SERIAL_BITS} probes from one transport")
+            number, tag = self.nonce << SERIAL_BITS | self._serial, []
+            for _ in range(self.tag_len):
+                number, digit = divmod(number, base)
+                tag.append(digit + k)
+            self._serial += 1
+            self._seed += 1
+            rest = client.prompt_ids(max(0, s.prompt_tokens - self.tag_len), self._seed, self.vocab_size,
+                                     avoid=PROBE_SPECIAL_IDS)
+            out.append((tag + rest)[:s.prompt_tokens])
+        return out
 
     def __call__(self, sents: Sequence[Sent]) -> Session:
         from calibrate.serving import client
-        schedule = []
-        for s in sents:
-            self._seed += 1
-            ids = client.prompt_ids(s.prompt_tokens, self._seed, self.vocab_size, avoid=(0, 1, 2))
-            schedule.append((s.offset_s, ids, s.max_tokens))
+        schedule = [(s.offset_s, ids, s.max_tokens) for s, ids in zip(sents, self.prompts(sents))]
         res = client.run(client.replay(self.url, self.model, schedule))
         return Session([r.num_prompt_tokens or s.prompt_tokens for r, s in zip(res, sents)],
                        [r.send_s for r in res], [list(r.token_times_s) for r in res],

@@ -8,6 +8,25 @@ requests through ``run_workload`` with policy ``vllm_v1``, each knob from the
 server if it exposes it, else the profile's ``engine`` mapping, else the
 workload; it runs first, so a bad configuration costs no measuring. Only
 ``main`` and ``write_report`` write files. Torch-free.
+
+Prefix caching. Replayed prompts are the requests' contents made token ids
+(``calibrate.serving.content``): equal (key, offset) pairs are equal ids, so
+the server sees exactly the sharing the simulator models; a fresh salt per
+replay keeps it from hitting what an earlier replay left cached. A request
+whose prompt holds an earlier request's output (a session's next turn) is
+sent a think time after that reply, its prompt holding the ids the server
+generated there. The simulated policy's ``enable_prefix_caching`` follows
+the server's (a note says when that overrides the workload); with it on, the
+table gains the prefix-cache hit rate, hits / queries in tokens: the growth
+of the server's ``vllm:prefix_cache_hits_total`` / ``_queries_total`` over
+the replay against the simulated pool's counts, its error in percentage
+points, target ``hit_rate`` 3 points.
+
+``--repeat N`` replays N times (the simulation, deterministic, runs once):
+the table compares the medians and gives each metric's live range and its
+width; a target is met when its error is within the limit or the simulated
+value lies inside the live range (``reports.presentation.validation.verdict``).
+With one run (the default) the table and verdict have no spread columns.
 """
 
 from __future__ import annotations
@@ -21,7 +40,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +55,7 @@ from sim.run.config import ConfigError, WorkloadConfig, load_workload, parse_ove
 from sim.cost.profile import Profile, ProfileError, load_profile
 from sim.run.runner import make_requests, run_workload
 from sim.results.result import RunResult
-from workloads.generate import generate
+from workloads.generate import RequestSpecs, generate
 
 KNOBS = ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
 ENGINE_KEYS = {"num_blocks": "num_gpu_blocks"}          # knob -> its name in a profile's engine mapping
@@ -86,15 +104,18 @@ def resolve_knobs(cfg: WorkloadConfig, profile: Profile, server: dict[str, Any] 
 
 
 def sim_workload(cfg: WorkloadConfig, knobs: dict[str, Any], profile_path: str | None,
-                 trace_path: Path | None = None) -> WorkloadConfig:
+                 trace_path: Path | None = None, prefix_caching: bool | None = None) -> WorkloadConfig:
     """``cfg`` with policy vllm_v1 (keeping the workload's own vllm_v1 knobs), the
-    resolved knobs, the profile and, with ``trace_path``, the measured
+    resolved knobs, the profile, ``prefix_caching`` as the policy's
+    ``enable_prefix_caching`` unless None and, with ``trace_path``, the measured
     requests (arrival_time_s, prompt_tokens, output_tokens) instead of its own."""
     data = dict(cfg.raw)
     own = data.get("policy") if isinstance(data.get("policy"), dict) else {}
     v1 = {f.name for f in dataclasses.fields(VllmV1Config)} - {"kind"}
     policy = {"kind": "vllm_v1", **{k: v for k, v in own.items() if k in v1}}
     policy.update({k: knobs[k] for k in POLICY_KNOBS if knobs[k] is not None})
+    if prefix_caching is not None:
+        policy["enable_prefix_caching"] = prefix_caching
     server = dict(data.get("server") or {})
     server.update({k: knobs[k] for k in ("num_blocks", "block_size", "max_model_len") if knobs[k] is not None})
     data.update(policy=policy, server=server)
@@ -115,15 +136,15 @@ def describe_traffic(cfg: WorkloadConfig) -> str:
 
 
 # ---- measuring a server ---------------------------------------------------------------------------
+COUNTERS = {"preemptions": "vllm:num_preemptions_total", "queries": "vllm:prefix_cache_queries_total",
+            "hits": "vllm:prefix_cache_hits_total"}
+COUNTER_SETTLE_S = 0.25    # the engine's last stats reach /metrics just after the last reply
+
+
 def metric_total(url: str, name: str) -> float | None:
     """Sum of a Prometheus counter from the server's /metrics, or None if unreadable."""
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=5.0) as resp:
-            text = resp.read().decode("utf-8", "replace")
-    except (OSError, ValueError):
-        return None
-    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
-    return sum(values) if values else None
+    from calibrate.serving.client import metric_totals
+    return metric_totals(url, [name])[name]
 
 
 def _sample_load(stop: threading.Event, samples: list[float]) -> None:
@@ -138,24 +159,90 @@ def load_line(load: dict[str, Any]) -> str:
             f"{load['cpus']} CPUs (the server's speed moves with the load)")
 
 
-def measure_server(cfg: WorkloadConfig, url: str, info: Any, vocab_size: int, max_model_len: int,
-                   *, progress: bool = False) -> Measurement:
-    """Replay ``cfg``'s requests against ``url`` in real time and tabulate what came back."""
-    from calibrate.serving import client
+def model_config(info: Any) -> dict[str, Any]:
+    """The served model's config.json when its folder (``/v1/models``' root) is readable here, else {}."""
+    import json
 
+    root = next((m.get("root") for m in ((info.raw or {}).get("models") or {}).get("data", [])), None)
+    try:
+        cfg = json.loads((Path(root) / "config.json").read_text()) if root else {}
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def special_ids(info: Any) -> set[int]:
+    """Ids a replayed prompt leaves out: 0-2 (the tiny model's unk, bos, eos) and the
+    bos / eos / pad ids of the served model's config.json (``model_config``)."""
+    out = {0, 1, 2}
+    cfg = model_config(info)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = cfg.get(key)
+        out.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
+    return out
+
+
+def hit_rate(queries: float | None, hits: float | None) -> float | None:
+    """hits / queries (tokens), None when either is unknown or nothing was queried."""
+    return None if queries is None or hits is None or queries <= 0 else hits / queries
+
+
+def sim_prefix_counts(result: RunResult) -> tuple[int, int]:
+    """(queries, hits) of a simulated run as vLLM counts them for new requests
+    (``PrefixCachePool.record_lookup``): a request's first admission queries its
+    prompt (it has no outputs yet) and hits its ``cached_tokens`` (the requests
+    table's compact column); a request never admitted (rejected) queries nothing."""
+    cols = result.table.cols
+    admitted = ~np.isnan(cols["first_scheduled_s"])
+    return int(cols["prompt_tokens"][admitted].sum()), int(cols["cached_tokens"][admitted].sum())
+
+
+def measure_server(cfg: WorkloadConfig, url: str, info: Any, vocab_size: int, max_model_len: int,
+                   *, progress: bool = False, specs: RequestSpecs | None = None,
+                   think_time_s: float | None = None, salt: int | None = None) -> Measurement:
+    """Replay ``cfg``'s requests (``specs``: these instead) against ``url`` in real
+    time and tabulate what came back.
+
+    Prompt ids come from the requests' contents (``calibrate.serving.content``;
+    a fresh ``salt`` per replay unless given, so no replay hits what an earlier
+    one cached). A request whose prompt holds an earlier one's output (a
+    session's next turn) is sent ``think_time_s`` (default: the workload's
+    ``arrivals.think_time_s`` if it has one, else 0) after that reply, with the
+    ids the server generated for it; the others at their arrival offsets. The
+    server's preemption and prefix-cache counters are read before and after:
+    their growth is the run's ``num_preemptions``, ``prefix_cache_queries`` and
+    ``prefix_cache_hits`` (None where unreadable)."""
+    from calibrate.serving import client
+    from calibrate.serving.content import ReplayPlan, fresh_salt
+
+    specs = generate(cfg) if specs is None else specs
     cap = getattr(cfg.arrivals, "max_concurrency", None)     # vllm bench serve --max-concurrency
-    if cap and (getattr(cfg.arrivals, "think_time_s", None) or 0) > 0:
+    think = float(getattr(cfg.arrivals, "think_time_s", 0.0) or 0.0) if think_time_s is None else think_time_s
+    if vocab_size <= 3:
+        raise ConfigError(f"{cfg.source}: the model's vocab_size is {vocab_size}, too few ids for a replayed "
+                          f"prompt (the profile's model shape is a placeholder?); recalibrate with --model-config "
+                          f"(the model's config.json) or pass a profile whose model shape is known")
+    plan = ReplayPlan.of_requests(specs.contents, specs.prompt_tokens, vocab_size,
+                                  fresh_salt() if salt is None else salt, special_ids(info))
+    follows = [bool(w) for w in plan.waits_for]
+    if cap and think > 0 and not any(follows):
         raise ConfigError(f"{cfg.source}: field 'arrivals.think_time_s': a live replay has no think time "
                           f"(vllm bench serve sends as soon as a slot frees); remove it to validate")
-    specs = generate(cfg)
     caps = [r.max_output_tokens for r in make_requests(cfg, specs, max_model_len)]
     out_tokens = np.minimum(specs.output_tokens, caps)
-    schedule = [(float(t), client.prompt_ids(int(p), cfg.seed * 1_000_003 + i, vocab_size), int(o))
-                for i, (t, p, o) in enumerate(zip(specs.arrival_s, specs.prompt_tokens, out_tokens))]
-    preempt0 = metric_total(url, "vllm:num_preemptions_total")
+    schedule = [(float(t), [] if follows[i] else plan.prompt(i), int(o))
+                for i, (t, o) in enumerate(zip(specs.arrival_s, out_tokens))]
+
+    def prompt_at_send(i: int, results: list[Any]) -> list[int]:
+        if not follows[i]:
+            return schedule[i][1]
+        return plan.prompt(i, [r.token_ids if r is not None else None for r in results])
+
+    counters0 = client.metric_totals(url, COUNTERS.values())
     if progress:
-        print(f"replaying {len(schedule)} requests against {url} over {specs.arrival_s[-1]:.1f} s",
-              file=sys.stderr)
+        print(f"replaying {len(schedule)} requests against {url} over {specs.arrival_s[-1]:.1f} s"
+              + (f" ({sum(follows)} of them next turns, sent {think:g} s after the reply they hold)"
+                 if any(follows) else ""), file=sys.stderr)
     def show(done: int, total: int) -> None:
         print(f"\rreplay: {done}/{total} requests done", end="\n" if done == total else "", file=sys.stderr,
               flush=True)
@@ -165,24 +252,41 @@ def measure_server(cfg: WorkloadConfig, url: str, info: Any, vocab_size: int, ma
     sampler.start()
     try:
         results = client.run(client.replay(url, info.model, schedule, max_concurrency=cap,
-                                           progress=show if progress else None))
+                                           progress=show if progress else None, waits_for=plan.waits_for,
+                                           think_time_s=think, prompt_at_send=prompt_at_send,
+                                           return_token_ids=plan.wants_ids))
     finally:
         stop.set()
         sampler.join()
     after = os.getloadavg()
     load = {"cpus": os.cpu_count(), "before_1_5_15min": list(before), "after_1_5_15min": list(after),
             "max_1min_during": max(samples, default=max(before[0], after[0]))}
-    preempt1 = metric_total(url, "vllm:num_preemptions_total")
+    time.sleep(COUNTER_SETTLE_S)
+    counters1 = client.metric_totals(url, COUNTERS.values())
+    grown = {key: None if counters0[name] is None or counters1[name] is None
+             else int(round(counters1[name] - counters0[name])) for key, name in COUNTERS.items()}
     offsets = np.array([s[0] for s in schedule])
     send = np.array([r.send_s for r in results])
-    t0 = float(np.min(send - offsets))      # the least-delayed send was on time: the replay's zero
-    lag = send - t0 - offsets
-    run = client_run(results, t0, offsets, meta={"source": "server", "url": url, "model": info.model})
-    run.summary["num_preemptions"] = (None if preempt0 is None or preempt1 is None
-                                      else int(round(preempt1 - preempt0)))
+    free = ~np.array(follows)
+    t0 = float(np.min((send - offsets)[free])) if free.any() else float(np.min(send))  # least-delayed: on time
+    scheduled = np.array([r.scheduled_s - t0 if f else off for r, f, off in zip(results, follows, offsets)])
+    lag = send - t0 - scheduled
+    run = client_run(results, t0, scheduled, meta={"source": "server", "url": url, "model": info.model,
+                                                   "salt": plan.salt})
+    run.summary["num_preemptions"] = grown["preemptions"]
+    if info.enable_prefix_caching is not False:
+        run.summary.update(prefix_cache_queries=grown["queries"], prefix_cache_hits=grown["hits"],
+                           prefix_cache_hit_rate=hit_rate(grown["queries"], grown["hits"]))
     notes = [f"client send lag behind the schedule: p50 {np.median(lag) * 1e3:.1f} ms, p99 "
              f"{np.percentile(lag, 99) * 1e3:.1f} ms, max {lag.max() * 1e3:.1f} ms (TTFT is measured from "
              f"the actual send, as vllm bench serve does)"]
+    if any(follows):
+        notes.append(f"sessions: {sum(follows)} requests are next turns, each sent {think:g} s after the reply "
+                     f"its prompt holds (the ids the server generated there), the other {int(free.sum())} at "
+                     f"their arrival offsets")
+    if plan.fallbacks:
+        notes.append(f"warning: {len(plan.fallbacks)} prompt runs took the simulator's ids where the server's "
+                     f"were wanted (first: {plan.fallbacks[0]})")
     if cap:
         notes.append(f"at most {cap} requests in flight: a request waits for a free slot, so sends lag the "
                      f"schedule by design")
@@ -233,7 +337,10 @@ def _server_info(url: str) -> Any:
 
 @dataclass
 class ServerValidation:
-    """A measured run, its simulated twin, their error table and the verdict."""
+    """Measured runs (one per ``--repeat``), their simulated twin(s), the error table and the verdict.
+
+    ``measurement`` and ``sim`` are the first of ``measurements`` and ``sims``
+    (one sim unless it was re-run on each measurement's send times)."""
 
     cfg: WorkloadConfig
     sim_cfg: WorkloadConfig
@@ -244,15 +351,23 @@ class ServerValidation:
     table: pd.DataFrame
     verdict: pd.DataFrame
     notes: list[str]
+    measurements: list[Measurement] = dataclasses.field(default_factory=list)
+    sims: list[RunResult] = dataclasses.field(default_factory=list)
+    prefix_caching: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.measurements = self.measurements or [self.measurement]
+        self.sims = self.sims or [self.sim]
 
     @property
     def passed(self) -> bool:
         return bool(self.verdict["met"].all())
 
     def body(self) -> dict[str, Any]:
-        """report.json: everything the report says, as plain data (``live`` = measured)."""
+        """report.json: everything the report says, as plain data (``live`` = measured; with
+        repeats, the medians, and each live run under ``live_runs``)."""
         m, ms, ss = self.measurement, self.measurement.run.summary, self.sim.summary
-        return {
+        body = {
             "kind": "server-validation", "workload": self.cfg.name, "workload_file": self.cfg.source,
             "traffic": m.traffic or describe_traffic(self.cfg), "num_requests": len(m.run.requests),
             "measured": {"source": m.source, "model": m.model,
@@ -267,15 +382,68 @@ class ServerValidation:
                 ("completed", "completed"), ("failed", "failed"), ("preemptions", "num_preemptions"))},
             "notes": self.notes, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
+        if self.prefix_caching:
+            body["prefix_caching"] = dict(self.prefix_caching)
+        if len(self.measurements) > 1:
+            keys = [k for k, _ in rv.metric_keys()] + [rv.HIT_RATE, "prefix_cache_queries", "prefix_cache_hits",
+                                                        "completed", "failed", "num_preemptions"]
+            body["repeat"] = len(self.measurements)
+            body["live_runs"] = [{"load": x.load or None, **{k: x.run.summary.get(k) for k in keys
+                                                             if k in x.run.summary}} for x in self.measurements]
+        return body
+
+
+def with_prefix_counts(sim: RunResult) -> RunResult:
+    """``sim`` with its prefix-cache queries, hits and hit rate in the summary
+    (``sim_prefix_counts``), as the measured side has them from the server."""
+    queries, hits = sim_prefix_counts(sim)
+    sim.summary.update(prefix_cache_queries=queries, prefix_cache_hits=hits,
+                       prefix_cache_hit_rate=hit_rate(queries, hits))
+    return sim
+
+
+def sends_specs(m: Measurement, specs: RequestSpecs) -> RequestSpecs:
+    """``specs`` arriving when the measured run sent them (first send = 0), in send order."""
+    arrival = m.run.requests["arrival_s"].to_numpy(dtype=np.float64)
+    order = np.argsort(arrival, kind="stable")
+    return RequestSpecs(arrival[order] - arrival[order[0]], specs.prompt_tokens[order], specs.output_tokens[order],
+                        0, specs.max_tokens[order] if specs.max_tokens is not None else None,
+                        specs.contents.take(order) if specs.contents is not None else None)
+
+
+def _vocab_size(info: Any, prof: Profile) -> int:
+    """The served model's vocabulary: its config.json's (``model_config``), else the profile's model's."""
+    value = model_config(info).get("vocab_size")
+    return int(value) if isinstance(value, int) and value > 0 else int(prof.model.vocab_size)
 
 
 def validate_server(cfg: WorkloadConfig, *, profile: str | None = None, server: str | None = None,
                     measured: str | None = None, targets: dict[str, float] | None = None,
-                    progress: bool = False) -> ServerValidation:
-    """Simulate ``cfg`` as the vLLM server at ``server`` (then replay it there) or as
-    the one that produced the benchmark file ``measured``; compare. Writes no file."""
+                    progress: bool = False, repeat: int = 1, specs: RequestSpecs | None = None,
+                    think_time_s: float | None = None, sim_on_sends: bool = False) -> ServerValidation:
+    """Simulate ``cfg`` as the vLLM server at ``server`` (then replay it there
+    ``repeat`` times) or as the one that produced the benchmark file
+    ``measured``; compare. Writes no file.
+
+    ``specs``: replay and simulate these requests (hand-built contents) instead
+    of the workload's; ``think_time_s``: a next turn's pause (``measure_server``).
+    Prefix caching: the simulated policy's ``enable_prefix_caching`` follows the
+    server's when it says (a note tells where that changed the workload's);
+    with it on, the server's prefix-cache hit rate (its counters' growth over
+    each replay) is compared with the simulated one (``hits / queries``), in
+    percentage points, with target ``hit_rate`` (3 points unless ``targets``
+    set it). ``repeat``: N live replays; the table compares the medians and
+    gives the live range beside them, and a target is met within its limit or
+    inside that range (``rv.verdict``). ``sim_on_sends``: simulate each replay
+    again with the requests arriving when they were sent live (sessions on a
+    simulator without a sessions feed: both sides then see the same arrivals)."""
     if bool(server) == bool(measured):
         raise ConfigError("sim validate: give exactly one of --server URL or --measured FILE")
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ConfigError(f"--repeat must be a whole number >= 1, got {repeat!r}")
+    if measured and repeat > 1:
+        raise ConfigError(f"--repeat {repeat}: a saved benchmark file (--measured) is one measurement; "
+                          f"--repeat needs --server")
     prof, profile_path, profile_line = resolve_profile(cfg, profile)
     notes = [profile_line]
     if cfg.policy.kind != "vllm_v1":
@@ -287,15 +455,19 @@ def validate_server(cfg: WorkloadConfig, *, profile: str | None = None, server: 
         "max_num_seqs": info.max_num_seqs, "max_num_batched_tokens": info.max_num_batched_tokens}
     knobs, sources, knob_notes = resolve_knobs(cfg, prof, exposed)
     notes += knob_notes
-    if info is not None and info.enable_prefix_caching:
-        notes.append("warning: the server has prefix caching on; the simulator does not model it (the replayed "
-                     "prompts are random token ids, so hits are rare)")
+    own_caching = bool(getattr(cfg.policy, "enable_prefix_caching", VllmV1Config().enable_prefix_caching))
+    server_caching = None if info is None else info.enable_prefix_caching
+    if server_caching is not None and server_caching != own_caching:
+        notes.append(f"note: the server has prefix caching {'on' if server_caching else 'off'}, the workload's "
+                     f"policy {'on' if own_caching else 'off'}; the simulation follows the server "
+                     f"(enable_prefix_caching: {str(server_caching).lower()})")
     calibrated_on = prof.engine.get("model") or prof.provenance.get("model_id")
     if info is not None and calibrated_on not in (None, info.model):
         notes.append(f"warning: the profile was calibrated on {calibrated_on!r}, the server serves {info.model!r}")
     if prof.engine.get("request_overhead_s"):
         notes.append(f"the simulator delays each request by the profile's per-request overhead "
                      f"{prof.engine['request_overhead_s'] * 1e3:.2f} ms (client to engine and back)")
+    caching = {}
     if measured:
         m = measure_file(cfg, measured)
         with tempfile.TemporaryDirectory() as tmp:
@@ -303,15 +475,53 @@ def validate_server(cfg: WorkloadConfig, *, profile: str | None = None, server: 
             replay_table(m.run).to_csv(trace, index=False)
             sim_cfg = sim_workload(cfg, knobs, profile_path, trace)
             sim = run_workload(sim_cfg)
+        ms, sims = [m], [sim]
     else:
-        sim_cfg = sim_workload(cfg, knobs, profile_path)
-        sim = run_workload(sim_cfg)            # first: a configuration error costs no measuring
-        m = measure_server(sim_cfg, server, info, prof.model.vocab_size, sim.meta["max_model_len"],
-                           progress=progress)
-    notes += m.notes + ([load_line(m.load)] if m.load else [])
-    table = rv.error_table(m.run.summary, sim.summary)
-    verdict = rv.verdict(table, targets if targets is not None else rv.parse_targets(None))
-    return ServerValidation(cfg, sim_cfg, m, sim, knobs, sources, table, verdict, notes)
+        if sim_on_sends and cfg.arrivals.max_concurrency is not None:
+            raise ConfigError(f"{cfg.source}: field 'arrivals.max_concurrency': a closed loop cannot be "
+                              f"simulated on the measured send times (they hold the cap already)")
+        specs = generate(cfg) if specs is None else specs
+        sim_cfg = sim_workload(cfg, knobs, profile_path, prefix_caching=server_caching)
+        sim_caching = bool(sim_cfg.policy.enable_prefix_caching)
+        simulate = (lambda sp: with_prefix_counts(run_workload(sim_cfg, specs=sp)) if sim_caching
+                    else run_workload(sim_cfg, specs=sp))
+        sim = simulate(specs)                  # first: a configuration error costs no measuring
+        vocab = _vocab_size(info, prof)
+        ms, sims = [], []
+        for k in range(repeat):
+            if progress and repeat > 1:
+                print(f"live run {k + 1} of {repeat}", file=sys.stderr, flush=True)
+            ms.append(measure_server(sim_cfg, server, info, vocab, sim.meta["max_model_len"], progress=progress,
+                                     specs=specs, think_time_s=think_time_s))
+            if sim_on_sends:
+                sims.append(simulate(sends_specs(ms[-1], specs)))
+        if sim_on_sends:
+            notes.append(f"the simulated side{'s' if repeat > 1 else ''} replay{'' if repeat > 1 else 's'} the "
+                         f"measured send times (sim_on_sends), not the workload's arrivals")
+        sim = sims[0] if sims else sim
+        sims = sims or [sim]
+        caching = {"server": server_caching, "simulated": sim_caching}
+        if sim_caching or server_caching:
+            caching.update(live=[{k: x.run.summary.get(f"prefix_cache_{k}") for k in ("queries", "hits", "hit_rate")}
+                                 for x in ms],
+                           sim=[{k: x.summary.get(f"prefix_cache_{k}") for k in ("queries", "hits", "hit_rate")}
+                                for x in sims])
+            if any(x.run.summary.get("prefix_cache_queries") is None for x in ms):
+                notes.append("warning: the server's prefix-cache counters (/metrics) could not be read, so its hit "
+                             "rate is unknown")
+    m = ms[0]
+    for k, x in enumerate(ms):
+        tag = f"live run {k + 1}: " if len(ms) > 1 else ""
+        notes += [tag + n for n in x.notes if not k or n.startswith("warning")]
+        notes += [tag + load_line(x.load)] if x.load else []
+    table = rv.repeat_table([x.run.summary for x in ms], [x.summary for x in sims])
+    chosen = dict(targets if targets is not None else rv.parse_targets(None))
+    hit_row = table.loc[table["metric"] == rv.HIT_RATE]
+    if len(hit_row) and np.isfinite(hit_row["err_pct"].iloc[0]):
+        for name, (_, limit) in rv.OPTIONAL_TARGETS.items():
+            chosen.setdefault(name, limit)
+    verdict = rv.verdict(table, chosen)
+    return ServerValidation(cfg, sim_cfg, m, sim, knobs, sources, table, verdict, notes, ms, sims, caching)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -323,7 +533,7 @@ def main(args: argparse.Namespace) -> int:
     v = validate_server(cfg, profile=args.profile, server=getattr(args, "server", None),
                         measured=getattr(args, "measured", None),
                         targets=rv.parse_targets(getattr(args, "targets", None)),
-                        progress=not getattr(args, "quiet", False))
+                        progress=not getattr(args, "quiet", False), repeat=getattr(args, "repeat", None) or 1)
     m = v.measurement
     out = output_dir(args.out, cfg.name, m.label)          # absent or empty: all in it is this report's
     existed = out.exists()
@@ -347,8 +557,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def write_report(out: Path, v: ServerValidation) -> list[Path]:
-    """measured/ and sim/ run folders (and the replayed requests of a benchmark file),
-    cdf.png/svg, report.json, report.md, report.html."""
+    """measured/ and sim/ run folders (with --repeat, measured-2/ ... for the other live
+    runs, and sim-2/ ... when each had a simulation of its own; the replayed requests of a
+    benchmark file), cdf.png/svg (the first live run), report.json, report.md, report.html."""
     from reports.presentation.plots import save_figure
     from reports.presentation.render import write_document
     from reports.presentation.runplots import latency_cdfs
@@ -363,6 +574,11 @@ def write_report(out: Path, v: ServerValidation) -> list[Path]:
         v.sim.meta["config"]["arrivals"]["path"] = str(paths[-1].resolve())
     m.run.meta.update(load=m.load or None, notes=m.notes)
     paths += [write_run(m.run, out / "measured"), write_run(v.sim, out / "sim")]
+    for k, extra in enumerate(v.measurements[1:], start=2):            # --repeat: the other runs
+        extra.run.meta.update(load=extra.load or None, notes=extra.notes)
+        paths.append(write_run(extra.run, out / f"measured-{k}"))
+        if len(v.sims) >= k:
+            paths.append(write_run(v.sims[k - 1], out / f"sim-{k}"))
     model = Path(m.model).name if m.model and Path(m.model).is_absolute() else (m.model or "the server")
     title = f"{body['workload']}: {model} at {body['traffic']}"
     fig = latency_cdfs({"measured (vLLM)": (m.run.requests, m.run.tokens),

@@ -44,8 +44,16 @@ IDLE_GAP_S = 1e-9
 STARVED_SHARE = 0.9     # a step with less CPU per wall second than 0.9 x the run's p90 was descheduled
 
 
+# The prefix-cache hit rate (hits / queries, tokens, as vLLM's counters): a row of its own when a side
+# has it, shown in %, its error the difference in percentage points (a relative error of a rate near
+# 0 says nothing). POINT_METRICS are compared that way.
+HIT_RATE = "prefix_cache_hit_rate"
+POINT_METRICS = frozenset({HIT_RATE})
+
+
 def metric_keys() -> list[tuple[str, str]]:
-    """(summary key, unit) of every compared metric, in table order."""
+    """(summary key, unit) of every compared metric, in table order (the hit rate, when
+    compared, comes after them)."""
     return [*THROUGHPUTS, *((f"{s}_{m}_ms", "ms") for m in LATENCIES for s in STATS)]
 
 
@@ -53,21 +61,62 @@ def _pct(value: float | None, ref: float | None) -> float:
     return float("nan") if value is None or not ref else (value - ref) / ref * 100.0
 
 
+def _points(value: float | None, ref: float | None) -> float:
+    return float("nan") if value is None or ref is None else (value - ref) * 100.0
+
+
+def _shown(key: str, value: Any) -> Any:
+    """A summary value as its table row shows it (a rate in %)."""
+    return value * 100.0 if key in POINT_METRICS and value is not None else value
+
+
 def error_table(live: Mapping[str, Any], sim: Mapping[str, Any],
                 replay: Mapping[str, Any] | None = None) -> pd.DataFrame:
     """One row per metric: live, sim, err_pct = (sim - live) / live; with
     ``replay``: cost_pct = (replay - live) / live and policy_pct = (sim -
-    replay) / live, which add up to err_pct."""
+    replay) / live, which add up to err_pct. When either summary has a
+    ``prefix_cache_hit_rate`` (a fraction), a last row gives it in % with
+    err_pct = sim - live in percentage points."""
     rows = []
-    for key, unit in metric_keys():
-        row = {"metric": key, "unit": unit, "live": live.get(key), "sim": sim.get(key),
-               "err_pct": _pct(sim.get(key), live.get(key))}
+    keys = metric_keys() + ([(HIT_RATE, "%")] if HIT_RATE in live or HIT_RATE in sim else [])
+    for key, unit in keys:
+        diff = _points if key in POINT_METRICS else _pct
+        row = {"metric": key, "unit": unit, "live": _shown(key, live.get(key)), "sim": _shown(key, sim.get(key)),
+               "err_pct": diff(sim.get(key), live.get(key))}
         if replay is not None:
-            row["replay"] = replay.get(key)
-            row["cost_pct"] = _pct(replay.get(key), live.get(key))
+            row["replay"] = _shown(key, replay.get(key))
+            row["cost_pct"] = diff(replay.get(key), live.get(key))
             row["policy_pct"] = row["err_pct"] - row["cost_pct"]
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def repeat_table(lives: list[Mapping[str, Any]], sims: list[Mapping[str, Any]]) -> pd.DataFrame:
+    """``error_table`` of repeated measurements: live and sim are the medians of
+    each metric over the repeats (a side run once has one), err_pct compares
+    them; live_min, live_max give the live repeats' range and spread_pct its
+    width, (max - min) / median in % (in points for a rate). One live run:
+    ``error_table`` itself, no spread columns."""
+    if len(lives) == 1 and len(sims) == 1:
+        return error_table(lives[0], sims[0])
+
+    def median(summaries: list[Mapping[str, Any]], key: str) -> float | None:
+        values = [x[key] for x in summaries if x.get(key) is not None]
+        return float(np.median(values)) if values else None
+
+    keys = [k for k, _ in metric_keys()] + [HIT_RATE]
+    live = {k: median(lives, k) for k in keys if any(k in x for x in lives)}
+    sim = {k: median(sims, k) for k in keys if any(k in x for x in sims)}
+    table = error_table(live, sim)
+    lo, hi, spread = [], [], []
+    for key in table["metric"]:
+        values = [x[key] for x in lives if x.get(key) is not None]
+        a, b = (min(values), max(values)) if len(values) == len(lives) else (None, None)
+        lo.append(_shown(key, a))
+        hi.append(_shown(key, b))
+        spread.append(float("nan") if a is None else (b - a) * 100.0 if key in POINT_METRICS
+                      else (b - a) / live[key] * 100.0 if live.get(key) else float("nan"))
+    return table.assign(live_min=lo, live_max=hi, spread_pct=spread)
 
 
 def check(table: pd.DataFrame, tolerances_pct: Mapping[str, float]) -> list[str]:
@@ -85,6 +134,9 @@ TARGETS: dict[str, tuple[str, float]] = {
     "ttft_p50": ("p50_ttft_ms", 10.0), "itl_p50": ("p50_itl_ms", 10.0),
     "ttft_p99": ("p99_ttft_ms", 20.0), "itl_p99": ("p99_itl_ms", 20.0),
 }
+# Targets that apply only where both sides have the metric (a server validation adds them then):
+# the prefix-cache hit rate within 3 percentage points.
+OPTIONAL_TARGETS: dict[str, tuple[str, float]] = {"hit_rate": (HIT_RATE, 3.0)}
 VERDICT_EPS_PCT = 1e-9     # an error exactly on the target meets it, whatever the float rounding
 
 
@@ -94,16 +146,17 @@ def parse_targets(text: str | None) -> dict[str, float]:
     from sim.run.config import ConfigError
 
     out = {name: pct for name, (_, pct) in TARGETS.items()}
-    known = {key for key, _ in metric_keys()}
+    known = {key for key, _ in metric_keys()} | {HIT_RATE}
+    names = {**TARGETS, **OPTIONAL_TARGETS}
     if text is not None and not text.strip():
         raise ConfigError("--targets '': expected NAME=PERCENT,... (leave --targets out for the defaults)")
     seen: set[str] = set()
     for item in filter(None, (t.strip() for t in (text or "").split(","))):
         name, sep, value = item.partition("=")
         name = name.strip()
-        if not sep or (name not in TARGETS and name not in known):
+        if not sep or (name not in names and name not in known):
             raise ConfigError(f"--targets: {item!r} must be NAME=PERCENT with NAME one of "
-                              f"{', '.join(TARGETS)} or a compared metric ({', '.join(sorted(known))})")
+                              f"{', '.join(names)} or a compared metric ({', '.join(sorted(known))})")
         try:
             pct = float(value.rstrip("% "))
         except ValueError:
@@ -117,26 +170,50 @@ def parse_targets(text: str | None) -> dict[str, float]:
     return out
 
 
+def target_metric(name: str) -> str:
+    """The summary key a target name stands for."""
+    return {**TARGETS, **OPTIONAL_TARGETS}.get(name, (name,))[0]
+
+
 def verdict(table: pd.DataFrame, targets_pct: Mapping[str, float]) -> pd.DataFrame:
     """One row per target: target, metric, limit_pct, live, sim, err_pct and
-    met (|err_pct| <= limit_pct; a missing or NaN error fails)."""
+    met (|err_pct| <= limit_pct; a missing or NaN error fails). A table of
+    repeated measurements (``repeat_table``: live_min / live_max) adds
+    ``in_spread``, the sim inside the live repeats' range, and a target is met
+    when its error is within the limit *or* in the spread: the simulator is
+    then as close to the server as the server is to itself."""
     rows = {r["metric"]: r for r in table.to_dict("records")}
+    spread = "live_min" in table
     out = []
     for name, limit in targets_pct.items():
-        key = TARGETS[name][0] if name in TARGETS else name
+        key = target_metric(name)
         r = rows.get(key, {})
         err = r.get("err_pct")
         err = float("nan") if err is None else float(err)
-        out.append({"target": name, "metric": key, "limit_pct": float(limit), "live": r.get("live"),
-                    "sim": r.get("sim"), "err_pct": err,
-                    "met": bool(np.isfinite(err) and abs(err) <= limit + VERDICT_EPS_PCT)})
-    return pd.DataFrame(out, columns=["target", "metric", "limit_pct", "live", "sim", "err_pct", "met"])
+        row = {"target": name, "metric": key, "limit_pct": float(limit), "live": r.get("live"),
+               "sim": r.get("sim"), "err_pct": err,
+               "met": bool(np.isfinite(err) and abs(err) <= limit + VERDICT_EPS_PCT)}
+        if spread:
+            lo, hi, sim = r.get("live_min"), r.get("live_max"), r.get("sim")
+            row["spread_pct"] = r.get("spread_pct")
+            row["in_spread"] = bool(sim is not None and lo is not None and hi is not None
+                                    and np.isfinite(sim) and lo <= sim <= hi)
+            row["met"] = row["met"] or row["in_spread"]
+        out.append(row)
+    columns = ["target", "metric", "limit_pct", "live", "sim", "err_pct", "met"]
+    return pd.DataFrame(out, columns=columns + (["spread_pct", "in_spread"] if spread else []))
 
 
 def format_verdict(rows: pd.DataFrame) -> str:
-    """The verdict as text: one line per target, then PASS or FAIL."""
-    lines = [f"{r.target:<12}{r.metric:<20} err {_num(r.err_pct, True):>7} %   limit ±{r.limit_pct:g}%   "
-             f"{'met' if r.met else 'MISSED'}" for r in rows.itertuples()]
+    """The verdict as text: one line per target (with repeats, the live spread and
+    whether the sim is inside it), then PASS or FAIL. A rate's error is in points."""
+    def line(r: Any) -> str:
+        unit = "pt" if r.metric in POINT_METRICS else "%"
+        text = f"{r.target:<12}{r.metric:<20} err {_num(r.err_pct, True):>7} {unit}   limit ±{r.limit_pct:g}{unit}"
+        if "in_spread" in rows:
+            text += f"   live spread {_num(r.spread_pct)}{unit}{', sim inside it' if r.in_spread else ''}"
+        return text + f"   {'met' if r.met else 'MISSED'}"
+    lines = [line(r) for r in rows.itertuples()]
     missed = [r.target for r in rows.itertuples() if not r.met]
     lines.append("verdict: PASS (every target met)" if not missed else
                  f"verdict: FAIL ({len(missed)} of {len(rows)} targets missed: {', '.join(missed)})")
@@ -280,10 +357,11 @@ def format_table(rows: list[dict[str, Any]] | pd.DataFrame, markdown: bool = Fal
     """The error table as aligned text, or as a Markdown table; ``labels``
     renames column headers (``{"live": "measured"}``)."""
     df = pd.DataFrame(rows)
-    head = {"live": "live", "sim": "sim", "err_pct": "err %", "replay": "replay", "cost_pct": "cost-curve %",
-            "policy_pct": "policy %", **(labels or {})}
+    head = {"live": "live", "sim": "sim", "err_pct": "err %", "live_min": "live min", "live_max": "live max",
+            "spread_pct": "spread %", "replay": "replay", "cost_pct": "cost-curve %", "policy_pct": "policy %",
+            **(labels or {})}
     cols = [c for c in head if c in df]
-    cells = [[f"{r.metric} ({r.unit})"] + [_num(getattr(r, c), c.endswith("pct")) for c in cols]
+    cells = [[f"{r.metric} ({r.unit})"] + [_num(getattr(r, c), c.endswith("pct") and c != "spread_pct") for c in cols]
              for r in df.itertuples()]
     header = ["metric"] + [head[c] for c in cols]
     if markdown:
@@ -433,16 +511,41 @@ def server_report(body: Mapping[str, Any], cdf_png: Path) -> Document:
     else:
         doc.add(Heading("Machine load during the measurement"),
                 Para("Not recorded: the measurement was taken elsewhere (a saved benchmark file)."))
-    shown = v.assign(limit_pct=[f"±{x:g}%" for x in v["limit_pct"]], err_pct=[_num(x, True) for x in v["err_pct"]],
-                     met=["met" if x else "MISSED" for x in v["met"]])
-    doc.add(Heading("Verdict"), Para("err % = (simulated - measured) / measured; a target is met when "
-                                     "|err %| <= its limit."),
+    unit = ["pt" if x in POINT_METRICS else "%" for x in v["metric"]]
+    shown = v.assign(limit_pct=[f"±{x:g}{u}" for x, u in zip(v["limit_pct"], unit)],
+                     err_pct=[_num(x, True) for x in v["err_pct"]], met=["met" if x else "MISSED" for x in v["met"]])
+    if "spread_pct" in v:
+        shown = shown.assign(spread_pct=[f"{_num(x)}{u}" for x, u in zip(v["spread_pct"], unit)],
+                             in_spread=["yes" if x else "no" for x in v["in_spread"]])
+    doc.add(Heading("Verdict"), Para("err % = (simulated - measured) / measured (for a rate, in percentage "
+                                     "points: pt); a target is met when |err %| <= its limit"
+                                     + (", or when the simulated value lies inside the live runs' range."
+                                        if "spread_pct" in v else ".")),
             Table(shown.rename(columns={"live": "measured", "sim": "simulated", "limit_pct": "limit",
-                                        "err_pct": "err %"})))
-    t = pd.DataFrame(body["table"])[["metric", "unit", "live", "sim", "err_pct"]]
+                                        "err_pct": "err %", "spread_pct": "live spread",
+                                        "in_spread": "sim inside it"})))
+    if body.get("prefix_caching"):
+        pc = body["prefix_caching"]
+        on = lambda x: "unknown" if x is None else "on" if x else "off"   # noqa: E731
+        doc.add(Para(f"Prefix caching: server {on(pc.get('server'))}, simulated {on(pc.get('simulated'))}."))
+    t = pd.DataFrame(body["table"])
+    t = t[[c for c in ("metric", "unit", "live", "sim", "err_pct", "live_min", "live_max", "spread_pct") if c in t]]
     t["err_pct"] = [_num(x, True) for x in t["err_pct"]]
+    if "spread_pct" in t:
+        t["spread_pct"] = [_num(x) for x in t["spread_pct"]]
+    runs = body.get("repeat", 1)
     doc.add(Heading("All compared metrics"),
-            Table(t.rename(columns={"live": "measured", "sim": "simulated", "err_pct": "err %"})))
+            *([Para(f"The server was measured {runs} times: measured is the median of the live runs, measured "
+                    f"min / max their range and spread % its width over the median; a target is met when its "
+                    f"error is within the limit or the simulated value lies inside that range.")]
+              if runs > 1 else []),
+            *([Para("The prefix-cache hit rate is hits / queries in tokens (the server's "
+                    "vllm:prefix_cache_hits_total and vllm:prefix_cache_queries_total over the replay, new "
+                    "requests only); its err is simulated - measured in percentage points.")]
+              if HIT_RATE in set(t["metric"]) else []),
+            Table(t.rename(columns={"live": "measured", "sim": "simulated", "err_pct": "err %",
+                                    "live_min": "measured min", "live_max": "measured max",
+                                    "spread_pct": "spread %"})))
     c, f, p = body["completed"], body["failed"], body["preemptions"]
     doc.add(Para(f"Completed: measured {c['live']}, simulated {c['sim']}; failed: measured {f['live']}, "
                  f"simulated {f['sim']}; preemptions: measured "

@@ -222,7 +222,7 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
           router: str = "round_robin", on_step: OnStep | None = None,
           progress: bool = False, live: bool = False,
           files: RunFilesProcess | None = None, policy: Policy | None = None,
-          check_stretch: bool = False) -> Driven:
+          check_stretch: bool = False, specs: RequestSpecs | None = None) -> Driven:
     """Run ``cfg``'s requests through ``num_replicas`` servers on ``env``.
 
     The one place that builds requests, policies, block pools and servers, for
@@ -235,7 +235,9 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     while the loop runs and after it (``sim.results.runfiles``). ``policy``: the
     run's (built here if not given; one object for every replica).
     ``check_stretch``: step every iteration and check the fast path's
-    prediction of each against it (``sim.loop.server.Server``). Returns the servers
+    prediction of each against it (``sim.loop.server.Server``). ``specs``: the
+    requests to run instead of ``generate(cfg)``'s (a replay of measured or
+    hand-built requests, their contents included). Returns the servers
     (each request is in one server's ``state.records``), the number of
     requests and of trace rows dropped, and under a concurrency cap each
     request's wait for a client (by request id; sessions: a first turn's wait,
@@ -244,7 +246,7 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     turn is sent ``think_time_s`` after its predecessor's reply.
     Raises RuntimeError if a request is left unfinished (a policy that stalls).
     """
-    specs = generate(cfg)
+    specs = generate(cfg) if specs is None else specs
     if len(specs) == 0:
         raise ConfigError(f"{cfg.source}: the workload has no requests (check num_requests, duration_s, "
                           f"arrivals.start_s)")
@@ -302,9 +304,10 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
 
 def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "round_robin",
                  progress: bool = False, strict: bool = False,
-                 files: RunFilesProcess | None = None, check_stretch: bool = False) -> RunResult:
+                 files: RunFilesProcess | None = None, check_stretch: bool = False,
+                 specs: RequestSpecs | None = None) -> RunResult:
     """Simulate ``cfg`` on ``num_replicas`` identical servers behind ``router``
-    (``files``, ``check_stretch``: see ``drive``)."""
+    (``files``, ``check_stretch``, ``specs``: see ``drive``)."""
     if router not in ROUTERS:
         raise ConfigError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
     if num_replicas < 1:
@@ -328,7 +331,7 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
     servers, num_requests, num_dropped, client_queue_s = drive(
         cfg, profile, num_blocks, max_model_len, simpy.Environment(), SimExecutor(profile),
         num_replicas=num_replicas, router=router, progress=progress, files=files, policy=policy,
-        check_stretch=check_stretch)
+        check_stretch=check_stretch, specs=specs)
     loop_s = time.perf_counter() - loop0
     result = collect(cfg, servers, num_requests, num_blocks, profile, client_queue_s)
     rejected = result.summary["failed_by_reason"]

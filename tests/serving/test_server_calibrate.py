@@ -22,7 +22,7 @@ from calibrate.fit import CurveGrid, fit_curves
 from calibrate.schema import Shape
 from calibrate.serving.calibrate_server import calibrate_server, main, traffic
 from calibrate.serving.client import ServerInfo
-from calibrate.serving.probes import Knobs, Sent, SimTransport, align, analyse, combine
+from calibrate.serving.probes import HttpTransport, Knobs, Sent, SimTransport, align, analyse, combine, tag_length
 from sim.core.batch import Batch, BatchItem
 from sim.run.config import ConfigError, workload_from_dict
 from sim.cost.profile import load_profile
@@ -220,6 +220,61 @@ def test_knob_flags_override_and_are_recorded():
     assert cal.profile.fit_error["fit_num_points"] > 0
 
 
+# ---- probes never hit a prefix cache ------------------------------------------------------------
+def test_probe_tags_spell_nonce_and_serial_in_leading_tokens():
+    # vocab 13: 10 digits (ids 3..12); 2^48 needs 15 of them (10^14 < 2^48 = 2.8e14 <= 10^15)
+    assert tag_length(13) == 15 and tag_length(4096) == 5 and tag_length(4099) == 4
+    tr = HttpTransport("http://x", "m", 13, seed=0, nonce=1)
+    # serial 0, 1 with nonce 1: the numbers 1 << 24 = 16777216 and 16777217; base-10 digits, lowest
+    # first, each + 3: 16777216 -> 6,1,2,7,7,7,6,1,0,... -> 9,4,5,10,10,10,9,4,3,...
+    first, second = tr.prompts([Sent(0.0, 20, 1), Sent(0.0, 20, 1)])
+    assert first[:15] == [9, 4, 5, 10, 10, 10, 9, 4, 3, 3, 3, 3, 3, 3, 3]
+    assert second[:15] == [10] + first[1:15]                                # 16777217: lowest digit 7 -> 10
+    assert len(first) == 20 and min(first + second) >= 3                    # no special id 0-2
+    assert tr.prompts([Sent(0.0, 3, 1)]) == [[11, 4, 5]]                     # 16777218, shorter than its tag
+    with pytest.raises(ValueError, match="at least 2 ids"):
+        HttpTransport("http://x", "m", 4)
+
+
+def test_prefix_cache_record_is_the_counters_growth():
+    from calibrate.serving.calibrate_server import PREFIX_COUNTERS, prefix_cache_record
+
+    queries, hits = PREFIX_COUNTERS
+    # 1200 -> 5200 tokens queried, 256 hit before and after: 4000 queried during the calibration, none hit
+    rec = prefix_cache_record(True, {queries: 1200.0, hits: 256.0}, {queries: 5200.0, hits: 256.0})
+    assert (rec["enabled"], rec["queries"], rec["hits"]) == (True, 4000, 0)
+    rec = prefix_cache_record(None, {queries: None, hits: None}, {queries: 5.0, hits: 0.0})   # unreadable before
+    assert (rec["enabled"], rec["queries"], rec["hits"]) == (None, None, None)
+
+
+class _RecordingTransport(SimTransport):
+    """A simulated server that also makes, for every probe, the prompt a real server would get."""
+
+    def __init__(self, *args, vocab_size: int, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.http = HttpTransport("http://x", "m", vocab_size, seed=0)
+        self.prompts: list[list[int]] = []
+
+    def __call__(self, sents):
+        self.prompts += self.http.prompts(sents)
+        return super().__call__(sents)
+
+
+def test_no_two_probes_of_a_calibration_share_a_first_block():
+    """Every probe of a calibration (knob inference, designs, traffic, self-check): with the
+    tiny model's 4,096 ids the tags take 5 tokens, so the first 16 tokens (vLLM's smallest
+    usual block) of any two prompts at least 5 long differ, repeated designs included
+    (B: sends k identical Sents)."""
+    tr = _RecordingTransport(load_profile(TRUE_PROFILE), max_num_seqs=16, max_num_batched_tokens=256,
+                             max_model_len=2048, seed=3, vocab_size=4096)
+    calibrate_server("http://simulated", budget_s=25, transport=tr, info=_info(False))
+    heads = [tuple(p[:16]) for p in tr.prompts if len(p) >= 16]
+    assert len(tr.prompts) > 300 and len(heads) > 200
+    assert len(set(heads)) == len(heads)
+    tags = [tuple(p[:5]) for p in tr.prompts if len(p) >= 5]
+    assert len(set(tags)) == len(tags)
+
+
 # ---- the simulator takes the measured server's facts -----------------------------------------------
 def _engine_profile(tmp_path: Path, overhead_s: float) -> Path:
     prof = load_profile(TRUE_PROFILE)
@@ -295,7 +350,7 @@ else:                                         # not there: start our own
         from calibrate.serving.tiny_model import write_preset
         folder = write_preset(tmp_path_factory.mktemp("model") / "tiny-llama")
         with VllmServer(folder, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
-                        enforce_eager=True) as server:
+                        enforce_eager=True, prefix_caching=True) as server:
             yield server
 
 
@@ -321,6 +376,10 @@ def test_calibrate_a_real_vllm_server(vllm_server, tmp_path):
     assert errs and all(math.isfinite(v) for v in errs)
     assert fe["elapsed_s"] < 75 * 1.3
     assert prof.provenance["url"] == vllm_server.url and prof.provenance["vllm_version"]
+    # the server caches prefixes, but no probe hit it (their prompts differ from the first tokens on)
+    cache = prof.provenance["prefix_cache"]
+    assert cache["enabled"] is info.enable_prefix_caching is True
+    assert cache["queries"] > 10_000 and cache["hits"] == 0
     assert (out.with_suffix(".csv")).is_file()
     # the profile drives the simulator with the server's knobs
     batch = Batch((BatchItem(0, 100, 0), BatchItem(1, 1, 50)))

@@ -22,6 +22,7 @@ from reports.presentation import validation as rv
 from sim.cli import main
 from sim.run.config import ConfigError, workload_from_dict
 from sim.cost.profile import load_profile
+from sim.run.runner import run_workload
 
 PROFILE = ROOT / "calibrate" / "profiles" / "cpu" / "tiny-llama" / "float32.yaml"
 
@@ -120,6 +121,85 @@ def test_targets_override_and_bad_targets():
         rv.parse_targets("throughput=500,throughput=1")
     text = rv.format_verdict(rv.verdict(table_with("p50_ttft_ms", 10.0, 12.0), {"ttft_p50": 10.0}))
     assert "MISSED" in text and text.endswith("ttft_p50)")
+
+
+# ---- prefix-cache hit rate and repeats ------------------------------------------------------------
+def test_hit_rate_row_is_in_percent_and_its_error_in_points():
+    live = dict(hand_run().summary, prefix_cache_hit_rate=0.70)
+    table = rv.error_table(live, dict(live, prefix_cache_hit_rate=0.72)).set_index("metric")
+    row = table.loc["prefix_cache_hit_rate"]
+    # 70% measured, 72% simulated: +2 points (a relative error would say +2.9%)
+    assert (row["unit"], row["live"], row["sim"]) == ("%", 70.0, 72.0)
+    assert row["err_pct"] == pytest.approx(2.0)
+    assert table.index[-1] == "prefix_cache_hit_rate"                      # after the latencies
+    assert "prefix_cache_hit_rate" not in set(rv.error_table(hand_run().summary, hand_run().summary)["metric"])
+    assert rv.parse_targets("hit_rate=1")["hit_rate"] == 1.0
+    v = rv.verdict(table.reset_index(), {"hit_rate": 3.0}).set_index("target")
+    assert v.loc["hit_rate", "metric"] == "prefix_cache_hit_rate" and v.loc["hit_rate", "met"]
+    missed = rv.error_table(live, dict(live, prefix_cache_hit_rate=0.7301))      # +3.01 points
+    assert not rv.verdict(missed, {"hit_rate": 3.0})["met"].any()
+    assert "err    +2.0 pt   limit ±3pt   met" in rv.format_verdict(v.reset_index())
+    unknown = rv.error_table(dict(live, prefix_cache_hit_rate=None), live)        # counters unreadable
+    assert not rv.verdict(unknown, {"hit_rate": 3.0})["met"].any()
+
+
+def test_repeats_compare_medians_and_a_target_is_met_inside_the_live_spread():
+    lives = [dict(output_throughput=t, p50_ttft_ms=f, prefix_cache_hit_rate=h)
+             for t, f, h in ((100.0, 40.0, 0.50), (110.0, 50.0, 0.52), (104.0, 44.0, 0.51))]
+    # median throughput 104 (range 100..110, spread (110 - 100) / 104 = 9.62%); sim 109.5: +5.29%,
+    # over the 5% limit but inside the range: met. TTFT median 44 (40..50, 22.7%); sim 51: +15.9%,
+    # outside: missed. Hit rate median 51% (50..52, 2 points); sim 0.545: +3.5 points, outside: missed.
+    table = rv.repeat_table(lives, [dict(output_throughput=109.5, p50_ttft_ms=51.0,
+                                         prefix_cache_hit_rate=0.545)]).set_index("metric")
+    t = table.loc["output_throughput"]
+    assert (t["live"], t["live_min"], t["live_max"], t["sim"]) == (104.0, 100.0, 110.0, 109.5)
+    assert t["spread_pct"] == pytest.approx(10 / 104 * 100) and t["err_pct"] == pytest.approx(5.5 / 104 * 100)
+    assert table.loc["p50_ttft_ms", "spread_pct"] == pytest.approx(10 / 44 * 100)
+    h = table.loc["prefix_cache_hit_rate"]
+    assert (h["live"], h["live_min"], h["live_max"]) == pytest.approx((51.0, 50.0, 52.0))
+    assert h["spread_pct"] == pytest.approx(2.0) and h["err_pct"] == pytest.approx(3.5)
+    v = rv.verdict(table.reset_index(), {"throughput": 5.0, "ttft_p50": 10.0, "hit_rate": 3.0}).set_index("target")
+    assert v.loc["throughput", "in_spread"] and v.loc["throughput", "met"]
+    assert not v.loc["ttft_p50", "in_spread"] and not v.loc["ttft_p50", "met"]
+    assert not v.loc["hit_rate", "met"]
+    text = rv.format_verdict(v.reset_index())
+    assert "live spread 9.62%, sim inside it   met" in text and "live spread 2pt   MISSED" in text
+    assert "spread %" in rv.format_table(table.reset_index())
+    one = rv.repeat_table(lives[:1], [lives[1]])                            # one run: the plain table
+    assert "live_min" not in one and list(one.columns) == list(rv.error_table(lives[0], lives[1]).columns)
+    assert "in_spread" not in rv.verdict(one, {"throughput": 5.0})
+
+
+def test_simulated_prefix_counts_are_vllms_new_request_counts(tmp_path):
+    """Three requests, one second apart, sharing a 32-token prefix (2 blocks of 16) before 8
+    tokens of their own: the first hits nothing, the next two the 32 prefix tokens (their
+    lookup may take (40 - 1) // 16 = 2 blocks). Queries 3 x 40 = 120, hits 2 x 32 = 64."""
+    from calibrate.serving.validate_server import sim_prefix_counts, with_prefix_counts
+    from workloads.generate import Contents, RequestSpecs
+
+    contents = Contents(np.array([1, 10, 1, 11, 1, 12], np.int64), np.array([32, 8] * 3, np.int64),
+                        np.array([0, 2, 4, 6], np.int64), np.array([20, 21, 22], np.int64))
+    specs = RequestSpecs(np.array([0.0, 1.0, 2.0]), np.full(3, 40, np.int64), np.full(3, 4, np.int64),
+                         contents=contents)
+    cfg = workload_from_dict({"name": "pfx", "num_requests": 3, "arrivals": {"kind": "poisson", "rate": 1},
+                              "lengths": {"kind": "fixed", "prompt_tokens": 40, "output_tokens": 4},
+                              "policy": {"kind": "vllm_v1"}, "profile": {"path": str(PROFILE)}}, "w.yaml")
+    sim = run_workload(cfg, specs=specs)
+    assert sim_prefix_counts(sim) == (120, 64)
+    assert with_prefix_counts(sim).summary["prefix_cache_hit_rate"] == pytest.approx(64 / 120)
+    off = run_workload(workload_from_dict({**cfg.raw, "policy": {"kind": "vllm_v1", "enable_prefix_caching": False}},
+                                          "w.yaml"), specs=specs)
+    assert sim_prefix_counts(off) == (120, 0)
+
+
+def test_repeat_needs_a_server(tmp_path, capsys):
+    wl = write(tmp_path, WORKLOAD, "w.yaml")
+    bench = write(tmp_path, bench_dict())
+    for extra, words in ((["--measured", str(bench), "--repeat", "2"], "only a live replay against a server"),
+                         (["--server", "http://127.0.0.1:9", "--repeat", "0"], "--repeat must be >= 1")):
+        assert main(["validate", str(wl), "--profile", str(PROFILE), "--out", str(tmp_path / "o"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
 
 
 # ---- vllm bench serve --save-result --save-detailed ------------------------------------------
@@ -376,7 +456,7 @@ else:
         from calibrate.serving.tiny_model import write_tiny_llama
 
         model = write_tiny_llama(tmp_path_factory.mktemp("model") / "tiny")
-        with VllmServer(model, max_num_seqs=32, max_num_batched_tokens=512) as server:
+        with VllmServer(model, max_num_seqs=32, max_num_batched_tokens=512, prefix_caching=True) as server:
             yield server
 
 
@@ -442,3 +522,74 @@ def test_validate_closed_loop_against_a_real_vllm_server(tmp_path, vllm_server):
     assert max_in_flight(measured) == 3 and max_in_flight(simulated) == 3
     body = json.loads((out / "report.json").read_text())
     assert any("at most 3 requests in flight" in n for n in body["notes"])
+
+
+def shared_prefix_and_session_specs():
+    """Five requests (prompts in blocks of 128, the server's): r0-r2 share a 256-token prefix
+    before 64 tokens of their own, 0.6 s apart; r3 is a session's first turn (200 tokens, 100
+    outputs) and r4 its next turn: r3's prompt, its 100 outputs, 40 new tokens (arrival 9.9 s,
+    a placeholder: it is sent 0.2 s after r3's reply)."""
+    from workloads.generate import Contents, RequestSpecs
+
+    keys = [1, 11, 1, 12, 1, 13, 2, 2, 103, 3]
+    lengths = [256, 64, 256, 64, 256, 64, 200, 200, 100, 40]
+    contents = Contents(np.array(keys, np.int64), np.array(lengths, np.int64),
+                        np.array([0, 2, 4, 6, 7, 10], np.int64), np.array([100, 101, 102, 103, 104], np.int64))
+    return RequestSpecs(np.array([0.0, 0.6, 1.2, 1.8, 9.9]), np.array([320, 320, 320, 200, 340], np.int64),
+                        np.array([4, 4, 4, 100, 4], np.int64), contents=contents)
+
+
+@needs_vllm
+def test_server_hit_rate_matches_hand_count_and_the_simulation_over_repeats(vllm_server):
+    """Hits by hand (128-token blocks, lookups capped at (tokens - 1) // 128 blocks): r1 and r2
+    hit the 2 prefix blocks (256 each); r4 hits r3's 2 full blocks (r3 computed 200 + 99 = 299
+    tokens), the second holding r3's first 56 outputs, so only with the ids the server generated
+    (the simulator's would hit 128). Hits 3 x 256 = 768 of queries 3 x 320 + 200 + 340 = 1500:
+    51.2%, in each of two replays (a fresh salt each: the second does not hit the first's blocks)."""
+    from calibrate.serving.validate_server import validate_server
+
+    url = getattr(vllm_server, "url", vllm_server)
+    cfg = workload_from_dict({"name": "pfx-live", "num_requests": 5, "arrivals": {"kind": "poisson", "rate": 1},
+                              "lengths": {"kind": "fixed", "prompt_tokens": 320, "output_tokens": 4},
+                              "policy": {"kind": "vllm_v1"}}, "w.yaml")
+    v = validate_server(cfg, profile=str(PROFILE), server=url, specs=shared_prefix_and_session_specs(),
+                        repeat=2, think_time_s=0.2, sim_on_sends=True)
+    assert v.prefix_caching["server"] is True and v.prefix_caching["simulated"] is True
+    assert v.prefix_caching["live"] == [{"queries": 1500, "hits": 768, "hit_rate": 0.512}] * 2
+    assert v.prefix_caching["sim"] == [{"queries": 1500, "hits": 768, "hit_rate": 0.512}] * 2
+    row = v.table.set_index("metric").loc["prefix_cache_hit_rate"]
+    assert (row["live"], row["sim"], row["err_pct"], row["spread_pct"]) == pytest.approx((51.2, 51.2, 0.0, 0.0))
+    assert v.verdict.set_index("target").loc["hit_rate", "met"]
+    req = v.measurement.run.requests
+    assert req.loc[4, "arrival_s"] >= req.loc[3, "finished_s"] + 0.2 - 1e-6      # sent after r3's reply
+    body = v.body()
+    assert body["repeat"] == 2 and [r["prefix_cache_hits"] for r in body["live_runs"]] == [768, 768]
+    assert any("1 requests are next turns" in n for n in v.notes)
+
+
+@needs_vllm
+def test_validate_repeat_from_the_command_line(tmp_path, vllm_server, capsys):
+    """--repeat 2: the table shows the live spread, report.json each run, measured-2/ the second;
+    the workload's random prompts share nothing, so both sides hit 0% of the server's cache. The
+    workload turns prefix caching off, the server has it on: the simulation follows the server."""
+    url = getattr(vllm_server, "url", vllm_server)
+    wl = write(tmp_path, SERVER_WORKLOAD.replace("num_requests: 40", "num_requests: 10")
+               .replace("rate: 4, cv: 2", "rate: 8, cv: 1")
+               .replace("policy: {kind: vllm_v1}", "policy: {kind: vllm_v1, enable_prefix_caching: false}"), "w.yaml")
+    out = tmp_path / "report"
+    assert main(["validate", str(wl), "--server", url, "--profile", str(PROFILE), "--out", str(out), "--quiet",
+                 "--repeat", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "live spread" in printed and "spread %" in printed and "prefix_cache_hit_rate (%)" in printed
+    body = json.loads((out / "report.json").read_text())
+    assert body["repeat"] == 2 and len(body["live_runs"]) == 2 and (out / "measured-2" / "requests.csv").is_file()
+    rows = {r["metric"]: r for r in body["table"]}
+    lo, hi = rows["output_throughput"]["live_min"], rows["output_throughput"]["live_max"]
+    assert lo <= rows["output_throughput"]["live"] <= hi
+    assert sorted(r["output_throughput"] for r in body["live_runs"]) == pytest.approx([lo, hi])
+    assert (rows["prefix_cache_hit_rate"]["live"], rows["prefix_cache_hit_rate"]["sim"]) == (0.0, 0.0)
+    assert [r["prefix_cache_hits"] for r in body["live_runs"]] == [0, 0]
+    assert body["policy"]["enable_prefix_caching"] is True
+    assert body["prefix_caching"]["server"] is True and body["prefix_caching"]["simulated"] is True
+    assert any("the server has prefix caching on, the workload's policy off; the simulation follows the "
+               "server" in n for n in body["notes"])

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from calibrate.serving.client import prompt_ids, replay, run, server_info, stream_completion
+from calibrate.serving.client import metric_totals, prompt_ids, replay, run, server_info, stream_completion
 from calibrate.serving.launch import free_port
 
 GROUPS = (1, 3, 2)  # tokens per event in the "ok" stream, cycled
@@ -20,7 +20,11 @@ METRICS = (
     '# TYPE vllm:cache_config_info gauge\n'
     'vllm:cache_config_info{block_size="128",enable_prefix_caching="False",engine="0",'
     'num_gpu_blocks="2048",num_cpu_blocks="None",sliding_window="None"} 1.0\n'
-    'vllm:num_requests_running{engine="0"} 0.0\n')
+    'vllm:num_requests_running{engine="0"} 0.0\n'
+    '# TYPE vllm:prefix_cache_hits_total counter\n'
+    'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 256.0\n'
+    'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 128.0\n'
+    'vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e+09\n')
 
 
 def _event(obj: object) -> bytes:
@@ -141,6 +145,19 @@ class FakeServer:
             await asyncio.sleep(GAP_S)
         writer.write(_event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}}))
         writer.write(b"data: [DONE]\n\n")
+
+    async def _next(self, body: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        """Continuous usage, one token an event, with token_ids (asked or not): output token j
+        is the prompt's last id + 1 + j, so a follow-up prompt shows which reply it holds."""
+        await self._start_stream(writer)
+        n, last = int(body["max_tokens"]), int(body["prompt"][-1])
+        for j in range(n):
+            writer.write(_chunk(_event({"choices": [{"index": 0, "text": "x", "token_ids": [last + 1 + j]}],
+                                        "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": j + 1}})))
+            await writer.drain()
+            await asyncio.sleep(GAP_S)
+        writer.write(_chunk(b"data: [DONE]\r\n\r\n") + _chunk(b""))
+        await writer.drain()
 
     async def _bad(self, body: dict[str, Any], writer: asyncio.StreamWriter) -> None:
         data = json.dumps({"error": {"message": "max_tokens is too large", "code": 400}}).encode()
@@ -270,3 +287,41 @@ def test_prompt_ids_deterministic_and_avoiding() -> None:
     assert prompt_ids(0, 1, 5, avoid=range(5)) == []
     with pytest.raises(ValueError):
         prompt_ids(3, 1, 5, avoid=range(5))
+
+
+def test_generated_ids_are_kept_when_asked(fake: FakeServer) -> None:
+    res = run(stream_completion(fake.url, "next", [4, 9], 3, return_token_ids=True))
+    assert fake.bodies[-1]["return_token_ids"] is True
+    assert res.error is None and res.token_ids == [10, 11, 12]          # last prompt id 9, + 1 + j
+    assert run(stream_completion(fake.url, "next", [4, 9], 3)).token_ids is None
+    assert "return_token_ids" not in fake.bodies[-1]
+
+
+def test_replay_sends_a_next_turn_a_think_time_after_the_reply_it_holds(fake: FakeServer) -> None:
+    """Item 1 follows item 0: due 0.15 s after item 0 ended, whatever its offset (0.0), its
+    prompt made then from item 0's generated ids; item 2 keeps its offset."""
+    schedule = [(0.0, [1, 2], 4), (0.0, [0], 2), (0.05, [5], 2)]
+    made = []
+
+    def prompt_at_send(i, results):
+        made.append((i, results[0] is not None))
+        return [1, 2] + results[0].token_ids + [50] if i == 1 else schedule[i][1]
+
+    start = time.perf_counter()
+    results = run(replay(fake.url, "next", schedule, waits_for=[[], [0], []], think_time_s=0.15,
+                         prompt_at_send=prompt_at_send, return_token_ids=[True, False, False]))
+    first, turn, other = results
+    assert first.token_ids == [3, 4, 5, 6] and turn.token_ids is None
+    assert [1, 2, 3, 4, 5, 6, 50] in [b["prompt"] for b in fake.bodies[-3:]] and turn.num_prompt_tokens == 7
+    assert turn.scheduled_s == pytest.approx(first.end_s + 0.15)
+    assert turn.scheduled_s - 0.001 <= turn.send_s <= turn.scheduled_s + 0.05
+    assert other.scheduled_s == pytest.approx(start + 0.05, abs=0.01)
+    assert (1, True) in made
+    with pytest.raises(ValueError, match="only earlier items"):
+        run(replay(fake.url, "next", schedule, waits_for=[[1], [], []]))
+
+
+def test_metric_totals_sum_label_sets(fake: FakeServer) -> None:
+    got = metric_totals(fake.url, ["vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"])
+    assert got == {"vllm:prefix_cache_hits_total": 384.0, "vllm:prefix_cache_queries_total": None}
+    assert metric_totals(f"http://127.0.0.1:{free_port()}", ["x_total"]) == {"x_total": None}

@@ -66,6 +66,8 @@ def test_command_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert exact.command[exact.command.index("--kv-cache-memory-bytes") + 1] == str(1 << 20)
     assert "VLLM_CPU_KVCACHE_SPACE" not in exact.env and exact.env["OMP_NUM_THREADS"] == "2"
     assert "--enforce-eager" in exact.command
+    cached = VllmServer("/m", prefix_caching=True).command
+    assert "--enable-prefix-caching" in cached and "--no-enable-prefix-caching" not in cached
     with pytest.raises(ValueError):
         VllmServer("/m", kv_cache_space_gib=0)
 
@@ -125,6 +127,7 @@ def test_server_info_reports_capacity_and_knobs(vllm_server: VllmServer) -> None
         VLLM_MAX_MODEL_LEN,
         VLLM_MAX_NUM_BATCHED_TOKENS,
         VLLM_MAX_NUM_SEQS,
+        VLLM_PREFIX_CACHING,
     )
 
     from calibrate.model import get_model_shape
@@ -134,7 +137,7 @@ def test_server_info_reports_capacity_and_knobs(vllm_server: VllmServer) -> None
     assert info.max_model_len == VLLM_MAX_MODEL_LEN
     assert info.max_num_seqs == VLLM_MAX_NUM_SEQS
     assert info.max_num_batched_tokens == VLLM_MAX_NUM_BATCHED_TOKENS
-    assert info.enable_prefix_caching is False
+    assert info.enable_prefix_caching is VLLM_PREFIX_CACHING
     assert info.block_size is not None and info.block_size > 0
     assert info.block_size == info.raw["vllm_config"]["cache_config"]["block_size"]
     # float32 K and V for every layer: the KV budget divides into whole blocks
