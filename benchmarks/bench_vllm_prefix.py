@@ -18,10 +18,10 @@ case replayed ``--repeat`` times (default 2):
   turn k + 1's prompt is turn k's, its reply (the output key of turn k, its
   whole output) and a new user message; sessions start as a Poisson process
   (the request rate is ``turns`` x theirs) and a next turn is sent
-  ``think_s`` after the reply it holds, with the ids the server generated.
-  This tree has no sessions feed in the simulator, so the simulated side of
-  these cases replays each live run's send times (``sim_on_sends``): both
-  sides see the same arrivals, the simulator does not predict them.
+  ``think_s`` after the reply it holds, with the ids the server generated;
+  the simulator predicts the send times with its own sessions feed
+  (``sim.loop.feed.SessionFeed``: each next turn a think time after its
+  simulated reply).
 
     python benchmarks/bench_vllm_prefix.py                     # everything (~8-12 min on 2 cores)
     python benchmarks/bench_vllm_prefix.py --quick             # prefix traffic, 80% load, 60 requests
@@ -77,34 +77,34 @@ def prefix_repetition(num_requests: int, num_prefixes: int, prefix_len: int, suf
 
 def sessions(num_sessions: int, turns: int, system_len: int, user_len: int, reply_len: int, rate: float,
              seed: int):
-    """Multi-turn sessions (module doc) as (arrival placeholders, prompt lengths, output lengths,
-    Contents), requests ordered by session start then turn; a next turn's arrival is a
-    placeholder after its predecessor's (the replay sends it after the reply). Keys: the
-    system prompt ``key_space(1)``, user message (s, k) ``key_space(2) + s * turns + k``, the
-    output of request i ``key_space(3) + i``."""
+    """Multi-turn sessions (module doc) as (arrivals, prompt lengths, output lengths, Contents,
+    session offsets), requests ordered by session then turn, each turn's arrival its session's
+    start (the earliest it may go: ``RequestSpecs.sessions``). Keys: the system prompt
+    ``key_space(1)``, user message (s, k) ``key_space(2) + s * turns + k``, the output of request i
+    ``key_space(3) + i``."""
     from workloads.generate import Contents, key_space
 
     start = np.concatenate([[0.0], np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, num_sessions - 1))])
-    order = sorted(((start[s] + k * 1e-3, s, k) for s in range(num_sessions) for k in range(turns)))
-    index = {(s, k): i for i, (_, s, k) in enumerate(order)}
     keys: list[int] = []
     lengths: list[int] = []
-    starts, prompts = [0], []
-    for i, (_, s, k) in enumerate(order):
-        runs = [(key_space(1), system_len)]
-        for j in range(k + 1):
-            runs.append((key_space(2) + s * turns + j, user_len))
-            if j < k:
-                runs.append((key_space(3) + index[(s, j)], reply_len))
-        keys += [r[0] for r in runs]
-        lengths += [r[1] for r in runs]
-        starts.append(len(keys))
-        prompts.append(sum(r[1] for r in runs))
-    n = len(order)
+    starts, prompts, arrival = [0], [], []
+    for s in range(num_sessions):
+        for k in range(turns):
+            runs = [(key_space(1), system_len)]
+            for j in range(k + 1):
+                runs.append((key_space(2) + s * turns + j, user_len))
+                if j < k:
+                    runs.append((key_space(3) + s * turns + j, reply_len))
+            keys += [r[0] for r in runs]
+            lengths += [r[1] for r in runs]
+            starts.append(len(keys))
+            prompts.append(sum(r[1] for r in runs))
+            arrival.append(start[s])
+    n = num_sessions * turns
     contents = Contents(np.array(keys, np.int64), np.array(lengths, np.int64), np.array(starts, np.int64),
                         (key_space(3) + np.arange(n)).astype(np.int64))
-    return (np.array([t for t, _, _ in order]), np.array(prompts, np.int64), np.full(n, reply_len, np.int64),
-            contents)
+    return (np.array(arrival), np.array(prompts, np.int64), np.full(n, reply_len, np.int64), contents,
+            np.arange(0, n + 1, turns, dtype=np.int64))
 
 
 def case_specs(kind: str, args: argparse.Namespace, rate: float | None):
@@ -121,18 +121,31 @@ def case_specs(kind: str, args: argparse.Namespace, rate: float | None):
         return RequestSpecs(np.cumsum(gaps), prompts, outputs, contents=contents), 0.0
     num_sessions = max(1, args.num_requests // args.turns)
     session_rate = 1e9 if rate is None else rate / args.turns
-    arrival, prompts, outputs, contents = sessions(num_sessions, args.turns, args.system_len, args.user_len,
-                                                   args.reply_len, session_rate, args.seed)
-    return RequestSpecs(arrival, prompts, outputs, contents=contents), 0.0 if rate is None else args.think_s
+    arrival, prompts, outputs, contents, offsets = sessions(num_sessions, args.turns, args.system_len,
+                                                            args.user_len, args.reply_len, session_rate, args.seed)
+    return (RequestSpecs(arrival, prompts, outputs, contents=contents, sessions=offsets),
+            0.0 if rate is None else args.think_s)
 
 
-def workload(name: str, specs, rate: float | None):
+def workload(name: str, specs, rate: float | None, think_s: float = 0.0):
+    """The case's workload (its requests are ``specs``, which validate_server replays and
+    simulates); sessions: arrivals kind sessions, so the simulator sends each next turn
+    ``think_s`` after its simulated reply."""
     from sim.run.config import workload_from_dict
+    lengths = {"kind": "fixed", "prompt_tokens": int(specs.prompt_tokens.max()),
+               "output_tokens": int(specs.output_tokens.max())}
+    policy = {"kind": "vllm_v1", **KNOBS}
+    if specs.sessions is not None:
+        num_sessions = len(specs.sessions) - 1
+        turns = int(specs.sessions[1] - specs.sessions[0])
+        arrivals = {"kind": "sessions", "think_time_s": think_s, **({"rate": round(rate / turns, 3)} if rate else {})}
+        return workload_from_dict({"name": name, "arrivals": arrivals,
+                                   "sessions": {"num_sessions": num_sessions, "num_turns": turns},
+                                   "lengths": {**lengths, "prompt_tokens": 1}, "policy": policy},
+                                  f"<bench {name}>")
     arrivals = {"kind": "all_at_once"} if rate is None else {"kind": "poisson", "rate": round(rate, 3)}
     return workload_from_dict({"name": name, "num_requests": len(specs), "arrivals": arrivals,
-                               "lengths": {"kind": "fixed", "prompt_tokens": int(specs.prompt_tokens.max()),
-                                           "output_tokens": int(specs.output_tokens.max())},
-                               "max_tokens": "output", "policy": {"kind": "vllm_v1", **KNOBS}}, f"<bench {name}>")
+                               "lengths": lengths, "max_tokens": "output", "policy": policy}, f"<bench {name}>")
 
 
 def rows_of(v) -> dict[str, dict]:
@@ -232,23 +245,18 @@ def main() -> int:
         summary = []
         for kind in cases:
             specs, think = case_specs(kind, args, None)
-            on_sends = kind == "multiturn"
-            v = validate_server(workload(f"cap-{kind}", specs, None), profile=profile, server=url, specs=specs,
-                                think_time_s=think, sim_on_sends=on_sends, targets=dict(TARGETS))
+            v = validate_server(workload(f"cap-{kind}", specs, None, think), profile=profile, server=url,
+                                specs=specs, think_time_s=think, targets=dict(TARGETS))
             capacity = v.measurement.run.summary["request_throughput"]
             print_case(f"{kind}: capacity, {len(specs)} requests at once"
                        + (" (next turns right after their replies)" if kind == "multiturn" else "")
                        + f": measured {capacity:.2f} req/s, simulated {v.sim.summary['request_throughput']:.2f}", v)
-            if on_sends:
-                print("  multi-turn: the simulator has no sessions feed in this tree, so its side replays the "
-                      "live send times")
             for load in loads:
                 rate = load * capacity
                 name = f"{kind}-{int(round(100 * load))}pct"
                 specs, think = case_specs(kind, args, rate)
-                v = validate_server(workload(name, specs, rate), profile=profile, server=url, specs=specs,
-                                    repeat=args.repeat, think_time_s=think, sim_on_sends=on_sends,
-                                    targets=dict(TARGETS))
+                v = validate_server(workload(name, specs, rate, think), profile=profile, server=url, specs=specs,
+                                    repeat=args.repeat, think_time_s=think, targets=dict(TARGETS))
                 print_case(f"{name}: {rate:.2f} req/s ({100 * load:.0f}% of capacity), {len(specs)} requests", v)
                 if args.out:
                     write_report(Path(args.out) / name, v)

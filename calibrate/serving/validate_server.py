@@ -188,13 +188,16 @@ def hit_rate(queries: float | None, hits: float | None) -> float | None:
 
 
 def sim_prefix_counts(result: RunResult) -> tuple[int, int]:
-    """(queries, hits) of a simulated run as vLLM counts them for new requests
-    (``PrefixCachePool.record_lookup``): a request's first admission queries its
-    prompt (it has no outputs yet) and hits its ``cached_tokens`` (the requests
-    table's compact column); a request never admitted (rejected) queries nothing."""
+    """(queries, hits) of a simulated run as vLLM counts them for new requests: the
+    pool's own counters (``PrefixCachePool.record_lookup``, in the summary) when the
+    run cached prefixes; without a cache, every admitted request's prompt queried
+    (it has no outputs yet at its first admission) and nothing hit."""
+    s = result.summary
+    if "prefix_cache_queries" in s:
+        return int(s["prefix_cache_queries"]), int(s["prefix_cache_hits"])
     cols = result.table.cols
     admitted = ~np.isnan(cols["first_scheduled_s"])
-    return int(cols["prompt_tokens"][admitted].sum()), int(cols["cached_tokens"][admitted].sum())
+    return int(cols["prompt_tokens"][admitted].sum()), 0
 
 
 def measure_server(cfg: WorkloadConfig, url: str, info: Any, vocab_size: int, max_model_len: int,

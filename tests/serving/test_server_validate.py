@@ -186,6 +186,8 @@ def test_simulated_prefix_counts_are_vllms_new_request_counts(tmp_path):
                               "policy": {"kind": "vllm_v1"}, "profile": {"path": str(PROFILE)}}, "w.yaml")
     sim = run_workload(cfg, specs=specs)
     assert sim_prefix_counts(sim) == (120, 64)
+    # the pool's counters agree with the requests table: hits are the cached tokens of admitted requests
+    assert int(sim.table.cols["cached_tokens"].sum()) == 64
     assert with_prefix_counts(sim).summary["prefix_cache_hit_rate"] == pytest.approx(64 / 120)
     off = run_workload(workload_from_dict({**cfg.raw, "policy": {"kind": "vllm_v1", "enable_prefix_caching": False}},
                                           "w.yaml"), specs=specs)
