@@ -438,8 +438,10 @@ def validate_server(cfg: WorkloadConfig, *, profile: str | None = None, server: 
     set it). ``repeat``: N live replays; the table compares the medians and
     gives the live range beside them, and a target is met within its limit or
     inside that range (``rv.verdict``). ``sim_on_sends``: simulate each replay
-    again with the requests arriving when they were sent live (sessions on a
-    simulator without a sessions feed: both sides then see the same arrivals)."""
+    again with the requests arriving when they were sent live: both sides see
+    the same arrivals, so what differs is the server, not the send times the
+    simulator predicts (for sessions, ``sim.loop.feed.SessionFeed`` predicts them
+    by default)."""
     if bool(server) == bool(measured):
         raise ConfigError("sim validate: give exactly one of --server URL or --measured FILE")
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
