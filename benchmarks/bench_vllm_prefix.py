@@ -138,7 +138,9 @@ def workload(name: str, specs, rate: float | None, think_s: float = 0.0):
     if specs.sessions is not None:
         num_sessions = len(specs.sessions) - 1
         turns = int(specs.sessions[1] - specs.sessions[0])
-        arrivals = {"kind": "sessions", "think_time_s": think_s, **({"rate": round(rate / turns, 3)} if rate else {})}
+        # capacity (no rate): every session at once, each next turn right after its reply
+        arrivals = {"kind": "sessions", "think_time_s": think_s,
+                    **({"rate": round(rate / turns, 3)} if rate else {"max_concurrency": num_sessions})}
         return workload_from_dict({"name": name, "arrivals": arrivals,
                                    "sessions": {"num_sessions": num_sessions, "num_turns": turns},
                                    "lengths": {**lengths, "prompt_tokens": 1}, "policy": policy},
