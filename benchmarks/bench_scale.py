@@ -104,9 +104,9 @@ def row(policy: str, n: int, child: Child, summary: dict, meta: dict) -> tuple[s
 def ratio_line(policy: str, small: int, big: int, results: dict) -> str:
     a, b = results.get((policy, small)), results.get((policy, big))
     if a is None or b is None:
-        return f"{policy:<9}{big:,} / {small:,}: - (a run failed)"
+        return f"{policy:<16}{big:,} / {small:,}: - (a run failed)"
     kb_each = (b["rss_mib"] - a["rss_mib"]) * 1024 / (big - small)
-    return (f"{policy:<9}{big:,} / {small:,} requests (x{big / small:g}): peak RSS "
+    return (f"{policy:<16}{big:,} / {small:,} requests (x{big / small:g}): peak RSS "
             f"x{b['rss_mib'] / a['rss_mib']:.2f} (with the files process: x{b['total_mib'] / a['total_mib']:.2f}), "
             f"req/s x{b['req_per_s'] / a['req_per_s']:.2f}; {kb_each:.1f} KiB of RSS per extra request")
 
