@@ -217,33 +217,17 @@ def main() -> int:
     if bad := [c for c in cases if c not in ("prefix", "multiturn")]:
         p.error(f"unknown case {', '.join(bad)}; choose from prefix, multiturn")
 
-    from calibrate.serving.calibrate_server import calibrate_server
+    from bench_vllm_server import calibrated_profile, start_server
+
     from calibrate.serving.client import server_info
-    from calibrate.serving.launch import VllmServer
-    from calibrate.serving.tiny_model import write_preset
     from calibrate.serving.validate_server import validate_server, write_report
 
     t_start = time.perf_counter()
-    server = None
-    url = args.url
-    if url is None:
-        server = VllmServer(write_preset(args.model_dir), prefix_caching=True, **KNOBS).start()
-        url = server.url
-        print(f"vLLM server {url} up in {server.startup_s:.0f} s, prefix caching on (log {server.log_path})")
-    elif not server_info(url).enable_prefix_caching:
+    server, url = start_server(args, KNOBS, prefix_caching=True)
+    if server is None and not server_info(url).enable_prefix_caching:
         print(f"warning: {url} does not say its prefix caching is on; the simulated side follows the server")
     try:
-        profile = args.profile
-        if profile is None:
-            t0 = time.perf_counter()
-            cal = calibrate_server(url, budget_s=args.budget_s, seed=args.seed,
-                                   progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-            profile = str(Path(args.out or tempfile.mkdtemp(prefix="bench-vllm-prefix-")) / "profile.yaml")
-            cal.save(profile)
-            fe, pc = cal.profile.fit_error, cal.profile.provenance.get("prefix_cache", {})
-            print(f"calibration: {time.perf_counter() - t0:.0f} s, fit MAPE {fe['fit_mape_pct']:.1f}% on "
-                  f"{fe['fit_num_points']} equations; {fe.get('selfcheck_summary', '')}; prefix cache during "
-                  f"calibration: {pc.get('hits')} hits of {pc.get('queries')} prompt tokens; profile {profile}")
+        profile = args.profile or calibrated_profile(args, url, "bench-vllm-prefix-")
         summary = []
         for kind in cases:
             specs, think = case_specs(kind, args, None)

@@ -63,6 +63,38 @@ def print_case(title: str, v) -> None:
               f"{b if b is not None else float('nan'):>10.3g}{err:>+10.1f}{mark}")
 
 
+def start_server(args: argparse.Namespace, knobs: dict, *, prefix_caching: bool | None = None):
+    """(the vLLM server started on the tiny model, its URL), or (None, ``args.url``) for a
+    server already running. ``prefix_caching``: the server's flag (None: vLLM's default)."""
+    if args.url is not None:
+        return None, args.url
+    from calibrate.serving.launch import VllmServer
+    from calibrate.serving.tiny_model import write_preset
+    extra = {} if prefix_caching is None else {"prefix_caching": prefix_caching}
+    server = VllmServer(write_preset(args.model_dir), **extra, **knobs).start()
+    caching = "" if prefix_caching is None else f", prefix caching {'on' if prefix_caching else 'off'}"
+    print(f"vLLM server {server.url} up in {server.startup_s:.0f} s{caching} (log {server.log_path})")
+    return server, server.url
+
+
+def calibrated_profile(args: argparse.Namespace, url: str, tmp_prefix: str) -> str:
+    """Calibrate ``url`` from outside (``args.budget_s``, ``args.seed``), save the profile
+    in ``args.out`` (else a temporary folder) and print what the calibration measured,
+    with the prefix-cache hits of its probes when the server counted them; the profile's path."""
+    from calibrate.serving.calibrate_server import calibrate_server
+    t0 = time.perf_counter()
+    cal = calibrate_server(url, budget_s=args.budget_s, seed=args.seed,
+                           progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    profile = str(Path(args.out or tempfile.mkdtemp(prefix=tmp_prefix)) / "profile.yaml")
+    cal.save(profile)
+    fe, pc = cal.profile.fit_error, cal.profile.provenance.get("prefix_cache") or {}
+    hits = (f"prefix cache during calibration: {pc.get('hits')} hits of {pc.get('queries')} prompt tokens; "
+            if pc else "")
+    print(f"calibration: {time.perf_counter() - t0:.0f} s, fit MAPE {fe['fit_mape_pct']:.1f}% on "
+          f"{fe['fit_num_points']} equations; {fe.get('selfcheck_summary', '')}; {hits}profile {profile}")
+    return profile
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", help="an already running vLLM server (max_num_seqs 32, max_num_batched_tokens 512)")
@@ -87,29 +119,11 @@ def main() -> int:
         if bad:
             p.error(f"unknown {name} {', '.join(bad)}; choose from {', '.join(known)}")
 
-    from calibrate.serving.calibrate_server import calibrate_server
-    from calibrate.serving.launch import VllmServer
-    from calibrate.serving.tiny_model import write_preset
     from calibrate.serving.validate_server import validate_server, write_report
 
-    server = None
-    url = args.url
-    if url is None:
-        model_dir = write_preset(args.model_dir)
-        server = VllmServer(model_dir, **KNOBS).start()
-        url = server.url
-        print(f"vLLM server {url} up in {server.startup_s:.0f} s (log {server.log_path})")
+    server, url = start_server(args, KNOBS)
     try:
-        profile = args.profile
-        if profile is None:
-            t0 = time.perf_counter()
-            cal = calibrate_server(url, budget_s=args.budget_s, seed=args.seed,
-                                   progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-            profile = str(Path(args.out or tempfile.mkdtemp(prefix="bench-vllm-")) / "profile.yaml")
-            cal.save(profile)
-            fe = cal.profile.fit_error
-            print(f"calibration: {time.perf_counter() - t0:.0f} s, fit MAPE {fe['fit_mape_pct']:.1f}% on "
-                  f"{fe['fit_num_points']} equations; {fe.get('selfcheck_summary', '')}; profile {profile}")
+        profile = args.profile or calibrated_profile(args, url, "bench-vllm-")
         summary = []
         for mix in mixes:
             v = validate_server(workload(f"cap-{mix}", mix, {"kind": "all_at_once"}, args.num_requests, args.seed),

@@ -87,3 +87,14 @@ def simulate(specs: Sequence[tuple[float, int, int]], policy_cfg, profile: Profi
 @pytest.fixture
 def profile() -> Profile:
     return linear_profile()
+
+
+# A small Mooncake-style trace, 512 tokens per id (the default hash_block_tokens):
+MOONCAKE_ROWS = [
+    {"timestamp": 0, "input_length": 1100, "output_length": 2, "hash_ids": [1, 2, 3]},
+    {"timestamp": 1000, "input_length": 700, "output_length": 2, "hash_ids": [1, 5]},
+    {"timestamp": 2000, "input_length": 1050, "output_length": 2, "hash_ids": [1, 2, 3]},
+    {"timestamp": 3000, "input_length": 532, "output_length": 2, "hash_ids": [1, 9]},
+    {"timestamp": 4000, "input_length": 600, "output_length": 2, "hash_ids": [1, 9, 10]},
+    {"timestamp": 5000, "input_length": 1200, "output_length": 2, "hash_ids": [1]},
+]

@@ -292,11 +292,8 @@ class PrefixCachePool(KVPool):
         req.num_hashed_blocks = 0
 
     # ---- lookups ------------------------------------------------------------------------------------
-    def lookup(self, req: Request) -> list[int]:
-        """The cached blocks of ``req``'s longest cached prefix (vLLM's
-        ``find_longest_cache_hit``), at most ``num_tokens - 1`` tokens; changes nothing."""
-        num_tokens = req.num_prompt_tokens + req.num_output_tokens
-        limit = (num_tokens - 1) // self.block_size
+    def _hit(self, req: Request, limit: int) -> list[int]:
+        """The cached blocks of ``req``'s first ``limit`` blocks, up to the first miss."""
         if limit <= 0 or not self._cached:
             return []
         hashes = extend_hashes(req, limit * self.block_size, self.block_size)
@@ -309,18 +306,15 @@ class PrefixCachePool(KVPool):
             hit.append(b)
         return hit
 
+    def lookup(self, req: Request) -> list[int]:
+        """The cached blocks of ``req``'s longest cached prefix (vLLM's
+        ``find_longest_cache_hit``), at most ``num_tokens - 1`` tokens; changes nothing."""
+        return self._hit(req, (req.num_prompt_tokens + req.num_output_tokens - 1) // self.block_size)
+
     def cached_prefix_blocks(self, req: Request) -> int:
         """How many of ``req``'s leading prompt blocks this pool holds cached (a
         router's view: whole prompt blocks, no ``num_tokens - 1`` cap; changes nothing)."""
-        if not self._cached:
-            return 0
-        limit = req.num_prompt_tokens // self.block_size
-        hashes = extend_hashes(req, limit * self.block_size, self.block_size)
-        cached = self._cached
-        k = 0
-        while k < limit and hashes[k] in cached:
-            k += 1
-        return k
+        return len(self._hit(req, req.num_prompt_tokens // self.block_size))
 
     def num_evictable(self, blocks: list[int]) -> int:
         """How many of ``blocks`` (cached ones) no request holds: they sit in the free queue."""

@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from conftest import MOONCAKE_ROWS
 
 from sim.cli import main
 from sim.run.config import load_workload, workload_from_dict
@@ -59,14 +60,7 @@ def test_prefix_caching_cuts_ttft_on_shared_prefixes():
 def test_hash_id_trace_hits_by_hand(tmp_path):
     """The simulator's blocks of 48 tokens (512 = 10 x 48 + 32: they do not line up
     with the trace's) see equal tokens exactly where the trace's ids agree."""
-    rows = [  # one second apart: each request is done before the next arrives
-        {"timestamp": 0, "input_length": 1100, "output_length": 2, "hash_ids": [1, 2, 3]},
-        {"timestamp": 1000, "input_length": 700, "output_length": 2, "hash_ids": [1, 5]},
-        {"timestamp": 2000, "input_length": 1050, "output_length": 2, "hash_ids": [1, 2, 3]},
-        {"timestamp": 3000, "input_length": 532, "output_length": 2, "hash_ids": [1, 9]},
-        {"timestamp": 4000, "input_length": 600, "output_length": 2, "hash_ids": [1, 9, 10]},
-        {"timestamp": 5000, "input_length": 1200, "output_length": 2, "hash_ids": [1]},
-    ]
+    rows = MOONCAKE_ROWS  # one second apart: each request is done before the next arrives
     p = tmp_path / "m.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = workload_from_dict({"name": "m", "arrivals": {"kind": "trace", "path": str(p)}, "lengths": {"kind": "trace"},

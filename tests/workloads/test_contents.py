@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import MOONCAKE_ROWS
+
 from sim.run.config import ConfigError, workload_from_dict
 from workloads.generate import (REPEAT_OUTPUT, REPEAT_PREFIX, REPEAT_SUFFIX, TRACE_OUTPUT, TRACE_OWN, generate,
                                 key_space)
@@ -86,15 +88,7 @@ def test_prefix_repetition_checks(tmp_path):
         generate(cfg)
 
 
-# A small Mooncake-style trace, 512 tokens per id (the default hash_block_tokens):
-ROWS = [
-    {"timestamp": 0, "input_length": 1100, "output_length": 2, "hash_ids": [1, 2, 3]},
-    {"timestamp": 1000, "input_length": 700, "output_length": 2, "hash_ids": [1, 5]},
-    {"timestamp": 2000, "input_length": 1050, "output_length": 2, "hash_ids": [1, 2, 3]},
-    {"timestamp": 3000, "input_length": 532, "output_length": 2, "hash_ids": [1, 9]},
-    {"timestamp": 4000, "input_length": 600, "output_length": 2, "hash_ids": [1, 9, 10]},
-    {"timestamp": 5000, "input_length": 1200, "output_length": 2, "hash_ids": [1]},
-]
+ROWS = MOONCAKE_ROWS            # a small Mooncake-style trace (tests/conftest.py)
 # Its contents by hand: id k covers tokens 512k .. min(512(k + 1), input_length) - 1.
 RUNS = [
     (1, 512, 2, 512, 3, 76),            # 1100 = 512 + 512 + 76: a partial last block has an id too
