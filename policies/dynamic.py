@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from policies.base import RESERVE_DOC, config_knobs, knob
 from policies.static import group_step, launch_group, padded_stretch_shape
 from sim.core.batch import Batch, Idle
+from sim.core.kv import BlockManager
 from sim.core.policy import PolicyContext
 
 if TYPE_CHECKING:
@@ -32,6 +33,9 @@ class DynamicPolicy:
     # Fast path (sim.loop.stretch): a running group is stepped to its end, whatever arrives.
     decode_stretch = True
     prefix_caching = False         # no prefix cache (vllm_v1 models vLLM's)
+    kv_pool_class = BlockManager
+    block_size = None              # server.block_size
+    kv_memory = None               # vLLM's rule: server.gpu_memory_utilization
     chunk_stretch = False          # no case (c): see Policy
     holds_batch = True
     refuses_by_prompt = False

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from policies.base import (RESERVE_DOC, admit_reserved, batch_or_idle, config_knobs, decode_items, knob,
                            plain_stretch_shape)
 from sim.core.batch import Batch, BatchItem, Idle
+from sim.core.kv import BlockManager
 from sim.core.policy import PolicyContext
 
 if TYPE_CHECKING:
@@ -36,6 +37,9 @@ class OrcaPolicy:
     # that refused admission stay as they are while the same requests decode.
     decode_stretch = True
     prefix_caching = False         # no prefix cache (vllm_v1 models vLLM's)
+    kv_pool_class = BlockManager
+    block_size = None              # server.block_size
+    kv_memory = None               # vLLM's rule: server.gpu_memory_utilization
     chunk_stretch = False          # no case (c): see Policy
     holds_batch = False
     refuses_by_prompt = False

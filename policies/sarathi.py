@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 from policies.base import config_knobs, knob, schedule_decodes
 from policies.vllm import admit_prefills, check_budget
 from sim.core.batch import Batch, BatchItem, Idle
+from sim.core.kv import BlockManager
 from sim.core.policy import PolicyContext, StretchShape
 from sim.core.request import Request, Status
 
@@ -38,6 +39,9 @@ class SarathiPolicy:
     # the same requests decode.
     decode_stretch = True
     prefix_caching = False         # no prefix cache (vllm_v1 models vLLM's)
+    kv_pool_class = BlockManager
+    block_size = None              # server.block_size
+    kv_memory = None               # vLLM's rule: server.gpu_memory_utilization
     # Case (c): with one request prefilling and every other decoding, the decodes take their
     # tokens first and a chunk of at least the rest of the budget fills it, so nothing is admitted
     # and the same shape repeats, the chunk moving on, until the chunk that ends the prompt.

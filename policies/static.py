@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from policies.base import RESERVE_DOC, admit_reserved, batch_or_idle, config_knobs, knob
 from sim.core.batch import Batch, BatchItem, Idle
+from sim.core.kv import BlockManager
 from sim.core.policy import PolicyContext, StretchShape
 from sim.core.request import Status
 
@@ -77,6 +78,9 @@ class StaticPolicy:
     # Fast path (sim.loop.stretch): a running group is stepped to its end, whatever arrives.
     decode_stretch = True
     prefix_caching = False         # no prefix cache (vllm_v1 models vLLM's)
+    kv_pool_class = BlockManager
+    block_size = None              # server.block_size
+    kv_memory = None               # vLLM's rule: server.gpu_memory_utilization
     chunk_stretch = False          # no case (c): see Policy
     holds_batch = True
     refuses_by_prompt = False

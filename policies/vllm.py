@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from policies.base import config_knobs, knob, plain_stretch_shape, schedule_decodes
 from sim.core.batch import Batch, BatchItem, Idle
+from sim.core.kv import BlockManager
 from sim.core.policy import PolicyContext
 
 if TYPE_CHECKING:
@@ -79,6 +80,9 @@ class VllmPolicy:
     # slots or free blocks above the watermark; slots stay, free blocks only shrink while decoding.
     decode_stretch = True
     prefix_caching = False         # no prefix cache (vllm_v1 models vLLM's)
+    kv_pool_class = BlockManager
+    block_size = None              # server.block_size
+    kv_memory = None               # vLLM's rule: server.gpu_memory_utilization
     chunk_stretch = False          # no case (c): see Policy
     holds_batch = False
     # vLLM v0's block manager refuses a request for good (AllocStatus.NEVER) only when the blocks

@@ -50,7 +50,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from policies.base import config_knobs, knob, plain_stretch_shape
 from policies.vllm import check_budget
 from sim.core.batch import Batch, BatchItem, Idle
+from sim.core.kv import BlockManager
 from sim.core.policy import PolicyContext
+from sim.core.prefix import PrefixCachePool
 from sim.core.request import Status
 
 if TYPE_CHECKING:
@@ -112,12 +114,15 @@ class VllmV1Policy:
     refuses_by_prompt = False
     max_prompt_tokens: int | None = None     # chunked prefill: any prompt that fits the context
     num_reserved_blocks = 1                  # vLLM's null block
+    block_size = None                        # server.block_size
+    kv_memory = None                         # vLLM's rule: server.gpu_memory_utilization
 
     def __init__(self, config: VllmV1Config, context: PolicyContext) -> None:
         """Knobs left unset come from the server a profile was measured on
         (``context.engine``), else from vLLM's defaults for the device."""
         self.config = config
         self.prefix_caching = config.enable_prefix_caching
+        self.kv_pool_class = PrefixCachePool if self.prefix_caching else BlockManager
         if self.prefix_caching and not config.reserve_full_prompt:
             self.decode_stretch = False      # see the class's decode_stretch
         self.max_model_len = max_model_len = context.max_model_len

@@ -35,6 +35,26 @@ class PolicyContext:
     engine: Mapping[str, Any] = field(default_factory=dict)    # the measured server's knobs (Profile.engine)
 
 
+class KvMemory(NamedTuple):
+    """How an engine sizes its KV pool from the device memory (per GPU), when
+    it is not vLLM's rule (``Policy.kv_memory`` None: ``server.
+    gpu_memory_utilization`` x memory - weights - activations).
+
+    share_of "total": fraction x memory - weights - activations (vLLM's rule with
+        the engine's own fraction);
+    share_of "static": fraction x memory - weights; activations and CUDA graphs
+        live in the rest (SGLang's ``mem_fraction_static``);
+    share_of "free": fraction x (memory - weights - activations) (TensorRT-LLM's
+        ``free_gpu_memory_fraction``, LMDeploy's ``cache_max_entry_count``).
+    """
+
+    fraction: float
+    share_of: str                 # "total" | "static" | "free"
+
+
+KV_MEMORY_SHARES = ("total", "static", "free")
+
+
 class StretchShape(NamedTuple):
     """The step a policy repeats while nothing changes (``Policy.stretch_shape``),
     as the loop's fast path (``sim.loop.stretch``) prices and logs it."""
@@ -101,6 +121,11 @@ class Policy(Protocol):
     decode_stretch: bool
     chunk_stretch: bool
     prefix_caching: bool           # True: runs on a pool that caches blocks by content (sim.core.prefix)
+    kv_pool_class: type            # the KV pool the runner builds, a sim.core.kv.KVPool: BlockManager, or
+    #                                PrefixCachePool (sim.core.prefix) when prefix_caching, or the engine's own
+    block_size: int | None         # the engine's KV page in tokens where the policy has it as a knob (SGLang's
+    #                                page_size, TensorRT-LLM's tokens_per_block); None: server.block_size
+    kv_memory: KvMemory | None     # how the engine sizes its KV pool; None: vLLM's rule (KvMemory)
 
     def knobs(self) -> dict[str, Any]: ...
 

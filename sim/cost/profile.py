@@ -308,22 +308,38 @@ class Profile:
         return self.activation_bytes_per_gpu + self.activation_bytes_per_token_per_gpu * num_batched_tokens
 
     def kv_capacity_tokens(self, gpu_memory_utilization: float,
-                           num_batched_tokens: int = DEFAULT_ACTIVATION_TOKENS) -> int:
-        """KV tokens that fit: device memory x utilization - weights - activations
-        (sized for steps of ``num_batched_tokens``, the policy's token budget)."""
-        tp = self.tensor_parallel
-        budget = tp * (self.memory_bytes_per_gpu * gpu_memory_utilization
-                       - self.activation_bytes(num_batched_tokens))
-        free = budget - self.weight_bytes
-        return max(0, int(free // self.kv_bytes_per_token))
+                           num_batched_tokens: int = DEFAULT_ACTIVATION_TOKENS, share_of: str = "total") -> int:
+        """KV tokens that fit (``sim.core.policy.KvMemory``), with activations sized
+        for steps of ``num_batched_tokens`` (the policy's token budget): share_of
+        "total" (vLLM): memory x fraction - weights - activations; "static"
+        (SGLang): memory x fraction - weights; "free" (TensorRT-LLM, LMDeploy):
+        fraction x (memory - weights - activations)."""
+        return max(0, int(self._kv_budget_bytes(gpu_memory_utilization, num_batched_tokens, share_of)
+                          // self.kv_bytes_per_token))
+
+    def _kv_budget_bytes(self, fraction: float, num_batched_tokens: int, share_of: str) -> float:
+        tp, memory = self.tensor_parallel, self.memory_bytes_per_gpu
+        activations = tp * self.activation_bytes(num_batched_tokens)
+        if share_of == "total":
+            return tp * memory * fraction - activations - self.weight_bytes
+        if share_of == "static":
+            return tp * memory * fraction - self.weight_bytes
+        if share_of == "free":
+            return fraction * (tp * memory - activations - self.weight_bytes)
+        raise ValueError(f"share_of must be total, static or free, got {share_of!r}")
 
     def memory_report(self, gpu_memory_utilization: float,
-                      num_batched_tokens: int = DEFAULT_ACTIVATION_TOKENS) -> str:
+                      num_batched_tokens: int = DEFAULT_ACTIVATION_TOKENS, share_of: str = "total") -> str:
         tp = self.tensor_parallel
-        return (f"{tp} x {self.memory_bytes_per_gpu / GIB:.1f} GiB x {gpu_memory_utilization:g}"
-                f" - weights {self.weight_bytes / GIB:.1f} GiB"
-                f" - activations {tp} x {self.activation_bytes(num_batched_tokens) / GIB:.2f} GiB"
-                f" (steps of {num_batched_tokens} tokens)")
+        memory = f"{tp} x {self.memory_bytes_per_gpu / GIB:.1f} GiB"
+        weights = f"weights {self.weight_bytes / GIB:.1f} GiB"
+        activations = (f"activations {tp} x {self.activation_bytes(num_batched_tokens) / GIB:.2f} GiB"
+                       f" (steps of {num_batched_tokens} tokens)")
+        if share_of == "static":
+            return f"{memory} x {gpu_memory_utilization:g} - {weights} (activations outside the static share)"
+        if share_of == "free":
+            return f"{gpu_memory_utilization:g} x ({memory} - {weights} - {activations})"
+        return f"{memory} x {gpu_memory_utilization:g} - {weights} - {activations}"
 
     # ---- files --------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

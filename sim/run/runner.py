@@ -22,10 +22,8 @@ from policies import make_policy
 from policies.config import policy_knobs
 from sim.base.heap import trim_heap, tune_heap
 from sim.core.batch import Batch, StepResult
-from sim.core.kv import BlockManager
-from sim.core.prefix import PrefixCachePool
 from sim.core.logs import StepLog, TokenLog
-from sim.core.policy import Policy, PolicyContext
+from sim.core.policy import KvMemory, Policy, PolicyContext
 from sim.core.request import REJECT_REASONS, Request
 from sim.core.state import SchedulerState
 from sim.cost.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
@@ -100,30 +98,38 @@ def kv_blocks(cfg: WorkloadConfig, profile: Profile, policy: Policy | None = Non
     policy's token budget; max_model_len is the model's context."""
     s = cfg.server
     max_model_len = max_model_len_of(cfg, profile)
+    if policy is None:
+        policy = build_policy(cfg, max_model_len, profile)
+    block_size = block_size_of(cfg, policy)
     if s.num_blocks is not None:
         num_blocks = s.num_blocks
         where = "server.num_blocks"
     else:
-        if policy is None:
-            policy = build_policy(cfg, max_model_len, profile)
         step_tokens = policy.token_budget or DEFAULT_ACTIVATION_TOKENS
-        capacity = profile.kv_capacity_tokens(s.gpu_memory_utilization, step_tokens)
+        rule = policy.kv_memory or KvMemory(s.gpu_memory_utilization, "total")
+        knob = "server.gpu_memory_utilization" if policy.kv_memory is None else "the policy's memory fraction"
+        capacity = profile.kv_capacity_tokens(rule.fraction, step_tokens, rule.share_of)
         if capacity <= 0:
             raise ConfigError(
                 f"{cfg.source}: field 'profile': the model's weights do not fit "
-                f"({profile.memory_report(s.gpu_memory_utilization, step_tokens)} leaves no room for KV); "
-                f"raise profile.tensor_parallel, pick a larger GPU or raise server.gpu_memory_utilization")
-        num_blocks = capacity // s.block_size
+                f"({profile.memory_report(rule.fraction, step_tokens, rule.share_of)} leaves no room for KV); "
+                f"raise profile.tensor_parallel, pick a larger GPU or raise {knob}")
+        num_blocks = capacity // block_size
         where = "profile"
         if num_blocks == 0:                # the pool holds tokens, but not one block of this size
-            raise ConfigError(f"{cfg.source}: field 'server.block_size' ({s.block_size:,} tokens) is larger than "
+            raise ConfigError(f"{cfg.source}: field 'server.block_size' ({block_size:,} tokens) is larger than "
                               f"the whole KV cache ({capacity:,} tokens); use vLLM's block sizes (16, 32)")
-    if num_blocks * s.block_size < max_model_len:
+    if num_blocks * block_size < max_model_len:
         raise ConfigError(
-            f"{cfg.source}: field '{where}': KV cache holds {num_blocks * s.block_size} tokens, fewer "
+            f"{cfg.source}: field '{where}': KV cache holds {num_blocks * block_size} tokens, fewer "
             f"than one request of max_model_len {max_model_len}; set server.max_model_len <= "
-            f"{num_blocks * s.block_size}, or give the KV cache more memory")
+            f"{num_blocks * block_size}, or give the KV cache more memory")
     return num_blocks, max_model_len
+
+
+def block_size_of(cfg: WorkloadConfig, policy: Policy) -> int:
+    """The KV page in tokens: the policy's where the engine has it as a knob, else server.block_size."""
+    return policy.block_size or cfg.server.block_size
 
 
 def policy_context(max_model_len: int, profile: Profile | None = None) -> PolicyContext:
@@ -256,8 +262,7 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     servers = []
     for k in range(num_replicas):
         usable = num_blocks - policy.num_reserved_blocks    # vLLM v1's null block
-        pool = PrefixCachePool if policy.prefix_caching else BlockManager
-        state = SchedulerState(pool(usable, cfg.server.block_size, cfg.server.watermark),
+        state = SchedulerState(policy.kv_pool_class(usable, block_size_of(cfg, policy), cfg.server.watermark),
                                max_model_len, policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt)
         server = Server(env, policy, state, executor, replica=k, coalesce=not live, check_stretch=check_stretch)
         server.on_step = on_step(server) if on_step is not None else None
@@ -522,7 +527,7 @@ def collect(cfg: WorkloadConfig, servers: list[Server], num_requests: int, num_b
                                for k, s in enumerate(servers)]
     meta = {"config": cfg.to_dict(), "seed": cfg.seed, "profile_name": profile.name,
             "profile_provenance": profile.provenance, "profile_efficiency": profile.efficiency,
-            "kv_block_size": cfg.server.block_size, "policy_knobs": policy_knobs(cfg.policy, servers[0].policy)}
+            "kv_block_size": block_size_of(cfg, servers[0].policy), "policy_knobs": policy_knobs(cfg.policy, servers[0].policy)}
     result.summary, result.meta = summary, meta
     result.client_queue_s = client_queue_s
     result.prefix_cache = prefix_cache_timeline(servers)

@@ -99,3 +99,23 @@ def test_activation_reserve_follows_the_token_budget_opt13b():
     assert run_workload(cfg).meta["num_blocks"] == 14812 // 16
     sarathi = workload_from_dict({**cfg.raw, "policy": {"kind": "sarathi", "max_num_batched_tokens": 512}})
     assert run_workload(sarathi).meta["num_blocks"] == profile.kv_capacity_tokens(0.9, 512) // 16
+
+
+def test_engine_memory_rules_size_the_pool_from_the_same_facts():
+    """The three KvMemory shares on OPT-13B / A100-40GB at a 2048-token budget:
+    memory 42,949,672,960 B, weights 25,680,609,280 B, activations 840,007,680 B
+    (0.548 GiB fixed + 2048 x 122,880 B), 819,200 B of KV per token.
+
+    total (vLLM):  0.9 x 42,949,672,960 - 840,007,680 - 25,680,609,280 = 12,134,088,704 B -> 14,812 tokens
+    static (SGLang's mem_fraction_static): 0.9 x 42,949,672,960 - 25,680,609,280
+                   = 12,974,096,384 B -> 15,837 tokens (activations live outside the share)
+    free (TensorRT-LLM, LMDeploy): 0.9 x (42,949,672,960 - 840,007,680 - 25,680,609,280)
+                   = 0.9 x 16,429,056,000 = 14,786,150,400 B -> 18,049 tokens
+    """
+    profile = preset_profile("opt-13b", "a100-40gb")
+    assert profile.kv_capacity_tokens(0.9, 2048, "total") == 14812
+    assert profile.kv_capacity_tokens(0.9, 2048, "static") == 15837
+    assert profile.kv_capacity_tokens(0.9, 2048, "free") == 18049
+    assert "activations outside" in profile.memory_report(0.9, 2048, "static")
+    with pytest.raises(ValueError, match="share_of"):
+        profile.kv_capacity_tokens(0.9, 2048, "half")

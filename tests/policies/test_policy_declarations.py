@@ -19,7 +19,8 @@ from cases import KINDS
 
 from policies import POLICIES, knob_docs, make_policy
 from sim.run.runner import policy_context
-from sim.core.policy import PolicyContext
+from sim.core.kv import KVPool
+from sim.core.policy import KV_MEMORY_SHARES, KvMemory, PolicyContext
 
 GIB = 1024**3
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -35,6 +36,11 @@ def test_declarations_exist_with_their_types(kind):
     assert type(policy.decode_stretch) is bool
     assert type(policy.chunk_stretch) is bool
     assert policy.max_prompt_tokens is None or type(policy.max_prompt_tokens) is int
+    assert issubclass(policy.kv_pool_class, KVPool)
+    assert policy.block_size is None or (type(policy.block_size) is int and policy.block_size > 0)
+    assert policy.kv_memory is None or (isinstance(policy.kv_memory, KvMemory)
+                                        and 0 < policy.kv_memory.fraction <= 1
+                                        and policy.kv_memory.share_of in KV_MEMORY_SHARES)
     # holds_batch is readable from the class too (a report knows only the kind)
     assert policy_cls.holds_batch is policy.holds_batch
 
