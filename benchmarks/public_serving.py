@@ -1,0 +1,322 @@
+"""Public serving benchmarks (``vllm bench serve`` and alike) replayed on the analytic presets.
+
+A row of ``calibrate/profiles/public_serving/measurements.csv`` is one published
+run: a GPU, a TP degree, a model at a precision, fixed input and output
+lengths, and either a client concurrency (a closed loop: a new request the
+moment one returns) or a Poisson request rate, with the TTFT and TPOT it
+measured (mean and/or median). Each is replayed here under ``vllm_v1`` with the
+engine's defaults for the device, and the simulated TTFT and TPOT are compared
+with the measured ones.
+
+The fit (``fit_efficiencies``) needs many evaluations, so it does not rerun
+the simulator: a closed-loop replay's step shapes do not depend on how long a
+step takes (every request arrives at the end of the step that freed its
+client, or at 0), so each request's TTFT and TPOT are sums of step durations
+over fixed step ranges (``StepLog``), and new efficiencies only reprice the
+steps. Rows at a request rate are not fitted; they are checked by a full
+replay.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import simpy
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sim.core.batch import Batch, StepResult  # noqa: E402
+from sim.cost.profile import Profile  # noqa: E402
+from sim.run.config import workload_from_dict  # noqa: E402
+from sim.run.runner import drive, kv_blocks  # noqa: E402
+
+DATA = ROOT / "calibrate" / "profiles" / "public_serving"
+MEASUREMENTS_CSV = DATA / "measurements.csv"
+MAX_REPLAY_REQUESTS = 1000          # longer runs: their first 1,000 requests (medians settle well before)
+METRICS = ("ttft_ms_mean", "ttft_ms_median", "tpot_ms_mean", "tpot_ms_median")
+
+
+def _num(value: str | None) -> float | None:
+    value = (value or "").strip()
+    return float(value) if value else None
+
+
+# The research CSV names GPUs as their sources do; a replay needs a preset. Unstated variants
+# are mapped to the one the same lab states elsewhere (GPUStack: "A100 SXM 80GB", "H100 SXM").
+GPU_NAMES = {"h100-sxm": "h100-sxm", "h200": "h200", "b200": "b200-sxm", "a100-80gb": "a100-80gb",
+             "rtx-pro-6000": "rtx-pro-6000", "l40s": "l40s", "a100-40gb": "a100-40gb"}
+GPU_ASSUMED = {"other:h100": "h100-sxm", "other:a100": "a100-80gb"}      # prefix -> preset (flagged)
+# HF model id (prefix before any " (" remark) -> batchsim preset; models the roofline cannot
+# describe are skipped with the reason.
+MODEL_PRESETS_BY_ID = {
+    "openai/gpt-oss-120b": "gpt-oss-120b", "openai/gpt-oss-20b": "gpt-oss-20b",
+    "Qwen/Qwen3-8B": "qwen3-8b", "Qwen/Qwen3-14B": "qwen3-14b", "Qwen/Qwen3-32B": "qwen3-32b",
+    "Qwen/Qwen3-32B-FP8": "qwen3-32b", "Qwen/Qwen3-14B-FP8": "qwen3-14b", "Qwen/Qwen3-8B-FP8": "qwen3-8b",
+    "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b", "Qwen/Qwen3-235B-A22B-Instruct-2507": "qwen3-235b-a22b",
+    "Qwen/Qwen3-235B-A22B-Instruct-2507-FP8": "qwen3-235b-a22b",
+}
+SKIP_MODELS = {"deepseek-ai": "multi-head latent attention (MLA) is not modelled",
+               "Qwen/Qwen3.5": "hybrid linear attention (Gated DeltaNet) is not modelled",
+               "google/gemma-4": "Gemma 4's config is not bundled", "nvidia/Gemma-4": "Gemma 4's config is not bundled",
+               "MiniMaxAI": "MiniMax-M2.5's config is not bundled", "Mistral-24B": "the exact checkpoint is not stated",
+               "DeepSeek": "multi-head latent attention (MLA) is not modelled"}
+PRECISIONS = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
+# vllm bench serve's ShareGPT sampling keeps prompts <= 1024 tokens and prompt + output <= 2048;
+# the rows give only the totals, so lengths are drawn lognormal (sigma 1) with the published means.
+SHAREGPT_SIGMA = 1.0
+
+
+@dataclass(frozen=True)
+class ServingRow:
+    """One published run, as a replay reads it."""
+
+    index: int                       # its row in the CSV (0-based, header excluded)
+    source: str
+    engine: str
+    engine_version: str
+    gpu: str                         # a batchsim GPU preset
+    gpu_assumed: bool                # the source did not state the variant
+    tensor_parallel: int
+    expert_parallel: bool
+    model: str                       # a batchsim model preset
+    weight_dtype: str
+    kv_cache_dtype: str
+    dataset: str                     # random | sharegpt
+    input_len: int                   # fixed (random) or mean (sharegpt)
+    output_len: int
+    max_concurrency: int | None
+    request_rate: float | None       # None: all at once (vllm bench serve's default inf)
+    num_prompts: int
+    flags: tuple[tuple[str, Any], ...]   # server flags from the notes (max_num_batched_tokens, ...)
+    measured: tuple[tuple[str, float], ...]          # (metric, ms) of METRICS that the source gives
+
+    @property
+    def closed_loop(self) -> bool:
+        return self.request_rate is None
+
+    def value(self, metric: str) -> float | None:
+        return dict(self.measured).get(metric)
+
+
+_FLAGS = ((r"--max-num-batched-tokens[ =](\d+)", "max_num_batched_tokens", int),
+          (r"--max-model-len[ =](\d+)", "max_model_len", int),
+          (r"--gpu-memory-utilization[ =]([\d.]+)", "gpu_memory_utilization", float),
+          (r"--async-scheduling", "async_scheduling", None),
+          (r"--enable-expert-parallel", "enable_expert_parallel", None),
+          (r"--kv-cache-dtype[ =]fp8", "kv_fp8", None))
+
+
+def _version_ok(version: str) -> bool:
+    """vLLM 0.10 or later: a release number, or a main/PR branch dated August 2025 or later."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m:
+        return (int(m.group(1)), int(m.group(2))) >= (0, 10)
+    dated = re.search(r"(20\d\d)-(\d\d)", version)
+    return bool(dated) and (int(dated.group(1)), int(dated.group(2))) >= (2025, 8)
+
+
+def normalise(index: int, r: dict[str, str]) -> tuple[ServingRow | None, str]:
+    """The row as a replay reads it, or None and why it cannot be replayed."""
+    engine = r["engine"].strip()
+    if engine != "vllm":
+        return None, f"engine {engine} (replayed under vllm_v1 only)"
+    if not _version_ok(r["engine_version"]):
+        return None, "vLLM older than 0.10 or version unknown"
+    gpu_raw = r["gpu"].strip()
+    gpu = GPU_NAMES.get(gpu_raw)
+    assumed = gpu is None and any(gpu_raw.startswith(k) for k in GPU_ASSUMED)
+    if gpu is None:
+        gpu = next((v for k, v in GPU_ASSUMED.items() if gpu_raw.startswith(k)), None)
+        if gpu is None:
+            return None, f"GPU {gpu_raw.split(' ')[0]} has no preset"
+    model_id = r["model"].split(" (")[0].strip()
+    skip = next((why for k, why in SKIP_MODELS.items() if model_id.startswith(k)), None)
+    if skip:
+        return None, skip
+    model = MODEL_PRESETS_BY_ID.get(model_id)
+    if model is None:
+        return None, f"model {model_id} has no preset"
+    dtype = PRECISIONS.get(r["weight_dtype"].strip())
+    if dtype is None:
+        return None, f"weight precision {r['weight_dtype'].strip()} is not modelled"
+    notes = r.get("notes") or ""
+    if "pipeline parallel" in notes:
+        return None, "pipeline parallel is not modelled"
+    flags: dict[str, Any] = {}
+    for pattern, name, conv in _FLAGS:
+        m = re.search(pattern, notes)
+        if m:
+            flags[name] = conv(m.group(1)) if conv else True
+    dataset = "sharegpt" if r["dataset"].startswith("sharegpt") else "random"
+    if dataset == "sharegpt":
+        m = re.search(r"input (\d+)\s*/\s*generated (\d+)", notes)
+        n = _num(r.get("num_prompts")) or 1000
+        # rows of one source share its totals: the first row of each source states them
+        totals = (int(m.group(1)), int(m.group(2))) if m else SHAREGPT_TOTALS.get(model.split("-")[0])
+        if totals is None:
+            return None, "ShareGPT lengths not stated"
+        input_len, output_len = round(totals[0] / n), round(totals[1] / n)
+    else:
+        if not r["input_len"] or not r["output_len"]:
+            return None, "lengths not stated"
+        input_len, output_len = int(_num(r["input_len"])), int(_num(r["output_len"]))
+    measured = tuple((m, v) for m in METRICS if (v := _num(r.get(m))) is not None)
+    if not measured:
+        return None, "no TTFT or TPOT"
+    rate = _num(r.get("request_rate"))
+    conc = _num(r.get("max_concurrency"))
+    ep = (r.get("expert_parallel") or "").strip()
+    kv = (r.get("kv_cache_dtype") or "").strip()
+    return ServingRow(
+        index=index, source=r["source_url"], engine=engine, engine_version=r["engine_version"], gpu=gpu,
+        gpu_assumed=assumed, tensor_parallel=int(_num(r["tensor_parallel"]) or 1),
+        expert_parallel=bool(ep and float(ep) > 1) or "enable_expert_parallel" in flags, model=model,
+        weight_dtype=dtype, kv_cache_dtype="fp8" if kv == "fp8" or "kv_fp8" in flags else "auto",
+        dataset=dataset, input_len=input_len, output_len=output_len,
+        max_concurrency=int(conc) if conc is not None else None,
+        request_rate=None if rate is None or math.isinf(rate) else rate,
+        num_prompts=int(_num(r.get("num_prompts")) or 1000), flags=tuple(sorted(flags.items())),
+        measured=measured), ""
+
+
+# ShareGPT totals (input, generated tokens per 1,000 prompts) as the sources state them once per
+# tokenizer: gpt-oss's (o200k) and Qwen3's.
+SHAREGPT_TOTALS = {"gpt": (215312, 195544), "qwen3": (217393, 201422)}
+
+
+def load_rows(path: Path = MEASUREMENTS_CSV) -> tuple[list[ServingRow], dict[str, int]]:
+    """The replayable rows, and how many were left out for each reason."""
+    rows, skipped = [], {}
+    with path.open(newline="") as f:
+        for i, r in enumerate(csv.DictReader(f)):
+            row, why = normalise(i, r)
+            if row is None:
+                skipped[why] = skipped.get(why, 0) + 1
+            else:
+                rows.append(row)
+    return rows, skipped
+
+
+def workload(row: ServingRow, profile_spec: dict[str, Any]) -> dict[str, Any]:
+    """The row as a workload: its lengths, its client concurrency or rate, vLLM v1's defaults
+    (and the server flags the source gives)."""
+    n = min(row.num_prompts, MAX_REPLAY_REQUESTS)
+    arrivals: dict[str, Any] = ({"kind": "all_at_once"} if row.request_rate is None
+                                else {"kind": "poisson", "rate": row.request_rate})
+    if row.max_concurrency is not None:
+        arrivals["max_concurrency"] = row.max_concurrency
+    if row.dataset == "sharegpt":
+        lengths = {"kind": "lognormal", "prompt_mean": row.input_len, "output_mean": row.output_len,
+                   "sigma": SHAREGPT_SIGMA, "prompt_max": 1024, "output_max": 1024, "output_min": 2}
+    else:
+        lengths = {"kind": "fixed", "prompt_tokens": row.input_len, "output_tokens": row.output_len}
+    flags = dict(row.flags)
+    policy: dict[str, Any] = {"kind": "vllm_v1", "enable_prefix_caching": False}
+    if "max_num_batched_tokens" in flags:
+        policy["max_num_batched_tokens"] = flags["max_num_batched_tokens"]
+    server: dict[str, Any] = {}
+    if "max_model_len" in flags:
+        server["max_model_len"] = flags["max_model_len"]
+    if "gpu_memory_utilization" in flags:
+        server["gpu_memory_utilization"] = flags["gpu_memory_utilization"]
+    return {"name": "public-serving", "num_requests": n, "seed": 0, "arrivals": arrivals, "lengths": lengths,
+            # vllm bench serve's random dataset: random token ids, no prefix hits worth modelling
+            "policy": policy, "server": server, "profile": profile_spec}
+
+
+@dataclass
+class StepLog:
+    """The step shapes of one replay and, per request, the steps its metrics span."""
+
+    batches: list[Batch] = field(default_factory=list)
+    ttft_steps: list[tuple[int, int]] = field(default_factory=list)     # (first, last + 1) step index
+    decode_steps: list[tuple[int, int, int]] = field(default_factory=list)  # (first, last + 1, outputs - 1)
+
+
+class _Recorder:
+    def __init__(self, profile: Profile) -> None:
+        self.profile, self.batches, self.ends_s, self.t_s = profile, [], [], 0.0
+
+    def execute(self, batch: Batch, state: Any) -> StepResult:
+        d = self.profile.step_time_s(batch)
+        self.batches.append(batch)
+        self.t_s += d
+        self.ends_s.append(self.t_s)
+        return StepResult(duration_s=d, predicted_s=d)
+
+
+def replay(row: ServingRow, profile: Profile, profile_spec: dict[str, Any]) -> tuple[dict[str, float], StepLog]:
+    """Simulated METRICS of ``row`` on ``profile`` (ms), and its StepLog."""
+    cfg = workload_from_dict(workload(row, profile_spec))
+    num_blocks, max_model_len = kv_blocks(cfg, profile)
+    rec = _Recorder(profile)
+    (server,), _, _, _ = drive(cfg, profile, num_blocks, max_model_len, simpy.Environment(), rec)
+    rec_cols = server.state.records
+    arrival = np.asarray(rec_cols.pop("arrival_s"))
+    first = np.asarray(rec_cols.pop("first_token_s"))
+    finished = np.asarray(rec_cols.pop("finished_s"))
+    outputs = np.asarray(rec_cols.pop("output_tokens"))
+    ttft_ms = (first - arrival) * 1e3
+    tpot_ms = (finished - first) / np.maximum(outputs - 1, 1) * 1e3
+    sim = {"ttft_ms_mean": float(ttft_ms.mean()), "ttft_ms_median": float(np.median(ttft_ms)),
+           "tpot_ms_mean": float(tpot_ms[outputs > 1].mean()), "tpot_ms_median": float(np.median(tpot_ms[outputs > 1]))}
+    log = StepLog(batches=rec.batches)
+    ends = np.asarray(rec.ends_s)
+    # A step index from a time: the step that ends then (arrivals at 0 come before step 0).
+    def step_of(t: np.ndarray) -> np.ndarray:
+        return np.searchsorted(ends, t - 1e-12 * np.maximum(t, 1.0))
+    a, f, e = step_of(arrival) , step_of(first), step_of(finished)
+    a = np.where(arrival <= 0, 0, a + 1)            # the first step after the arrival
+    log.ttft_steps = list(zip(a.tolist(), (f + 1).tolist()))
+    log.decode_steps = list(zip((f + 1).tolist(), (e + 1).tolist(), (outputs - 1).tolist()))
+    return sim, log
+
+
+def repriced(log: StepLog, step_s: Callable[[list[Batch]], np.ndarray]) -> dict[str, float]:
+    """METRICS of a closed-loop replay with every step repriced by ``step_s``."""
+    ends = np.concatenate([[0.0], np.cumsum(step_s(log.batches))])
+    ttft = np.array([ends[j] - ends[i] for i, j in log.ttft_steps]) * 1e3
+    dec = [(ends[j] - ends[i]) / n for i, j, n in log.decode_steps if n > 0]
+    tpot = np.array(dec) * 1e3
+    return {"ttft_ms_mean": float(ttft.mean()), "ttft_ms_median": float(np.median(ttft)),
+            "tpot_ms_mean": float(tpot.mean()), "tpot_ms_median": float(np.median(tpot))}
+
+
+def errors(rows: list[ServingRow], sims: dict[ServingRow, dict[str, float]], group: Callable[[ServingRow], Any]
+           ) -> dict[Any, dict[str, dict[str, float]]]:
+    """Per group and per metric family (ttft, tpot): n, MAE and bias (%) of (sim - real) / real,
+    over every measured value (mean and median each count)."""
+    out: dict[Any, dict[str, list[float]]] = {}
+    for r in rows:
+        for metric, real in r.measured:
+            fam = metric.split("_")[0]
+            err = sims[r][metric] / real - 1
+            for key in (group(r), "all"):
+                out.setdefault(key, {}).setdefault(fam, []).append(err)
+    return {k: {fam: {"n": len(v), "mae": 100 * float(np.mean(np.abs(v))), "bias": 100 * float(np.mean(v))}
+                for fam, v in fams.items()} for k, fams in out.items()}
+
+
+def format_errors(title: str, table: dict[Any, dict[str, dict[str, float]]]) -> str:
+    lines = [title, f"{'group':<34} | {'TTFT n':>6} {'MAE':>7} {'bias':>7} | {'TPOT n':>6} {'MAE':>7} {'bias':>7}"]
+    for key in sorted(table, key=lambda k: (k == "all", str(k))):
+        cells = []
+        for fam in ("ttft", "tpot"):
+            e = table[key].get(fam)
+            cells.append(f"{e['n']:>6} {e['mae']:>6.1f}% {e['bias']:>+6.1f}%" if e else f"{'-':>6} {'':>7} {'':>7}")
+        label = key if isinstance(key, str) else " ".join(str(k) for k in key)
+        lines.append(f"{label:<34} | {cells[0]} | {cells[1]}")
+    return "\n".join(lines)
+
+
+def with_efficiency(profile_fn: Callable[..., Profile], **changes: Any) -> Callable[..., Profile]:
+    return lambda row, eff: profile_fn(row, dataclasses.replace(eff, **changes))
