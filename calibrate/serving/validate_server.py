@@ -108,30 +108,35 @@ def resolve_knobs(cfg: WorkloadConfig, profile: Profile, server: dict[str, Any] 
     return values, sources, notes
 
 
-def sim_workload(cfg: WorkloadConfig, knobs: dict[str, Any], profile_path: str | None,
-                 trace_path: Path | None = None, prefix_caching: bool | None = None, *,
-                 engine: str = "vllm", engine_knobs: dict[str, Any] | None = None) -> WorkloadConfig:
-    """``cfg`` with the policy of ``engine`` (``engines.policy_for``: vllm_v1 for vLLM,
-    keeping the workload's own knobs of that policy), the resolved knobs (vLLM's
-    max_num_seqs and max_num_batched_tokens; another engine's own, ``engine_knobs``
-    under its names), the profile, ``prefix_caching`` as the engine's switch unless
-    None and, with ``trace_path``, the measured requests (arrival_time_s,
-    prompt_tokens, output_tokens) instead of its own. ConfigError when the engine's
-    policy is not in this batchsim."""
+def sim_policy(cfg: WorkloadConfig, knobs: dict[str, Any], prefix_caching: bool | None = None, *,
+               engine: str = "vllm", engine_knobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``policy`` section that simulates ``engine`` (``engines.policy_for``): its
+    policy kind, the workload's own knobs of that policy, then the resolved knobs
+    (vLLM: ``knobs``' max_num_seqs and max_num_batched_tokens; another engine: its own,
+    ``engine_knobs`` under its names), then ``prefix_caching`` as the engine's switch
+    unless None. ConfigError when the engine's policy is not in this batchsim."""
     from calibrate.serving.engines import ENGINES, policy_for
     from policies import POLICIES
 
-    data = dict(cfg.raw)
-    own = data.get("policy") if isinstance(data.get("policy"), dict) else {}
+    own = cfg.raw.get("policy") if isinstance(cfg.raw.get("policy"), dict) else {}
     policy = policy_for(engine, {})
     fields = {f.name for f in dataclasses.fields(POLICIES[policy["kind"]][0])} - {"kind"}
     policy.update({k: v for k, v in own.items() if k in fields})
     if ENGINES.get(engine, ENGINES["unknown"]).policy == "vllm_v1":
         policy.update({k: knobs[k] for k in POLICY_KNOBS if knobs[k] is not None})
     else:
-        policy.update({k: v for k, v in policy_for(engine, engine_knobs or {}).items() if k != "kind"})
-    if prefix_caching is not None:
-        policy.update({k: v for k, v in policy_for(engine, {}, prefix_caching).items() if k != "kind"})
+        policy.update(policy_for(engine, engine_knobs or {}))
+    return {**policy, **policy_for(engine, {}, prefix_caching)}
+
+
+def sim_workload(cfg: WorkloadConfig, knobs: dict[str, Any], profile_path: str | None,
+                 trace_path: Path | None = None, prefix_caching: bool | None = None, *,
+                 engine: str = "vllm", engine_knobs: dict[str, Any] | None = None) -> WorkloadConfig:
+    """``cfg`` with the policy of ``engine`` (``sim_policy``), the resolved server
+    knobs, the profile and, with ``trace_path``, the measured requests
+    (arrival_time_s, prompt_tokens, output_tokens) instead of its own."""
+    data = dict(cfg.raw)
+    policy = sim_policy(cfg, knobs, prefix_caching, engine=engine, engine_knobs=engine_knobs)
     server = dict(data.get("server") or {})
     server.update({k: knobs[k] for k in ("num_blocks", "block_size", "max_model_len") if knobs[k] is not None})
     data.update(policy=policy, server=server)
