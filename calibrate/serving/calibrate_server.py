@@ -5,8 +5,9 @@ KV blocks and block size, prefix caching, and the scheduler knobs when the
 server is in dev mode; which engine it is, vLLM, SGLang or TensorRT-LLM, and
 that engine's own knobs, ``engines``: the profile's ``engine`` mapping keeps
 them under the engine's names beside the batchsim keys, and a server whose
-engine's policy is not in this batchsim is refused before any probe); ``--max-num-seqs`` / ``--max-num-batched-tokens``
-override them, and a knob neither gives is inferred by probing
+engine's policy is not in this batchsim is refused before any probe);
+``--max-num-seqs`` / ``--max-num-batched-tokens`` override them, and a knob
+neither gives is inferred by probing
 (``probes.infer_knobs``: the token budget is one plus the largest prompt that
 joins one decoding request in a single step, found by bisection on whether
 the step before its first token grew; ``max_num_seqs`` is how many of M
@@ -53,8 +54,8 @@ are read before and after; their growth is stored in
 Self-check (held out, after the fit): fresh random traffic of the same kind,
 at about 50% and 80% of the capacity the fitted profile predicts, is
 replayed against the server and simulated with
-``sim.run.runner.run_workload`` (the engine's policy, ``vllm_v1`` for vLLM, and the server's knobs); the
-errors of throughput and of TTFT and ITL p50 / p99 are printed and stored in
+``sim.run.runner.run_workload`` (the engine's policy, ``vllm_v1`` for vLLM,
+and the server's knobs); the errors of throughput and of TTFT and ITL p50 / p99 are printed and stored in
 the profile's ``fit_error``. The whole run, self-check included, stays within
 ``budget_s`` (plus one design's overrun at most).
 """
