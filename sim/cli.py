@@ -344,8 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("calibrate", help="measure step costs on real kernels (needs torch), or time a running "
                                          "vLLM server from outside (--server, no torch)")
-    c.add_argument("--server", metavar="URL", help="calibrate a running OpenAI-compatible vLLM server, "
-                   "e.g. http://127.0.0.1:8000, instead of batchsim's own torch engine")
+    c.add_argument("--server", metavar="URL", help="calibrate a running OpenAI-compatible server (vLLM, SGLang "
+                   "or trtllm-serve, told apart by what it answers), e.g. http://127.0.0.1:8000, instead of "
+                   "batchsim's own torch engine")
     c.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="torch engine: device")
     c.add_argument("--model", default="tiny-llama", help="torch engine: model preset (calibrate.model)")
     c.add_argument("--dtype", choices=DTYPE_CHOICES,
@@ -359,7 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-num-batched-tokens", type=int,
                    help="--server: the server's max_num_batched_tokens, if it does not expose it")
     c.add_argument("--model-config", metavar="CONFIG_JSON",
-                   help="--server: the served model's HF config.json (its shape), if the server does not give it")
+                   help="--server: the served model's HF config.json (its shape; its max_position_embeddings "
+                        "when the server does not say its model length, as trtllm-serve), if the server does not "
+                        "give it")
     c.add_argument("--quiet", action="store_true", help="no progress output")
     c.set_defaults(func=cmd_calibrate)
 
@@ -367,8 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "torch engine, a vLLM server (--server) or a saved benchmark (--measured)")
     v.add_argument("workload", help="workload YAML to run live and simulate")
     src = v.add_mutually_exclusive_group()
-    src.add_argument("--server", metavar="URL", help="replay the workload against this running vLLM server "
-                     "(no torch)")
+    src.add_argument("--server", metavar="URL", help="replay the workload against this running server (vLLM, "
+                     "SGLang or trtllm-serve; simulated with that engine's policy; no torch)")
     src.add_argument("--measured", metavar="FILE", help="compare with a `vllm bench serve --save-result "
                      "--save-detailed` JSON instead of measuring (no torch)")
     v.add_argument("--targets", metavar="NAME=PCT,...", help="accuracy targets, max |err %%| of the simulator "

@@ -2,8 +2,12 @@
 
 Method. The server's facts come first (``client.server_info``: model length,
 KV blocks and block size, prefix caching, and the scheduler knobs when the
-server is in dev mode); ``--max-num-seqs`` / ``--max-num-batched-tokens``
-override them, and a knob neither gives is inferred by probing
+server is in dev mode; which engine it is, vLLM, SGLang or TensorRT-LLM, and
+that engine's own knobs, ``engines``: the profile's ``engine`` mapping keeps
+them under the engine's names beside the batchsim keys, and a server whose
+engine's policy is not in this batchsim is refused before any probe);
+``--max-num-seqs`` / ``--max-num-batched-tokens`` override them, and a knob
+neither gives is inferred by probing
 (``probes.infer_knobs``: the token budget is one plus the largest prompt that
 joins one decoding request in a single step, found by bisection on whether
 the step before its first token grew; ``max_num_seqs`` is how many of M
@@ -50,8 +54,8 @@ are read before and after; their growth is stored in
 Self-check (held out, after the fit): fresh random traffic of the same kind,
 at about 50% and 80% of the capacity the fitted profile predicts, is
 replayed against the server and simulated with
-``sim.run.runner.run_workload`` (policy ``vllm_v1``, the server's knobs); the
-errors of throughput and of TTFT and ITL p50 / p99 are printed and stored in
+``sim.run.runner.run_workload`` (the engine's policy, ``vllm_v1`` for vLLM,
+and the server's knobs); the errors of throughput and of TTFT and ITL p50 / p99 are printed and stored in
 the profile's ``fit_error``. The whole run, self-check included, stays within
 ``budget_s`` (plus one design's overrun at most).
 """
@@ -69,6 +73,7 @@ from typing import Any, Callable
 import numpy as np
 
 from calibrate.fit import CurveGrid, fit_curves
+from calibrate.serving.engines import require_policy
 from calibrate.serving.probes import (Costs, Equation, HttpTransport, Knobs, Sent, Session, Transport, analyse,
                                       combine, infer_knobs, model_facts, read_server, stab)
 from sim.run.config import ConfigError
@@ -188,14 +193,15 @@ def calibrate_server(url: str, *, budget_s: float, seed: int = 0, progress: Prog
     start = clock()
     say = progress or (lambda msg: None)
     loads = [os.getloadavg()[0]]
-    info, version = (info, None) if info is not None else read_server(url)
+    info, version = (info, None) if info is not None else read_server(url, model_config)
+    engine = require_policy(getattr(info, "engine_kind", "unknown"))   # before any probing: one clear line
     facts = model_facts(info, model_config)
     counters0 = prefix_counters(url) if transport is None else None
     transport = transport or HttpTransport(url, info.model, facts.vocab_size, seed)
     rng = np.random.default_rng(seed)
     knobs, costs = infer_knobs(info, transport, say, kv_bytes_per_token=facts.kv_bytes_per_token,
                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    say(f"server {url}: vLLM {version or '?'}, model {info.model}; " + knobs.describe())
+    say(f"server {url}: {engine.label} {version or '?'}, model {info.model}; " + knobs.describe())
     fit_end = start + FIT_SHARE * budget_s
     equations: list[Equation] = []
     bounds: list[tuple[float, float]] = []
@@ -247,7 +253,9 @@ def calibrate_server(url: str, *, budget_s: float, seed: int = 0, progress: Prog
     cal = fit_profile(combine(equations), knobs, facts, bounds)
     prof = cal.profile
     prof.provenance.update({
-        "source": "batchsim-calibrate-server", "url": url, "vllm_version": version, "model_id": info.model,
+        "source": "batchsim-calibrate-server", "url": url, "engine_kind": knobs.engine_kind,
+        "engine_version": version, "vllm_version": version if knobs.engine_kind == "vllm" else None,
+        "model_id": info.model,
         "date_utc": _utc_now(), "budget_s": budget_s, "seed": seed, "num_probe_sessions": num_sessions,
         "num_probe_requests": num_requests, "num_equations": len(cal.equations),
         "model_shape_from": facts.source,
@@ -338,7 +346,7 @@ def fit_profile(equations: list[Equation], knobs: Knobs, facts: Any,
     ro_idle = fitted.extra_s[0]
     ro_busy = stab(bounds)
     prof = Profile(
-        name=f"{facts.name}@vllm-server", model=facts.shape, device=facts.device, dtype=facts.dtype,
+        name=f"{facts.name}@{knobs.engine_kind}-server", model=facts.shape, device=facts.device, dtype=facts.dtype,
         tensor_parallel=facts.tensor_parallel, memory_bytes_per_gpu=facts.weight_bytes + knobs.kv_bytes,
         weight_bytes=facts.weight_bytes, activation_bytes_per_gpu=0,
         kv_bytes_per_token=facts.kv_bytes_per_token, overhead_s=fitted.overhead_s,
@@ -396,16 +404,22 @@ def _capacity(prof: Profile, knobs: Knobs, rng: np.random.Generator) -> float | 
         probe = traffic(120, 1.0, knobs, rng)
         try:
             _, toks = simulate(path, [0.0] * len(probe), [s.prompt_tokens for s in probe],
-                               [s.max_tokens for s in probe], Path(d))
+                               [s.max_tokens for s in probe], Path(d), _policy_kind(prof))
         except ConfigError:
             return None
     return len(probe) / max(ts[-1] for ts in toks)
 
 
+def _policy_kind(prof: Profile) -> str:
+    """The policy that models the engine the profile was measured on (``engines.ENGINES``)."""
+    from calibrate.serving.engines import ENGINES
+    return ENGINES.get(str(prof.engine.get("engine_kind", "vllm")), ENGINES["unknown"]).policy
+
+
 def simulate(profile_path: Path, arrivals: list[float], prompts: list[int], outputs: list[int],
-             tmp: Path) -> tuple[list[float], list[list[float]]]:
+             tmp: Path, policy_kind: str = "vllm_v1") -> tuple[list[float], list[list[float]]]:
     """(arrival, token times per request) of ``sim.run.runner.run_workload`` on these requests, in
-    their order, with policy vllm_v1 and the profile's server knobs."""
+    their order, with policy ``policy_kind`` and the profile's server knobs."""
     import warnings
 
     from sim.run.config import workload_from_dict
@@ -420,7 +434,7 @@ def simulate(profile_path: Path, arrivals: list[float], prompts: list[int], outp
     cfg = workload_from_dict({"name": "self-check", "arrivals": {"kind": "trace", "path": "trace.csv",
                                                                   "time_unit": "s"},
                               "lengths": {"kind": "trace"}, "max_tokens": "output",
-                              "policy": {"kind": "vllm_v1"}, "profile": {"path": str(profile_path)}},
+                              "policy": {"kind": policy_kind}, "profile": {"path": str(profile_path)}},
                              str(tmp / "self-check.yaml"), tmp)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -471,7 +485,7 @@ def self_check(prof: Profile, transport: Transport, knobs: Knobs, time_left_s: f
             ok = [j for j, e in enumerate(ses.errors) if e is None]
             measured = latency_stats([ses.send_s[j] for j in ok], [ses.token_times[j] for j in ok])
             send, times = simulate(path, [ses.send_s[j] for j in ok], [ses.prompts[j] for j in ok],
-                                   [sents[j].max_tokens for j in ok], tmp)
+                                   [sents[j].max_tokens for j in ok], tmp, _policy_kind(prof))
             predicted = latency_stats(send, times)
             tag = f"selfcheck_load{int(load * 100)}"
             out[f"{tag}_num_requests"] = len(ok)

@@ -6,7 +6,8 @@ token-id prompt with a forced output length and times every output token
 (and, asked, keeps the ids the server generated); ``replay`` sends a timed
 schedule of them concurrently, a request that waits for earlier ones (a
 session's next turn) a think time after their replies; ``server_info`` reads
-a vLLM server's model length, KV-cache capacity and scheduler knobs;
+a server's model length, KV-cache capacity and scheduler knobs and which
+engine it is (vLLM, SGLang, TensorRT-LLM: ``engines``);
 ``metric_totals`` reads its Prometheus counters.
 """
 
@@ -69,6 +70,9 @@ class ServerInfo:
     max_num_seqs: int | None
     max_num_batched_tokens: int | None
     raw: dict[str, Any] = field(default_factory=dict)
+    engine_kind: str = "unknown"        # engines.ENGINE_KINDS: vllm | sglang | tensorrt_llm | unknown
+    engine_version: str | None = None
+    engine_knobs: dict[str, Any] = field(default_factory=dict)   # what it said, under the engine's names
 
 
 class _HttpError(Exception):
@@ -299,33 +303,93 @@ _INFO_LINE = re.compile(r"^([A-Za-z_:][\w:]*_info)\{(.*)\}\s+\S+\s*$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
-def server_info(url: str, timeout_s: float = 10.0) -> ServerInfo:
-    """From ``/v1/models`` (required: ConnectionError if it fails), ``/metrics``'
-    ``*_info`` gauges and, in vLLM's dev mode, ``/server_info`` (scheduler knobs)."""
+def server_info(url: str, timeout_s: float = 10.0, *, warm: bool = True) -> ServerInfo:
+    """What the server says about itself, and which engine it is (``engines.detect``).
+
+    ``/v1/models`` is required (ConnectionError if it fails). vLLM: ``/metrics``'
+    ``*_info`` gauges, ``/version`` and, in its dev mode, ``/server_info`` (scheduler
+    knobs). SGLang: ``/get_server_info``. TensorRT-LLM: ``/metrics``' iteration stats
+    and ``/version``; with ``warm``, an empty stats list (nothing ran since the last
+    read) is read again after one 2-token completion. See ``engines`` for the fields."""
+    from calibrate.serving import engines
+
     base = url.rstrip("/")
     try:
         models = json.loads(_get(base + "/v1/models", timeout_s))
     except (OSError, ValueError) as exc:
         raise ConnectionError(f"GET {base}/v1/models failed: {exc}") from exc
     card = models["data"][0]
+    metrics_text = _get_text(base + "/metrics", timeout_s)
     info_gauges: dict[str, dict[str, str]] = {}
-    with contextlib.suppress(OSError):
-        for line in _get(base + "/metrics", timeout_s).decode("utf-8", "replace").splitlines():
-            if (m := _INFO_LINE.match(line)) and m.group(1) not in info_gauges:
-                info_gauges[m.group(1)] = dict(_LABEL.findall(m.group(2)))
+    for line in (metrics_text or "").splitlines():
+        if (m := _INFO_LINE.match(line)) and m.group(1) not in info_gauges:
+            info_gauges[m.group(1)] = dict(_LABEL.findall(m.group(2)))
+    sglang = None
+    if "vllm:" not in (metrics_text or ""):
+        sglang = _get_json(base + "/get_server_info", timeout_s)
+    kind = engines.detect(models, metrics_text, sglang)
+    model_len = _int(card.get("max_model_len"))
+    raw: dict[str, Any] = {"models": models, "info_gauges": info_gauges}
+    if kind == "sglang" and isinstance(sglang, dict):
+        facts = engines.sglang_facts(sglang, model_len)
+        raw["sglang_server_info"] = sglang
+    elif kind == "tensorrt_llm":
+        stats = _json_or_none(metrics_text)
+        if warm and stats == []:
+            run(stream_completion(base, str(card["id"]), [1, 2, 3, 4], 2, timeout_s=timeout_s))
+            stats = _get_json(base + "/metrics", timeout_s)
+        version = _get_json(base + "/version", timeout_s)
+        facts = engines.trtllm_facts(stats, version.get("version") if isinstance(version, dict) else None)
+        raw["iteration_stats"] = stats
+    else:
+        facts, raw["vllm_config"] = _vllm_facts(base, kind, info_gauges, model_len, timeout_s)
+    b = facts.batchsim
+    return ServerInfo(
+        model=card["id"], max_model_len=model_len or b["max_model_len"], num_gpu_blocks=b["num_gpu_blocks"],
+        block_size=b["block_size"], enable_prefix_caching=b["enable_prefix_caching"],
+        max_num_seqs=b["max_num_seqs"], max_num_batched_tokens=b["max_num_batched_tokens"], raw=raw,
+        engine_kind=kind, engine_version=facts.version, engine_knobs=facts.knobs)
+
+
+def _vllm_facts(base: str, kind: str, info_gauges: dict[str, dict[str, str]], model_len: int | None,
+                timeout_s: float) -> tuple[Any, Any]:
+    """(vLLM's facts, its dev-mode config or None); also for a server that says nothing
+    (``unknown``). The KV pool from ``vllm:cache_config_info``, the scheduler knobs from
+    the dev-mode ``/server_info``."""
+    from calibrate.serving.engines import EngineFacts
+
     try:
         config = json.loads(_get(base + "/server_info?config_format=json", timeout_s))["vllm_config"]
     except (OSError, ValueError, KeyError, TypeError):
         config = None
     cache = info_gauges.get("vllm:cache_config_info", {})
     sched = config.get("scheduler_config", {}) if isinstance(config, dict) else {}
-    return ServerInfo(
-        model=card["id"], max_model_len=_int(card.get("max_model_len")),
-        num_gpu_blocks=_int(cache.get("num_gpu_blocks")), block_size=_int(cache.get("block_size")),
-        enable_prefix_caching={"True": True, "False": False}.get(cache.get("enable_prefix_caching", "")),
-        max_num_seqs=_int(sched.get("max_num_seqs")),
-        max_num_batched_tokens=_int(sched.get("max_num_batched_tokens")),
-        raw={"models": models, "info_gauges": info_gauges, "vllm_config": config})
+    batchsim = {"num_gpu_blocks": _int(cache.get("num_gpu_blocks")), "block_size": _int(cache.get("block_size")),
+                "enable_prefix_caching": {"True": True, "False": False}.get(cache.get("enable_prefix_caching", "")),
+                "max_num_seqs": _int(sched.get("max_num_seqs")),
+                "max_num_batched_tokens": _int(sched.get("max_num_batched_tokens")), "max_model_len": model_len}
+    version = _get_json(base + "/version", timeout_s)
+    knobs = {k: v for k, v in batchsim.items() if v is not None}
+    return EngineFacts(kind, version.get("version") if isinstance(version, dict) else None, knobs, batchsim), config
+
+
+def _get_text(url: str, timeout_s: float) -> str | None:
+    try:
+        return _get(url, timeout_s).decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+
+
+def _json_or_none(text: str | None) -> Any:
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return None
+
+
+def _get_json(url: str, timeout_s: float) -> Any:
+    """The parsed JSON body, None when there is no answer or it is not JSON."""
+    return _json_or_none(_get_text(url, timeout_s))
 
 
 def metric_totals(url: str, names: Iterable[str], timeout_s: float = 5.0) -> dict[str, float | None]:

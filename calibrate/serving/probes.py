@@ -553,6 +553,8 @@ class Knobs:
     enable_prefix_caching: bool | None
     kv_bytes_per_token: int
     source: dict[str, str] = field(default_factory=dict)
+    engine_kind: str = "vllm"                # engines.ENGINE_KINDS
+    engine_knobs: dict[str, Any] = field(default_factory=dict)   # what the server said, under its names
 
     @property
     def kv_tokens(self) -> int:
@@ -570,10 +572,16 @@ class Knobs:
                 f"{self.max_model_len}, KV {self.num_gpu_blocks} blocks x {self.block_size}")
 
     def engine_dict(self) -> dict[str, Any]:
-        return {"kind": "vllm", "max_num_seqs": self.max_num_seqs,
-                "max_num_batched_tokens": self.max_num_batched_tokens, "num_gpu_blocks": self.num_gpu_blocks,
-                "block_size": self.block_size, "max_model_len": self.max_model_len,
-                "enable_prefix_caching": self.enable_prefix_caching, "knob_source": dict(self.source)}
+        """The profile's ``engine`` mapping: ``kind`` and ``engine_kind`` (the engine), the
+        engine's knobs under its own names, the batchsim keys the runner reads (these
+        knobs: flag, server or inferred) and where each came from (``engines.engine_mapping``)."""
+        from calibrate.serving.engines import engine_mapping
+
+        batchsim = {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+                    "num_gpu_blocks": self.num_gpu_blocks, "block_size": self.block_size,
+                    "max_model_len": self.max_model_len, "enable_prefix_caching": self.enable_prefix_caching}
+        return {"kind": self.engine_kind, **engine_mapping(self.engine_kind, self.engine_knobs, batchsim),
+                "knob_source": dict(self.source)}
 
 
 @dataclass
@@ -589,13 +597,15 @@ class ModelFacts:
     source: str
 
 
-def read_server(url: str) -> tuple[Any, str | None]:
-    """(client.ServerInfo, vLLM version or None); ConfigError if the server cannot be reached."""
+def read_server(url: str, model_config: str | Path | None = None) -> tuple[Any, str | None]:
+    """(client.ServerInfo, the engine's version or None); ConfigError if the server cannot
+    be reached or gives no model length. A server that does not say its model length
+    (trtllm-serve) takes ``model_config``'s ``max_position_embeddings``."""
     import json
-    import urllib.request
     from urllib.parse import urlsplit
 
     from calibrate.serving import client
+    from calibrate.serving.engines import ENGINES
     from sim.run.config import ConfigError
 
     parts = urlsplit(url)
@@ -607,15 +617,21 @@ def read_server(url: str) -> tuple[Any, str | None]:
         raise ConfigError(f"--server {url}: cannot reach the server's /v1/models "
                           f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
                           f"is it running and is the URL right?") from None
+    if not info.max_model_len and model_config:
+        p = Path(model_config)
+        try:
+            cfg = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--model-config {p}: cannot read an HF config.json ({exc})") from None
+        length = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+        if isinstance(length, int) and length > 0:
+            info.max_model_len = length
+            info.raw["max_model_len_from"] = "--model-config max_position_embeddings"
     if not info.max_model_len:
-        raise ConfigError(f"--server {url}: /v1/models does not give max_model_len; only vLLM servers "
-                          f"are supported for now")
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/version", timeout=10) as resp:
-            version = json.loads(resp.read()).get("version")
-    except (OSError, ValueError):
-        version = None
-    return info, version
+        label = ENGINES[info.engine_kind].label
+        raise ConfigError(f"--server {url}: {label} does not give its model length (max_model_len in "
+                          f"/v1/models); pass --model-config CONFIG_JSON (its max_position_embeddings is used)")
+    return info, info.engine_version
 
 
 def model_facts(info: Any, model_config: str | Path | None) -> ModelFacts:
@@ -719,8 +735,14 @@ def infer_knobs(info: Any, transport: Transport, say: Callable[[str], None], *, 
         if not exact:
             src["max_num_seqs"] = f"inferred lower bound ({S} requests decoded together)"
     knobs = Knobs(int(S), int(B), L, info.num_gpu_blocks, info.block_size, info.enable_prefix_caching,
-                  kv_bytes_per_token, src)
+                  kv_bytes_per_token, src, _engine_kind(info), dict(getattr(info, "engine_knobs", None) or {}))
     return knobs, costs
+
+
+def _engine_kind(info: Any) -> str:
+    """The engine a profile names: the detected one; a server that said nothing is vLLM, as before."""
+    kind = getattr(info, "engine_kind", "unknown")
+    return "vllm" if kind == "unknown" else kind
 
 
 def _join_trial(transport: Transport, costs: Costs, m: int) -> tuple[bool, int] | None:

@@ -1,12 +1,16 @@
-"""`sim validate WORKLOAD --server URL | --measured FILE`: predict a real vLLM server, and say how well.
+"""`sim validate WORKLOAD --server URL | --measured FILE`: predict a real serving engine, and say how well.
 
 Measured: the workload replayed live against the server (exact arrival times
 and lengths, each request asking for exactly its output length with
 ``ignore_eos``, token arrivals recorded as ``vllm bench serve`` records them),
 or a saved ``vllm bench serve --save-detailed`` file. Simulated: the same
-requests through ``run_workload`` with policy ``vllm_v1``, each knob from the
-server if it exposes it, else the profile's ``engine`` mapping, else the
-workload; it runs first, so a bad configuration costs no measuring. Only
+requests through ``run_workload`` with the policy of the server's engine
+(``engines.ENGINES``: ``vllm_v1`` for vLLM and a server that says nothing,
+``sglang`` for SGLang, ``tensorrt_llm`` for trtllm-serve; with ``--measured``,
+the engine the profile was calibrated on), each knob from the server if it
+exposes it, else the profile's ``engine`` mapping, else the workload; it runs
+first, so a bad configuration costs no measuring, and a policy this batchsim
+does not have is refused before anything else. Only
 ``main`` and ``write_report`` write files. Torch-free.
 
 Prefix caching. Replayed prompts are the requests' contents made token ids
@@ -48,6 +52,7 @@ from urllib.parse import urlparse
 import numpy as np
 import pandas as pd
 
+from calibrate.serving.engines import ENGINES, prefix_caching_of, require_policy
 from calibrate.serving.measured import Measurement, delivery_notes, client_run, measure_file, replay_table
 from policies.vllm_v1 import VllmV1Config
 from reports.presentation import validation as rv
@@ -103,19 +108,35 @@ def resolve_knobs(cfg: WorkloadConfig, profile: Profile, server: dict[str, Any] 
     return values, sources, notes
 
 
+def sim_policy(cfg: WorkloadConfig, knobs: dict[str, Any], prefix_caching: bool | None = None, *,
+               engine: str = "vllm", engine_knobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``policy`` section that simulates ``engine`` (``engines.policy_for``): its
+    policy kind, the workload's own knobs of that policy, then the resolved knobs
+    (vLLM: ``knobs``' max_num_seqs and max_num_batched_tokens; another engine: its own,
+    ``engine_knobs`` under its names), then ``prefix_caching`` as the engine's switch
+    unless None. ConfigError when the engine's policy is not in this batchsim."""
+    from calibrate.serving.engines import ENGINES, policy_for
+    from policies import POLICIES
+
+    own = cfg.raw.get("policy") if isinstance(cfg.raw.get("policy"), dict) else {}
+    policy = policy_for(engine, {})
+    fields = {f.name for f in dataclasses.fields(POLICIES[policy["kind"]][0])} - {"kind"}
+    policy.update({k: v for k, v in own.items() if k in fields})
+    if ENGINES.get(engine, ENGINES["unknown"]).policy == "vllm_v1":
+        policy.update({k: knobs[k] for k in POLICY_KNOBS if knobs[k] is not None})
+    else:
+        policy.update(policy_for(engine, engine_knobs or {}))
+    return {**policy, **policy_for(engine, {}, prefix_caching)}
+
+
 def sim_workload(cfg: WorkloadConfig, knobs: dict[str, Any], profile_path: str | None,
-                 trace_path: Path | None = None, prefix_caching: bool | None = None) -> WorkloadConfig:
-    """``cfg`` with policy vllm_v1 (keeping the workload's own vllm_v1 knobs), the
-    resolved knobs, the profile, ``prefix_caching`` as the policy's
-    ``enable_prefix_caching`` unless None and, with ``trace_path``, the measured
-    requests (arrival_time_s, prompt_tokens, output_tokens) instead of its own."""
+                 trace_path: Path | None = None, prefix_caching: bool | None = None, *,
+                 engine: str = "vllm", engine_knobs: dict[str, Any] | None = None) -> WorkloadConfig:
+    """``cfg`` with the policy of ``engine`` (``sim_policy``), the resolved server
+    knobs, the profile and, with ``trace_path``, the measured requests
+    (arrival_time_s, prompt_tokens, output_tokens) instead of its own."""
     data = dict(cfg.raw)
-    own = data.get("policy") if isinstance(data.get("policy"), dict) else {}
-    v1 = {f.name for f in dataclasses.fields(VllmV1Config)} - {"kind"}
-    policy = {"kind": "vllm_v1", **{k: v for k, v in own.items() if k in v1}}
-    policy.update({k: knobs[k] for k in POLICY_KNOBS if knobs[k] is not None})
-    if prefix_caching is not None:
-        policy["enable_prefix_caching"] = prefix_caching
+    policy = sim_policy(cfg, knobs, prefix_caching, engine=engine, engine_knobs=engine_knobs)
     server = dict(data.get("server") or {})
     server.update({k: knobs[k] for k in ("num_blocks", "block_size", "max_model_len") if knobs[k] is not None})
     data.update(policy=policy, server=server)
@@ -326,6 +347,13 @@ def output_dir(out: str | None, name: str, label: str | None, *, say: bool = Tru
     return path
 
 
+def engine_of(info: Any, profile: Profile) -> str:
+    """The engine being validated: the server's (a server that says nothing is vLLM, as
+    before); without a server, the one the profile was calibrated on, else vLLM."""
+    kind = getattr(info, "engine_kind", None) if info is not None else profile.engine.get("engine_kind")
+    return "vllm" if kind in (None, "unknown") or kind not in ENGINES else str(kind)
+
+
 def _server_info(url: str) -> Any:
     from calibrate.serving import client
 
@@ -334,7 +362,7 @@ def _server_info(url: str) -> Any:
     try:
         return client.server_info(url)
     except Exception as exc:   # noqa: BLE001 - any failure to reach it is the user's input to fix
-        raise ConfigError(f"--server {url}: no vLLM server answered ({type(exc).__name__}: {exc}); "
+        raise ConfigError(f"--server {url}: no server answered ({type(exc).__name__}: {exc}); "
                           f"start one or check the URL") from None
 
 
@@ -357,6 +385,7 @@ class ServerValidation:
     measurements: list[Measurement] = dataclasses.field(default_factory=list)
     sims: list[RunResult] = dataclasses.field(default_factory=list)
     prefix_caching: dict[str, Any] = dataclasses.field(default_factory=dict)
+    engine: str = "vllm"                     # engines.ENGINE_KINDS: what was validated
 
     def __post_init__(self) -> None:
         self.measurements = self.measurements or [self.measurement]
@@ -371,7 +400,8 @@ class ServerValidation:
         repeats, the medians, and each live run under ``live_runs``)."""
         m, ms, ss = self.measurement, self.measurement.run.summary, self.sim.summary
         body = {
-            "kind": "server-validation", "workload": self.cfg.name, "workload_file": self.cfg.source,
+            "kind": "server-validation", "engine": self.engine, "workload": self.cfg.name,
+            "workload_file": self.cfg.source,
             "traffic": m.traffic or describe_traffic(self.cfg), "num_requests": len(m.run.requests),
             "measured": {"source": m.source, "model": m.model,
                          "arrivals_measured": bool(m.run.meta.get("arrivals_measured", True))},
@@ -451,16 +481,21 @@ def validate_server(cfg: WorkloadConfig, *, profile: str | None = None, server: 
                           f"--repeat needs --server")
     prof, profile_path, profile_line = resolve_profile(cfg, profile)
     notes = [profile_line]
-    if cfg.policy.kind != "vllm_v1":
-        notes.append(f"policy: the workload's {cfg.policy.kind} is replaced by vllm_v1, the scheduler of the "
-                     f"vLLM server (v1 engine) being validated")
     info = _server_info(server) if server else None
+    engine = engine_of(info, prof)
+    spec = require_policy(engine)            # a policy this batchsim lacks: one line, before any work
+    if cfg.policy.kind != spec.policy:
+        notes.append(f"policy: the workload's {cfg.policy.kind} is replaced by {spec.policy}, the scheduler of the "
+                     f"{spec.label} server being validated")
+    engine_knobs = {**{k: prof.engine[k] for k in spec.policy_knobs if prof.engine.get(k) is not None},
+                    **({} if info is None else info.engine_knobs)}
     exposed = None if info is None else {
         "num_blocks": info.num_gpu_blocks, "block_size": info.block_size, "max_model_len": info.max_model_len,
         "max_num_seqs": info.max_num_seqs, "max_num_batched_tokens": info.max_num_batched_tokens}
     knobs, sources, knob_notes = resolve_knobs(cfg, prof, exposed)
     notes += knob_notes
-    own_caching = bool(getattr(cfg.policy, "enable_prefix_caching", VllmV1Config().enable_prefix_caching))
+    own_caching = prefix_caching_of(cfg.policy)
+    own_caching = VllmV1Config().enable_prefix_caching if own_caching is None else own_caching
     server_caching = None if info is None else info.enable_prefix_caching
     if server_caching is not None and server_caching != own_caching:
         notes.append(f"note: the server has prefix caching {'on' if server_caching else 'off'}, the workload's "
@@ -478,7 +513,7 @@ def validate_server(cfg: WorkloadConfig, *, profile: str | None = None, server: 
         with tempfile.TemporaryDirectory() as tmp:
             trace = Path(tmp) / "replayed_requests.csv"
             replay_table(m.run).to_csv(trace, index=False)
-            sim_cfg = sim_workload(cfg, knobs, profile_path, trace)
+            sim_cfg = sim_workload(cfg, knobs, profile_path, trace, engine=engine, engine_knobs=engine_knobs)
             sim = run_workload(sim_cfg)
         ms, sims = [m], [sim]
     else:
@@ -486,8 +521,9 @@ def validate_server(cfg: WorkloadConfig, *, profile: str | None = None, server: 
             raise ConfigError(f"{cfg.source}: field 'arrivals.max_concurrency': a closed loop cannot be "
                               f"simulated on the measured send times (they hold the cap already)")
         specs = generate(cfg) if specs is None else specs
-        sim_cfg = sim_workload(cfg, knobs, profile_path, prefix_caching=server_caching)
-        sim_caching = bool(sim_cfg.policy.enable_prefix_caching)
+        sim_cfg = sim_workload(cfg, knobs, profile_path, prefix_caching=server_caching, engine=engine,
+                               engine_knobs=engine_knobs)
+        sim_caching = bool(prefix_caching_of(sim_cfg.policy))
         simulate = (lambda sp: with_prefix_counts(run_workload(sim_cfg, specs=sp)) if sim_caching
                     else run_workload(sim_cfg, specs=sp))
         sim = simulate(specs)                  # first: a configuration error costs no measuring
@@ -526,7 +562,7 @@ def validate_server(cfg: WorkloadConfig, *, profile: str | None = None, server: 
         for name, (_, limit) in rv.OPTIONAL_TARGETS.items():
             chosen.setdefault(name, limit)
     verdict = rv.verdict(table, chosen)
-    return ServerValidation(cfg, sim_cfg, m, sim, knobs, sources, table, verdict, notes, ms, sims, caching)
+    return ServerValidation(cfg, sim_cfg, m, sim, knobs, sources, table, verdict, notes, ms, sims, caching, engine)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -550,7 +586,7 @@ def main(args: argparse.Namespace) -> int:
             out.mkdir(exist_ok=True)
         raise
     print(f"{cfg.name}: {len(m.run.requests)} requests, {m.traffic or describe_traffic(cfg)}; measured: {m.source} "
-          f"(model {m.model or 'unknown'}); simulated: policy vllm_v1")
+          f"(model {m.model or 'unknown'}, {ENGINES[v.engine].label}); simulated: policy {v.sim_cfg.policy.kind}")
     print("knobs: " + ", ".join(f"{k} {v.knobs[k] if v.knobs[k] is not None else '-'} ({v.sources[k]})"
                                 for k in KNOBS))
     for n in v.notes:
@@ -586,8 +622,9 @@ def write_report(out: Path, v: ServerValidation) -> list[Path]:
             paths.append(write_run(v.sims[k - 1], out / f"sim-{k}"))
     model = Path(m.model).name if m.model and Path(m.model).is_absolute() else (m.model or "the server")
     title = f"{body['workload']}: {model} at {body['traffic']}"
-    fig = latency_cdfs({"measured (vLLM)": (m.run.requests, m.run.tokens),
-                        "simulated (batchsim vllm_v1)": (v.sim.requests, v.sim.tokens)}, title=title)
+    fig = latency_cdfs({f"measured ({ENGINES[v.engine].label})": (m.run.requests, m.run.tokens),
+                        f"simulated (batchsim {v.sim_cfg.policy.kind})": (v.sim.requests, v.sim.tokens)},
+                       title=title)
     paths += save_figure(fig, out / "cdf")
     write_json(out / "report.json", body)
     paths.append(out / "report.json")
