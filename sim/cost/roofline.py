@@ -171,6 +171,16 @@ def overlap_time(compute_s: Any, memory_s: Any, stages: float) -> Any:
     return hi * (num + power * q) / den
 
 
+def sliding_prefill_pairs(chunk: Any, context: Any, window: float) -> Any:
+    """(query, key) pairs of a causal chunk on a sliding layer: query i sees
+    min(context + i + 1, window) keys. With k = clip(window - context, 0, chunk) queries
+    still inside the first window: k (2 context + k + 1) / 2 + (chunk - k) window."""
+    c = np.asarray(chunk, dtype=float)
+    p = np.asarray(context, dtype=float)
+    inside = np.clip(window - p, 0.0, c)
+    return inside * (2 * p + inside + 1) / 2 + (c - inside) * window
+
+
 class Roofline:
     """Direct cost formulas (seconds, per step) for one configuration.
 
@@ -302,8 +312,7 @@ class Roofline:
         kv_bytes = (p + 2 * c) * self._kv_bytes_per_token_gpu     # read p + c, write c
         if self._window:
             w = float(self._window)
-            inside = np.clip(w - p, 0.0, c)
-            flops = flops + self._attn_flops_per_pair_sliding * (inside * (2 * p + inside + 1) / 2 + (c - inside) * w)
+            flops = flops + self._attn_flops_per_pair_sliding * sliding_prefill_pairs(c, p, w)
             kv_bytes = kv_bytes + (np.minimum(p, w) + 2 * c) * self._kv_bytes_per_token_gpu_sliding
         time_s = overlap_time(flops * self._s_per_attn_flop, kv_bytes * self._s_per_kv_byte, self.eff.pipeline_stages)
         return time_s + self.tp_costs.per_seq_s
