@@ -194,6 +194,43 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     # meta-llama/Llama-3.1-70B config.json
     "llama-3.1-70b": ModelShape("llama-3.1-70b", 8192, 80, 64, 8, 28672, 128256, 131072,
                                 rope_theta=500000.0),
+    # meta-llama/Llama-3.3-70B-Instruct config.json: the 3.1-70B shape
+    "llama-3.3-70b": ModelShape("llama-3.3-70b", 8192, 80, 64, 8, 28672, 128256, 131072,
+                                rope_theta=500000.0),
+    # Qwen/Qwen3-8B config.json: head_dim 128 (= 4096 / 32), 36 layers
+    "qwen3-8b": ModelShape("qwen3-8b", 4096, 36, 32, 8, 12288, 151936, 40960, rope_theta=1000000.0,
+                           explicit_head_dim=128),
+    # Qwen/Qwen3-32B config.json: head_dim 128 with hidden 5120 / 64 heads (q, o: 5120 x 8192)
+    "qwen3-32b": ModelShape("qwen3-32b", 5120, 64, 64, 8, 25600, 151936, 40960, rope_theta=1000000.0,
+                            explicit_head_dim=128),
+    # Qwen/Qwen3-30B-A3B config.json: 128 experts of 768, top 8, every layer sparse
+    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 2048, 48, 32, 4, 6144, 151936, 40960, rope_theta=1000000.0,
+                                explicit_head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                moe_intermediate_size=768),
+    # Qwen/Qwen3-235B-A22B config.json: 94 layers, 64 heads, 4 KV heads, 128 experts of 1536, top 8
+    "qwen3-235b-a22b": ModelShape("qwen3-235b-a22b", 4096, 94, 64, 4, 12288, 151936, 40960,
+                                  rope_theta=1000000.0, explicit_head_dim=128, num_experts=128,
+                                  num_experts_per_tok=8, moe_intermediate_size=1536),
+    # mistralai/Mixtral-8x7B-v0.1 config.json: 8 experts of intermediate_size 14336, top 2
+    "mixtral-8x7b": ModelShape("mixtral-8x7b", 4096, 32, 32, 8, 14336, 32000, 32768, rope_theta=1000000.0,
+                               num_experts=8, num_experts_per_tok=2),
+    # openai/gpt-oss-120b config.json: head_dim 64, layer_types alternating sliding (window 128) and
+    # full attention, 128 experts of 2880, top 4; the checkpoint's experts are mxfp4 (MODEL_PRECISIONS)
+    "gpt-oss-120b": ModelShape("gpt-oss-120b", 2880, 36, 64, 8, 2880, 201088, 131072, rope_theta=150000.0,
+                               explicit_head_dim=64, sliding_window=128, num_sliding_layers=18,
+                               num_experts=128, num_experts_per_tok=4),
+    # openai/gpt-oss-20b config.json: as the 120b with 24 layers and 32 experts
+    "gpt-oss-20b": ModelShape("gpt-oss-20b", 2880, 24, 64, 8, 2880, 201088, 131072, rope_theta=150000.0,
+                              explicit_head_dim=64, sliding_window=128, num_sliding_layers=12,
+                              num_experts=32, num_experts_per_tok=4),
+}
+
+# The weight format a preset's public checkpoint ships in, when not its activation dtype:
+# (weight_dtype, which weights: sim.cost.precision.QUANTIZED_SCOPES). A profile's weight_dtype
+# overrides it.
+MODEL_PRECISIONS: dict[str, tuple[str, str]] = {
+    "gpt-oss-120b": ("mxfp4", "experts"),      # quantization_config: quant_method mxfp4, experts only
+    "gpt-oss-20b": ("mxfp4", "experts"),
 }
 
 # ---- validation error of the analytic presets ------------------------------------

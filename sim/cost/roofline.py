@@ -26,7 +26,7 @@ import numpy as np
 from sim.cost.collectives import (ATTN_DECODE_FLOPS, DEFAULT_ENGINE, ENGINES, INTERCONNECT_EFFICIENCY, LAYER_FIXED_S,
                              EngineOverhead, TpStepCosts, engine_overhead)
 from sim.cost.curves import Curve1D, Curve2D
-from sim.cost.presets import GPU_PRESETS, MODEL_PRESETS, GpuSpec, model_shape_from_hf
+from sim.cost.presets import GPU_PRESETS, MODEL_PRECISIONS, MODEL_PRESETS, GpuSpec, model_shape_from_hf
 from sim.cost.moe import linear_split
 from sim.cost.moe import weight_bytes as moe_weight_bytes
 from sim.cost.precision import Precision, precision_from_hf
@@ -500,6 +500,10 @@ def preset_profile(model: str | dict[str, Any], gpu: str, tensor_parallel: int =
             scope = stated_scope
     else:
         shape = _lookup(MODEL_PRESETS, model, "model")
+        stated, stated_scope = MODEL_PRECISIONS.get(shape.name, (None, "linear"))
+        weight_dtype = weight_dtype or stated
+        if stated is not None and weight_dtype == stated:
+            scope = stated_scope
     gpu_spec = _lookup(GPU_PRESETS, gpu, "gpu")
     precision = Precision(dtype=dtype, weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype or "auto",
                           quantized=scope)

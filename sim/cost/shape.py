@@ -77,6 +77,10 @@ class ModelShape:
         theta = self.rope_theta
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
             raise ValueError(f"model {self.name!r}: rope_theta must be a positive number, got {theta!r}")
+        if self.explicit_head_dim and self.explicit_head_dim * self.num_heads == self.hidden_size:
+            # The derived value given explicitly (Llama's head_dim 128 = 4096 / 32): one shape, one
+            # spelling, so a config and a preset compare equal.
+            object.__setattr__(self, "explicit_head_dim", 0)
         if self.explicit_head_dim == 0 and self.hidden_size % self.num_heads:
             raise ValueError(f"model {self.name!r}: hidden_size {self.hidden_size} is not divisible "
                              f"by num_heads {self.num_heads} (give head_dim explicitly)")
@@ -193,7 +197,7 @@ class ModelShape:
             "max_position_embeddings": self.max_position_embeddings, "mlp": self.mlp,
             "tie_word_embeddings": self.tie_word_embeddings, "rope_theta": self.rope_theta,
         }
-        if self.explicit_head_dim and self.head_dim * self.num_heads != self.hidden_size:
+        if self.explicit_head_dim:
             d["head_dim"] = self.head_dim
         for f in OPTIONAL_INT_FIELDS[1:]:
             if getattr(self, f):

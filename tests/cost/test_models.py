@@ -254,3 +254,28 @@ def test_bad_precision_fields_name_the_field(tmp_path, capsys) -> None:
     assert main(["run", str(tmp_path / "w.yaml"), "--quiet"]) != 0
     err = capsys.readouterr().err
     assert "field 'profile.weight_dtype'" in err and "fp8" in err
+
+
+@pytest.mark.parametrize("preset, folder", [("qwen3-32b", "Qwen3-32B"), ("qwen3-30b-a3b", "Qwen3-30B-A3B"),
+                                            ("mixtral-8x7b", "Mixtral-8x7B-v0.1"), ("gpt-oss-120b", "gpt-oss-120b"),
+                                            ("llama-3.1-70b", "Meta-Llama-3.1-70B-Instruct-FP8")])
+def test_model_presets_are_their_configs(preset: str, folder: str) -> None:
+    assert model_shape_from_hf(config(folder), preset) == MODEL_PRESETS[preset]
+
+
+def test_more_model_presets_by_hand() -> None:
+    # Qwen3-235B-A22B: attention 2*4096*8192 + 2*4096*512 = 71,303,168; router 4096*128 = 524,288;
+    # 128 experts of 3*4096*1536 = 18,874,368; 94 layers + 2*151936*4096 = 1,244,659,712:
+    # 94 * 2,487,719,936 + 1,244,659,712 = 235,090,... (Qwen: 235B total), 22.2B active (A22B)
+    q = MODEL_PRESETS["qwen3-235b-a22b"]
+    assert q.num_params == 94 * (71_303_168 + 524_288 + 128 * 18_874_368) + 1_244_659_712
+    assert round(q.num_params / 1e9) == 235 and round(q.num_active_params / 1e9, 1) == 22.2
+    # gpt-oss-20b: 20.9B total; OpenAI's 3.61B active leaves out the embedding (201088 * 2880)
+    g = MODEL_PRESETS["gpt-oss-20b"]
+    assert round(g.num_params / 1e9, 1) == 20.9
+    assert round((g.num_active_params - g.vocab_size * g.hidden_size) / 1e9, 2) == 3.61
+    assert MODEL_PRESETS["llama-3.3-70b"].num_params == MODEL_PRESETS["llama-3.1-70b"].num_params
+    assert MODEL_PRESETS["qwen3-8b"].kv_bytes_per_token(2) == 2 * 36 * 8 * 128 * 2 == 147_456
+    # A preset whose checkpoint ships mxfp4 experts is priced so by default, as its config.
+    assert preset_profile("gpt-oss-120b", "h200").weight_bytes == preset_profile(config("gpt-oss-120b"),
+                                                                                  "h200").weight_bytes

@@ -16,7 +16,7 @@ import pytest
 
 from sim.core.batch import Batch, BatchItem
 from sim.cost.curves import Curve1D, Curve2D, CurveRepairWarning, isotonic, isotonic_grid
-from sim.cost.presets import GENERATIONS, GPU_PRESETS, MODEL_PRESETS, model_shape_from_hf
+from sim.cost.presets import GENERATIONS, GPU_PRESETS, MODEL_PRECISIONS, MODEL_PRESETS, model_shape_from_hf
 from sim.cost.profile import FORMAT_VERSION, ProfileError, load_profile, profile_from_dict
 from sim.cost.roofline import Efficiency, Roofline, analytic_profile, overlap_time, preset_profile
 
@@ -240,13 +240,18 @@ def test_every_preset_pair_builds_fast() -> None:
     for model in MODEL_PRESETS:
         for gpu in GPU_PRESETS:
             prof = preset_profile(model, gpu)
-            assert prof.name == f"{model}@{gpu}-tp1-bf16"
+            # A checkpoint that ships quantized weights (gpt-oss: mxfp4 experts) says so in the name.
+            shipped = MODEL_PRECISIONS.get(model)
+            label = f"-w_{shipped[0]}-experts" if shipped else ""
+            assert prof.name == f"{model}@{gpu}-tp1-bf16{label}"
             assert prof.step_time_s(decode_batch(4, 100)) > prof.overhead_s > 0
+            notes = ({"weight_dtype": shipped[0], "quantized": shipped[1],
+                      "gemm_precision": "fp4" if GPU_PRESETS[gpu].peak_flops_fp4 else "bf16"} if shipped else {})
             assert prof.provenance == {"source": "analytic-roofline", "gpu": gpu, "model": model,
                                        "tensor_parallel": 1, "dtype": "bf16",
                                        "generator": "sim.cost.roofline", "batchsim_format": FORMAT_VERSION,
                                        "activations": "fixed + per token x the policy's "
-                                                      "max_num_batched_tokens (vLLM's profiling run)"}
+                                                      "max_num_batched_tokens (vLLM's profiling run)", **notes}
             assert "justification" in prof.efficiency
     best_s = min(_timed(lambda: preset_profile("llama-3.1-70b", "h100-sxm", 8)) for _ in range(3))
     assert best_s < 0.05
