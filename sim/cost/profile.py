@@ -285,12 +285,14 @@ class Profile:
         return max(0, int(free // self.kv_bytes_per_token))
 
     def memory_report(self, gpu_memory_utilization: float,
-                      num_batched_tokens: int = DEFAULT_ACTIVATION_TOKENS) -> str:
+                      num_batched_tokens: int = DEFAULT_ACTIVATION_TOKENS, max_num_seqs: int = 0) -> str:
         tp = self.tensor_parallel
+        sliding = (f" - sliding-window KV {max_num_seqs} x {self.kv_bytes_per_seq / 2**20:.1f} MiB"
+                   if self.kv_bytes_per_seq and max_num_seqs else "")
         return (f"{tp} x {self.memory_bytes_per_gpu / GIB:.1f} GiB x {gpu_memory_utilization:g}"
                 f" - weights {self.weight_bytes / GIB:.1f} GiB"
                 f" - activations {tp} x {self.activation_bytes(num_batched_tokens) / GIB:.2f} GiB"
-                f" (steps of {num_batched_tokens} tokens)")
+                f" (steps of {num_batched_tokens} tokens){sliding}")
 
     # ---- files --------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

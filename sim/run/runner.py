@@ -145,7 +145,7 @@ def kv_blocks(cfg: WorkloadConfig, profile: Profile, policy: Policy | None = Non
         if capacity <= 0:
             raise ConfigError(
                 f"{cfg.source}: field 'profile': the model's weights do not fit "
-                f"({profile.memory_report(s.gpu_memory_utilization, step_tokens)} leaves no room for KV); "
+                f"({profile.memory_report(s.gpu_memory_utilization, step_tokens, max_num_seqs)} leaves no room for KV); "
                 f"raise profile.tensor_parallel, pick a larger GPU or raise server.gpu_memory_utilization")
         num_blocks = capacity // s.block_size
         where = "profile"

@@ -279,3 +279,35 @@ def test_more_model_presets_by_hand() -> None:
     # A preset whose checkpoint ships mxfp4 experts is priced so by default, as its config.
     assert preset_profile("gpt-oss-120b", "h200").weight_bytes == preset_profile(config("gpt-oss-120b"),
                                                                                   "h200").weight_bytes
+
+
+def test_a_fitted_matmul_fraction_is_a_table_lookup(monkeypatch) -> None:
+    import sim.cost.roofline as roofline
+    monkeypatch.setitem(roofline.MATMUL_FLOPS_FIT, ("hopper", "fp8"), 0.5)
+    assert Efficiency.for_gpu(GPU_PRESETS["h200"]).matmul_flops_fp8 == 0.5
+    assert Efficiency.for_gpu(GPU_PRESETS["b200-sxm"]).matmul_flops_fp8 == Efficiency().matmul_flops
+    prof = preset_profile("llama-3.1-70b", "h200", 2, weight_dtype="fp8")
+    assert prof.efficiency["matmul_flops_fp8"] == 0.5 and prof.provenance["gemm_precision"] == "fp8"
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"kv_lora_rank": 512}, "multi-head latent attention"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method 'gptq' is not supported"),
+    ({"num_local_experts": 8, "num_experts_per_tok": None}, "routing width is missing"),
+    ({"layer_types": ["full_attention"]}, "field 'layer_types' must list one type per layer"),
+])
+def test_configs_batchsim_cannot_cost_are_refused_by_field(change: dict, words: str) -> None:
+    cfg = {**config("Qwen3-32B"), "sliding_window": 4096, **change}
+    with pytest.raises(ValueError, match=words):
+        preset_profile(cfg, "h200")
+
+
+def test_a_workload_sets_precisions_and_expert_parallel(tmp_path, capsys) -> None:
+    (tmp_path / "w.yaml").write_text(
+        "name: t\nnum_requests: 12\narrivals: {kind: poisson, rate: 4}\n"
+        "lengths: {kind: fixed, prompt_tokens: 300, output_tokens: 8}\npolicy: {kind: vllm}\n"
+        "profile: {model: qwen3-30b-a3b, gpu: h100-sxm, tensor_parallel: 2, weight_dtype: fp8,\n"
+        "          kv_cache_dtype: fp8, enable_expert_parallel: true}\n")
+    rc = main(["run", str(tmp_path / "w.yaml"), "--out", str(tmp_path / "out"), "--quiet"])
+    assert rc == 0, capsys.readouterr().err
+    assert "qwen3-30b-a3b@h100-sxm-tp2-bf16-w_fp8-kv_fp8-ep" in (tmp_path / "out" / "meta.json").read_text()
