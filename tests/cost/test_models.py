@@ -282,7 +282,7 @@ def test_more_model_presets_by_hand() -> None:
 
 
 def test_a_fitted_matmul_fraction_is_a_table_lookup(monkeypatch) -> None:
-    import sim.cost.roofline as roofline
+    from sim.cost import roofline
     monkeypatch.setitem(roofline.MATMUL_FLOPS_FIT, ("hopper", "fp8"), 0.5)
     assert Efficiency.for_gpu(GPU_PRESETS["h200"]).matmul_flops_fp8 == 0.5
     assert Efficiency.for_gpu(GPU_PRESETS["b200-sxm"]).matmul_flops_fp8 == Efficiency().matmul_flops
