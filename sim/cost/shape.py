@@ -170,7 +170,11 @@ class ModelShape:
     @property
     def num_kv_pool_layers(self) -> int:
         """Layers whose KV the per-token pool holds: the full-attention layers; all layers when
-        every layer slides (one uniform pool, as vLLM sizes it then)."""
+        every layer slides (Mistral v0.1): vLLM then keeps one uniform pool of every layer's
+        bytes a token (kv_cache_utils: one SlidingWindowSpec group) and frees the blocks that
+        leave the window. NOTE: batchsim's pool (sim.core) frees nothing before a request ends,
+        so such a request longer than the window is charged all its tokens: a conservative
+        capacity, exact for requests within the window."""
         full = self.num_layers - self.num_sliding_layers
         return full if full else self.num_layers
 

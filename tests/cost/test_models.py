@@ -311,3 +311,39 @@ def test_a_workload_sets_precisions_and_expert_parallel(tmp_path, capsys) -> Non
     rc = main(["run", str(tmp_path / "w.yaml"), "--out", str(tmp_path / "out"), "--quiet"])
     assert rc == 0, capsys.readouterr().err
     assert "qwen3-30b-a3b@h100-sxm-tp2-bf16-w_fp8-kv_fp8-ep" in (tmp_path / "out" / "meta.json").read_text()
+
+
+def test_shared_experts_and_dense_first_layers_by_hand() -> None:
+    # Qwen/Qwen1.5-MoE-A2.7B (Qwen2-MoE) config.json's cost fields: 60 experts of 1408, top 4, one
+    # shared expert of shared_expert_intermediate_size 5632 (its 1-wide sigmoid gate is not counted).
+    qwen2 = {"model_type": "qwen2_moe", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 16,
+             "num_key_value_heads": 16, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+             "shared_expert_intermediate_size": 5632, "num_experts": 60, "num_experts_per_tok": 4,
+             "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+             "max_position_embeddings": 8192, "hidden_act": "silu", "tie_word_embeddings": False,
+             "use_sliding_window": False, "sliding_window": 32768}
+    q = model_shape_from_hf(qwen2, "qwen1.5-moe-a2.7b")
+    # a layer: attention 4*2048^2 = 16,777,216; experts 60 * 3*2048*1408 = 519,045,120; shared
+    # 3*2048*5632 = 34,603,008; router 2048*60 = 122,880: 570,548,224. x 24 + 2*151936*2048
+    # (622,329,856) = 14,315,487,232 (Qwen: 14.3B); active, 4 experts: 24 * (16,777,216 + 4 * 8,650,752
+    # + 34,603,008 + 122,880) + 622,329,856 = 24 * 86,106,112 + 622,329,856 = 2,688,876,544 (A2.7B)
+    assert q.num_params == 24 * 570_548_224 + 622_329_856 == 14_315_487_232
+    assert q.num_active_params == 2_688_876_544
+    # deepseek-ai/deepseek-moe-16b-base config.json's cost fields: standard attention (no kv_lora_rank),
+    # the first layer dense (first_k_dense_replace 1, intermediate 10944), then 64 routed experts of
+    # 1408, top 6, and 2 shared experts (2 x 1408 wide).
+    ds = {"model_type": "deepseek", "hidden_size": 2048, "num_hidden_layers": 28, "num_attention_heads": 16,
+          "num_key_value_heads": 16, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+          "n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1,
+          "vocab_size": 102400, "max_position_embeddings": 4096, "hidden_act": "silu",
+          "tie_word_embeddings": False}
+    d = model_shape_from_hf(ds, "deepseek-moe-16b")
+    assert (d.num_dense_layers, d.num_moe_layers, d.shared_expert_intermediate_size) == (1, 27, 2816)
+    # 28 * 16,777,216 attention + 3*2048*10944 dense MLP + 27 * (64 * 8,650,752 + 2 * 8,650,752 + 2048*64)
+    # + 2*102400*2048 = 469,762,048 + 67,239,936 + 27 * 571,080,704 + 419,430,400 = 16,375,611,392 (16.4B)
+    assert d.num_params == 469_762_048 + 67_239_936 + 27 * 571_080_704 + 419_430_400
+    assert round(d.num_active_params / 1e9, 1) == 2.8                     # DeepSeek: 2.8B activated
+    # The shared experts and the dense layer run on every token: in both the TP split and the FLOPs.
+    split = linear_split(d, Precision(), 2)
+    per_token = 28 * 16_777_216 / 2 + 67_239_936 / 2 + 27 * (2 * 8_650_752 / 2 + 2048 * 64 + 6 * 8_650_752 / 2)
+    assert split.token_params_hi == pytest.approx(per_token)
