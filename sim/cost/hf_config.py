@@ -46,10 +46,18 @@ def _first(cfg: Mapping[str, Any], keys: tuple[str, ...]) -> str | None:
     return next((k for k in keys if cfg.get(k) is not None), None)
 
 
+# Families whose MLP is gated with a GELU (GeGLU: gate, up and down projections): three matrices,
+# costed as "swiglu" (the kind names the gated 3-matrix shape, not the activation).
+_GATED_GELU_MODEL_TYPES = {"gemma", "gemma2", "gemma3", "gemma3_text"}
+
+
 def _mlp_kind(cfg: Mapping[str, Any], name: str) -> str:
-    """batchsim's ``mlp`` key as given, else the kind hidden_act (or OPT's activation_function) implies."""
+    """batchsim's ``mlp`` key as given, else the kind hidden_act (or OPT's activation_function) implies;
+    Gemma's gated GELU MLP (``_GATED_GELU_MODEL_TYPES``) is the gated 3-matrix kind."""
     if "mlp" in cfg:
         return str(cfg["mlp"])                    # ModelShape checks it is one of MLP_KINDS
+    if str(cfg.get("model_type", "")) in _GATED_GELU_MODEL_TYPES:
+        return "swiglu"
     act = cfg.get("hidden_act", cfg.get("activation_function"))
     if act is None:
         raise ValueError(f"model '{name}': config field 'hidden_act' is missing "

@@ -90,6 +90,9 @@ def test_sliding_windows_of_gpt_oss_bound_the_kv_a_request_keeps() -> None:
              "intermediate_size": 10240, "vocab_size": 262208, "max_position_embeddings": 131072,
              "hidden_act": "silu", "sliding_window": 1024, "sliding_window_pattern": 6}
     assert model_shape_from_hf(gemma, "g3").num_sliding_layers == 34 - 34 // 6 == 29
+    # Gemma's MLP is gated (GeGLU: gate, up, down) although its activation is a GELU: 3 matrices.
+    assert model_shape_from_hf({**gemma, "model_type": "gemma3_text", "hidden_act": "gelu_pytorch_tanh"},
+                               "g3").num_mlp_matrices == 3
     assert model_shape_from_hf({**gemma, "sliding_window_pattern": None, "model_type": "gemma2"},
                                "g2").num_sliding_layers == 17
 
