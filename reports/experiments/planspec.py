@@ -16,7 +16,7 @@ directory, like ``--out``)::
     candidates:
       - name: h100
         profile: {model: llama-3.1-8b, gpu: h100-sxm, tensor_parallel: 1}   # or {path: file}
-        price_per_gpu_hour: 3.00
+        price_per_gpu_hour: 3.00        # optional: default, the GPU preset's price (sim.cost.presets)
         policies: [...]                 # optional, overrides the default list
         server: {gpu_memory_utilization: 0.9}   # optional
         gpus_per_replica: 1             # default: profile.tensor_parallel
@@ -104,6 +104,8 @@ class Candidate:
     price_per_gpu_hour: float
     hardware: str
     policy: str
+    # "given" (the plan file's), or where the default came from: the GPU preset's assumed price.
+    price_source: str = "given"
 
 
 @dataclass(frozen=True)
@@ -185,12 +187,16 @@ def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Pa
         where = f"candidates[{i}]"
         if not isinstance(item, dict):
             raise fail(source, where, f"must be a mapping, got {item!r}", "{profile: {...}, price_per_gpu_hour: 3.0}")
-        check_keys(source, where, item, CANDIDATE_KEYS, required=("profile", "price_per_gpu_hour"))
-        price = _number(source, f"{where}.price_per_gpu_hour", item["price_per_gpu_hour"])
+        check_keys(source, where, item, CANDIDATE_KEYS, required=("profile",))
         profile = item["profile"]
         if not isinstance(profile, dict):
             raise fail(source, f"{where}.profile", f"must be a mapping, got {profile!r}",
                        "profile: {model: llama-3.1-8b, gpu: h100-sxm, tensor_parallel: 1}")
+        price_source = "given"
+        if item.get("price_per_gpu_hour") is not None:
+            price = _number(source, f"{where}.price_per_gpu_hour", item["price_per_gpu_hour"])
+        else:
+            price, price_source = _default_price(source, where, profile, base_dir)
         hardware = str(item.get("name") or profile.get("path") or
                        f"{profile.get('gpu', 'h100-sxm')}" + (f" x{profile['tensor_parallel']}"
                                                               if profile.get("tensor_parallel", 1) != 1 else ""))
@@ -219,12 +225,32 @@ def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Pa
                 from sim.cost.profile import load_profile
                 gpus = load_profile(cfg.resolve_path(cfg.profile.path)).tensor_parallel
             out.append(Candidate(name=f"{hardware} / {_policy_label(policy)}", raw=raw, gpus_per_replica=gpus,
-                                 price_per_gpu_hour=price, hardware=hardware, policy=_policy_label(policy)))
+                                 price_per_gpu_hour=price, hardware=hardware, policy=_policy_label(policy),
+                                 price_source=price_source))
     names = [c.name for c in out]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise fail(source, "candidates", f"name the same option twice: {dupes}", "give each candidate a distinct name:")
     return out
+
+
+def _default_price(source: Path, where: str, profile: dict, base_dir: Path) -> tuple[float, str]:
+    """A candidate's price when the plan gives none: its GPU preset's ``price_per_gpu_hour``
+    (a profile file's ``device``, else ``profile.gpu``, default h100-sxm), and where it came from."""
+    from sim.cost.presets import GPU_PRESETS
+    gpu = profile.get("gpu", "h100-sxm")
+    if profile.get("path") is not None:
+        from sim.cost.profile import ProfileError, load_profile
+        path = Path(str(profile["path"])).expanduser()
+        try:
+            gpu = load_profile(path if path.is_absolute() else base_dir / path).device
+        except ProfileError:
+            gpu = None                   # the workload check names the bad file
+    spec = GPU_PRESETS.get(str(gpu).lower()) if gpu is not None else None
+    if spec is None or spec.price_per_gpu_hour is None:
+        raise fail(source, f"{where}.price_per_gpu_hour", f"is missing and GPU {gpu!r} has no preset price",
+                   "give price_per_gpu_hour: N ($ per GPU-hour)")
+    return spec.price_per_gpu_hour, f"default: preset {spec.name} (sim.cost.presets, an assumed on-demand price)"
 
 
 def _check_not_owned(source: Path, overrides: dict[str, Any] | None, label: str) -> None:
@@ -344,6 +370,7 @@ def spec_summary(spec: PlanSpec) -> dict[str, Any]:
         "verify_requests": spec.verify.num_requests(spec.target_rate), "assumptions": spec.assumptions,
         "candidates": [{"name": c.name, "hardware": c.hardware, "policy": c.policy,
                         "gpus_per_replica": c.gpus_per_replica, "price_per_gpu_hour": c.price_per_gpu_hour,
+                        "price_source": c.price_source,
                         "profile": c.raw.get("profile"), "policy_config": c.raw.get("policy"),
                         # the whole workload it runs (base, set, --set, server): another one is another question
                         "workload_sha256": hashlib.sha256(json.dumps(c.raw, sort_keys=True, default=str)

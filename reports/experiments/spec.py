@@ -82,7 +82,7 @@ def check_keys(source: Path | str, where: str, data: dict, allowed: tuple[str, .
 _HINTS = {"base": "a workload YAML, relative to this file", "vary": "a mapping of dotted key -> list of values",
           "target_rate": "requests per second the fleet must serve", "slo": "e.g. {ttft_ms: 2000, itl_ms: 100}",
           "candidates": "a list of {profile, price_per_gpu_hour, policies}",
-          "price_per_gpu_hour": "the GPU's price in $ per hour", "profile": "{model, gpu, tensor_parallel} or {path}"}
+          "price_per_gpu_hour": "the GPU's price in $ per hour (default: the GPU preset's)", "profile": "{model, gpu, tensor_parallel} or {path}"}
 
 
 def positive_int(source: Path | str, field: str, value: Any, minimum: int = 1) -> int:

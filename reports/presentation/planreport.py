@@ -257,7 +257,8 @@ def plan_report(d: Path) -> list[Path]:
                 *run_figures(figs, fleets, prefix="fleet_", slo_ttft_ms=slo.get("ttft_ms"),
                              slo_itl_ms=slo.get("itl_ms"), slots=False))
     prices = pd.DataFrame([{"hardware": c["hardware"], "GPUs per replica": c["gpus_per_replica"],
-                            "$ per GPU-hour": c["price_per_gpu_hour"]} for c in plan["candidates"]]).drop_duplicates()
+                            "$ per GPU-hour": c["price_per_gpu_hour"],
+                            "price": c.get("price_source", "given")} for c in plan["candidates"]]).drop_duplicates()
     doc.add(Heading("Definitions"), Bullets(_definitions(plan)),
             Heading("Assumptions"), Table(prices, caption="prices used"),
             Bullets(plan.get("assumptions") or ["none stated in the plan file"]),

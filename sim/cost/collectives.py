@@ -7,7 +7,9 @@ Besides its share of the math (``sim.cost.roofline``), every step on ``t`` GPUs 
   all-reduces of the ``T x hidden`` activations in every decoder layer (after
   the attention output projection and after the MLP down projection), one
   after the vocab-parallel embedding, and gathers the sampled rows' logits
-  (``rows x vocab / t`` per rank) to the rank that samples;
+  (``rows x vocab / t`` per rank) to the rank that samples; with expert
+  parallelism (MoE, EP degree = t) each MoE layer's MLP all-reduce is replaced
+  by two all-to-alls, dispatch and combine (``alltoall_s``);
 - a floor per decoder layer: about ten kernels a layer, each paying launch,
   ramp-up and tail time however small its shard is;
 - the engine's host work: per step (schedule, prepare inputs, sample, process
@@ -106,6 +108,16 @@ def allreduce_s(nbytes: Any, tp: int, link_bytes_s: float, latency_s: float, eff
     return latency_s + 2 * (tp - 1) / tp * b / (link_bytes_s * efficiency)
 
 
+def alltoall_s(nbytes: Any, ep: int, link_bytes_s: float, latency_s: float, efficiency: float) -> Any:
+    """One all-to-all over ``ep`` ranks of ``nbytes`` per rank (``tokens x k x hidden x act
+    bytes`` for an MoE dispatch or combine): (ep - 1) / ep of it leaves each rank over its link,
+    plus the call's latency."""
+    if ep <= 1:
+        return np.zeros_like(np.asarray(nbytes, dtype=float))
+    b = np.asarray(nbytes, dtype=float)
+    return latency_s + (ep - 1) / ep * b / (link_bytes_s * efficiency)
+
+
 def gather_s(nbytes_total: Any, tp: int, link_bytes_s: float, latency_s: float, efficiency: float) -> Any:
     """Gather a buffer of ``nbytes_total`` (all ranks' shards together) to one rank:
     (tp - 1) / tp of it crosses the receiving rank's link."""
@@ -126,7 +138,7 @@ class TpStepCosts:
 
     def __init__(self, model: ModelShape, gpu: GpuSpec, tensor_parallel: int, dtype_bytes: int,
                  engine: str | EngineOverhead = DEFAULT_ENGINE, layer_fixed_s: float = LAYER_FIXED_S,
-                 interconnect_efficiency: float = INTERCONNECT_EFFICIENCY) -> None:
+                 interconnect_efficiency: float = INTERCONNECT_EFFICIENCY, *, expert_parallel: bool = False) -> None:
         if not 0 < interconnect_efficiency <= 1:
             raise ValueError(f"interconnect_efficiency must be in (0, 1], got {interconnect_efficiency!r}")
         if layer_fixed_s < 0:
@@ -137,6 +149,12 @@ class TpStepCosts:
         self.interconnect_efficiency = interconnect_efficiency
         self.allreduce_calls = (ALLREDUCES_PER_LAYER * model.num_layers + EMBEDDING_ALLREDUCES
                                 if tensor_parallel > 1 else 0)
+        # Expert parallelism: an MoE layer's experts are whole on each GPU, its tokens sent to
+        # them and back (2 all-to-alls) instead of the MLP all-reduce; attention stays TP.
+        self.expert_parallel = expert_parallel and tensor_parallel > 1
+        self.alltoall_calls = 2 * model.num_moe_layers if self.expert_parallel else 0
+        if self.expert_parallel:
+            self.allreduce_calls -= model.num_moe_layers
         self.fixed_step_s = self.engine.step_s + (self.engine.tp_step_s if tensor_parallel > 1 else 0.0)
         self.layers_fixed_s = model.num_layers * layer_fixed_s
         self.per_seq_s = self.engine.per_seq_s
@@ -149,9 +167,18 @@ class TpStepCosts:
         m, g, eff = self.model, self.gpu, self.interconnect_efficiency
         act_bytes = tokens * m.hidden_size * self.dtype_bytes
         logit_bytes = np.minimum(tokens, MAX_SAMPLED_ROWS) * m.vocab_size * self.dtype_bytes
-        return (self.allreduce_calls * allreduce_s(act_bytes, self.tp, g.interconnect_bytes_s,
+        comm = (self.allreduce_calls * allreduce_s(act_bytes, self.tp, g.interconnect_bytes_s,
                                                    g.interconnect_latency_s, eff)
                 + gather_s(logit_bytes, self.tp, g.interconnect_bytes_s, g.interconnect_latency_s, eff))
+        if self.alltoall_calls:
+            comm = comm + self.alltoall_calls * alltoall_s(self.alltoall_bytes(tokens), self.tp,
+                                                           g.interconnect_bytes_s, g.interconnect_latency_s, eff)
+        return comm
+
+    def alltoall_bytes(self, num_tokens: Any) -> Any:
+        """Bytes per rank of one MoE dispatch (or combine): tokens x k x hidden x activation bytes."""
+        m = self.model
+        return np.asarray(num_tokens, dtype=float) * m.num_experts_per_tok * m.hidden_size * self.dtype_bytes
 
     def decode_step_message_bytes(self, num_seqs: int) -> int:
         """Bytes per rank of one all-reduce in a decode step of ``num_seqs`` sequences."""
@@ -173,6 +200,7 @@ class TpStepCosts:
             "layer_fixed_s": self.layer_fixed_s,
             "allreduce_calls_per_step": self.allreduce_calls,
             "allreduce_latency_s": g.interconnect_latency_s if self.tp > 1 else 0.0,
+            **({"alltoall_calls_per_step": self.alltoall_calls} if self.alltoall_calls else {}),
             "interconnect_link": getattr(g, "interconnect_kind", "unknown"),
             "interconnect_efficiency": self.interconnect_efficiency,
             "tp_costs_source": "sim.cost.collectives; fitted and checked in calibrate/profiles/README.md "

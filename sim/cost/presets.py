@@ -11,12 +11,12 @@ number an engine's KV-cache sizing starts from.
 from __future__ import annotations
 
 import csv
-from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from sim.cost.hf_config import model_shape_from_dict, model_shape_from_hf  # noqa: F401 (re-exported)
 from sim.cost.profile import ModelShape
 
 MIB = 1024**2
@@ -33,6 +33,13 @@ class GpuSpec:
     interconnect_latency_s: fixed cost of one small all-reduce call (a measured
         order of magnitude, not a datasheet number; sources beside each preset).
     interconnect_kind: "nvlink" or "pcie".
+    generation: the architecture (``GENERATIONS``): what a fitted efficiency per
+        (generation, precision) is keyed by (``sim.cost.roofline.MATMUL_FLOPS_FIT``).
+    peak_flops_fp8, peak_flops_fp4: dense FP8 / FP4 tensor-core peaks; 0 where the
+        hardware has none (then vLLM runs such weights weight-only at the BF16 rate:
+        ``sim.cost.precision``).
+    price_per_gpu_hour: a default on-demand price in $ per GPU-hour for plans
+        (``reports.experiments.planspec``), with its source beside each preset; None: unknown.
     """
 
     name: str
@@ -45,6 +52,14 @@ class GpuSpec:
     interconnect_bytes_s: float
     interconnect_latency_s: float
     interconnect_kind: str = "nvlink"
+    generation: str = ""
+    peak_flops_fp8: float = 0.0
+    peak_flops_fp4: float = 0.0
+    price_per_gpu_hour: float | None = None
+
+
+GENERATIONS = ("ampere", "ada", "hopper", "blackwell")
+PETA = 1e15
 
 
 GPU_PRESETS: dict[str, GpuSpec] = {
@@ -56,6 +71,8 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         mem_bandwidth_bytes_s=1555 * GIGA,      # A100 datasheet: 40GB HBM2 1,555 GB/s
         interconnect_bytes_s=300 * GIGA,        # NVLink 3: 600 GB/s total = 300 GB/s per direction
         interconnect_latency_s=10e-6,           # small-message NVLink all-reduce, ~10 us
+        generation="ampere",                    # no FP8/FP4 tensor cores: FP8 weights run W8A16 (Marlin)
+        price_per_gpu_hour=1.3,                 # assumed: typical on-demand cloud price 2025 ($1.1-1.5)
     ),
     "a100-80gb": GpuSpec(
         name="a100-80gb",
@@ -65,6 +82,8 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         mem_bandwidth_bytes_s=2039 * GIGA,      # A100 datasheet: 80GB HBM2e SXM 2,039 GB/s
         interconnect_bytes_s=300 * GIGA,        # NVLink 3: 600 GB/s total = 300 GB/s per direction
         interconnect_latency_s=10e-6,           # small-message NVLink all-reduce, ~10 us
+        generation="ampere",                    # no FP8/FP4 tensor cores: FP8 weights run W8A16 (Marlin)
+        price_per_gpu_hour=1.8,                 # assumed: typical on-demand cloud price 2025 ($1.5-2.0)
     ),
     "h100-sxm": GpuSpec(
         name="h100-sxm",
@@ -75,6 +94,9 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         interconnect_bytes_s=450 * GIGA,        # NVLink 4: 900 GB/s total = 450 GB/s per direction
         # vLLM's custom all-reduce on H100, TP 2-8, <= 32 KiB: 8.5-11.8 us (sgl-project/sglang#2904)
         interconnect_latency_s=10e-6,
+        generation="hopper",
+        peak_flops_fp8=1979 * TERA,             # H100 SXM datasheet: FP8 3,958 TFLOPS with sparsity / 2
+        price_per_gpu_hour=2.99,                # assumed: common on-demand list price 2025 ($2.5-3.5)
     ),
     "h200": GpuSpec(
         name="h200",
@@ -84,6 +106,9 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         mem_bandwidth_bytes_s=4800 * GIGA,      # H200 datasheet: 4.8 TB/s
         interconnect_bytes_s=450 * GIGA,        # NVLink 4: 900 GB/s total = 450 GB/s per direction
         interconnect_latency_s=10e-6,           # small-message NVLink all-reduce, ~10 us
+        generation="hopper",
+        peak_flops_fp8=1979 * TERA,             # H200 SXM datasheet: FP8 3,958 TFLOPS with sparsity / 2
+        price_per_gpu_hour=3.8,                 # assumed: on-demand cloud price 2025 ($3.5-4.5)
     ),
     "l40s": GpuSpec(
         name="l40s",
@@ -95,6 +120,60 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         # vLLM's custom all-reduce needs NVLink; NCCL's small-message all-reduce over PCIe, ~25 us
         interconnect_latency_s=25e-6,
         interconnect_kind="pcie",
+        generation="ada",
+        peak_flops_fp8=733 * TERA,              # L40S datasheet: FP8 1,466 TFLOPS with sparsity / 2 (Ada has FP8)
+        price_per_gpu_hour=0.95,                # assumed: on-demand cloud price 2025 ($0.8-1.0)
+    ),
+    "b200-sxm": GpuSpec(
+        name="b200-sxm",
+        # nvidia-smi on an HGX B200: 183359 MiB (NVIDIA/TensorRT-LLM#10278; "180 GB HBM3e" on the datasheet)
+        memory_bytes=183359 * MIB,
+        peak_flops_bf16=2.25 * PETA,            # HGX B200 datasheet: FP16/BF16 4.5 PFLOPS with sparsity / 2
+        peak_flops_fp32=75 * TERA,              # HGX B200 datasheet: FP32 75 TFLOPS
+        mem_bandwidth_bytes_s=8000 * GIGA,      # datasheet 8 TB/s (the driver reports a 7680-bit bus: ~7.7 TB/s,
+                                                # pytorch/ao#4002; the HGX table says 7.7 TB/s)
+        interconnect_bytes_s=900 * GIGA,        # NVLink 5: 1.8 TB/s total = 900 GB/s per direction
+        interconnect_latency_s=10e-6,           # assumed as on Hopper (NVSwitch, small-message all-reduce)
+        generation="blackwell",
+        peak_flops_fp8=4.5 * PETA,              # HGX B200 datasheet: FP8 9 PFLOPS with sparsity / 2
+        peak_flops_fp4=9 * PETA,                # HGX B200 datasheet: FP4 18 PFLOPS with sparsity / 2
+        price_per_gpu_hour=5.5,                 # assumed: on-demand cloud price 2025 ($5-6)
+    ),
+    "gb200": GpuSpec(
+        name="gb200",
+        # one GPU of a GB200 NVL72: datasheet "186 GB HBM3e" (nvidia-smi's MiB figure not found: the GB
+        # figure taken as 186e9 bytes; the real total is likely a little lower, as on B200)
+        memory_bytes=186 * 10**9,
+        peak_flops_bf16=2.5 * PETA,             # GB200 NVL72 datasheet: FP16/BF16 5 PFLOPS with sparsity / 2
+        peak_flops_fp32=80 * TERA,              # GB200 NVL72 datasheet: FP32 80 TFLOPS
+        mem_bandwidth_bytes_s=8000 * GIGA,      # GB200 NVL72 datasheet: 8 TB/s per GPU
+        interconnect_bytes_s=900 * GIGA,        # NVLink 5: 1.8 TB/s total = 900 GB/s per direction
+        interconnect_latency_s=10e-6,           # assumed as on Hopper
+        generation="blackwell",
+        peak_flops_fp8=5 * PETA,                # GB200 NVL72 datasheet: FP8 10 PFLOPS with sparsity / 2
+        peak_flops_fp4=10 * PETA,               # GB200 NVL72 datasheet: FP4 20 PFLOPS with sparsity / 2
+        price_per_gpu_hour=6.0,                 # assumed: per-GPU share of NVL72 capacity offers 2025 (unsure)
+    ),
+    "rtx-pro-6000": GpuSpec(
+        name="rtx-pro-6000",
+        # RTX PRO 6000 Blackwell (Server Edition): 96 GB GDDR7; nvidia-smi 97887 MiB (reported for the
+        # Workstation Edition, same memory; assumed equal for the Server Edition)
+        memory_bytes=97887 * MIB,
+        # Unsure: the datasheet gives "4 PFLOPS FP4 with sparsity" (4,000 AI TOPS); dense FP4 = 2 PFLOPS,
+        # FP8 = 1 PFLOPS and BF16 = 0.5 PFLOPS follow at the usual 2x per halving of the format. The
+        # professional (RTX PRO) parts run FP32 accumulation at full rate; GeForce GB202 (RTX 5090) runs
+        # FP16/BF16/FP8 with FP32 accumulate at half rate, which does not apply here. Torch BF16 GEMMs
+        # measure ~417 TFLOPS on this card (zzc0721/torch-performance-test-data#161), ~83% of 0.5 PFLOPS.
+        peak_flops_bf16=500 * TERA,
+        peak_flops_fp32=120 * TERA,             # datasheet FP32 ~120-125 TFLOPS (unsure which edition)
+        mem_bandwidth_bytes_s=1597 * GIGA,      # Server Edition datasheet: 1,597 GB/s (Workstation: 1,792)
+        interconnect_bytes_s=64 * GIGA,         # no NVLink: PCIe Gen5 x16, ~64 GB/s per direction
+        interconnect_latency_s=25e-6,           # assumed as L40S: NCCL small-message all-reduce over PCIe
+        interconnect_kind="pcie",
+        generation="blackwell",
+        peak_flops_fp8=1000 * TERA,             # see above (unsure)
+        peak_flops_fp4=2000 * TERA,             # datasheet 4 PFLOPS FP4 with sparsity / 2
+        price_per_gpu_hour=0.9,                 # assumed: on-demand cloud price 2025 ($0.66-1.0)
     ),
 }
 
@@ -115,109 +194,44 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     # meta-llama/Llama-3.1-70B config.json
     "llama-3.1-70b": ModelShape("llama-3.1-70b", 8192, 80, 64, 8, 28672, 128256, 131072,
                                 rope_theta=500000.0),
+    # meta-llama/Llama-3.3-70B-Instruct config.json: the 3.1-70B shape
+    "llama-3.3-70b": ModelShape("llama-3.3-70b", 8192, 80, 64, 8, 28672, 128256, 131072,
+                                rope_theta=500000.0),
+    # Qwen/Qwen3-8B config.json: head_dim 128 (= 4096 / 32), 36 layers
+    "qwen3-8b": ModelShape("qwen3-8b", 4096, 36, 32, 8, 12288, 151936, 40960, rope_theta=1000000.0,
+                           explicit_head_dim=128),
+    # Qwen/Qwen3-32B config.json: head_dim 128 with hidden 5120 / 64 heads (q, o: 5120 x 8192)
+    "qwen3-32b": ModelShape("qwen3-32b", 5120, 64, 64, 8, 25600, 151936, 40960, rope_theta=1000000.0,
+                            explicit_head_dim=128),
+    # Qwen/Qwen3-30B-A3B config.json: 128 experts of 768, top 8, every layer sparse
+    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 2048, 48, 32, 4, 6144, 151936, 40960, rope_theta=1000000.0,
+                                explicit_head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                moe_intermediate_size=768),
+    # Qwen/Qwen3-235B-A22B config.json: 94 layers, 64 heads, 4 KV heads, 128 experts of 1536, top 8
+    "qwen3-235b-a22b": ModelShape("qwen3-235b-a22b", 4096, 94, 64, 4, 12288, 151936, 40960,
+                                  rope_theta=1000000.0, explicit_head_dim=128, num_experts=128,
+                                  num_experts_per_tok=8, moe_intermediate_size=1536),
+    # mistralai/Mixtral-8x7B-v0.1 config.json: 8 experts of intermediate_size 14336, top 2
+    "mixtral-8x7b": ModelShape("mixtral-8x7b", 4096, 32, 32, 8, 14336, 32000, 32768, rope_theta=1000000.0,
+                               num_experts=8, num_experts_per_tok=2),
+    # openai/gpt-oss-120b config.json: head_dim 64, layer_types alternating sliding (window 128) and
+    # full attention, 128 experts of 2880, top 4; the checkpoint's experts are mxfp4 (MODEL_PRECISIONS)
+    "gpt-oss-120b": ModelShape("gpt-oss-120b", 2880, 36, 64, 8, 2880, 201088, 131072, rope_theta=150000.0,
+                               explicit_head_dim=64, sliding_window=128, num_sliding_layers=18,
+                               num_experts=128, num_experts_per_tok=4),
+    # openai/gpt-oss-20b config.json: as the 120b with 24 layers and 32 experts
+    "gpt-oss-20b": ModelShape("gpt-oss-20b", 2880, 24, 64, 8, 2880, 201088, 131072, rope_theta=150000.0,
+                              explicit_head_dim=64, sliding_window=128, num_sliding_layers=12,
+                              num_experts=32, num_experts_per_tok=4),
 }
 
-# HF config.json name -> ModelShape field; the second spelling is accepted too
-# (OPT's ffn_dim, or batchsim's own names as written in a profile file).
-_HF_FIELDS: dict[str, tuple[str, ...]] = {
-    "hidden_size": ("hidden_size",),
-    "num_layers": ("num_hidden_layers", "num_layers"),
-    "num_heads": ("num_attention_heads", "num_heads"),
-    "intermediate_size": ("intermediate_size", "ffn_dim"),
-    "vocab_size": ("vocab_size",),
-    "max_position_embeddings": ("max_position_embeddings",),
+# The weight format a preset's public checkpoint ships in, when not its activation dtype:
+# (weight_dtype, which weights: sim.cost.precision.QUANTIZED_SCOPES). A profile's weight_dtype
+# overrides it.
+MODEL_PRECISIONS: dict[str, tuple[str, str]] = {
+    "gpt-oss-120b": ("mxfp4", "experts"),      # quantization_config: quant_method mxfp4, experts only
+    "gpt-oss-20b": ("mxfp4", "experts"),
 }
-_GATED_ACTS = {"silu", "swish", "swiglu"}
-# transformers' ACT2FN names of the plain (two-matrix) MLPs' activations
-_PLAIN_ACTS = {"gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python", "gelu_accurate", "gelu_10",
-               "quick_gelu", "relu", "relu2", "relu6", "leaky_relu", "tanh", "sigmoid", "mish", "linear",
-               "laplace", "prelu", "elu", "selu"}
-
-
-def _positive_int(cfg: Mapping[str, Any], key: str, name: str) -> int:
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"model '{name}': field '{key}' must be a positive integer, got {value!r}")
-    return value
-
-
-def _mlp_kind(cfg: Mapping[str, Any], name: str) -> str:
-    """batchsim's ``mlp`` key as given, else the kind hidden_act (or OPT's activation_function) implies."""
-    if "mlp" in cfg:
-        return str(cfg["mlp"])                    # ModelShape checks it is one of MLP_KINDS
-    act = cfg.get("hidden_act", cfg.get("activation_function"))
-    if act is None:
-        raise ValueError(f"model '{name}': config field 'hidden_act' is missing "
-                         f"(or 'activation_function'; or give mlp: swiglu | gelu)")
-    if not isinstance(act, str):
-        raise ValueError(f"model '{name}': field 'hidden_act' must be the activation's name (silu, gelu, ...), "
-                         f"got {act!r}")
-    if act.lower() not in _GATED_ACTS | _PLAIN_ACTS:
-        raise ValueError(f"model '{name}': field 'hidden_act' is {act!r}, an activation batchsim does not know; "
-                         f"expected one of {', '.join(sorted(_GATED_ACTS | _PLAIN_ACTS))} (or give mlp: swiglu | "
-                         f"gelu)")
-    return "swiglu" if act.lower() in _GATED_ACTS else "gelu"
-
-
-def model_shape_from_hf(cfg: Mapping[str, Any], name: str | None = None) -> ModelShape:
-    """A ``ModelShape`` from HF ``config.json`` fields: the one importer, for the
-    roofline and the torch model alike.
-
-    Required (no default, since a wrong guess changes costs or memory silently):
-    hidden_size, num_hidden_layers, num_attention_heads, intermediate_size (or
-    ffn_dim), vocab_size, max_position_embeddings, and the MLP kind: hidden_act
-    (or activation_function, OPT) -- silu/swish means a gated 3-matrix MLP
-    ("swiglu"), anything else a 2-matrix one ("gelu") -- or batchsim's own
-    ``mlp`` key. Optional: num_key_value_heads (default: the number of heads);
-    tie_word_embeddings (default True, as in HF's PretrainedConfig); rope_theta,
-    or rope_parameters.rope_theta as transformers 5 writes it (default 10000.0);
-    head_dim, which must equal hidden_size / num_attention_heads. ``name``
-    defaults to the config's ``name`` or ``_name_or_path``, else "custom".
-    Raises ValueError naming the missing or bad field.
-    """
-    if not isinstance(cfg, Mapping):
-        raise ValueError(f"model '{name}': expected a mapping of config fields, got {type(cfg).__name__}")
-    name = name or str(cfg.get("name") or cfg.get("_name_or_path") or "custom")
-    values: dict[str, int] = {}
-    for field_name, keys in _HF_FIELDS.items():
-        key = next((k for k in keys if k in cfg), None)
-        if key is None:
-            raise ValueError(f"model '{name}': config field '{keys[0]}' is missing"
-                             + (f" (or '{keys[1]}')" if len(keys) > 1 else ""))
-        values[field_name] = _positive_int(cfg, key, name)
-    kv_key = next((k for k in ("num_key_value_heads", "num_kv_heads") if cfg.get(k) is not None), None)
-    num_kv_heads = _positive_int(cfg, kv_key, name) if kv_key else values["num_heads"]
-    rope_parameters = cfg.get("rope_parameters") or {}
-    if not isinstance(rope_parameters, Mapping):
-        raise ValueError(f"model '{name}': field 'rope_parameters' must be a mapping (rope_theta, rope_type, ...), "
-                         f"got {rope_parameters!r}")
-    rope_theta = cfg.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
-    shape = ModelShape(name=name, num_kv_heads=num_kv_heads, mlp=_mlp_kind(cfg, name),
-                       tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-                       rope_theta=rope_theta, **values)
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim != shape.head_dim:
-        raise ValueError(f"model '{name}': field 'head_dim' is {head_dim!r} but hidden_size / "
-                         f"num_attention_heads is {shape.head_dim}; a separate head_dim is not supported")
-    return shape
-
-
-def model_shape_from_dict(spec: Mapping[str, Any]) -> ModelShape:
-    """A ModelShape from HF ``config.json`` fields (a dict with
-    ``num_hidden_layers``: ``model_shape_from_hf``) or from ModelShape's own
-    fields, as a profile file's ``model`` section holds them (their defaults
-    apply). Unknown or missing own fields are a ValueError that lists them."""
-    if "num_hidden_layers" in spec:
-        return model_shape_from_hf(spec)
-    allowed = [f.name for f in fields(ModelShape)]
-    unknown = sorted(set(spec) - set(allowed))
-    if unknown:
-        raise ValueError(f"unknown model field(s) {unknown}; allowed: {', '.join(allowed)}")
-    missing = [f.name for f in fields(ModelShape) if f.default is MISSING and f.name not in spec]
-    if missing:
-        raise ValueError(f"model config is missing field(s) {missing}")
-    return ModelShape(**spec)
-
 
 # ---- validation error of the analytic presets ------------------------------------
 PRESET_ERRORS_PATH = (Path(__file__).resolve().parents[2] / "calibrate" / "profiles" / "public_vllm"

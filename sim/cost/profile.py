@@ -16,7 +16,14 @@ File format history (``FORMAT_VERSION``):
       memory facts; model shape; provenance; fit error. Later, optional
       fields older readers ignore: ``engine`` (the measured server's knobs)
       and ``memory.activation_bytes_per_token_per_gpu``; ``model.rope_theta``
-      (absent: 10000.0).
+      (absent: 10000.0). Then ``weight_dtype`` and ``kv_cache_dtype``
+      (absent: the weights and KV are in ``dtype``), ``memory.kv_bytes_per_seq``
+      (sliding-window KV per running request; absent: 0), and the model's
+      ``head_dim`` (absent: hidden_size / num_heads), ``sliding_window``,
+      ``num_sliding_layers`` and the MoE facts ``num_experts``,
+      ``num_experts_per_tok``, ``moe_intermediate_size``,
+      ``shared_expert_intermediate_size``, ``num_dense_layers`` (absent: 0,
+      a dense model with full attention).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from sim.base.atomic import write_text_atomic
 from sim.core.batch import Batch
 from sim.cost.curves import Curve1D, Curve2D
 from sim.base.strict import load_yaml
+from sim.cost.shape import _POSITIVE_INT_FIELDS, MLP_KINDS, OPTIONAL_INT_FIELDS, ModelShape  # noqa: F401 (re-exported)
 
 FORMAT_VERSION = 1
 GIB = 1024**3
@@ -45,62 +53,6 @@ DEFAULT_ACTIVATION_TOKENS = 8192
 class ProfileError(ValueError):
     """A profile file that cannot be used; the message names file, field and fix."""
 
-
-MLP_KINDS = ("swiglu", "gelu")          # gated 3-matrix MLP (Llama) | 2-matrix MLP (OPT)
-_POSITIVE_INT_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                        "intermediate_size", "vocab_size", "max_position_embeddings")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """The shape facts of a transformer: what costs and memory follow from
-    (``sim.cost.roofline``), and what ``calibrate.model`` builds its random-weight
-    Llama from. Validated on construction: ValueError naming the field."""
-
-    name: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    mlp: str = "swiglu"                  # one of MLP_KINDS
-    tie_word_embeddings: bool = False
-    rope_theta: float = 10000.0          # RoPE base; costs nothing, only the torch model reads it
-
-    def __post_init__(self) -> None:
-        for f in _POSITIVE_INT_FIELDS:
-            value = getattr(self, f)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"model {self.name!r}: {f} must be a positive integer, got {value!r}")
-        if self.mlp not in MLP_KINDS:
-            raise ValueError(f"model {self.name!r}: mlp must be one of {', '.join(MLP_KINDS)}, got {self.mlp!r}")
-        theta = self.rope_theta
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
-            raise ValueError(f"model {self.name!r}: rope_theta must be a positive number, got {theta!r}")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"model {self.name!r}: hidden_size {self.hidden_size} is not divisible "
-                             f"by num_heads {self.num_heads}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model {self.name!r}: num_heads {self.num_heads} is not divisible "
-                             f"by num_kv_heads {self.num_kv_heads}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def num_params(self) -> int:
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        attn = 2 * h * h + 2 * h * kv                       # q, o; k, v
-        mlp = (3 if self.mlp == "swiglu" else 2) * h * self.intermediate_size
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp) + embed
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V, every layer: 2 * layers * kv_heads * head_dim * dtype bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
 @dataclass
@@ -132,6 +84,14 @@ class Profile:
     # sizes its profiling run by max_num_batched_tokens, so the KV pool is what is
     # left after activation_bytes_per_gpu + this x the policy's budget (0: fixed).
     activation_bytes_per_token_per_gpu: int = 0
+    # Sliding-window layers' KV per running request, all ranks (ModelShape.kv_bytes_per_seq):
+    # the per-token pool (kv_bytes_per_token) holds the full-attention layers only, and the
+    # KV pool is sized after reserving this for every sequence the policy may run at once.
+    kv_bytes_per_seq: int = 0
+    # The number formats beside ``dtype`` (sim.cost.precision): None means ``dtype`` (weights) and
+    # "auto" (KV). Written only when set.
+    weight_dtype: str | None = None
+    kv_cache_dtype: str | None = None
     # Not an init field: dataclasses.replace(profile, linear=...) must start a
     # fresh memo, not reuse the old curve's costs.
     _linear_memo: dict[int, tuple[float, bool]] = field(default_factory=dict, init=False, repr=False,
@@ -308,14 +268,22 @@ class Profile:
         return self.activation_bytes_per_gpu + self.activation_bytes_per_token_per_gpu * num_batched_tokens
 
     def kv_capacity_tokens(self, gpu_memory_utilization: float,
-                           num_batched_tokens: int = DEFAULT_ACTIVATION_TOKENS, share_of: str = "total") -> int:
+                           num_batched_tokens: int = DEFAULT_ACTIVATION_TOKENS, share_of: str = "total",
+                           max_num_seqs: int = 0) -> int:
         """KV tokens that fit (``sim.core.policy.KvMemory``), with activations sized
         for steps of ``num_batched_tokens`` (the policy's token budget): share_of
         "total" (vLLM): memory x fraction - weights - activations; "static"
         (SGLang): memory x fraction - weights; "free" (TensorRT-LLM, LMDeploy):
-        fraction x (memory - weights - activations)."""
-        return max(0, int(self._kv_budget_bytes(gpu_memory_utilization, num_batched_tokens, share_of)
-                          // self.kv_bytes_per_token))
+        fraction x (memory - weights - activations); then less the sliding-window
+        layers' KV of ``max_num_seqs`` running requests (``kv_bytes_per_seq``).
+
+        NOTE: the sliding reserve is an upper bound: it holds a full window for every
+        sequence slot, where vLLM's hybrid pool lends the same blocks to full-attention
+        layers while slots are empty or requests are shorter than the window."""
+        free = self._kv_budget_bytes(gpu_memory_utilization, num_batched_tokens, share_of)
+        if self.kv_bytes_per_seq:
+            free -= max_num_seqs * self.kv_bytes_per_seq
+        return max(0, int(free // self.kv_bytes_per_token))
 
     def _kv_budget_bytes(self, fraction: float, num_batched_tokens: int, share_of: str) -> float:
         tp, memory = self.tensor_parallel, self.memory_bytes_per_gpu
@@ -328,18 +296,21 @@ class Profile:
             return fraction * (tp * memory - activations - self.weight_bytes)
         raise ValueError(f"share_of must be total, static or free, got {share_of!r}")
 
-    def memory_report(self, gpu_memory_utilization: float,
-                      num_batched_tokens: int = DEFAULT_ACTIVATION_TOKENS, share_of: str = "total") -> str:
+    def memory_report(self, gpu_memory_utilization: float, num_batched_tokens: int = DEFAULT_ACTIVATION_TOKENS,
+                      share_of: str = "total", max_num_seqs: int = 0) -> str:
         tp = self.tensor_parallel
         memory = f"{tp} x {self.memory_bytes_per_gpu / GIB:.1f} GiB"
         weights = f"weights {self.weight_bytes / GIB:.1f} GiB"
         activations = (f"activations {tp} x {self.activation_bytes(num_batched_tokens) / GIB:.2f} GiB"
                        f" (steps of {num_batched_tokens} tokens)")
+        sliding = (f" - sliding-window KV {max_num_seqs} x {self.kv_bytes_per_seq / 2**20:.1f} MiB"
+                   if self.kv_bytes_per_seq and max_num_seqs else "")
         if share_of == "static":
-            return f"{memory} x {gpu_memory_utilization:g} - {weights} (activations outside the static share)"
+            return (f"{memory} x {gpu_memory_utilization:g} - {weights}{sliding} "
+                    f"(activations outside the static share)")
         if share_of == "free":
-            return f"{gpu_memory_utilization:g} x ({memory} - {weights} - {activations})"
-        return f"{memory} x {gpu_memory_utilization:g} - {weights} - {activations}"
+            return f"{gpu_memory_utilization:g} x ({memory} - {weights} - {activations}){sliding}"
+        return f"{memory} x {gpu_memory_utilization:g} - {weights} - {activations}{sliding}"
 
     # ---- files --------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -350,19 +321,16 @@ class Profile:
             "device": self.device,
             "dtype": self.dtype,
             "tensor_parallel": self.tensor_parallel,
-            "model": {
-                "name": m.name, "hidden_size": m.hidden_size, "num_layers": m.num_layers,
-                "num_heads": m.num_heads, "num_kv_heads": m.num_kv_heads,
-                "intermediate_size": m.intermediate_size, "vocab_size": m.vocab_size,
-                "max_position_embeddings": m.max_position_embeddings, "mlp": m.mlp,
-                "tie_word_embeddings": m.tie_word_embeddings, "rope_theta": m.rope_theta,
-            },
+            **({"weight_dtype": self.weight_dtype} if self.weight_dtype else {}),
+            **({"kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype else {}),
+            "model": m.to_dict(),
             "memory": {
                 "memory_bytes_per_gpu": self.memory_bytes_per_gpu,
                 "weight_bytes": self.weight_bytes,
                 "activation_bytes_per_gpu": self.activation_bytes_per_gpu,
                 "activation_bytes_per_token_per_gpu": self.activation_bytes_per_token_per_gpu,
                 "kv_bytes_per_token": self.kv_bytes_per_token,
+                **({"kv_bytes_per_seq": self.kv_bytes_per_seq} if self.kv_bytes_per_seq else {}),
             },
             "curves": {
                 "overhead_s": self.overhead_s,
@@ -490,6 +458,20 @@ def _check_curve(where: str, axes: dict[str, Any], values: Any, source: str) -> 
                                        f"({prev:g} -> {r[j]:g} s): a step with more work cannot cost less")
 
 
+def _precision_fields(data: dict, source: str) -> dict[str, str]:
+    """The optional ``weight_dtype`` and ``kv_cache_dtype``, checked against sim.cost.precision's names."""
+    from sim.cost.precision import KV_CACHE_DTYPES, WEIGHT_DTYPES
+    out = {}
+    for key, allowed in (("weight_dtype", WEIGHT_DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES)):
+        value = data.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str) or value.lower() not in allowed:
+            raise ProfileError(f"{source}: field '{key}' must be one of {', '.join(allowed)}, got {value!r}")
+        out[key] = value.lower()
+    return out
+
+
 def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
     """Build a Profile from its file form, with errors that name the field."""
     if not isinstance(data, dict):
@@ -514,8 +496,13 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
             if key in data and not isinstance(data[key], str):
                 raise ProfileError(f"{source}: field '{key}' must be text, got {data[key]!r}")
         # rope_theta: written since it joined ModelShape; older files lack it (the default).
-        rope = ({"rope_theta": _finite(m["rope_theta"], "model.rope_theta", source, strict=True)}
+        extra = ({"rope_theta": _finite(m["rope_theta"], "model.rope_theta", source, strict=True)}
                 if "rope_theta" in m else {})
+        # head_dim, sliding windows and MoE facts: optional, written only when set.
+        extra.update({key: _whole(m[key], f"model.{key}", source, minimum=0) for key in OPTIONAL_INT_FIELDS[1:]
+                     if m.get(key) is not None})
+        if m.get("head_dim") is not None:     # the file's spelling of ModelShape.explicit_head_dim
+            extra["explicit_head_dim"] = _whole(m["head_dim"], "model.head_dim", source, minimum=0)
         model = ModelShape(
             name=str(_get(m, "name", "model.", source)),
             hidden_size=int(_get(m, "hidden_size", "model.", source)),
@@ -527,7 +514,7 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
             max_position_embeddings=int(_get(m, "max_position_embeddings", "model.", source)),
             mlp=str(m.get("mlp", "swiglu")),
             tie_word_embeddings=bool(m.get("tie_word_embeddings", False)),
-            **rope,
+            **extra,
         )
         mem = _get(data, "memory", "", source)
         c = _get(data, "curves", "", source)
@@ -538,7 +525,8 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
             raise ProfileError(f"{source}: field 'memory' must be a mapping, got {mem!r}")
         mem = dict(mem)
         for key, least in (("memory_bytes_per_gpu", 1), ("kv_bytes_per_token", 1), ("weight_bytes", 0),
-                           ("activation_bytes_per_gpu", 0), ("activation_bytes_per_token_per_gpu", 0)):
+                           ("activation_bytes_per_gpu", 0), ("activation_bytes_per_token_per_gpu", 0),
+                           ("kv_bytes_per_seq", 0)):
             if key in mem or least:
                 mem[key] = _whole(_get(mem, key, "memory.", source), f"memory.{key}", source, minimum=least,
                                   maximum=MAX_BYTES)
@@ -579,6 +567,8 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
             fit_error=_fit_error(data, source),
             efficiency=_mapping(data, "efficiency", source),
             engine=_engine(data.get("engine"), source),
+            kv_bytes_per_seq=int(mem.get("kv_bytes_per_seq", 0)),
+            **_precision_fields(data, source),
         )
     except ProfileError:
         raise

@@ -17,15 +17,17 @@ per-layer kernel floor, the engine's host work) is ``sim.cost.collectives``'.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
 
-from sim.cost.collectives import (ATTN_DECODE_FLOPS, DEFAULT_ENGINE, ENGINES, INTERCONNECT_EFFICIENCY, LAYER_FIXED_S,
-                             EngineOverhead, TpStepCosts, engine_overhead)
+from sim.cost.collectives import DEFAULT_ENGINE, EngineOverhead, TpStepCosts
 from sim.cost.curves import Curve1D, Curve2D
-from sim.cost.presets import GPU_PRESETS, MODEL_PRESETS, GpuSpec, model_shape_from_hf
+from sim.cost.efficiency import MATMUL_FLOPS_FIT, Efficiency  # noqa: F401 (re-exported)
+from sim.cost.moe import linear_split
+from sim.cost.moe import weight_bytes as moe_weight_bytes
+from sim.cost.presets import GPU_PRESETS, MODEL_PRECISIONS, MODEL_PRESETS, GpuSpec, model_shape_from_hf
+from sim.cost.precision import Precision, precision_from_hf
 from sim.cost.profile import FORMAT_VERSION, GIB, ModelShape, Profile
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -45,78 +47,6 @@ PREFILL_CHUNK = [2**k for k in range(16)]                 # 1 .. 32768
 PREFILL_CONTEXT = [0] + [2**k for k in range(7, 18)]      # 0, 128 .. 131072
 DECODE_SEQS = [2**k for k in range(11)]                   # 1 .. 1024
 MIN_DECODE_CONTEXT_MAX = 2**22                            # 4M tokens over all decodes
-
-
-@dataclass(frozen=True, slots=True)
-class Efficiency:
-    """Achieved fractions of the datasheet peaks, and fixed costs (fitted and checked
-    against public vLLM runs: calibrate/profiles/README.md)."""
-
-    matmul_flops: float = 0.68      # dense GEMMs (QKV/O, MLP, LM head)
-    mem_bw: float = 0.83            # weight + activation streaming in the linear layers
-    attn_flops: float = 0.50        # prefill attention math (FlashAttention, tensor cores)
-    attn_decode_flops: float = ATTN_DECODE_FLOPS  # paged decode attention: CUDA cores, per query head
-    attn_mem_bw: float = 0.82       # paged KV reads (block-table gathers)
-    interconnect: float = INTERCONNECT_EFFICIENCY  # all-reduce bus bandwidth / link peak at serving sizes
-    layer_fixed_s: float = LAYER_FIXED_S          # per layer per forward pass: the kernels' floor
-    # The serving engine's host work (sim.cost.collectives.ENGINES): per step (schedule, prepare
-    # inputs, sample, process outputs), extra per step when TP > 1, per scheduled sequence.
-    engine: str = DEFAULT_ENGINE
-    overhead_s: float = ENGINES[DEFAULT_ENGINE].step_s
-    tp_overhead_s: float = ENGINES[DEFAULT_ENGINE].tp_step_s
-    per_seq_s: float = ENGINES[DEFAULT_ENGINE].per_seq_s
-    # Near the ridge point: tile buffers between the memory and math stages of a kernel
-    # (Ampere's multistage GEMM mainloop keeps 3); inf = the hard max(c, m).
-    pipeline_stages: float = 3
-    ridge_law: str = (
-        "time = (c^(S+1) - m^(S+1)) / (c^S - m^S) with c the compute time, m the memory time and "
-        "S = pipeline_stages: a load -> math pipeline with S tile buffers; max(c, m) far from the "
-        "ridge, (S+1)/S x c at c = m (4/3 for S = 3; within 0.3% of (c^k + m^k)^(1/k), k = 2.41)"
-    )
-    justification: str = (
-        "Achieved, not peak, rates, fitted on 251 public vLLM 0.5 batches (A100-40GB, H100-SXM, TP 1, "
-        "2, 4; calibrate/profiles/public_vllm/) and checked on 253 held out by model: GEMMs reach ~68% "
-        "of tensor-core peak, weight streaming ~83% and paged-KV reads ~82% of HBM bandwidth; prefill "
-        "attention keeps the 50% prior; vLLM's paged-attention decode kernel runs on CUDA cores per "
-        "query head (~1.3% of the tensor-core peak). Every layer pays a kernel floor (layer_fixed_s) "
-        "that TP does not shrink; TP adds 2 all-reduces per layer, one after the embedding and a "
-        "logits gather, each the link's call latency plus bytes at ~20% of link peak (sim.cost.collectives). "
-        "The engine's host work is per step, per step at TP > 1 and per sequence (engine: "
-        "sim.cost.collectives.ENGINES; vllm-v0 fitted, vllm-v1 and vllm-v1-async from vLLM's own measurements). "
-        "Near the ridge point (96-768 tokens per step on A100/H100) compute and memory are both "
-        "partly active: the time is that of a 3-buffer load -> math pipeline (ridge_law), up to "
-        "4/3 x max(compute, memory); Vidur's A100 Llama-2-7B medians agree within 10% at 32, 128, "
-        "512 and 2048 tokens (calibrate/profiles/README.md)."
-    )
-
-    def __post_init__(self) -> None:
-        for f in fields(self):           # rates must be > 0, fixed costs >= 0
-            value = getattr(self, f.name)
-            if isinstance(value, str) and f.name in ("ridge_law", "justification", "engine"):
-                continue
-            if not isinstance(value, (int, float)) or value < 0 or (value == 0 and not f.name.endswith("_s")):
-                raise ValueError(f"Efficiency.{f.name} must be {'>= 0' if f.name.endswith('_s') else '> 0'}, "
-                                 f"got {value!r}")
-        stages = self.pipeline_stages
-        if not (math.isinf(stages) or (float(stages).is_integer() and stages >= 1)):
-            raise ValueError(f"Efficiency.pipeline_stages must be a whole number >= 1 or inf, got {stages!r}")
-
-    @classmethod
-    def peak(cls) -> Efficiency:
-        """The pure peak-rate roofline: every fraction 1, no fixed costs, the hard max(c, m)."""
-        return cls(matmul_flops=1.0, mem_bw=1.0, attn_flops=1.0, attn_decode_flops=1.0, attn_mem_bw=1.0,
-                   interconnect=1.0, layer_fixed_s=0.0, engine="none", overhead_s=0.0, tp_overhead_s=0.0,
-                   per_seq_s=0.0, pipeline_stages=math.inf, ridge_law="time = max(c, m)",
-                   justification="peak-rate roofline, no losses")
-
-    @classmethod
-    def for_engine(cls, engine: str) -> Efficiency:
-        """The defaults with the host-work terms of ``engine`` (sim.cost.collectives.ENGINES)."""
-        e = engine_overhead(engine)
-        return cls(engine=e.name, overhead_s=e.step_s, tp_overhead_s=e.tp_step_s, per_seq_s=e.per_seq_s)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def overlap_time(compute_s: Any, memory_s: Any, stages: float) -> Any:
@@ -143,30 +73,57 @@ def overlap_time(compute_s: Any, memory_s: Any, stages: float) -> Any:
     return hi * (num + power * q) / den
 
 
+def sliding_prefill_pairs(chunk: Any, context: Any, window: float) -> Any:
+    """(query, key) pairs of a causal chunk on a sliding layer: query i sees
+    min(context + i + 1, window) keys. With k = clip(window - context, 0, chunk) queries
+    still inside the first window: k (2 context + k + 1) / 2 + (chunk - k) window."""
+    c = np.asarray(chunk, dtype=float)
+    p = np.asarray(context, dtype=float)
+    inside = np.clip(window - p, 0.0, c)
+    return inside * (2 * p + inside + 1) / 2 + (c - inside) * window
+
+
 class Roofline:
     """Direct cost formulas (seconds, per step) for one configuration.
 
     Methods take scalars or numpy arrays (broadcast together) and return the same.
+    ``precision`` (sim.cost.precision) overrides ``dtype`` when given: weight and KV
+    formats beside the activation dtype. ``expert_parallel``: MoE experts placed whole,
+    E / t per GPU, with all-to-all dispatch and combine (sim.cost.moe, sim.cost.collectives).
     """
 
     def __init__(self, model: ModelShape, gpu: GpuSpec, tensor_parallel: int = 1,
-                 dtype: str = "bf16", efficiency: Efficiency | None = None) -> None:
-        if dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPE_BYTES)}")
+                 dtype: str = "bf16", efficiency: Efficiency | None = None, *,
+                 precision: Precision | None = None, expert_parallel: bool = False) -> None:
+        if precision is None:
+            if dtype not in DTYPE_BYTES:
+                raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPE_BYTES)}")
+            precision = Precision(dtype=dtype)
+        dtype = precision.dtype
         t = tensor_parallel
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise ValueError(f"tensor_parallel must be an integer >= 1, got {t!r}")
-        for what, count in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
-                            ("intermediate_size", model.intermediate_size)):
+        if expert_parallel and not model.is_moe:
+            raise ValueError(f"expert parallelism needs a mixture-of-experts model; {model.name} has no experts")
+        splits = [("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads)]
+        if model.num_layers > model.num_moe_layers:
+            splits.append(("intermediate_size", model.intermediate_size))
+        if model.is_moe:
+            splits.append(("num_experts", model.num_experts) if expert_parallel
+                          else ("moe_intermediate_size", model.expert_intermediate_size))
+            if model.shared_expert_intermediate_size:
+                splits.append(("shared_expert_intermediate_size", model.shared_expert_intermediate_size))
+        for what, count in splits:
             if count % t:
                 raise ValueError(f"tensor_parallel={t} does not divide {model.name}'s "
                                  f"{what} ({count}); pick a divisor of it")
         self.model, self.gpu, self.tensor_parallel, self.dtype = model, gpu, t, dtype
-        self.eff = eff = efficiency or Efficiency()
+        self.precision, self.expert_parallel = precision, expert_parallel
+        self.eff = eff = efficiency or Efficiency.for_gpu(gpu)
         self.dtype_bytes = db = DTYPE_BYTES[dtype]
         h, n_layers, inter = model.hidden_size, model.num_layers, model.intermediate_size
-        kv_dim = model.num_kv_heads * model.head_dim
-        n_mlp_mats = 3 if model.mlp == "swiglu" else 2
+        q_dim, kv_dim = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+        n_mlp_mats = model.num_mlp_matrices
         # fp32 runs at the plain FP32 rate: vLLM leaves PyTorch's float32 matmul precision at
         # "highest" (no TF32 tensor cores), 1/16 (A100) to 1/4 (L40S) of the BF16 rate.
         peak_flops = gpu.peak_flops_fp32 if dtype == "fp32" else gpu.peak_flops_bf16
@@ -175,56 +132,107 @@ class Roofline:
         self._s_per_attn_flop = 1.0 / (peak_flops * eff.attn_flops)
         self._s_per_decode_attn_flop = 1.0 / (peak_flops * eff.attn_decode_flops)
         self._s_per_kv_byte = 1.0 / (gpu.mem_bandwidth_bytes_s * eff.attn_mem_bw)
-        # Matmul weights of all layers (q, o: h*h; k, v: h*kv_dim; MLP) and the LM head, per GPU.
-        self._layer_params = n_layers * (2 * h * h + 2 * h * kv_dim + n_mlp_mats * h * inter) / t
+        # A dense model in its activation dtype takes the one-class formula (every weight read
+        # once, all GEMMs at one rate); quantized weights or routed experts take sim.cost.moe's split.
+        self._one_class = not model.is_moe and not precision.is_quantized
+        # Matmul weights of all layers (q, o: h x heads*head_dim; k, v: h x kv_dim; MLP) and the LM head, per GPU.
+        self._layer_params = n_layers * (2 * h * q_dim + 2 * h * kv_dim + n_mlp_mats * h * inter) / t
         self._lm_head_params = h * model.vocab_size / t
+        gemm = precision.gemm_precision(gpu)
+        gemm_peak = {"fp8": gpu.peak_flops_fp8, "fp4": gpu.peak_flops_fp4}.get(gemm, peak_flops)
+        self.gemm_precision = gemm
+        self._s_per_quant_flop = 1.0 / (gemm_peak * eff.matmul_fraction(gemm))
+        self._split = linear_split(model, precision, t, expert_parallel)
+        self._quant_bytes = precision.weight_bytes_per_param
         # Activation traffic per token, all layers, in elements: ~14 hidden-sized reads and
         # writes (2 norms in/out, residual adds, projection inputs and outputs), the sharded
         # q/k/v write and attention output read, and the sharded MLP intermediate
-        # (gated: gate_up write 2I, act read 2I + write I, down read I = 6I; plain: 4I).
-        act_elems = 14 * h + (2 * h + 2 * kv_dim) / t + (6 if n_mlp_mats == 3 else 4) * inter / t
-        self._act_bytes_per_token = n_layers * act_elems * db
+        # (gated: gate_up write 2I, act read 2I + write I, down read I = 6I; plain: 4I);
+        # an MoE layer's intermediate is its k experts' and the shared experts' widths.
+        mlp_elems = 6 if n_mlp_mats == 3 else 4
+        act_elems = 14 * h + (2 * q_dim + 2 * kv_dim) / t + mlp_elems * inter / t
+        if model.is_moe:
+            moe_width = model.num_experts_per_tok * model.expert_intermediate_size + model.shared_expert_intermediate_size
+            moe_elems = 14 * h + (2 * q_dim + 2 * kv_dim) / t + mlp_elems * moe_width / t
+            num_dense = n_layers - model.num_moe_layers
+            self._act_bytes_per_token = (num_dense * act_elems + model.num_moe_layers * moe_elems) * db
+        else:
+            self._act_bytes_per_token = n_layers * act_elems * db
         # Collectives, the per-layer kernel floor and the engine's host work: the per-step
         # costs that t does not shrink.
         host = EngineOverhead(eff.engine, eff.overhead_s, eff.tp_overhead_s, eff.per_seq_s, "Efficiency")
-        self.tp_costs = TpStepCosts(model, gpu, t, db, host, eff.layer_fixed_s, eff.interconnect)
+        self.tp_costs = TpStepCosts(model, gpu, t, db, host, eff.layer_fixed_s, eff.interconnect,
+                                    expert_parallel=expert_parallel)
         self.overhead_s = self.tp_costs.fixed_step_s
-        # Attention: QK^T and PV are 2 matmuls of 2 flops per (query, key, head, head_dim).
-        self._attn_flops_per_pair = 4 * model.num_heads * model.head_dim * n_layers / t
-        self.kv_bytes_per_token = model.kv_bytes_per_token(db)
-        self._kv_bytes_per_token_gpu = self.kv_bytes_per_token / t
+        # Attention: QK^T and PV are 2 matmuls of 2 flops per (query, key, head, head_dim),
+        # split into the full-attention layers and the sliding-window ones.
+        n_sliding = model.num_sliding_layers
+        n_full = n_layers - n_sliding
+        self._window = model.sliding_window
+        self._attn_flops_per_pair = 4 * model.num_heads * model.head_dim * n_full / t
+        self._attn_flops_per_pair_sliding = 4 * model.num_heads * model.head_dim * n_sliding / t
+        kv_db = precision.kv_bytes_per_element
+        self.kv_bytes_per_token = model.kv_bytes_per_token(kv_db)
+        self.kv_bytes_per_seq = model.kv_bytes_per_seq(kv_db)
+        # KV traffic per token of context, per GPU: the full layers' and the sliding layers'.
+        self._kv_bytes_per_token_gpu = 2 * n_full * model.num_kv_heads * model.head_dim * kv_db / t
+        self._kv_bytes_per_token_gpu_sliding = 2 * n_sliding * model.num_kv_heads * model.head_dim * kv_db / t
 
     # ---- step-cost terms -------------------------------------------------------
     def linear_s(self, num_tokens: Any) -> Any:
-        """QKV/O, MLP, norms and LM head for ``num_tokens`` tokens, plus TP collectives and
-        the per-layer kernel floor."""
+        """QKV/O, MLP (or router, experts and shared experts), norms and LM head for
+        ``num_tokens`` tokens, plus TP collectives and the per-layer kernel floor."""
         tokens = np.asarray(num_tokens, dtype=float)
-        flops = 2 * tokens * self._layer_params + 2 * np.minimum(tokens, MAX_SAMPLED_ROWS) * self._lm_head_params
-        weight_bytes = (self._layer_params + self._lm_head_params) * self.dtype_bytes
+        if self._one_class:
+            flops = 2 * tokens * self._layer_params + 2 * np.minimum(tokens, MAX_SAMPLED_ROWS) * self._lm_head_params
+            weight_bytes = (self._layer_params + self._lm_head_params) * self.dtype_bytes
+            compute_s = flops * self._s_per_matmul_flop
+        else:
+            sp, db = self._split, self.dtype_bytes
+            flops_hi = 2 * tokens * sp.token_params_hi + 2 * np.minimum(tokens, MAX_SAMPLED_ROWS) * self._lm_head_params
+            flops_q = 2 * tokens * sp.token_params_q
+            compute_s = flops_hi * self._s_per_matmul_flop + flops_q * self._s_per_quant_flop
+            experts = sp.expected_local_experts(tokens)        # distinct experts touched, per GPU, per MoE layer
+            weight_bytes = ((sp.static_params_hi + self._lm_head_params + experts * sp.expert_params_hi) * db
+                            + (sp.static_params_q + experts * sp.expert_params_q) * self._quant_bytes)
         mem_bytes = weight_bytes + tokens * self._act_bytes_per_token
-        time_s = overlap_time(flops * self._s_per_matmul_flop, mem_bytes * self._s_per_weight_byte,
-                              self.eff.pipeline_stages)
+        time_s = overlap_time(compute_s, mem_bytes * self._s_per_weight_byte, self.eff.pipeline_stages)
         return time_s + self.tp_costs.comm_s(tokens) + self.tp_costs.layers_fixed_s
 
     def attn_prefill_s(self, chunk: Any, context: Any) -> Any:
         """Causal attention of a ``chunk`` of new tokens over ``context`` earlier ones.
 
         Query i (0-based) of the chunk sees context + i + 1 keys, so the chunk
-        makes chunk * (context + (chunk + 1) / 2) (query, key) pairs.
+        makes chunk * (context + (chunk + 1) / 2) (query, key) pairs. On a sliding
+        layer of window w it sees min(context + i + 1, w): with k = clip(w - context,
+        0, chunk) queries still inside the first window, k (2 context + k + 1) / 2
+        + (chunk - k) w pairs; its KV reads are min(context, w) + chunk tokens.
         """
         c = np.asarray(chunk, dtype=float)
         p = np.asarray(context, dtype=float)
         flops = self._attn_flops_per_pair * c * (p + (c + 1) / 2)
         kv_bytes = (p + 2 * c) * self._kv_bytes_per_token_gpu     # read p + c, write c
+        if self._window:
+            w = float(self._window)
+            flops = flops + self._attn_flops_per_pair_sliding * sliding_prefill_pairs(c, p, w)
+            kv_bytes = kv_bytes + (np.minimum(p, w) + 2 * c) * self._kv_bytes_per_token_gpu_sliding
         time_s = overlap_time(flops * self._s_per_attn_flop, kv_bytes * self._s_per_kv_byte, self.eff.pipeline_stages)
         return time_s + self.tp_costs.per_seq_s
 
     def attn_decode_s(self, num_seqs: Any, context: Any) -> Any:
-        """``num_seqs`` single-token decodes over ``context`` KV tokens in total."""
+        """``num_seqs`` single-token decodes over ``context`` KV tokens in total.
+
+        A sliding layer reads min(context + num_seqs, num_seqs x window) keys: exact when
+        the decodes' contexts are equal, an upper bound otherwise (the sum of min(x_i, w)
+        is at most min(sum x_i, n w)); the curve only sees the total."""
         n = np.asarray(num_seqs, dtype=float)
         keys = np.asarray(context, dtype=float) + n                # each also sees its new token
         flops = self._attn_flops_per_pair * keys
         kv_bytes = keys * self._kv_bytes_per_token_gpu
+        if self._window:
+            sliding_keys = np.minimum(keys, n * float(self._window))
+            flops = flops + self._attn_flops_per_pair_sliding * sliding_keys
+            kv_bytes = kv_bytes + sliding_keys * self._kv_bytes_per_token_gpu_sliding
         time_s = overlap_time(flops * self._s_per_decode_attn_flop, kv_bytes * self._s_per_kv_byte,
                               self.eff.pipeline_stages)
         return time_s + n * self.tp_costs.per_seq_s
@@ -232,20 +240,27 @@ class Roofline:
     # ---- memory -----------------------------------------------------------------
     @property
     def weight_bytes(self) -> int:
-        """All ranks together."""
-        return self.model.num_params * self.dtype_bytes
+        """All ranks together (sim.cost.moe.weight_bytes: quantized weights at their format's bytes)."""
+        if self._one_class:
+            return self.model.num_params * self.dtype_bytes
+        return moe_weight_bytes(self.model, self.precision)
 
     def activation_bytes_per_gpu(self, max_num_batched_tokens: int) -> int:
         """Peak activation memory of one forward pass, per GPU (an estimate).
 
         The largest live tensors are the MLP intermediate (gate and up, 2I/t per
-        token) next to a few hidden-sized buffers (residual, normed input, attention
+        token; an MoE layer's k experts' and shared experts' widths in place of I)
+        next to a few hidden-sized buffers (residual, normed input, attention
         output, 4h per token); plus fp32 logits of up to MAX_SAMPLED_ROWS sampled
         rows over the full vocabulary (gathered on one rank), plus CUDA context,
         workspace and CUDA graphs.
         """
         m, t = self.model, self.tensor_parallel
-        per_token = (2 * m.intermediate_size / t + 4 * m.hidden_size) * self.dtype_bytes
+        width = m.intermediate_size
+        if m.is_moe:
+            moe_width = m.num_experts_per_tok * m.expert_intermediate_size + m.shared_expert_intermediate_size
+            width = max(moe_width, width if m.num_layers > m.num_moe_layers else 0)
+        per_token = (2 * width / t + 4 * m.hidden_size) * self.dtype_bytes
         logits = MAX_SAMPLED_ROWS * m.vocab_size * 4
         return int(max_num_batched_tokens * per_token + logits + CUDA_CONTEXT_BYTES)
 
@@ -311,12 +326,22 @@ def _refine_2d(f: Any, xs: list[float], ys: list[float],
 
 # ---- profiles -------------------------------------------------------------------
 def analytic_profile(model: ModelShape, gpu: GpuSpec, tensor_parallel: int = 1,
-                     dtype: str = "bf16", efficiency: Efficiency | None = None) -> Profile:
+                     dtype: str = "bf16", efficiency: Efficiency | None = None, *,
+                     precision: Precision | None = None, expert_parallel: bool = False) -> Profile:
     """A ``Profile`` whose curves sample the roofline of ``model`` on ``tensor_parallel``
     GPUs of kind ``gpu``; interpolation stays within ``GRID_TOLERANCE`` (relative)
-    of ``Roofline``'s formulas at probe points inside the grids."""
-    rf = Roofline(model, gpu, tensor_parallel, dtype, efficiency)
-    t, eff = tensor_parallel, rf.eff
+    of ``Roofline``'s formulas at probe points inside the grids. ``precision`` and
+    ``expert_parallel``: as ``Roofline`` takes them."""
+    rf = Roofline(model, gpu, tensor_parallel, dtype, efficiency, precision=precision,
+                  expert_parallel=expert_parallel)
+    t, eff, prec = tensor_parallel, rf.eff, rf.precision
+    dtype = prec.dtype
+    # Formats beside dtype, and EP: in the name, the provenance and the file only when used.
+    extra = {**({"weight_dtype": prec.weights} if prec.is_quantized else {}),
+             **({"kv_cache_dtype": prec.kv_cache_dtype} if prec.kv_cache_dtype != "auto" else {})}
+    label = prec.label() + ("-ep" if expert_parallel else "")
+    notes = {**extra, **({"quantized": prec.quantized, "gemm_precision": rf.gemm_precision} if prec.is_quantized
+                         else {}), **({"expert_parallel": True} if expert_parallel else {})}
     # The decode axis must cover the largest pool any token budget leaves (a 1-token budget).
     activation_bytes = rf.activation_bytes_per_gpu(1)
     # The decode-context axis reaches past what the KV cache could ever hold (util 1.0).
@@ -331,11 +356,11 @@ def analytic_profile(model: ModelShape, gpu: GpuSpec, tensor_parallel: int = 1,
         return Curve2D(xs.tolist(), ys.tolist(), fn(xs[:, None], ys[None, :]).tolist(), name=name)
 
     return Profile(
-        name=f"{model.name}@{gpu.name}-tp{t}-{dtype}", model=model, device=gpu.name,
+        name=f"{model.name}@{gpu.name}-tp{t}-{label}", model=model, device=gpu.name,
         dtype=dtype, tensor_parallel=t, memory_bytes_per_gpu=gpu.memory_bytes,
         weight_bytes=rf.weight_bytes, activation_bytes_per_gpu=rf.activation_bytes_per_gpu(0),
         activation_bytes_per_token_per_gpu=rf.activation_bytes_per_gpu(1) - rf.activation_bytes_per_gpu(0),
-        kv_bytes_per_token=rf.kv_bytes_per_token, overhead_s=rf.overhead_s,
+        kv_bytes_per_token=rf.kv_bytes_per_token, kv_bytes_per_seq=rf.kv_bytes_per_seq, overhead_s=rf.overhead_s,
         linear=Curve1D(lin_x.tolist(), rf.linear_s(lin_x).tolist(), name="curves.linear"),
         attn_prefill=curve2d(pre_c, pre_p, rf.attn_prefill_s, "curves.attn_prefill"),
         attn_decode=curve2d(dec_n, dec_c, rf.attn_decode_s, "curves.attn_decode"),
@@ -343,11 +368,12 @@ def analytic_profile(model: ModelShape, gpu: GpuSpec, tensor_parallel: int = 1,
                     "tensor_parallel": t, "dtype": dtype, "generator": "sim.cost.roofline",
                     "batchsim_format": FORMAT_VERSION,
                     "activations": "fixed + per token x the policy's max_num_batched_tokens "
-                                   "(vLLM's profiling run)"},
+                                   "(vLLM's profiling run)", **notes},
         fit_error={"method": "grid interpolation of the analytic formula",
                    "max_rel_error_at_probes": {"linear": lin_err, "attn_prefill": pre_err,
                                                "attn_decode": dec_err}},
         efficiency=eff.to_dict(),
+        **extra,
     )
 
 
@@ -359,14 +385,31 @@ def _lookup(table: dict[str, Any], key: str, what: str) -> Any:
 
 
 def preset_profile(model: str | dict[str, Any], gpu: str, tensor_parallel: int = 1,
-                   dtype: str = "bf16", engine: str = DEFAULT_ENGINE) -> Profile:
+                   dtype: str = "bf16", engine: str = DEFAULT_ENGINE, *, weight_dtype: str | None = None,
+                   kv_cache_dtype: str | None = None, expert_parallel: bool = False) -> Profile:
     """``analytic_profile`` for a preset model name (or an HF-style config dict of a
     custom model) on a preset GPU, with the host-work terms of ``engine``
-    (sim.cost.collectives.ENGINES). Raises ValueError listing the known names."""
+    (sim.cost.collectives.ENGINES). ``weight_dtype`` (default: what the config's
+    ``quantization_config`` states, else ``dtype``) and ``kv_cache_dtype`` (default
+    auto): sim.cost.precision. Raises ValueError listing the known names."""
+    scope = "linear"
     if isinstance(model, dict):
         shape = model_shape_from_hf(model)
+        stated, stated_scope = precision_from_hf(model, shape.name)
+        weight_dtype = weight_dtype or stated
+        # The checkpoint's scope (gpt-oss: experts only) holds for its own format.
+        if stated is not None and weight_dtype == stated:
+            scope = stated_scope
     else:
         shape = _lookup(MODEL_PRESETS, model, "model")
-    efficiency = None if engine == DEFAULT_ENGINE else Efficiency.for_engine(engine)
-    return analytic_profile(shape, _lookup(GPU_PRESETS, gpu, "gpu"), tensor_parallel, dtype, efficiency)
+        stated, stated_scope = MODEL_PRECISIONS.get(shape.name, (None, "linear"))
+        weight_dtype = weight_dtype or stated
+        if stated is not None and weight_dtype == stated:
+            scope = stated_scope
+    gpu_spec = _lookup(GPU_PRESETS, gpu, "gpu")
+    precision = Precision(dtype=dtype, weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype or "auto",
+                          quantized=scope)
+    efficiency = None if engine == DEFAULT_ENGINE else Efficiency.for_gpu(gpu_spec, Efficiency.for_engine(engine))
+    return analytic_profile(shape, gpu_spec, tensor_parallel, dtype, efficiency, precision=precision,
+                            expert_parallel=expert_parallel)
 

@@ -35,10 +35,17 @@ class ServerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ProfileConfig:
+    # A preset name (sim.cost.presets.MODEL_PRESETS), an HF config.json's fields, or the path
+    # of a config.json file (relative to the workload file; any name ending in .json).
     model: str | dict[str, Any] = "llama-3.1-8b"
     gpu: str = "h100-sxm"
     tensor_parallel: int = 1
-    dtype: str = "bf16"
+    dtype: str = "bf16"                  # activations; with nothing else said, weights and KV too
+    # Weight format (sim.cost.precision.WEIGHT_DTYPES: fp8, nvfp4 or fp4, mxfp4, ...); default: the
+    # config's quantization_config, else dtype.
+    weight_dtype: str | None = None
+    kv_cache_dtype: str | None = None    # vLLM's --kv-cache-dtype: auto (dtype), fp8, fp8_e4m3, fp8_e5m2
+    enable_expert_parallel: bool = False  # vLLM's --enable-expert-parallel (EP degree = tensor_parallel)
     # The serving engine generation whose host work the analytic preset charges
     # (sim.cost.collectives.ENGINES: vllm-v0 fitted on public runs; vllm-v1, vllm-v1-async).
     engine: str = "vllm-v0"
@@ -257,14 +264,30 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
         if value is not None and (not isinstance(value, str) or not value.strip()):
             raise ConfigError(f"{source}: field '{name}' must be a file path, got {value!r}")
     raw_profile = data.get("profile") if isinstance(data.get("profile"), dict) else {}
-    clash = sorted(k for k in ("model", "gpu", "tensor_parallel", "dtype", "engine") if k in raw_profile)
+    clash = sorted(k for k in ("model", "gpu", "tensor_parallel", "dtype", "engine", "weight_dtype",
+                               "kv_cache_dtype", "enable_expert_parallel") if k in raw_profile)
     if cfg.profile.path is not None and clash:
         raise ConfigError(f"{source}: field 'profile' gives both a path and {', '.join(clash)}; a profile "
                           f"file fixes the model and the hardware: keep one of them")
+    _check_precision(cfg.profile, source)
     if cfg.slo is not None:
         for name in ("ttft_ms", "tpot_ms", "e2el_ms"):
             _positive(source, f"slo.{name}", getattr(cfg.slo, name))
     return cfg
+
+
+def _check_precision(p: ProfileConfig, source: str) -> None:
+    """profile.dtype, weight_dtype and kv_cache_dtype name formats sim.cost.precision knows."""
+    from sim.cost.precision import ACTIVATION_DTYPES, KV_CACHE_DTYPES, WEIGHT_DTYPES
+    for name, value, allowed in (("dtype", p.dtype, tuple(ACTIVATION_DTYPES)),
+                                 ("weight_dtype", p.weight_dtype, WEIGHT_DTYPES),
+                                 ("kv_cache_dtype", p.kv_cache_dtype, KV_CACHE_DTYPES)):
+        if value is not None and str(value).lower() not in allowed:
+            raise ConfigError(f"{source}: field 'profile.{name}' is {value!r}; expected one of {', '.join(allowed)}")
+    if p.weight_dtype is not None and p.weight_dtype.lower() in ACTIVATION_DTYPES and p.weight_dtype.lower() != p.dtype:
+        raise ConfigError(f"{source}: field 'profile.weight_dtype' is {p.weight_dtype!r} but profile.dtype is "
+                          f"{p.dtype!r}; unquantized weights are stored in dtype: set dtype: {p.weight_dtype} "
+                          f"(or a quantized weight_dtype: fp8, nvfp4, mxfp4)")
 
 
 def _check_name(name: str, source: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
+import json
 import sys
 import time
 import warnings
@@ -49,10 +50,41 @@ def build_profile(cfg: WorkloadConfig) -> Profile:
         except ProfileError as exc:
             raise ConfigError(f"{cfg.source}: field 'profile.path': {exc}") from None
     from sim.cost.roofline import preset_profile
+    model = read_model_config(cfg) if _is_config_path(p.model) else p.model
     try:
-        return preset_profile(p.model, p.gpu, tensor_parallel=p.tensor_parallel, dtype=p.dtype, engine=p.engine)
+        return preset_profile(model, p.gpu, tensor_parallel=p.tensor_parallel, dtype=p.dtype, engine=p.engine,
+                              weight_dtype=p.weight_dtype, kv_cache_dtype=p.kv_cache_dtype,
+                              expert_parallel=p.enable_expert_parallel)
     except ValueError as exc:
         raise ConfigError(f"{cfg.source}: field 'profile': {exc}") from None
+
+
+def _is_config_path(model: Any) -> bool:
+    """``profile.model`` names a config.json file (any name ending in .json), not a preset."""
+    return isinstance(model, str) and model.lower().endswith(".json")
+
+
+def read_model_config(cfg: WorkloadConfig) -> dict[str, Any]:
+    """The HF config.json that ``profile.model`` names, relative to the workload file;
+    ConfigError naming the field for a missing, unreadable or non-mapping file. The
+    config's name defaults to the file's folder (HF's repo/config.json layout)."""
+    path = cfg.resolve_path(cfg.profile.model)
+    where = f"{cfg.source}: field 'profile.model'"
+    if not path.is_file():
+        raise ConfigError(f"{where}: config file {path} not found (give a preset name, an HF config mapping, "
+                          f"or the path of a config.json relative to the workload file)")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: cannot read {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: {path} is not valid JSON (line {exc.lineno}, column {exc.colno}): "
+                          f"{exc.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: {path} must hold a JSON object of config fields, got {type(data).__name__}")
+    if not (data.get("name") or data.get("_name_or_path")):
+        data = {**data, "name": path.parent.name if path.name == "config.json" else path.stem}
+    return data
 
 
 def resolve_server(cfg: WorkloadConfig, profile: Profile) -> WorkloadConfig:
@@ -108,11 +140,14 @@ def kv_blocks(cfg: WorkloadConfig, profile: Profile, policy: Policy | None = Non
         step_tokens = policy.token_budget or DEFAULT_ACTIVATION_TOKENS
         rule = policy.kv_memory or KvMemory(s.gpu_memory_utilization, "total")
         knob = "server.gpu_memory_utilization" if policy.kv_memory is None else "the policy's memory fraction"
-        capacity = profile.kv_capacity_tokens(rule.fraction, step_tokens, rule.share_of)
+        # Sliding-window layers keep up to a window per running request: reserved for every slot.
+        capacity = profile.kv_capacity_tokens(rule.fraction, step_tokens, rule.share_of,
+                                              max_num_seqs=policy.max_num_seqs)
         if capacity <= 0:
+            report = profile.memory_report(rule.fraction, step_tokens, rule.share_of,
+                                           max_num_seqs=policy.max_num_seqs)
             raise ConfigError(
-                f"{cfg.source}: field 'profile': the model's weights do not fit "
-                f"({profile.memory_report(rule.fraction, step_tokens, rule.share_of)} leaves no room for KV); "
+                f"{cfg.source}: field 'profile': the model's weights do not fit ({report} leaves no room for KV); "
                 f"raise profile.tensor_parallel, pick a larger GPU or raise {knob}")
         num_blocks = capacity // block_size
         where = "profile"

@@ -84,13 +84,32 @@ def test_torch_model_refuses_an_odd_head_dim() -> None:
         LlamaModel(odd, device="meta")
 
 
+def test_torch_model_builds_an_explicit_head_dim() -> None:
+    # Qwen3-style: 4 heads of 32 with hidden 64, so q and o are 64 x 128 and k, v 64 x 2*32.
+    shape = ModelShape("hd", 64, 2, 4, 2, 172, 512, 2048, explicit_head_dim=32)
+    model = LlamaModel(shape)
+    assert tuple(model.layers[0].w_qkv.shape) == ((4 + 2 * 2) * 32, 64)
+    assert tuple(model.layers[0].w_o.shape) == (64, 4 * 32)
+    assert model.forward_dense(torch.tensor([[1, 2, 3]])).shape == (3, 512)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"num_experts": 8, "num_experts_per_tok": 2}, "num_experts"),
+    ({"sliding_window": 128, "num_sliding_layers": 1}, "sliding_window"),
+])
+def test_torch_model_refuses_moe_and_sliding_windows(change: dict[str, int], field: str) -> None:
+    shape = ModelShape("x", 64, 2, 4, 2, 172, 512, 2048, **change)
+    with pytest.raises(ValueError, match=f"{field}.*the roofline"):
+        LlamaModel(shape, device="meta")
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [
         ({"vocab_size": -1}, "vocab_size"),
         ({"hidden_size": "4096"}, "hidden_size"),
         ({"num_key_value_heads": 5}, "num_kv_heads 5"),
-        ({"head_dim": 64}, "head_dim"),
+        ({"head_dim": -64}, "head_dim"),
         ({"rope_theta": 0}, "rope_theta"),
         ({"rope_parameters": [1]}, "field 'rope_parameters' must be a mapping"),
         ({"hidden_act": ["silu"]}, "field 'hidden_act' must be the activation's name"),

@@ -16,7 +16,7 @@ import pytest
 
 from sim.core.batch import Batch, BatchItem
 from sim.cost.curves import Curve1D, Curve2D, CurveRepairWarning, isotonic, isotonic_grid
-from sim.cost.presets import GPU_PRESETS, MODEL_PRESETS, model_shape_from_hf
+from sim.cost.presets import GENERATIONS, GPU_PRESETS, MODEL_PRECISIONS, MODEL_PRESETS, model_shape_from_hf
 from sim.cost.profile import FORMAT_VERSION, ProfileError, load_profile, profile_from_dict
 from sim.cost.roofline import Efficiency, Roofline, analytic_profile, overlap_time, preset_profile
 
@@ -53,9 +53,17 @@ def test_model_preset_arithmetic() -> None:
 def test_gpu_presets_are_sane() -> None:
     for key, gpu in GPU_PRESETS.items():
         assert gpu.name == key
-        assert 30 * 2**30 < gpu.memory_bytes < 150 * 2**30
-        assert 100e12 < gpu.peak_flops_bf16 < 1100e12          # dense, not the sparsity figure
+        assert 30 * 2**30 < gpu.memory_bytes < 200 * 2**30       # B200: 183,359 MiB = 179 GiB
+        assert 100e12 < gpu.peak_flops_bf16 < 2600e12          # dense, not the sparsity figure (GB200: 2.5 PF)
         assert 0 < gpu.interconnect_latency_s < 1e-4
+        assert gpu.generation in GENERATIONS
+        # Dense FP8 doubles BF16 and FP4 doubles FP8 where the hardware has them; Ampere has neither.
+        if gpu.peak_flops_fp8:
+            assert gpu.peak_flops_fp8 == pytest.approx(2 * gpu.peak_flops_bf16, rel=0.02)
+        if gpu.peak_flops_fp4:
+            assert gpu.peak_flops_fp4 == pytest.approx(2 * gpu.peak_flops_fp8)
+        assert gpu.price_per_gpu_hour is not None and 0.3 < gpu.price_per_gpu_hour < 10
+    assert GPU_PRESETS["a100-80gb"].peak_flops_fp8 == 0 and GPU_PRESETS["h200"].peak_flops_fp4 == 0
     assert GPU_PRESETS["h100-sxm"].interconnect_bytes_s == 450e9
     assert GPU_PRESETS["l40s"].interconnect_bytes_s < 50e9       # PCIe only
 
@@ -81,8 +89,12 @@ def test_hf_config_bad_values() -> None:
         model_shape_from_hf({**LLAMA_31_8B_HF, "hidden_size": -1}, "custom")
     with pytest.raises(ValueError, match="num_heads 32 is not divisible by num_kv_heads 5"):
         model_shape_from_hf({**LLAMA_31_8B_HF, "num_key_value_heads": 5}, "custom")
-    with pytest.raises(ValueError, match="field 'head_dim' is 64"):
-        model_shape_from_hf({**LLAMA_31_8B_HF, "head_dim": 64}, "custom")
+    with pytest.raises(ValueError, match="field 'head_dim' must be a positive integer"):
+        model_shape_from_hf({**LLAMA_31_8B_HF, "head_dim": -64}, "custom")
+    # A separate head_dim is a fact of the model (Qwen3, gpt-oss), not an error: 32 heads x 64.
+    assert model_shape_from_hf({**LLAMA_31_8B_HF, "head_dim": 64}, "custom").head_dim == 64
+    # head_dim equal to hidden / heads is the derived shape itself.
+    assert model_shape_from_hf({**LLAMA_31_8B_HF, "head_dim": 128}, "x").kv_bytes_per_token(2) == 131072
 
 
 def test_hf_config_rope_theta_and_name() -> None:
@@ -228,13 +240,18 @@ def test_every_preset_pair_builds_fast() -> None:
     for model in MODEL_PRESETS:
         for gpu in GPU_PRESETS:
             prof = preset_profile(model, gpu)
-            assert prof.name == f"{model}@{gpu}-tp1-bf16"
+            # A checkpoint that ships quantized weights (gpt-oss: mxfp4 experts) says so in the name.
+            shipped = MODEL_PRECISIONS.get(model)
+            label = f"-w_{shipped[0]}-experts" if shipped else ""
+            assert prof.name == f"{model}@{gpu}-tp1-bf16{label}"
             assert prof.step_time_s(decode_batch(4, 100)) > prof.overhead_s > 0
+            notes = ({"weight_dtype": shipped[0], "quantized": shipped[1],
+                      "gemm_precision": "fp4" if GPU_PRESETS[gpu].peak_flops_fp4 else "bf16"} if shipped else {})
             assert prof.provenance == {"source": "analytic-roofline", "gpu": gpu, "model": model,
                                        "tensor_parallel": 1, "dtype": "bf16",
                                        "generator": "sim.cost.roofline", "batchsim_format": FORMAT_VERSION,
                                        "activations": "fixed + per token x the policy's "
-                                                      "max_num_batched_tokens (vLLM's profiling run)"}
+                                                      "max_num_batched_tokens (vLLM's profiling run)", **notes}
             assert "justification" in prof.efficiency
     best_s = min(_timed(lambda: preset_profile("llama-3.1-70b", "h100-sxm", 8)) for _ in range(3))
     assert best_s < 0.05

@@ -22,6 +22,7 @@ from reports.experiments.plan import CandidateTask, check_queue, plan_candidate,
 from reports.experiments.planspec import Verify, parse_plan, spec_summary
 from reports.presentation.report import regenerate
 from sim.cli import main
+from sim.cost.presets import GPU_PRESETS
 from sim.run.config import ConfigError, Slo
 
 WORKLOAD = {"name": "tiny", "seed": 5, "num_requests": 80, "arrivals": {"kind": "poisson", "rate": 4.0},
@@ -245,7 +246,8 @@ def test_plan_report_opens_in_headless_chromium(tmp_path: Path) -> None:
     ({"slo": {"attainment": 0.9}}, "field 'slo' sets no threshold"),
     ({"slo": {"ttft_ms": 500, "attainment": 1.5}}, "field 'slo.attainment' must be in"),
     ({"candidates": []}, "field 'candidates' must be a non-empty list"),
-    ({"candidates": [{"profile": {"gpu": "h100-sxm"}}]}, "field 'candidates\\[0\\].price_per_gpu_hour' is missing"),
+    ({"candidates": [{"profile": {"path": str(ROOT / "calibrate" / "profiles" / "cpu" / "tiny-llama" / "float32.yaml")}}]},
+     "field 'candidates\\[0\\].price_per_gpu_hour' is missing and GPU 'AMD EPYC' has no preset price"),
     ({"candidates": [{"profile": {"gpu": "h100-sxm"}, "price_per_gpu_hour": 2, "cost": 1}]},
      "candidates\\[0\\].cost' is unknown"),
     ({"candidates": [{"profile": {"gpu": "tpu-v9"}, "price_per_gpu_hour": 2}]}, "candidates\\[0\\], policy vllm"),
@@ -374,6 +376,19 @@ def test_capacity_never_exceeds_what_a_saturated_replica_completes(tmp_path: Pat
     over = [t for t in out["trials"] if t["rate_rps"] > saturated]
     assert over and all(not t["passed"] and t["reasons"][-1].startswith("offered ") for t in over)
     assert all(t["passed"] for t in out["trials"] if t["rate_rps"] <= saturated)
+
+
+def test_a_candidate_without_a_price_takes_its_gpu_presets(tmp_path: Path) -> None:
+    # No price_per_gpu_hour: the GPU preset's assumed price, labelled as the default in plan.json
+    # and in the report's prices table; a given price is "given".
+    cands = [{"name": "h200", "profile": {"gpu": "h200"}}, {"name": "a100", "profile": {"gpu": "a100-80gb"},
+                                                            "price_per_gpu_hour": 1.5}]
+    spec = parse_plan(write_plan(tmp_path, candidates=cands, policies=["vllm"]), out=tmp_path / "out")
+    h200, a100 = spec.candidates
+    assert h200.price_per_gpu_hour == GPU_PRESETS["h200"].price_per_gpu_hour
+    assert h200.price_source.startswith("default: preset h200")
+    assert (a100.price_per_gpu_hour, a100.price_source) == (1.5, "given")
+    assert spec_summary(spec)["candidates"][0]["price_source"] == h200.price_source
 
 
 def test_a_profile_files_tensor_parallel_sets_the_gpus_it_is_priced_for(tmp_path: Path) -> None:

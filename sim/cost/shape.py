@@ -1,0 +1,209 @@
+"""ModelShape: the shape facts of a transformer that costs and memory follow from.
+
+Split from ``sim.cost.profile`` (which re-exports it): attention (explicit head_dim, sliding
+windows), the MLP, and mixture-of-experts layers, with the parameter and KV-byte counts the
+roofline (``sim.cost.roofline``, ``sim.cost.moe``) and the torch model (``calibrate.model``) read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+MLP_KINDS = ("swiglu", "gelu")          # gated 3-matrix MLP (Llama) | 2-matrix MLP (OPT)
+_POSITIVE_INT_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                        "intermediate_size", "vocab_size", "max_position_embeddings")
+# Optional shape facts (0: absent), written to a profile file only when set.
+OPTIONAL_INT_FIELDS = ("explicit_head_dim", "sliding_window", "num_sliding_layers", "num_experts", "num_experts_per_tok",
+                       "moe_intermediate_size", "shared_expert_intermediate_size", "num_dense_layers")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The shape facts of a transformer: what costs and memory follow from
+    (``sim.cost.roofline``), and what ``calibrate.model`` builds its random-weight
+    Llama from. Validated on construction: ValueError naming the field.
+
+    ``explicit_head_dim``: the config's head_dim; 0 means derived, hidden_size /
+    num_heads (which must divide). ``head_dim`` is the effective value (a property,
+    so ``dataclasses.replace`` of heads or hidden size re-derives it). A profile
+    file and ``model_shape_from_dict`` spell the field ``head_dim``. Attention projections are
+    q: hidden x heads*head_dim, k and v: hidden x kv_heads*head_dim, o:
+    heads*head_dim x hidden (Qwen3: 64 x 128 = 8192 != hidden 5120).
+
+    Sliding-window attention: ``num_sliding_layers`` of the layers attend to the
+    last ``sliding_window`` keys only (both 0: none).
+
+    Mixture of experts (``num_experts`` > 0): every layer but the first
+    ``num_dense_layers`` (whose MLP is dense, ``intermediate_size`` wide) has a
+    router (hidden x num_experts), ``num_experts`` experts of
+    ``moe_intermediate_size`` (0: ``intermediate_size``, as Mixtral and gpt-oss
+    write it), of which each token uses ``num_experts_per_tok``, and always-on
+    shared experts of ``shared_expert_intermediate_size`` in all (0: none).
+    """
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    mlp: str = "swiglu"                  # one of MLP_KINDS
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0          # RoPE base; costs nothing, only the torch model reads it
+    explicit_head_dim: int = 0           # 0: hidden_size // num_heads (see head_dim)
+    sliding_window: int = 0              # keys a sliding layer attends to (0: no sliding layers)
+    num_sliding_layers: int = 0
+    num_experts: int = 0                 # 0: a dense model
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0       # 0: intermediate_size
+    shared_expert_intermediate_size: int = 0
+    num_dense_layers: int = 0            # MoE models: layers with a dense MLP instead
+
+    def __post_init__(self) -> None:
+        for f in _POSITIVE_INT_FIELDS:
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model {self.name!r}: {f} must be a positive integer, got {value!r}")
+        for f in OPTIONAL_INT_FIELDS:
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"model {self.name!r}: {f} must be a whole number >= 0 (0: absent), got {value!r}")
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"model {self.name!r}: mlp must be one of {', '.join(MLP_KINDS)}, got {self.mlp!r}")
+        theta = self.rope_theta
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+            raise ValueError(f"model {self.name!r}: rope_theta must be a positive number, got {theta!r}")
+        if self.explicit_head_dim and self.explicit_head_dim * self.num_heads == self.hidden_size:
+            # The derived value given explicitly (Llama's head_dim 128 = 4096 / 32): one shape, one
+            # spelling, so a config and a preset compare equal.
+            object.__setattr__(self, "explicit_head_dim", 0)
+        if self.explicit_head_dim == 0 and self.hidden_size % self.num_heads:
+            raise ValueError(f"model {self.name!r}: hidden_size {self.hidden_size} is not divisible "
+                             f"by num_heads {self.num_heads} (give head_dim explicitly)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model {self.name!r}: num_heads {self.num_heads} is not divisible "
+                             f"by num_kv_heads {self.num_kv_heads}")
+        if (self.sliding_window == 0) != (self.num_sliding_layers == 0):
+            raise ValueError(f"model {self.name!r}: sliding_window ({self.sliding_window}) and num_sliding_layers "
+                             f"({self.num_sliding_layers}) must both be set or both be 0")
+        if self.num_sliding_layers > self.num_layers:
+            raise ValueError(f"model {self.name!r}: num_sliding_layers {self.num_sliding_layers} is more than "
+                             f"num_layers {self.num_layers}")
+        moe_only = ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                    "num_dense_layers")
+        if self.num_experts == 0:
+            given = [f for f in moe_only if getattr(self, f)]
+            if given:
+                raise ValueError(f"model {self.name!r}: {', '.join(given)} set without num_experts")
+        else:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"model {self.name!r}: num_experts_per_tok must be in [1, num_experts "
+                                 f"{self.num_experts}], got {self.num_experts_per_tok}")
+            if self.num_dense_layers >= self.num_layers:
+                raise ValueError(f"model {self.name!r}: num_dense_layers {self.num_dense_layers} leaves no MoE "
+                                 f"layer of {self.num_layers}")
+
+    # ---- derived counts ---------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.explicit_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers if self.num_experts else 0
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def num_mlp_matrices(self) -> int:
+        return 3 if self.mlp == "swiglu" else 2
+
+    @property
+    def attn_params_per_layer(self) -> int:
+        """q, o: hidden x heads*head_dim each; k, v: hidden x kv_heads*head_dim each."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return 2 * h * q + 2 * h * kv
+
+    @property
+    def params_per_expert(self) -> int:
+        return self.num_mlp_matrices * self.hidden_size * self.expert_intermediate_size
+
+    @property
+    def shared_params_per_layer(self) -> int:
+        """Router (hidden x num_experts) plus the shared experts of one MoE layer."""
+        return (self.hidden_size * self.num_experts
+                + self.num_mlp_matrices * self.hidden_size * self.shared_expert_intermediate_size)
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    @property
+    def num_expert_params(self) -> int:
+        """Every expert of every MoE layer (what an mxfp4 checkpoint quantizes)."""
+        return self.num_moe_layers * self.num_experts * self.params_per_expert
+
+    @property
+    def num_params(self) -> int:
+        """Matmul weights and embeddings (norms and biases are < 0.1%: not counted)."""
+        dense_mlp = self.num_mlp_matrices * self.hidden_size * self.intermediate_size
+        num_dense = self.num_layers - self.num_moe_layers
+        return (self.num_layers * self.attn_params_per_layer + num_dense * dense_mlp
+                + self.num_moe_layers * self.shared_params_per_layer + self.num_expert_params + self.embed_params)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token computes with: num_params with num_experts_per_tok experts a layer."""
+        unused = self.num_moe_layers * (self.num_experts - self.num_experts_per_tok) * self.params_per_expert
+        return self.num_params - unused
+
+    @property
+    def num_kv_pool_layers(self) -> int:
+        """Layers whose KV the per-token pool holds: the full-attention layers; all layers when
+        every layer slides (Mistral v0.1): vLLM then keeps one uniform pool of every layer's
+        bytes a token (kv_cache_utils: one SlidingWindowSpec group) and frees the blocks that
+        leave the window. NOTE: batchsim's pool (sim.core) frees nothing before a request ends,
+        so such a request longer than the window is charged all its tokens: a conservative
+        capacity, exact for requests within the window."""
+        full = self.num_layers - self.num_sliding_layers
+        return full if full else self.num_layers
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of the pooled layers (``num_kv_pool_layers``): 2 * layers * kv_heads * head_dim * bytes."""
+        return 2 * self.num_kv_pool_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def kv_bytes_per_seq(self, dtype_bytes: int) -> int:
+        """The sliding layers' KV a running request holds at most, when some layers are full
+        attention (else 0): sliding_window tokens x 2 * sliding layers * kv_heads * head_dim * bytes.
+        vLLM's SlidingWindowManager frees the blocks that fall out of the window, so a request's
+        sliding-layer KV plateaus at about the window (window - 1 + the tokens in flight, + 1
+        block; the chunk and the block are not counted here)."""
+        if self.num_sliding_layers in (0, self.num_layers):
+            return 0
+        return 2 * self.num_sliding_layers * self.num_kv_heads * self.head_dim * dtype_bytes * self.sliding_window
+
+    def to_dict(self) -> dict[str, Any]:
+        """The profile file's ``model`` mapping: the optional facts only when set."""
+        d: dict[str, Any] = {
+            "name": self.name, "hidden_size": self.hidden_size, "num_layers": self.num_layers,
+            "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings, "mlp": self.mlp,
+            "tie_word_embeddings": self.tie_word_embeddings, "rope_theta": self.rope_theta,
+        }
+        if self.explicit_head_dim:
+            d["head_dim"] = self.head_dim
+        for f in OPTIONAL_INT_FIELDS[1:]:
+            if getattr(self, f):
+                d[f] = getattr(self, f)
+        return d
