@@ -320,3 +320,28 @@ def format_errors(title: str, table: dict[Any, dict[str, dict[str, float]]]) -> 
 
 def with_efficiency(profile_fn: Callable[..., Profile], **changes: Any) -> Callable[..., Profile]:
     return lambda row, eff: profile_fn(row, dataclasses.replace(eff, **changes))
+
+
+def profile_spec(row: ServingRow) -> dict[str, Any]:
+    """The workload's profile section for ``row``: its preset, precision, TP/EP and the host
+    work of vLLM v1 (async scheduling where the source ran it)."""
+    spec: dict[str, Any] = {"model": row.model, "gpu": row.gpu, "tensor_parallel": row.tensor_parallel,
+                            "engine": "vllm-v1-async" if dict(row.flags).get("async_scheduling") else "vllm-v1"}
+    if row.weight_dtype not in ("bf16", "fp16"):
+        spec["weight_dtype"] = row.weight_dtype
+    else:
+        spec["dtype"] = row.weight_dtype
+    if row.kv_cache_dtype != "auto":
+        spec["kv_cache_dtype"] = row.kv_cache_dtype
+    if row.expert_parallel:
+        spec["enable_expert_parallel"] = True
+    return spec
+
+
+def build_profile(row: ServingRow, efficiency: Any | None = None) -> Profile:
+    """The analytic preset of ``row`` (``efficiency``: other fractions than the fitted defaults)."""
+    from sim.cost.roofline import preset_profile
+    spec = profile_spec(row)
+    return preset_profile(row.model, row.gpu, row.tensor_parallel, spec.get("dtype", "bf16"), engine=spec["engine"],
+                          weight_dtype=spec.get("weight_dtype"), kv_cache_dtype=spec.get("kv_cache_dtype"),
+                          expert_parallel=row.expert_parallel, efficiency=efficiency)

@@ -200,6 +200,11 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     # Qwen/Qwen3-8B config.json: head_dim 128 (= 4096 / 32), 36 layers
     "qwen3-8b": ModelShape("qwen3-8b", 4096, 36, 32, 8, 12288, 151936, 40960, rope_theta=1000000.0,
                            explicit_head_dim=128),
+    # Qwen/Qwen3-14B config.json: 40 heads x head_dim 128 = hidden 5120
+    "qwen3-14b": ModelShape("qwen3-14b", 5120, 40, 40, 8, 17408, 151936, 40960, rope_theta=1000000.0),
+    # mistralai/Mistral-Small-24B-Instruct-2501 config.json: head_dim 128 with hidden 5120 / 32 heads
+    "mistral-small-24b": ModelShape("mistral-small-24b", 5120, 40, 32, 8, 32768, 131072, 32768,
+                                    rope_theta=100000000.0, explicit_head_dim=128),
     # Qwen/Qwen3-32B config.json: head_dim 128 with hidden 5120 / 64 heads (q, o: 5120 x 8192)
     "qwen3-32b": ModelShape("qwen3-32b", 5120, 64, 64, 8, 25600, 151936, 40960, rope_theta=1000000.0,
                             explicit_head_dim=128),

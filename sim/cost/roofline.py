@@ -16,6 +16,7 @@ per-layer kernel floor, the engine's host work) is ``sim.cost.collectives``'.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -105,6 +106,11 @@ class Roofline:
             raise ValueError(f"tensor_parallel must be an integer >= 1, got {t!r}")
         if expert_parallel and not model.is_moe:
             raise ValueError(f"expert parallelism needs a mixture-of-experts model; {model.name} has no experts")
+        if model.num_kv_heads < t and t % model.num_kv_heads == 0:
+            # NOTE: vLLM replicates KV heads when TP exceeds them (QKVParallelLinear's
+            # num_kv_head_replicas): every GPU holds one head's K and V weights and cache, so
+            # t heads in all, t / num_kv_heads copies of each.
+            model = dataclasses.replace(model, num_kv_heads=t)
         splits = [("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads)]
         if model.num_layers > model.num_moe_layers:
             splits.append(("intermediate_size", model.intermediate_size))
@@ -386,12 +392,15 @@ def _lookup(table: dict[str, Any], key: str, what: str) -> Any:
 
 def preset_profile(model: str | dict[str, Any], gpu: str, tensor_parallel: int = 1,
                    dtype: str = "bf16", engine: str = DEFAULT_ENGINE, *, weight_dtype: str | None = None,
-                   kv_cache_dtype: str | None = None, expert_parallel: bool = False) -> Profile:
+                   kv_cache_dtype: str | None = None, expert_parallel: bool = False,
+                   efficiency: Efficiency | None = None) -> Profile:
     """``analytic_profile`` for a preset model name (or an HF-style config dict of a
     custom model) on a preset GPU, with the host-work terms of ``engine``
-    (sim.cost.collectives.ENGINES). ``weight_dtype`` (default: what the config's
-    ``quantization_config`` states, else ``dtype``) and ``kv_cache_dtype`` (default
-    auto): sim.cost.precision. Raises ValueError listing the known names."""
+    (sim.cost.collectives.ENGINES) and the matmul fractions fitted for the GPU's
+    generation (``Efficiency.for_gpu``), or ``efficiency`` as given. ``weight_dtype``
+    (default: what the config's ``quantization_config`` states, else ``dtype``) and
+    ``kv_cache_dtype`` (default auto): sim.cost.precision. Raises ValueError listing
+    the known names."""
     scope = "linear"
     if isinstance(model, dict):
         shape = model_shape_from_hf(model)
@@ -409,7 +418,8 @@ def preset_profile(model: str | dict[str, Any], gpu: str, tensor_parallel: int =
     gpu_spec = _lookup(GPU_PRESETS, gpu, "gpu")
     precision = Precision(dtype=dtype, weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype or "auto",
                           quantized=scope)
-    efficiency = None if engine == DEFAULT_ENGINE else Efficiency.for_gpu(gpu_spec, Efficiency.for_engine(engine))
+    if efficiency is None:
+        efficiency = Efficiency.for_gpu(gpu_spec, None if engine == DEFAULT_ENGINE else Efficiency.for_engine(engine))
     return analytic_profile(shape, gpu_spec, tensor_parallel, dtype, efficiency, precision=precision,
                             expert_parallel=expert_parallel)
 

@@ -350,3 +350,24 @@ def test_shared_experts_and_dense_first_layers_by_hand() -> None:
     split = linear_split(d, Precision(), 2)
     per_token = 28 * 16_777_216 / 2 + 67_239_936 / 2 + 27 * (2 * 8_650_752 / 2 + 2048 * 64 + 6 * 8_650_752 / 2)
     assert split.token_params_hi == pytest.approx(per_token)
+
+
+def test_tensor_parallel_beyond_the_kv_heads_replicates_them():
+    """Qwen3-235B-A22B has 4 KV heads: at TP 8 vLLM gives every GPU one head, so each is held twice.
+    KV per token, all ranks: TP 4: 2 x 94 layers x 4 heads x 128 x 2 B = 192,512 B;
+    TP 8: 2 x 94 x 8 x 128 x 2 = 385,024 B (twice). TP 3 divides neither way: refused."""
+    assert preset_profile("qwen3-235b-a22b", "h100-sxm", 4).kv_bytes_per_token == 192_512
+    tp8 = preset_profile("qwen3-235b-a22b", "h100-sxm", 8)
+    assert tp8.kv_bytes_per_token == 385_024
+    assert tp8.model.num_kv_heads == 4                      # the profile keeps the model's own shape
+    with pytest.raises(ValueError, match="does not divide"):
+        preset_profile("qwen3-235b-a22b", "h100-sxm", 3)
+
+
+def test_qwen3_14b_and_mistral_small_24b_presets():
+    """Parameters from the configs: Qwen3-14B 14.77B (published 14.8B), Mistral-Small-24B 23.57B (24B);
+    both keep 2 x 40 layers x 8 KV heads x 128 x 2 B = 163,840 B of KV per token."""
+    q14, m24 = MODEL_PRESETS["qwen3-14b"], MODEL_PRESETS["mistral-small-24b"]
+    assert q14.num_params == 14_767_882_240 and m24.num_params == 23_571_988_480
+    assert q14.kv_bytes_per_token(2) == m24.kv_bytes_per_token(2) == 163_840
+    assert m24.head_dim == 128 and m24.hidden_size // m24.num_heads == 160
