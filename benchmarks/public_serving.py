@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from sim.core.batch import Batch, StepResult  # noqa: E402
 from sim.cost.profile import Profile  # noqa: E402
-from sim.run.config import workload_from_dict  # noqa: E402
+from sim.run.config import ConfigError, workload_from_dict  # noqa: E402
 from sim.run.runner import drive, kv_blocks  # noqa: E402
 
 DATA = ROOT / "calibrate" / "profiles" / "public_serving"
@@ -63,11 +63,15 @@ MODEL_PRESETS_BY_ID = {
     "Qwen/Qwen3-32B-FP8": "qwen3-32b", "Qwen/Qwen3-14B-FP8": "qwen3-14b", "Qwen/Qwen3-8B-FP8": "qwen3-8b",
     "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b", "Qwen/Qwen3-235B-A22B-Instruct-2507": "qwen3-235b-a22b",
     "Qwen/Qwen3-235B-A22B-Instruct-2507-FP8": "qwen3-235b-a22b",
+    # vllm#49723 names "Mistral-24B", quantized by its reporter from the BF16 Mistral Small 24B:
+    # taken as Mistral-Small-24B-Instruct-2501's shape (flagged: model_assumed)
+    "Mistral-24B": "mistral-small-24b",
 }
+MODELS_ASSUMED = frozenset({"Mistral-24B"})
 SKIP_MODELS = {"deepseek-ai": "multi-head latent attention (MLA) is not modelled",
                "Qwen/Qwen3.5": "hybrid linear attention (Gated DeltaNet) is not modelled",
                "google/gemma-4": "Gemma 4's config is not bundled", "nvidia/Gemma-4": "Gemma 4's config is not bundled",
-               "MiniMaxAI": "MiniMax-M2.5's config is not bundled", "Mistral-24B": "the exact checkpoint is not stated",
+               "MiniMaxAI": "MiniMax-M2.5's config is not bundled",
                "DeepSeek": "multi-head latent attention (MLA) is not modelled"}
 PRECISIONS = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
 # vllm bench serve's ShareGPT sampling keeps prompts <= 1024 tokens and prompt + output <= 2048;
@@ -85,6 +89,7 @@ class ServingRow:
     engine_version: str
     gpu: str                         # a batchsim GPU preset
     gpu_assumed: bool                # the source did not state the variant
+    model_assumed: bool              # nor the exact checkpoint
     tensor_parallel: int
     expert_parallel: bool
     model: str                       # a batchsim model preset
@@ -178,7 +183,7 @@ def normalise(index: int, r: dict[str, str]) -> tuple[ServingRow | None, str]:
     kv = (r.get("kv_cache_dtype") or "").strip()
     return ServingRow(
         index=index, source=r["source_url"], engine=engine, engine_version=r["engine_version"], gpu=gpu,
-        gpu_assumed=assumed, tensor_parallel=int(_num(r["tensor_parallel"]) or 1),
+        gpu_assumed=assumed, model_assumed=model_id in MODELS_ASSUMED, tensor_parallel=int(_num(r["tensor_parallel"]) or 1),
         expert_parallel=bool(ep and float(ep) > 1) or "enable_expert_parallel" in flags, model=model,
         weight_dtype=dtype, kv_cache_dtype="fp8" if kv == "fp8" or "kv_fp8" in flags else "auto",
         dataset=dataset, input_len=input_len, output_len=output_len,
@@ -257,7 +262,18 @@ class _Recorder:
 def replay(row: ServingRow, profile: Profile, profile_spec: dict[str, Any]) -> tuple[dict[str, float], StepLog]:
     """Simulated METRICS of ``row`` on ``profile`` (ms), and its StepLog."""
     cfg = workload_from_dict(workload(row, profile_spec))
-    num_blocks, max_model_len = kv_blocks(cfg, profile)
+    try:
+        num_blocks, max_model_len = kv_blocks(cfg, profile)
+    except ConfigError as exc:
+        # A server whose KV cannot hold one request of the model's whole context does not start;
+        # the source's did, so it ran a shorter max_model_len than it states: the longest that fits.
+        fits = re.search(r"set server.max_model_len <= (\d+)", str(exc))
+        if fits is None:
+            raise
+        spec = workload(row, profile_spec)
+        spec["server"]["max_model_len"] = int(fits.group(1))
+        cfg = workload_from_dict(spec)
+        num_blocks, max_model_len = kv_blocks(cfg, profile)
     rec = _Recorder(profile)
     (server,), _, _, _ = drive(cfg, profile, num_blocks, max_model_len, simpy.Environment(), rec)
     rec_cols = server.state.records
