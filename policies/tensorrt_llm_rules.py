@@ -108,7 +108,9 @@ def reused_chunk(num_hit_tokens: int, chunk: int, num_prompt_tokens: int, block_
     """The tokens a first chunk computes once ``num_hit_tokens`` are found
     reused (``setPrepopulatedPromptLen``: the scheduler sized the chunk before
     the lookup): the chunk's window moves past the hit, ending on a block
-    boundary unless it reaches the prompt's end."""
+    boundary unless it reaches the prompt's end. (Hits here are whole blocks and a chunk that stops
+    short of the end is whole units, so the window keeps the chunk's size: the step computes
+    ``chunk`` tokens, not ``chunk - num_hit_tokens``.)"""
     if not num_hit_tokens:
         return chunk
     if num_hit_tokens + chunk < num_prompt_tokens:
