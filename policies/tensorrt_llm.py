@@ -39,7 +39,8 @@ not modelled.
    (decodes first): a decode takes one token of ``max_num_tokens``; the
    first that does not fit ends the list. Without ``enable_chunked_prefill``
    a prefill takes its whole prompt (prompt + outputs after a pause) or
-   ends the list; prompts over ``max_num_tokens`` are refused at arrival. With it,
+   ends the list; prompts over ``max_num_tokens`` are refused at arrival, and a
+   paused request whose prompt + outputs outgrew it is cut short. With it,
    prefills are sized together after the decodes: whole if all fit, else by
    ``context_chunking_policy`` (``tensorrt_llm_rules.chunk_sizes``) in units
    of ``tokens_per_block``, each at most ``max_num_tokens``; a 0-token chunk waits.
@@ -62,7 +63,9 @@ a cached block matching only a prefix of a new block's tokens is reused or
 copied, so a hit may end inside a block), KV offloading to host, the
 overlap scheduler's one-step lag, pipeline parallel's two-step lookahead,
 the request queue's own ordering (a paused request here waits behind the
-running ones, where TensorRT-LLM keeps it at its arrival position),
+running ones, where TensorRT-LLM keeps it at its arrival position), a pause's
+cut of prompt + outputs to ``max_input_len``, a running request with one
+prompt token left counted as a decode,
 speculative decoding, beams, LoRA pages, disaggregated serving.
 """
 
@@ -72,8 +75,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from policies.base import config_knobs, knob, plain_stretch_shape
-from policies.tensorrt_llm_rules import (CAPACITY_POLICIES, CHUNKING_POLICIES, blocks_one_step,
-                                         blocks_to_completion, chunk_sizes, new_context_block, reused_chunk)
+from policies.tensorrt_llm_capacity import max_utilization, no_evict
+from policies.tensorrt_llm_rules import (
+    CAPACITY_POLICIES,
+    CHUNKING_POLICIES,
+    chunk_sizes,
+    grow,
+    reused_chunk,
+)
 from sim.core.batch import Batch, BatchItem, Idle
 from sim.core.kv import BlockManager
 from sim.core.policy import KvMemory, PolicyContext
@@ -148,87 +157,10 @@ class TensorRtLlmPolicy:
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         if self.capacity == "MAX_UTILIZATION":
-            fitting = self._max_utilization(state)
+            fitting = max_utilization(state, self.max_num_seqs)
         else:
-            fitting = self._no_evict(state, static=self.capacity == "STATIC_BATCH")
+            fitting = no_evict(state, self.max_num_seqs, static=self.capacity == "STATIC_BATCH")
         return self._micro_batch(state, now_s, fitting)
-
-    # ---- capacity schedulers ------------------------------------------------------------------------
-    def _no_evict(self, state: SchedulerState, static: bool) -> list[Request]:
-        """GUARANTEED_NO_EVICT / STATIC_BATCH: decodes, then prefills and waiting requests in order while
-        their blocks to completion fit; the first misfit stops the scan."""
-        kv = state.kv
-        decoding, pending = [], []
-        available = kv.num_free_blocks
-        for r in state.running:
-            if r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens == 1:
-                decoding.append(r)
-                available -= blocks_to_completion(kv, r)
-            else:
-                pending.append(r)          # an unfinished prefill, checked again below
-        fitting = decoding
-        if static and decoding:
-            return fitting
-        skip = kv.caching and not static
-        produced = {new_context_block(kv, r) for r in pending} - {None} if skip else set()
-        for r in (*pending, *state.waiting):
-            if skip and not r.block_ids and self._skip(kv, r, produced):
-                continue
-            if len(fitting) >= self.max_num_seqs:
-                break
-            need = blocks_to_completion(kv, r)
-            if need > available:
-                break
-            available -= need
-            fitting.append(r)
-        return fitting
-
-    def _max_utilization(self, state: SchedulerState) -> list[Request]:
-        """MAX_UTILIZATION: next-step blocks only; a misfit pauses the last running request."""
-        kv = state.kv
-        running = state.running
-        fitting: list[Request] = []
-        scheduled = 0
-        produced = ({new_context_block(kv, r) for r in running if r.num_tokens - r.num_computed_tokens > 1} - {None}
-                    if kv.caching else set())
-        paused = False
-        i = 0
-        while i < len(running):
-            r = running[i]
-            need = blocks_one_step(kv, r)
-            if scheduled + need <= kv.num_free_blocks:      # (running never exceeds max_batch_size)
-                fitting.append(r)
-                scheduled += need
-                i += 1
-                continue
-            victim = running[-1]                           # the last started request, maybe r itself
-            if kv.caching and victim.num_computed_tokens // kv.block_size > victim.num_hashed_blocks:
-                kv.cache(victim, victim.num_computed_tokens)     # its computed blocks stay reusable
-            state.preempt(victim)
-            paused = True
-        if paused:                             # the scan ended at the victim: nobody waiting is taken
-            return fitting
-        for r in state.waiting:
-            if kv.caching and self._skip(kv, r, produced):
-                continue
-            need = blocks_one_step(kv, r)
-            if len(fitting) >= self.max_num_seqs or scheduled + need > kv.num_free_blocks:
-                break
-            fitting.append(r)
-            scheduled += need
-        return fitting
-
-    @staticmethod
-    def _skip(kv: Any, r: Request, produced: set) -> bool:
-        """The skip rule (``beneficialToSkip``): True if ``r``'s first uncached block is one another
-        request of this scan produces; else ``r`` now produces it."""
-        block = new_context_block(kv, r)
-        if block is None:
-            return False
-        if block in produced:
-            return True
-        produced.add(block)
-        return False
 
     # ---- micro batch scheduler and KV ---------------------------------------------------------------
     def _micro_batch(self, state: SchedulerState, now_s: float, fitting: list[Request]) -> Batch | Idle:
@@ -273,10 +205,9 @@ class TensorRtLlmPolicy:
             count += 1
             if count >= self.max_num_seqs:
                 break
-        if self.chunking and contexts:
-            if not all_fit or sum(min(n, max_tokens) for n in wanted) > max_tokens - used:
-                wanted = chunk_sizes(wanted, max_tokens - used, bs, max_tokens,
-                                     self.config.context_chunking_policy)
+        if self.chunking and contexts and (not all_fit or sum(min(n, max_tokens) for n in wanted)
+                                           > max_tokens - used):
+            wanted = chunk_sizes(wanted, max_tokens - used, bs, max_tokens, self.config.context_chunking_policy)
         to_register: list[Request] = []
         for r, chunk in zip(contexts, wanted):
             if chunk <= 0:
@@ -301,15 +232,3 @@ class TensorRtLlmPolicy:
             kv.cache(r, r.num_prompt_tokens + r.num_output_tokens)
         return Batch(tuple(items)) if items else Idle()
 
-
-def grow(kv: Any, r: Request, num_tokens: int) -> None:
-    """Give ``r`` the blocks of ``num_tokens`` tokens without registering any
-    (``PrefixCachePool.allocate`` would: TensorRT-LLM stores a context's
-    blocks only after it is computed)."""
-    if not kv.caching:
-        kv.allocate(r, num_tokens)
-        return
-    for _ in range(kv.num_blocks_for(num_tokens) - len(r.block_ids)):
-        if not kv.append_block(r):
-            raise RuntimeError(f"request {r.req_id}: the KV pool ran dry for blocks the capacity "
-                               f"scheduler counted")

@@ -9,7 +9,8 @@ manager (the module doc of ``policies.tensorrt_llm`` names the files).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from sim.core.prefix import extend_hashes
 
@@ -116,3 +117,16 @@ def reused_chunk(num_hit_tokens: int, chunk: int, num_prompt_tokens: int, block_
     if num_hit_tokens + chunk < num_prompt_tokens:
         return (num_hit_tokens + chunk) // block_size * block_size - num_hit_tokens
     return num_prompt_tokens - num_hit_tokens
+
+
+def grow(kv: Any, r: Request, num_tokens: int) -> None:
+    """Give ``r`` the blocks of ``num_tokens`` tokens without registering any
+    (``PrefixCachePool.allocate`` would: TensorRT-LLM stores a context's
+    blocks only after it is computed)."""
+    if not kv.caching:
+        kv.allocate(r, num_tokens)
+        return
+    for _ in range(kv.num_blocks_for(num_tokens) - len(r.block_ids)):
+        if not kv.append_block(r):
+            raise RuntimeError(f"request {r.req_id}: the KV pool ran dry for blocks the capacity "
+                               f"scheduler counted")

@@ -12,7 +12,7 @@ from conftest import add, make_state
 from policies.config import policy_config
 from policies.tensorrt_llm import TensorRtLlmConfig, TensorRtLlmPolicy
 from policies.tensorrt_llm_rules import chunk_sizes, reused_chunk
-from sim.core.batch import Batch, BatchItem, Idle
+from sim.core.batch import Batch, BatchItem
 from sim.core.policy import KvMemory, PolicyContext
 from sim.core.prefix import PrefixCachePool
 from sim.core.request import Request, Status
