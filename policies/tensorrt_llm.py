@@ -12,11 +12,13 @@ scheduler.py`` (``SimpleScheduler`` = ``BindCapacityScheduler`` then
 ``BindMicroBatchScheduler``, whose context-length limit is ``max_num_tokens``),
 ``py_executor.py`` (``_pause_requests``), ``_util.py`` (chunk unit =
 ``tokens_per_block``) and ``tensorrt_llm/llmapi/llm_args.py`` (the defaults).
-The stored files are of the repository's history around the 1.2 releases,
-not the v1.2.1 tag itself (the index holds no tagged copy): the capacity
-scheduler read already knows a PREFILL_FIRST policy, which 1.2's Python enum
-lacks, and reuse-aware token budgets (PR #11637, 2026-03) are after it and
-not modelled.
+The index of the repository holds no tagged copy, so the files read are
+versions of its history around the 1.2 releases (capacityScheduler.cpp at
+02a10fed, microBatchScheduler.cpp at 0a949d31, scheduler.py at 034fffb0,
+capacitySchedulerTest.cpp at 08c2acfa), not the v1.2.1 tag itself: that
+capacity scheduler already has a PREFILL_FIRST policy, which the LLM API's
+enum read (three policies) does not offer, and reuse-aware token budgets
+(PR #11637, 2026-03) came after and are not modelled.
 
 1. Capacity scheduler (``capacity_scheduler_policy``; at most ``max_batch_size``
    requests). GUARANTEED_NO_EVICT (default): every decoding request runs and
@@ -49,9 +51,9 @@ not modelled.
    the pool is ``sim.core.prefix.PrefixCachePool``: a new prefill reuses the
    cached full blocks of its longest prefix, at most prompt - 1 tokens
    (TensorRT-LLM ignores the last token), looked up when it is allocated, in
-   order. The budget was charged before the lookup: the chunk then moves
-   past the reused tokens (``setPrepopulatedPromptLen``), so a step computes
-   fewer tokens than it charged. Prompt blocks become reusable once the
+   order. The budget was charged before the lookup (``setPrepopulatedPromptLen``
+   moves the chunk past the reused tokens): a whole prompt then computes only
+   its uncached tokens, a chunk that stops short keeps its size. Prompt blocks become reusable once the
    prefill's last chunk is scheduled (TensorRT-LLM stores context blocks
    after the context phase), decoded blocks as they fill, a paused
    prefill's computed blocks when it is paused.
