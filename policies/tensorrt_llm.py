@@ -138,6 +138,9 @@ class TensorRtLlmPolicy:
         for name in ("max_num_tokens", "max_batch_size", "tokens_per_block"):
             if getattr(config, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
+        if config.enable_chunked_prefill and config.max_num_tokens < config.tokens_per_block:
+            raise ValueError(f"max_num_tokens ({config.max_num_tokens}) must be at least tokens_per_block "
+                             f"({config.tokens_per_block}) with enable_chunked_prefill: chunks are whole blocks")
         self.config = config
         self.token_budget = config.max_num_tokens
         self.max_num_seqs = config.max_batch_size

@@ -70,6 +70,9 @@ def test_bad_knobs_are_refused_naming_the_field():
         policy(context_chunking_policy="FCFS")
     with pytest.raises(ValueError, match=r"free_gpu_memory_fraction must be in \(0, 1\]"):
         policy(free_gpu_memory_fraction=1.5)
+    # chunks are whole blocks: a budget below one block could never chunk a long prompt
+    with pytest.raises(ValueError, match=r"max_num_tokens \(16\) must be at least tokens_per_block \(32\)"):
+        policy(max_num_tokens=16, enable_chunked_prefill=True)
 
 
 def test_enable_chunked_prefill_is_its_own_knob_in_a_workload():
@@ -226,7 +229,7 @@ def test_decodes_first_then_whole_prefills_while_the_budget_lasts():
 def test_chunked_prefills_share_what_the_decodes_leave(chunking, expected):
     state = make_state(num_blocks=100, block_size=4)
     two_decodes_and(state, (20, 20))
-    p = policy(max_num_tokens=16, enable_chunked_prefill=True, context_chunking_policy=chunking)
+    p = policy(max_num_tokens=16, tokens_per_block=4, enable_chunked_prefill=True, context_chunking_policy=chunking)
     batch = p.schedule(state, 0.0)
     assert batch.items == (BatchItem(0, 1, 4), BatchItem(1, 1, 4), *(BatchItem(*e) for e in expected))
     # a first chunk takes all of its prompt's blocks: 20 tokens = 5
@@ -238,7 +241,7 @@ def test_a_chunk_is_at_most_max_num_tokens():
     # multiple of 4), then the last 4
     state = make_state(num_blocks=100, block_size=4)
     add(state, 0, 20, 2)
-    steps = drive(policy(max_num_tokens=16, enable_chunked_prefill=True), state)
+    steps = drive(policy(max_num_tokens=16, tokens_per_block=4, enable_chunked_prefill=True), state)
     assert steps[:2] == [(BatchItem(0, 16, 0),), (BatchItem(0, 4, 16),)]
 
 
@@ -339,7 +342,7 @@ def test_a_reused_first_chunk_moves_past_the_hit():
     # sizes B's first chunk before the lookup: 8 tokens; the hit then moves it to tokens 8-15 (ends on
     # a block boundary, 8 + 8 = 16 < 20), so B still computes 8 tokens in that step, then its last 4.
     state = cached_state(100, 4)
-    p = policy(max_num_tokens=8, enable_chunked_prefill=True)
+    p = policy(max_num_tokens=8, tokens_per_block=4, enable_chunked_prefill=True)
     add_content(state, 0, (100, 7, 8, 11, 1), 1)               # prompt 9: caches its 2 full blocks
     drive(p, state)
     add_content(state, 1, (101, 7, 8, 12, 12), 3)
@@ -356,7 +359,7 @@ def test_a_chunked_prefill_is_reusable_only_once_its_last_chunk_is_scheduled():
     # block is A's block 0, which A (an unfinished prefill) produces: B is passed over. Without the
     # skip, FCFS would give A its last 4 and B min(12, 12 - 4) = 8 tokens.
     state = cached_state(100, 4)
-    p = policy(max_num_tokens=12, enable_chunked_prefill=True)
+    p = policy(max_num_tokens=12, tokens_per_block=4, enable_chunked_prefill=True)
     add_content(state, 0, (100, 7, 16), 2)
     first = p.schedule(state, 0.0)
     assert first.items == (BatchItem(0, 12, 0),)
