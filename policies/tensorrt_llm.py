@@ -64,8 +64,10 @@ Not modelled: partial block reuse (``enable_partial_reuse``, on by default:
 a cached block matching only a prefix of a new block's tokens is reused or
 copied, so a hit may end inside a block), KV offloading to host, the
 overlap scheduler's one-step lag, pipeline parallel's two-step lookahead,
-the request queue's own ordering (a paused request here waits behind the
-running ones, where TensorRT-LLM keeps it at its arrival position), a pause's
+the active list's arrival order where it differs from running-then-waiting
+(a request the skip rule passed over keeps its place ahead of those admitted
+past it: under MAX_UTILIZATION it may then pause them; a paused request is
+the newest started one, so it queues as here), a pause's
 cut of prompt + outputs to ``max_input_len``, a running request with one
 prompt token left counted as a decode,
 speculative decoding, beams, LoRA pages, disaggregated serving.
