@@ -16,6 +16,7 @@ from policies.dynamic import DynamicConfig, DynamicPolicy
 from policies.orca import OrcaConfig, OrcaPolicy
 from policies.sarathi import SarathiConfig, SarathiPolicy
 from policies.static import StaticConfig, StaticPolicy
+from policies.tensorrt_llm import TensorRtLlmConfig, TensorRtLlmPolicy
 from policies.vllm import VllmConfig, VllmPolicy
 from policies.vllm_v1 import VllmV1Config, VllmV1Policy
 from sim.core.policy import Policy, PolicyContext
@@ -28,6 +29,7 @@ POLICIES: dict[str, tuple[type, type]] = {
     "vllm": (VllmConfig, VllmPolicy),
     "sarathi": (SarathiConfig, SarathiPolicy),
     "vllm_v1": (VllmV1Config, VllmV1Policy),
+    "tensorrt_llm": (TensorRtLlmConfig, TensorRtLlmPolicy),
 }
 
 

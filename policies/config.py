@@ -30,6 +30,8 @@ def _chunked_prefill_alias(data: dict[str, Any], src: str) -> dict[str, Any]:
     kind = data.get("kind")
     if "enable_chunked_prefill" not in data or not isinstance(kind, str) or kind not in POLICIES:
         return data                       # (an unknown kind is reported by the caller)
+    if any(f.name == "enable_chunked_prefill" for f in dataclasses.fields(POLICIES[kind][0])):
+        return data                       # the policy's own knob (tensorrt_llm)
     rest = {k: v for k, v in data.items() if k != "enable_chunked_prefill"}
     flag = data["enable_chunked_prefill"]
     if not isinstance(flag, bool):

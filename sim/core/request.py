@@ -39,7 +39,7 @@ class Status(IntEnum):
 # (Templates take max_model_len and the policy's prompt limit.)
 REJECT_REASONS: dict[str, str] = {
     "context": "prompt + max_tokens > max_model_len {max_model_len}",
-    "prompt_limit": "prompt > the policy's prompt limit of {limit} tokens (vLLM v0 without chunked prefill)",
+    "prompt_limit": "prompt > the policy's prompt limit of {limit} tokens (no chunked prefill: vLLM v0, TensorRT-LLM)",
     "kv_pool": "more KV blocks than the pool holds above the watermark",
 }
 

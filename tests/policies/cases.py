@@ -46,6 +46,15 @@ CASES: dict[str, PolicyCase] = {
                            "long_prefill_token_threshold": st.sampled_from([0, 16, 100]),
                            "watermark": st.sampled_from([0.0, 0.05])},
                           {"max_num_batched_tokens": 4096}),
+    "tensorrt_llm": PolicyCase({"max_batch_size": 4, "max_num_tokens": 64, "enable_chunked_prefill": True},
+                               {"max_batch_size": st.integers(1, 8), "max_num_tokens": st.integers(16, 600),
+                                "tokens_per_block": st.sampled_from([8, 16]),
+                                "enable_chunked_prefill": st.booleans(),
+                                "capacity_scheduler_policy": st.sampled_from(["GUARANTEED_NO_EVICT",
+                                                                              "MAX_UTILIZATION", "STATIC_BATCH"]),
+                                "context_chunking_policy": st.sampled_from(["FIRST_COME_FIRST_SERVED",
+                                                                            "EQUAL_PROGRESS"])},
+                               {"max_num_tokens": 4096}),
 }
 
 KINDS: tuple[str, ...] = tuple(CASES)

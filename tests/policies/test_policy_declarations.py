@@ -53,6 +53,7 @@ DEFAULTS = {
     "vllm": (4096, 256, False),             # max(4096, 2048) = 4096
     "sarathi": (512, 256, False),
     "vllm_v1": (2048, 256, False),          # unknown device: vLLM's 2048 / 256, min(2048, 256 x 4096) = 2048
+    "tensorrt_llm": (8192, 2048, False),    # max_num_tokens 8192, max_batch_size 2048 (any device)
 }
 
 

@@ -1,0 +1,98 @@
+"""TensorRT-LLM's capacity schedulers (``capacityScheduler.cpp``): which
+requests may run this step, as rules 1 and 2 of ``policies.tensorrt_llm``'s
+module doc state them. Each returns the fitting requests in the order the
+micro batch scheduler reads them; MAX_UTILIZATION pauses (preempts) here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from policies.tensorrt_llm_rules import (
+    blocks_one_step,
+    blocks_to_completion,
+    new_context_block,
+)
+
+if TYPE_CHECKING:
+    from sim.core.kv import KVPool
+    from sim.core.request import Request
+    from sim.core.state import SchedulerState
+
+
+def no_evict(state: SchedulerState, max_requests: int, static: bool) -> list[Request]:
+    """GUARANTEED_NO_EVICT / STATIC_BATCH: decodes, then prefills and waiting requests in order while
+    their blocks to completion fit; the first misfit stops the scan."""
+    kv = state.kv
+    decoding, pending = [], []
+    available = kv.num_free_blocks
+    for r in state.running:
+        if r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens == 1:
+            decoding.append(r)
+            available -= blocks_to_completion(kv, r)
+        else:
+            pending.append(r)          # an unfinished prefill, checked again below
+    fitting = decoding
+    if static and decoding:
+        return fitting
+    skip = kv.caching and not static
+    produced = {new_context_block(kv, r) for r in pending} - {None} if skip else set()
+    for r in (*pending, *state.waiting):
+        if skip and not r.block_ids and passed_over(kv, r, produced):
+            continue
+        if len(fitting) >= max_requests:
+            break
+        need = blocks_to_completion(kv, r)
+        if need > available:
+            break
+        available -= need
+        fitting.append(r)
+    return fitting
+
+
+def max_utilization(state: SchedulerState, max_requests: int) -> list[Request]:
+    """MAX_UTILIZATION: next-step blocks only; a misfit pauses the last running request."""
+    kv = state.kv
+    running = state.running
+    fitting: list[Request] = []
+    scheduled = 0
+    produced = ({new_context_block(kv, r) for r in running if r.num_tokens - r.num_computed_tokens > 1} - {None}
+                if kv.caching else set())
+    paused = False
+    i = 0
+    while i < len(running):
+        r = running[i]
+        need = blocks_one_step(kv, r)
+        if scheduled + need <= kv.num_free_blocks:      # (running never exceeds max_batch_size)
+            fitting.append(r)
+            scheduled += need
+            i += 1
+            continue
+        victim = running[-1]                           # the last started request, maybe r itself
+        if kv.caching and victim.num_computed_tokens // kv.block_size > victim.num_hashed_blocks:
+            kv.cache(victim, victim.num_computed_tokens)     # its computed blocks stay reusable
+        state.preempt(victim)
+        paused = True
+    if paused:                             # the scan ended at the victim: nobody waiting is taken
+        return fitting
+    for r in state.waiting:
+        if kv.caching and passed_over(kv, r, produced):
+            continue
+        need = blocks_one_step(kv, r)
+        if len(fitting) >= max_requests or scheduled + need > kv.num_free_blocks:
+            break
+        fitting.append(r)
+        scheduled += need
+    return fitting
+
+
+def passed_over(kv: KVPool, r: Request, produced: set[int]) -> bool:
+    """The skip rule (``beneficialToSkip``): True if ``r``'s first uncached block is one another
+    request of this scan produces; else ``r`` now produces it."""
+    block = new_context_block(kv, r)
+    if block is None:
+        return False
+    if block in produced:
+        return True
+    produced.add(block)
+    return False
