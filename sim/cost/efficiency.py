@@ -27,6 +27,8 @@ class Efficiency:
     # GPU generation through MATMUL_FLOPS_FIT (``Efficiency.for_gpu``).
     matmul_flops_fp8: float = 0.68
     matmul_flops_fp4: float = 0.68
+    matmul_flops_w8a16: float = 0.68     # weight-only kernels (Marlin): math at the activation dtype's peak
+    matmul_flops_w4a16: float = 0.68
     mem_bw: float = 0.83            # weight + activation streaming in the linear layers
     attn_flops: float = 0.50        # prefill attention math (FlashAttention, tensor cores)
     attn_decode_flops: float = ATTN_DECODE_FLOPS  # paged decode attention: CUDA cores, per query head
@@ -78,7 +80,8 @@ class Efficiency:
     @classmethod
     def peak(cls) -> Efficiency:
         """The pure peak-rate roofline: every fraction 1, no fixed costs, the hard max(c, m)."""
-        return cls(matmul_flops=1.0, matmul_flops_fp8=1.0, matmul_flops_fp4=1.0, mem_bw=1.0, attn_flops=1.0, attn_decode_flops=1.0, attn_mem_bw=1.0,
+        return cls(matmul_flops=1.0, matmul_flops_fp8=1.0, matmul_flops_fp4=1.0, matmul_flops_w8a16=1.0,
+                   matmul_flops_w4a16=1.0, mem_bw=1.0, attn_flops=1.0, attn_decode_flops=1.0, attn_mem_bw=1.0,
                    interconnect=1.0, layer_fixed_s=0.0, engine="none", overhead_s=0.0, tp_overhead_s=0.0,
                    per_seq_s=0.0, pipeline_stages=math.inf, ridge_law="time = max(c, m)",
                    justification="peak-rate roofline, no losses")
@@ -90,23 +93,35 @@ class Efficiency:
         return cls(engine=e.name, overhead_s=e.step_s, tp_overhead_s=e.tp_step_s, per_seq_s=e.per_seq_s)
 
     @classmethod
-    def for_gpu(cls, gpu: GpuSpec, base: Efficiency | None = None) -> Efficiency:
+    def for_gpu(cls, gpu: GpuSpec, base: Efficiency | None = None, moe: bool = False) -> Efficiency:
         """``base`` (default: the defaults) with the matmul fractions fitted for ``gpu``'s
-        generation (``MATMUL_FLOPS_FIT``), where there are any."""
+        generation and the model's kind (``moe``: a mixture of experts; ``MATMUL_FLOPS_FIT``),
+        where there are any."""
         base = base or cls()
+        kind = "moe" if moe else "dense"
         updates = {f"matmul_flops{'' if prec == 'bf16' else '_' + prec}": value
-                   for (gen, prec), value in MATMUL_FLOPS_FIT.items() if gen == gpu.generation}
+                   for (gen, prec, k), value in MATMUL_FLOPS_FIT.items() if gen == gpu.generation and k == kind}
         return dataclasses.replace(base, **updates) if updates else base
 
     def matmul_fraction(self, precision: str) -> float:
         """The achieved fraction of the peak for GEMMs at ``precision`` (bf16/fp16/fp32, fp8, fp4)."""
-        return {"fp8": self.matmul_flops_fp8, "fp4": self.matmul_flops_fp4}.get(precision, self.matmul_flops)
+        return {"fp8": self.matmul_flops_fp8, "fp4": self.matmul_flops_fp4, "w8a16": self.matmul_flops_w8a16,
+                "w4a16": self.matmul_flops_w4a16}.get(precision, self.matmul_flops)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-# Fitted matmul fractions per (GpuSpec.generation, GEMM precision: "bf16" | "fp8" | "fp4"),
-# for Efficiency.for_gpu. Empty until fitted against public measurements: every entry
-# missing here falls back to Efficiency's field (0.68, fitted on A100/H100 bf16/fp16 runs).
-MATMUL_FLOPS_FIT: dict[tuple[str, str], float] = {}
+# Fitted matmul fractions per (GpuSpec.generation, GEMM class: "fp8" | "fp4" | "w8a16" |
+# "w4a16", model kind: "dense" | "moe"), for Efficiency.for_gpu; written by
+# `python benchmarks/bench_presets_public.py --serving --fit` from the training models' rows
+# of calibrate/profiles/public_serving/ (vLLM 0.10-0.25 serving runs of gpt-oss-120b,
+# Qwen3-32B, Qwen3-235B-A22B and Mistral-Small-24B; rows per entry beside it). The MoE entries
+# are far below a GEMM kernel's efficiency because they also absorb what the roofline leaves
+# out at those runs (grouped expert GEMMs with few tokens per expert, dequantization, the API
+# server's streaming work with 1,000 requests in flight): read them as what a step of that
+# model class costs on that generation, not as tensor-core utilisation, and they apply to
+# MoE models only. A (generation, class, kind) without an entry, bf16 and fp16 keep
+# Efficiency's fields (0.68, fitted on A100/H100 bf16/fp16 batches): dense FP8 on Hopper
+# has no public vLLM >= 0.10 run here, so its trust line says "unknown".
+MATMUL_FLOPS_FIT: dict[tuple[str, str, str], float] = {}

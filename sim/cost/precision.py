@@ -42,6 +42,7 @@ KV_CACHE_DTYPES = ("auto",) + tuple(KV_CACHE_BYTES)
 QUANTIZED_SCOPES = ("linear", "experts")   # every decoder-layer GEMM | the MoE experts only
 # The tensor-core class a GEMM of that weight format runs on, where the GPU has it.
 _GEMM_CLASS = {"fp8": "fp8", "nvfp4": "fp4", "mxfp4": "fp4"}
+_WEIGHT_ONLY = {"fp8": "w8a16", "fp4": "w4a16"}     # where the GPU lacks the tensor cores
 
 
 def weight_dtype_name(value: str) -> str:
@@ -104,13 +105,14 @@ class Precision:
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def gemm_precision(self, gpu: Any) -> str:
-        """The tensor-core class the quantized GEMMs run at on ``gpu``: "fp8" or "fp4" where the
+        """The kernel class the quantized GEMMs run as on ``gpu``: "fp8" or "fp4" where the
         GPU has that peak (``GpuSpec.peak_flops_fp8`` / ``peak_flops_fp4`` > 0), else the
-        activation dtype (weight-only kernels: Marlin W8A16 / W4A16)."""
+        weight-only kernels (Marlin W8A16 / W4A16: "w8a16" / "w4a16"), whose math runs at
+        the activation dtype's peak; the activation dtype itself for unquantized weights."""
         cls = _GEMM_CLASS.get(self.weights)
         if cls is None:
             return self.dtype
-        return cls if (getattr(gpu, f"peak_flops_{cls}", 0) or 0) > 0 else self.dtype
+        return cls if (getattr(gpu, f"peak_flops_{cls}", 0) or 0) > 0 else _WEIGHT_ONLY[cls]
 
     def label(self) -> str:
         """"bf16", or "bf16-w_fp8-kv_fp8" when weights or KV differ from the activation dtype."""

@@ -125,7 +125,7 @@ class Roofline:
                                  f"{what} ({count}); pick a divisor of it")
         self.model, self.gpu, self.tensor_parallel, self.dtype = model, gpu, t, dtype
         self.precision, self.expert_parallel = precision, expert_parallel
-        self.eff = eff = efficiency or Efficiency.for_gpu(gpu)
+        self.eff = eff = efficiency or Efficiency.for_gpu(gpu, moe=model.is_moe)
         self.dtype_bytes = db = DTYPE_BYTES[dtype]
         h, n_layers, inter = model.hidden_size, model.num_layers, model.intermediate_size
         q_dim, kv_dim = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
@@ -419,7 +419,8 @@ def preset_profile(model: str | dict[str, Any], gpu: str, tensor_parallel: int =
     precision = Precision(dtype=dtype, weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype or "auto",
                           quantized=scope)
     if efficiency is None:
-        efficiency = Efficiency.for_gpu(gpu_spec, None if engine == DEFAULT_ENGINE else Efficiency.for_engine(engine))
+        efficiency = Efficiency.for_gpu(gpu_spec, None if engine == DEFAULT_ENGINE else Efficiency.for_engine(engine),
+                                        moe=shape.is_moe)
     return analytic_profile(shape, gpu_spec, tensor_parallel, dtype, efficiency, precision=precision,
                             expert_parallel=expert_parallel)
 

@@ -165,9 +165,9 @@ def test_gemm_rate_follows_the_hardware() -> None:
     fp8 = Precision(weight_dtype="fp8")
     assert fp8.gemm_precision(GPU_PRESETS["h100-sxm"]) == "fp8"       # W8A8 on FP8 tensor cores
     assert fp8.gemm_precision(GPU_PRESETS["l40s"]) == "fp8"           # Ada has FP8
-    assert fp8.gemm_precision(GPU_PRESETS["a100-80gb"]) == "bf16"     # Marlin W8A16 on Ampere
+    assert fp8.gemm_precision(GPU_PRESETS["a100-80gb"]) == "w8a16"    # Marlin W8A16 on Ampere
     fp4 = Precision(weight_dtype="mxfp4")
-    assert fp4.gemm_precision(GPU_PRESETS["h200"]) == "bf16"          # weight-only on Hopper
+    assert fp4.gemm_precision(GPU_PRESETS["h200"]) == "w4a16"         # weight-only on Hopper
     assert fp4.gemm_precision(GPU_PRESETS["b200-sxm"]) == "fp4"
     llama = MODEL_PRESETS["llama-3.1-70b"]
     # Compute-bound prefill: FP8 on H100 at 2x the peak runs faster than bf16; on A100 (bf16 math) it
@@ -285,12 +285,14 @@ def test_more_model_presets_by_hand() -> None:
 
 
 def test_a_fitted_matmul_fraction_is_a_table_lookup(monkeypatch) -> None:
-    from sim.cost import roofline
-    monkeypatch.setitem(roofline.MATMUL_FLOPS_FIT, ("hopper", "fp8"), 0.5)
+    from sim.cost import efficiency
+    monkeypatch.setattr(efficiency, "MATMUL_FLOPS_FIT", {("hopper", "fp8", "dense"): 0.5, ("hopper", "fp8", "moe"): 0.2})
     assert Efficiency.for_gpu(GPU_PRESETS["h200"]).matmul_flops_fp8 == 0.5
+    assert Efficiency.for_gpu(GPU_PRESETS["h200"], moe=True).matmul_flops_fp8 == 0.2
     assert Efficiency.for_gpu(GPU_PRESETS["b200-sxm"]).matmul_flops_fp8 == Efficiency().matmul_flops
     prof = preset_profile("llama-3.1-70b", "h200", 2, weight_dtype="fp8")
     assert prof.efficiency["matmul_flops_fp8"] == 0.5 and prof.provenance["gemm_precision"] == "fp8"
+    assert preset_profile("qwen3-30b-a3b", "h200", weight_dtype="fp8").efficiency["matmul_flops_fp8"] == 0.2
 
 
 @pytest.mark.parametrize("change, words", [

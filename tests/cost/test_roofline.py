@@ -246,7 +246,7 @@ def test_every_preset_pair_builds_fast() -> None:
             assert prof.name == f"{model}@{gpu}-tp1-bf16{label}"
             assert prof.step_time_s(decode_batch(4, 100)) > prof.overhead_s > 0
             notes = ({"weight_dtype": shipped[0], "quantized": shipped[1],
-                      "gemm_precision": "fp4" if GPU_PRESETS[gpu].peak_flops_fp4 else "bf16"} if shipped else {})
+                      "gemm_precision": "fp4" if GPU_PRESETS[gpu].peak_flops_fp4 else "w4a16"} if shipped else {})
             assert prof.provenance == {"source": "analytic-roofline", "gpu": gpu, "model": model,
                                        "tensor_parallel": 1, "dtype": "bf16",
                                        "generator": "sim.cost.roofline", "batchsim_format": FORMAT_VERSION,
@@ -306,7 +306,7 @@ def test_profile_round_trips_through_files(tmp_path, suffix: str) -> None:  # ty
         assert loaded.step_time_s(batch) == prof.step_time_s(batch)
     assert loaded.kv_capacity_tokens(0.9) == prof.kv_capacity_tokens(0.9)
     assert loaded.model == prof.model and loaded.model.rope_theta == 500000.0
-    assert loaded.efficiency == dataclasses.asdict(Efficiency())
+    assert loaded.efficiency == dataclasses.asdict(Efficiency.for_gpu(GPU_PRESETS["h100-sxm"]))
     assert loaded.provenance == prof.provenance
 
 
