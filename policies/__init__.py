@@ -13,9 +13,11 @@ import dataclasses
 from typing import Any
 
 from policies.dynamic import DynamicConfig, DynamicPolicy
+from policies.lmdeploy import LmdeployConfig, LmdeployPolicy
 from policies.orca import OrcaConfig, OrcaPolicy
 from policies.sarathi import SarathiConfig, SarathiPolicy
 from policies.static import StaticConfig, StaticPolicy
+from policies.tgi import TgiConfig, TgiPolicy
 from policies.vllm import VllmConfig, VllmPolicy
 from policies.vllm_v1 import VllmV1Config, VllmV1Policy
 from sim.core.policy import Policy, PolicyContext
@@ -28,6 +30,8 @@ POLICIES: dict[str, tuple[type, type]] = {
     "vllm": (VllmConfig, VllmPolicy),
     "sarathi": (SarathiConfig, SarathiPolicy),
     "vllm_v1": (VllmV1Config, VllmV1Policy),
+    "tgi": (TgiConfig, TgiPolicy),
+    "lmdeploy": (LmdeployConfig, LmdeployPolicy),
 }
 
 

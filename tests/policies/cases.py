@@ -46,6 +46,14 @@ CASES: dict[str, PolicyCase] = {
                            "long_prefill_token_threshold": st.sampled_from([0, 16, 100]),
                            "watermark": st.sampled_from([0.0, 0.05])},
                           {"max_num_batched_tokens": 4096}),
+    "tgi": PolicyCase({"max_concurrent_requests": 4, "max_batch_prefill_tokens": 64},
+                      {"max_concurrent_requests": st.integers(1, 8), "max_batch_prefill_tokens": st.integers(8, 600),
+                       "attention": st.sampled_from(["flashinfer", "flashdecoding", "paged"]),
+                       "max_waiting_tokens": st.integers(1, 30), "waiting_served_ratio": st.floats(0.1, 1.5)}),
+    "lmdeploy": PolicyCase({"max_batch_size": 4, "max_prefill_token_num": 64},
+                           {"max_batch_size": st.integers(1, 8), "max_prefill_token_num": st.integers(8, 600),
+                            "prefill_interval": st.integers(1, 20), "block_size": st.sampled_from([16, 32, 64]),
+                            "enable_prefix_caching": st.booleans()}),
 }
 
 KINDS: tuple[str, ...] = tuple(CASES)

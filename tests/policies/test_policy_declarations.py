@@ -53,6 +53,8 @@ DEFAULTS = {
     "vllm": (4096, 256, False),             # max(4096, 2048) = 4096
     "sarathi": (512, 256, False),
     "vllm_v1": (2048, 256, False),          # unknown device: vLLM's 2048 / 256, min(2048, 256 x 4096) = 2048
+    "tgi": (4096, 128, False),              # max_batch_prefill_tokens 4096, max_concurrent_requests 128
+    "lmdeploy": (8192, 128, False),         # max_prefill_token_num 8192; unknown device: max_batch_size 128
 }
 
 
