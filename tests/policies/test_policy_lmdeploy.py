@@ -234,3 +234,18 @@ def test_cached_full_blocks_cost_no_prefill_budget():
     c = Request(2, 1.0, 70, 5, content=(902, 9, 70))
     assert st.add_arrival(b, 5, 1.0) and st.add_arrival(c, 5, 1.0)
     assert p.schedule(st, 1.0).items == (BatchItem(1, 30, 64), BatchItem(2, 70, 0))
+
+
+# ---- the loop's fast path under the non-default knobs (the CASES runs use the defaults) --------
+@pytest.mark.parametrize("policy", [{"kind": "lmdeploy", "block_size": 16},
+                                    {"kind": "lmdeploy", "block_size": 16, "prefill_interval": 32},
+                                    {"kind": "lmdeploy", "block_size": 16, "max_prefill_token_num": 128},
+                                    {"kind": "lmdeploy", "block_size": 16, "enable_prefix_caching": True}])
+def test_fast_path_keeps_lmdeploys_steps(policy: dict) -> None:
+    # 120 blocks x 16 = 1,920 token slots for requests of up to 700 tokens: decodes preempt; with a
+    # prefill_interval of 32 a decode preallocates 2 blocks (no stretch); 128-token chunks
+    from test_policy_tgi import checked_equals_fast, tight
+
+    from sim.run.config import workload_from_dict
+    summary = checked_equals_fast(lambda: workload_from_dict(tight(policy, 120)))
+    assert summary["completed"] == 120 and summary["num_preemptions"] > 0

@@ -210,3 +210,46 @@ def test_without_chunking_a_prompt_over_the_prefill_budget_is_refused():
     r = Request(0, 0.0, 65, 5)
     assert not st.add_arrival(r, 5, 0.0) and r.reject_reason == "prompt_limit"
     assert isinstance(tgi(attention="paged").schedule(st, 0.0), Idle)
+
+
+# ---- the loop's fast path under the non-default knobs (the CASES runs use the defaults) --------
+def tight(policy: dict, num_blocks: int, block_size: int = 16) -> dict:
+    """Long outputs on a small KV pool (tests/loop/test_fast_path.py's tight workload)."""
+    return {"name": "tight", "seed": 3, "num_requests": 120,
+            "arrivals": {"kind": "gamma", "rate": 40.0, "cv": 2.0},
+            "lengths": {"kind": "uniform", "prompt_min": 16, "prompt_max": 300, "output_min": 20, "output_max": 400},
+            "policy": policy, "server": {"num_blocks": num_blocks, "block_size": block_size, "max_model_len": 1024},
+            "profile": {"model": "llama-2-7b", "gpu": "a100-80gb"}}
+
+
+def checked_equals_fast(make_cfg) -> dict:
+    """Run with every stretch stepped through the policy and checked, then on the fast path: the
+    same results; returns the summary."""
+    import pandas as pd
+    from sim.run.runner import run_workload
+    checked = run_workload(make_cfg(), check_stretch=True)
+    fast = run_workload(make_cfg())
+    for name in ("requests", "steps", "tokens"):
+        pd.testing.assert_frame_equal(getattr(checked, name), getattr(fast, name), check_exact=True, obj=name)
+    assert checked.summary == fast.summary
+    return fast.summary
+
+
+@pytest.mark.parametrize("policy,num_blocks", [({"kind": "tgi"}, 1920), ({"kind": "tgi", "attention": "paged"}, 120),
+                                               ({"kind": "tgi", "attention": "flashdecoding"}, 8),
+                                               ({"kind": "tgi", "prefix_caching": True}, 1920)])
+def test_fast_path_keeps_tgis_steps(policy: dict, num_blocks: int) -> None:
+    # 1,920 token slots under each page size (1 token x 1920, 16 x 120, 256 x 8 blocks)
+    from sim.run.config import workload_from_dict
+    summary = checked_equals_fast(lambda: workload_from_dict(tight(policy, num_blocks)))
+    assert summary["completed"] == 120 and summary["num_preemptions"] == 0     # reserved at admission
+
+
+def test_fast_path_keeps_tgis_steps_with_shared_prefixes() -> None:
+    from pathlib import Path
+
+    from sim.run.config import load_workload
+    path = Path(__file__).resolve().parents[2] / "workloads" / "prefix_repetition.yaml"
+    summary = checked_equals_fast(lambda: load_workload(path, {"num_requests": 150, "policy.kind": "tgi",
+                                                               "policy.prefix_caching": True}))
+    assert summary["prefix_cache_hits"] > 0
