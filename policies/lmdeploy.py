@@ -48,9 +48,11 @@ decoding, multimodal spans in long prompts, DP/EP, PD disaggregation and KV conn
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 from typing import TYPE_CHECKING, Any, Literal
 
 from policies.base import config_knobs, knob, plain_stretch_shape
+from policies.lmdeploy_queue import SHORT_TURNS, prefill_order, requeue_by_arrival
 from sim.core.batch import Batch, BatchItem, Idle
 from sim.core.kv import BlockManager
 from sim.core.policy import KvMemory, PolicyContext, StretchShape
@@ -60,8 +62,6 @@ from sim.core.request import Request, Status
 if TYPE_CHECKING:
     from sim.core.state import SchedulerState
 
-SHORT_TURNS = 3                 # LMDEPLOY_PT_TTFT_SHORT_TURNS: short prefills before a due long chunk
-AGING_S_PER_CHUNK = 2.0         # LMDEPLOY_PT_TTFT_AGING_SEC: a long prompt's wait credit per chunk
 # utils.get_max_batch_size: device name fragment -> max_batch_size (others: 128)
 MAX_BATCH_SIZES = {"a100": 384, "a800": 384, "h100": 1024, "h800": 1024, "l20y": 1024, "h200": 1024}
 
@@ -213,7 +213,9 @@ class LmdeployPolicy:
             return []
         kv = state.kv
         bs = kv.block_size
-        order = self._order(state, now_s, turn)
+        # a standard turn stops at its first misfit: it never looks past ``room`` requests
+        waiting = list(islice(state.waiting, room)) if turn == "standard" else list(state.waiting)
+        order = prefill_order(waiting, cfg.max_prefill_token_num, now_s, turn)
         items: list[BatchItem] = []
         tokens = 0
         for r in order:
@@ -246,24 +248,6 @@ class LmdeployPolicy:
                 self._long, self._short_turns = r, 0
                 break
         return items
-
-    def _order(self, state: SchedulerState, now_s: float, turn: str) -> list[Request]:
-        """``_PrefillReorderer``: arrival order, or the short and long turns' orders."""
-        waiting = list(state.waiting)                 # kept in arrival order (_requeue)
-        if turn == "standard":
-            return waiting
-        limit = self.config.max_prefill_token_num
-        normal = sorted((r for r in waiting if r.num_uncomputed_tokens <= limit),
-                        key=lambda r: (r.num_uncomputed_tokens, r.arrival_s))
-        longs = [r for r in waiting if r.num_uncomputed_tokens > limit]
-        if turn == "short_only" or not longs:
-            return normal + longs
-
-        def key(r: Request) -> tuple:
-            chunks = -(-r.num_uncomputed_tokens // limit)
-            return chunks - int(max(0.0, now_s - r.arrival_s) // AGING_S_PER_CHUNK), chunks, r.arrival_s
-        longs.sort(key=key)
-        return [longs[0]] + normal + longs[1:]
 
     def _chunk(self, state: SchedulerState, long: Request | None) -> list[BatchItem]:
         """The long prompt's next chunk (``_build_active_chunk``), if its blocks fit; [] if not."""
@@ -300,7 +284,7 @@ class LmdeployPolicy:
                 kv.allocate(r, computed + interval)
                 continue
             state.preempt(r)
-            _requeue(state, r)
+            requeue_by_arrival(state.waiting)
             valid[i] = False
         items = []
         caching = kv.caching
@@ -312,14 +296,3 @@ class LmdeployPolicy:
                     kv.cache(r, computed + 1)      # the token completes its block
         return items
 
-
-def _requeue(state: SchedulerState, r: Request) -> None:
-    """Move ``r`` (just preempted, at the queue's front) to its place by arrival, as LMDeploy
-    sorts the waiting queue by ``arrive_time``."""
-    waiting = state.waiting
-    i = 1
-    while i < len(waiting) and (waiting[i].arrival_s, waiting[i].req_id) < (r.arrival_s, r.req_id):
-        i += 1
-    if i > 1:
-        waiting.popleft()
-        waiting.insert(i - 1, r)

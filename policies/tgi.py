@@ -1,13 +1,18 @@
 """Text Generation Inference (TGI), router v3: the batching loop of its last release line, v3.3.x.
 
-TGI (huggingface/text-generation-inference) is in maintenance mode: its README says so and points
-users to vLLM and SGLang, and v3.3.x is the last release line (we could not pin the exact patch tag
-from the index we read; nothing in the router's scheduling changed after v3.0's prefill chunking).
-Source read: ``backends/v3/src/backend.rs`` (``batching_task``), ``backends/v3/src/queue.rs``
-(``State::next_batch``, the v3.2+ version with ``support_chunking`` and ``is_hpu_device``),
-``backends/v3/src/block_allocator.rs`` and ``radix.rs``, ``launcher/src/main.rs``
-(``resolve_attention`` and the argument defaults) and the shard's
+TGI (huggingface/text-generation-inference) is in maintenance mode, its last release line v3.3.x:
+that is what this work's brief states; offline we could confirm neither that nor the exact patch
+tag (the index holds TGI's own repo up to a 3.1.1-dev0 workspace, and forks that track v3.2+).
+We model the v3.2+ router files below and take v3.3.x's scheduling to be theirs.
+Source read: ``backends/v3/src/backend.rs`` (``batching_task``, chunking version, fork
+JulienDelavande/text-generation-inference), ``backends/v3/src/queue.rs`` (``State::next_batch``,
+the v3.2+ version with ``support_chunking`` and ``is_hpu_device``, fork
+wdunn001/text-generation-inference), ``backends/v3/src/block_allocator.rs`` and ``radix.rs``,
+``launcher/src/main.rs`` (``resolve_attention``, the argument defaults) and the shard's
 ``server/text_generation_server/models/flash_causal_lm.py`` (``generate_token``: the next chunk).
+``max_batch_prefill_tokens``: TGI 3's launcher derives a default from the GPU and the model when
+it is unset, a rule we could not read (the launcher file we could read is older: ``max_input_tokens
++ 50``); we use 4096.
 
 The router keeps one running batch. ``attention`` (the launcher's ``ATTENTION``; flashinfer is
 its default on CUDA >= sm80) decides the KV page (flashinfer 1 token, flashdecoding 256, paged 16)
@@ -80,7 +85,7 @@ TGI_WIGGLE_ROOM = 0.95          # the shard's share of the free memory after war
 class TgiConfig:
     kind: Literal["tgi"] = "tgi"
     max_batch_prefill_tokens: int = knob(4096, "most prompt tokens per prefill, and with chunking per step "
-                                               "(TGI's fallback default 4096)")
+                                               "(4096; TGI 3 derives its default from the GPU and model)")
     max_waiting_tokens: int = knob(20, "without chunking: decode steps after which any waiting request may "
                                        "join (TGI's default 20)")
     waiting_served_ratio: float = knob(0.3, "without chunking: waiting requests needed, as a share of the "

@@ -9,7 +9,8 @@ import pytest
 from conftest import add, linear_profile, make_state
 
 from policies import make_policy
-from policies.lmdeploy import LmdeployConfig, LmdeployPolicy, _requeue
+from policies.lmdeploy import LmdeployConfig, LmdeployPolicy
+from policies.lmdeploy_queue import requeue_by_arrival
 from sim.core.batch import Batch, BatchItem
 from sim.core.policy import KvMemory, PolicyContext
 from sim.core.prefix import PrefixCachePool
@@ -151,14 +152,14 @@ def test_the_newest_is_served_first_so_an_older_request_can_be_the_victim():
 
 def test_preempted_requests_wait_in_arrival_order():
     # LMDeploy sorts the waiting queue by arrive_time. A (t=0) is preempted, then B (t=1): the
-    # state puts each at the front ([B, A, C]); _requeue moves B behind A: [A, B, C]
+    # state puts each at the front ([B, A, C]); requeue_by_arrival moves B behind A: [A, B, C]
     st = make_state(num_blocks=100, block_size=16)
     a = decoding(st, 0, 32, arrival_s=0.0)
     b_ = decoding(st, 1, 32, arrival_s=1.0)
     c = add(st, 2, 8, 5, arrival_s=2.0)
     for r in (a, b_):
         st.preempt(r)
-        _requeue(st, r)
+        requeue_by_arrival(st.waiting)
     assert list(st.waiting) == [a, b_, c]
 
 
