@@ -90,8 +90,10 @@ def default_max_batch_size(context: PolicyContext) -> int:
 class LmdeployPolicy:
     # Fast path (sim.loop.stretch): with nothing waiting, every step decodes all running requests
     # (case (a)); a decode grows by one block at a block boundary, as the loop's stretch does, when
-    # block_size >= prefill_interval. With requests waiting the decode counter moves every step
-    # (rule 1), so stretch_shape refuses case (b); a long prompt's chunks end any stretch.
+    # block_size >= prefill_interval (stretch_shape refuses smaller pages). With requests waiting
+    # the decode counter moves every step (rule 1), so stretch_shape refuses case (b); a long
+    # prompt's chunks end any stretch.
+    decode_stretch = True
     chunk_stretch = False          # no case (c): see Policy
     holds_batch = False
     refuses_by_prompt = False
@@ -111,7 +113,6 @@ class LmdeployPolicy:
         self.kv_memory = KvMemory(config.cache_max_entry_count, "free")
         self.prefix_caching = config.enable_prefix_caching
         self.kv_pool_class = PrefixCachePool if self.prefix_caching else BlockManager
-        self.decode_stretch = config.block_size >= config.prefill_interval
         self._decode_count = 0                 # inputs_maker's _decode_count
         self._short_turns = 0                  # _short_prefill_turns_since_long_chunk
         self._last_kind: str | None = None     # the kind of the step just scheduled
@@ -119,8 +120,11 @@ class LmdeployPolicy:
         self._state: SchedulerState | None = None    # the state of the last step (stretch_shape reads its queue)
 
     def stretch_shape(self, running, live_context, num_live, prefilling) -> StretchShape | None:
-        if self._state is not None and self._state.waiting:     # case (b): the decode counter moves
+        state = self._state
+        if state is None or state.waiting:            # case (b): the decode counter moves every step
             return None
+        if state.kv.block_size < self.config.prefill_interval:
+            return None                                # a decode's prealloc takes blocks two at a time
         return plain_stretch_shape(self, running, live_context, num_live, prefilling)
 
     def knobs(self) -> dict[str, Any]:
@@ -216,6 +220,7 @@ class LmdeployPolicy:
         # a standard turn stops at its first misfit: it never looks past ``room`` requests
         waiting = list(islice(state.waiting, room)) if turn == "standard" else list(state.waiting)
         order = prefill_order(waiting, cfg.max_prefill_token_num, now_s, turn)
+        capacity = kv.num_blocks * bs                  # a prealloc past the pool is cut (LMDeploy would hang)
         items: list[BatchItem] = []
         tokens = 0
         for r in order:
@@ -232,7 +237,7 @@ class LmdeployPolicy:
                 if turn == "short_only":
                     continue
                 break
-            target = cached + limit if is_long else r.num_uncomputed_tokens + cfg.prefill_interval
+            target = cached + limit if is_long else min(r.num_uncomputed_tokens + cfg.prefill_interval, capacity)
             need = kv.num_blocks_for(target) - len(hit) + (kv.num_evictable(hit) if hit else 0)
             if need > kv.num_free_blocks:
                 break
@@ -259,7 +264,7 @@ class LmdeployPolicy:
         rest = long.num_uncomputed_tokens
         final = rest <= limit
         n = rest if final else limit
-        target = computed + n + (self.config.prefill_interval if final else 0)
+        target = min(computed + n + (self.config.prefill_interval if final else 0), kv.num_blocks * kv.block_size)
         if not kv.can_allocate(long, target):
             return []
         kv.allocate(long, target)
@@ -274,14 +279,16 @@ class LmdeployPolicy:
         kv = state.kv
         bs = kv.block_size
         interval = self.config.prefill_interval
+        capacity = kv.num_blocks * bs
         valid = [True] * len(decoding)
         for i in range(len(decoding) - 1, -1, -1):
             r = decoding[i]
             computed = r.num_computed_tokens
             if computed < len(r.block_ids) * bs:
                 continue
-            if kv.can_allocate(r, computed + interval):
-                kv.allocate(r, computed + interval)
+            target = min(computed + interval, capacity)
+            if kv.can_allocate(r, target):
+                kv.allocate(r, target)
                 continue
             state.preempt(r)
             requeue_by_arrival(state.waiting)

@@ -124,6 +124,15 @@ def test_a_prefill_needs_blocks_for_its_tokens_plus_the_prealloc_and_stops_at_th
     assert st.kv.num_free_blocks == 2 and [r.req_id for r in st.waiting] == [2, 3]
 
 
+def test_the_prefill_prealloc_is_cut_at_the_pool():
+    # 4 blocks of 16 = 64 tokens; prompt 50 + max_tokens 14 = 64 fits the pool, but 50 + 16 = 66
+    # tokens of prealloc would need 5 blocks: cut to the pool's 64 (LMDeploy itself would wait forever)
+    st = make_state(num_blocks=4, block_size=16)
+    r = add(st, 0, 50, 14)
+    assert lmdeploy(block_size=16).schedule(st, 0.0).items == (BatchItem(0, 50, 0),)
+    assert len(r.block_ids) == 4
+
+
 # ---- rule 3: decode and preemption ---------------------------------------------------------------
 def test_a_decode_that_cannot_grow_preempts_itself_newest_first():
     # Ported from lmdeploy tests/pytorch/paging/test_scheduler.py, TestScheduler.test_evict ("test

@@ -53,6 +53,14 @@ def test_bad_attention_and_prefix_caching_on_paged_are_refused():
         tgi(attention="paged", prefix_caching=True)
 
 
+def test_enable_prefix_caching_points_to_tgis_own_knob():
+    from policies.config import policy_config
+    from sim.base.strict import ConfigError
+    with pytest.raises(ConfigError, match="policy tgi names it 'policy.prefix_caching'"):
+        policy_config({"kind": "tgi", "enable_prefix_caching": True}, "w.yaml")
+    assert policy_config({"kind": "tgi", "prefix_caching": True}, "w.yaml").prefix_caching
+
+
 # ---- with chunking (flashinfer, 1-token pages) ----------------------------------------------------
 def test_new_prefills_join_the_running_batch_and_the_overflowing_prompt_is_cut():
     st = make_state(num_blocks=10_000, block_size=1)
