@@ -19,7 +19,8 @@ defaults) and ``utils.get_max_batch_size``. Chunked prefill of the new engine mo
 2. A prefill admits waiting requests by arrival while fewer than ``max_batch_size`` run: the first
    always, a later one only while the step's tokens stay within ``max_prefill_token_num`` (else the
    scan stops); each needs blocks for all its tokens plus ``prefill_interval`` (the engine's
-   prealloc), and the first that does not fit stops the scan.
+   prealloc; cut at the pool's size, where LMDeploy would wait forever), and the first that does
+   not fit stops the scan.
 3. A decode walks the running requests from the newest: one whose next token has no slot needs
    blocks for ``prefill_interval`` tokens more; if the pool cannot give them it preempts *itself*
    (recompute: blocks freed, back to the waiting queue by arrival), so an older request can be the
@@ -32,9 +33,10 @@ defaults) and ``utils.get_max_batch_size``. Chunked prefill of the new engine mo
    waiting the prefill turn tries short ones first (smallest first) until the long turn is due,
    then the long prompt with the fewest chunks (aged by 2 s a chunk) goes first. Its last chunk
    runs at once, as a prefill.
-5. The pool: ``cache_max_entry_count`` (0.8) of the memory free after the weights and a profiling
-   forward (``KvMemory(0.8, "free")``), in blocks of ``block_size`` (64); one block is reserved
-   for dummy inputs. ``max_batch_size`` unset: 1024 on H100/H800/H200/L20Y, 384 on A100/A800, else
+5. The pool: ``cache_max_entry_count`` (0.8) of the memory free after the weights, less the
+   runtime buffers of a ``max_prefill_token_num`` step (``engine/executor/base.py``,
+   ``_get_runtime_size``): ``KvMemory(0.8, "free")``, in blocks of ``block_size`` (64); one block
+   is reserved for dummy inputs. ``max_batch_size`` unset: 1024 on H100/H800/H200/L20Y, 384 on A100/A800, else
    128 (``get_max_batch_size``).
 6. ``enable_prefix_caching`` (off, as in LMDeploy): a waiting request first takes its cached full
    blocks (``sim.core.prefix``'s pool stands in for LMDeploy's ``BlockTrie``); the hit tokens cost
