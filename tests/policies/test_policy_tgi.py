@@ -65,7 +65,8 @@ def test_enable_prefix_caching_points_to_tgis_own_knob():
 def test_new_prefills_join_the_running_batch_and_the_overflowing_prompt_is_cut():
     st = make_state(num_blocks=10_000, block_size=1)
     p = tgi(max_batch_prefill_tokens=100)
-    r0, r1, r2 = (decoding(st, i, 10, 1) for i in range(3))
+    for i in range(3):
+        decoding(st, i, 10, 1)
     add(st, 3, 40, 5)
     add(st, 4, 80, 5)
     # the cached batch: 3 decodes = 3 tokens; room 100 - 3 = 97; A (40) fits, 40 + 80 = 120 > 97:
@@ -220,6 +221,47 @@ def test_without_chunking_a_prompt_over_the_prefill_budget_is_refused():
     assert isinstance(tgi(attention="paged").schedule(st, 0.0), Idle)
 
 
+# ---- ported from TGI's own queue tests (backends/v3/src/queue.rs, mod tests) --------------------
+def tgi_queue_state(num_entries: int) -> SchedulerState:
+    """queue.rs's test state: State::new(requires_padding false, block_size 1, no prefix caching,
+    speculate 0, max_batch_total_tokens 16, no chunking): 16 one-token blocks, block 0 kept; its
+    default_entry has input_length 1 and max_new_tokens 1 (a 1 + 1 - 1 = 1-block reservation)."""
+    st = make_state(num_blocks=16 - 1, block_size=1)
+    for i in range(num_entries):
+        add(st, i, 1, 1)
+    return st
+
+
+def test_next_batch_token_budget_as_queue_rs():
+    # test_next_batch_token_budget: a prefill budget of 1 takes entry 0 only (1 + 1 = 2 > 1); with a
+    # third entry appended, a budget of 3 takes entries 1 and 2
+    st = tgi_queue_state(2)
+    p = tgi(attention="paged")
+    assert [it.req_id for it in p._next_batch(st, 0.0, 1, None)] == [0]
+    add(st, 2, 1, 1)
+    assert [it.req_id for it in p._next_batch(st, 0.0, 3, None)] == [1, 2]
+    assert not st.waiting and st.kv.num_free_blocks == 15 - 3
+
+
+def test_next_batch_min_size_as_queue_rs():
+    # test_next_batch_min_size: both entries go with no min_size; then with one entry queued,
+    # min_size 2 gives nothing and leaves it queued (id 2)
+    st = tgi_queue_state(2)
+    p = tgi(attention="paged")
+    assert [it.req_id for it in p._next_batch(st, 0.0, 2, None)] == [0, 1]
+    add(st, 2, 1, 1)
+    assert p._next_batch(st, 0.0, 2, 2) == [] and [r.req_id for r in st.waiting] == [2]
+    # test_queue_next_batch_min_size: min_size 1 then takes it
+    assert [it.req_id for it in p._next_batch(st, 0.0, 2, 1)] == [2]
+
+
+def test_next_batch_max_size_as_queue_rs():
+    # test_next_batch_max_size: max_size 1 (here the running cap) takes entry 0, entry 1 stays
+    st = tgi_queue_state(2)
+    assert [it.req_id for it in tgi(attention="paged", max_concurrent_requests=1)._next_batch(st, 0.0, 2, None)] == [0]
+    assert [r.req_id for r in st.waiting] == [1]
+
+
 # ---- the loop's fast path under the non-default knobs (the CASES runs use the defaults) --------
 def tight(policy: dict, num_blocks: int, block_size: int = 16) -> dict:
     """Long outputs on a small KV pool (tests/loop/test_fast_path.py's tight workload)."""
@@ -234,6 +276,7 @@ def checked_equals_fast(make_cfg) -> dict:
     """Run with every stretch stepped through the policy and checked, then on the fast path: the
     same results; returns the summary."""
     import pandas as pd
+
     from sim.run.runner import run_workload
     checked = run_workload(make_cfg(), check_stretch=True)
     fast = run_workload(make_cfg())
