@@ -13,10 +13,12 @@ import dataclasses
 from typing import Any
 
 from policies.dynamic import DynamicConfig, DynamicPolicy
+from policies.lmdeploy import LmdeployConfig, LmdeployPolicy
 from policies.orca import OrcaConfig, OrcaPolicy
 from policies.sarathi import SarathiConfig, SarathiPolicy
 from policies.static import StaticConfig, StaticPolicy
 from policies.tensorrt_llm import TensorRtLlmConfig, TensorRtLlmPolicy
+from policies.tgi import TgiConfig, TgiPolicy
 from policies.vllm import VllmConfig, VllmPolicy
 from policies.vllm_v1 import VllmV1Config, VllmV1Policy
 from sim.core.policy import Policy, PolicyContext
@@ -30,6 +32,8 @@ POLICIES: dict[str, tuple[type, type]] = {
     "sarathi": (SarathiConfig, SarathiPolicy),
     "vllm_v1": (VllmV1Config, VllmV1Policy),
     "tensorrt_llm": (TensorRtLlmConfig, TensorRtLlmPolicy),
+    "tgi": (TgiConfig, TgiPolicy),
+    "lmdeploy": (LmdeployConfig, LmdeployPolicy),
 }
 
 

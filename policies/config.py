@@ -70,10 +70,13 @@ def policy_config(data: Any, src: str) -> Any:
     own = {f.name for f in dataclasses.fields(cls)}
     if "enable_prefix_caching" in data and "enable_prefix_caching" not in own:
         flag = data["enable_prefix_caching"]
+        if flag is not False and "prefix_caching" in own:      # TGI's knob has its launcher's name
+            raise ConfigError(f"{src}: field 'policy.enable_prefix_caching': policy {kind} names it "
+                              f"'policy.prefix_caching'")
         if flag is not False:
             raise ConfigError(f"{src}: field 'policy.enable_prefix_caching': policy {kind} has no prefix cache "
-                              f"(it is modelled for policy.kind vllm_v1, vLLM v1's KV manager); remove it or "
-                              f"set it false")
+                              f"(it is modelled for policy.kind vllm_v1, vLLM v1's KV manager, and lmdeploy); "
+                              f"remove it or set it false")
         data = {k: v for k, v in data.items() if k != "enable_prefix_caching"}
     knobs = {k: v for k, v in data.items() if k != "kind"}
     # A knob of another policy (say max_num_batched_tokens on static) is set

@@ -27,6 +27,9 @@ class PolicyCase:
     ranges: dict[str, Any] = field(default_factory=dict)        # hypothesis strategies for the knobs
     alone: dict[str, Any] = field(default_factory=dict)         # knobs that run a lone 1,000-token prompt in
     #                                                             one step, at once (tests/loop/test_analytic.py)
+    stretches_while_waiting: bool = True                        # False: its decode steps move a counter while
+    #                                                             requests wait, so the fast path's case (b) never
+    #                                                             applies (tests/loop/test_stretch_check.py)
 
 
 CASES: dict[str, PolicyCase] = {
@@ -55,6 +58,16 @@ CASES: dict[str, PolicyCase] = {
                                 "context_chunking_policy": st.sampled_from(["FIRST_COME_FIRST_SERVED",
                                                                             "EQUAL_PROGRESS"])},
                                {"max_num_tokens": 4096}),
+    "tgi": PolicyCase({"max_concurrent_requests": 4, "max_batch_prefill_tokens": 64},
+                      {"max_concurrent_requests": st.integers(1, 8), "max_batch_prefill_tokens": st.integers(8, 600),
+                       "attention": st.sampled_from(["flashinfer", "flashdecoding", "paged"]),
+                       "max_waiting_tokens": st.integers(1, 30), "waiting_served_ratio": st.floats(0.1, 1.5)}),
+    # prefill_interval 8: its decode prealloc takes one block at a time on the tests' 8-token pages
+    "lmdeploy": PolicyCase({"max_batch_size": 4, "max_prefill_token_num": 64, "prefill_interval": 8},
+                           {"max_batch_size": st.integers(1, 8), "max_prefill_token_num": st.integers(8, 600),
+                            "prefill_interval": st.integers(1, 20), "block_size": st.sampled_from([16, 32, 64]),
+                            "enable_prefix_caching": st.booleans()},
+                           stretches_while_waiting=False),        # do_prefill's decode counter
 }
 
 KINDS: tuple[str, ...] = tuple(CASES)

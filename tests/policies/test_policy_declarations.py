@@ -54,6 +54,8 @@ DEFAULTS = {
     "sarathi": (512, 256, False),
     "vllm_v1": (2048, 256, False),          # unknown device: vLLM's 2048 / 256, min(2048, 256 x 4096) = 2048
     "tensorrt_llm": (8192, 2048, False),    # max_num_tokens 8192, max_batch_size 2048 (any device)
+    "tgi": (4096, 128, False),              # max_batch_prefill_tokens 4096, max_concurrent_requests 128
+    "lmdeploy": (8192, 128, False),         # max_prefill_token_num 8192; unknown device: max_batch_size 128
 }
 
 
