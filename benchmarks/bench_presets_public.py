@@ -9,6 +9,8 @@ the simulated makespan is compared with the measured latency:
     python benchmarks/bench_presets_public.py                 # before/after table
     python benchmarks/bench_presets_public.py --fit           # refit on the training models
     python benchmarks/bench_presets_public.py --write-errors  # write preset_errors.csv
+    python benchmarks/bench_presets_public.py --serving       # the 2025-26 serving runs (public_serving.py)
+    python benchmarks/bench_presets_public.py --serving --fit --write-errors
 
 "before" is the presets as committed before the tensor-parallel and fixed-cost
 terms (baseline_predictions.csv, git f16a188); "after" is preset_profile as it is
@@ -33,6 +35,7 @@ import simpy
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from sim.core.batch import Batch, StepResult  # noqa: E402
 from sim.cost.collectives import DEFAULT_ENGINE  # noqa: E402
@@ -231,7 +234,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fit", action="store_true", help="refit the terms on the training models and print them")
     p.add_argument("--write-errors", action="store_true", help=f"write {PRESET_ERRORS_PATH.name}")
+    p.add_argument("--serving", action="store_true",
+                   help="the published vLLM >= 0.10 serving runs (TTFT, TPOT) instead of the vLLM 0.5 batches")
     args = p.parse_args()
+    if args.serving:
+        return serving_main(args.fit, args.write_errors)
     rows = load_rows()
     before = load_baseline()
     t0 = time.perf_counter()
@@ -251,6 +258,30 @@ def main() -> int:
             w.writeheader()
             w.writerows(table)
         print(f"wrote {PRESET_ERRORS_PATH}")
+    return 0
+
+
+def serving_main(refit: bool, write: bool) -> int:
+    """Replay the public serving runs (benchmarks/public_serving.py): error tables per GPU x
+    weight precision x TP, held-out models apart; ``refit``: the matmul fractions per
+    (generation, GEMM class, model kind) from the training models; ``write``: the trust table."""
+    import public_serving as ps
+    rows, skipped = ps.load_rows()
+    t0 = time.perf_counter()
+    sims, logs = ps.replay_all(rows)
+    print(f"replayed {len(rows)} runs in {time.perf_counter() - t0:.1f} s")
+    ps.print_check(rows, skipped, sims)
+    if refit:
+        fitted = ps.fit_matmul_fractions(rows, logs)
+        print("\nfitted (sim.cost.efficiency.MATMUL_FLOPS_FIT): " + ", ".join(
+            f"{k}: {v} ({n} rows)" for k, (v, n) in fitted.items()))
+    if write:
+        table = ps.error_rows(rows, sims)
+        with ps.SERVING_ERRORS_CSV.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(table[0]))
+            w.writeheader()
+            w.writerows(table)
+        print(f"wrote {ps.SERVING_ERRORS_CSV}")
     return 0
 
 

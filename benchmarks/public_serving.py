@@ -399,7 +399,8 @@ def fit_matmul_fractions(rows: list[ServingRow], logs: dict[ServingRow, StepLog]
     """Per (generation, GEMM class) of the training rows with quantized weights: the achieved
     fraction of that class's peak that best fits their TTFT and TPOT (a 1-D grid search on mean
     |log error|, repricing each replay's steps: ``repriced``), and how many rows it saw. Each
-    row's quantized GEMMs run in one class, so the classes fit apart."""
+    row's quantized GEMMs run in one class, so the classes fit apart. A class whose best
+    fraction is the grid's floor gets no entry (a miss no GEMM speed explains)."""
     from sim.cost.efficiency import Efficiency
     from sim.cost.presets import GPU_PRESETS
     groups: dict[tuple[str, str], list[ServingRow]] = {}
@@ -421,5 +422,51 @@ def fit_matmul_fractions(rows: list[ServingRow], logs: dict[ServingRow, StepLog]
             score = _score(group, sims)
             if best is None or score < best[0]:
                 best = (score, float(fraction))
-        fitted[key] = (round(best[1], 3), len(group))
+        if best[1] > FIT_GRID[0]:          # at the floor, the miss is not the GEMMs' speed: no entry
+            fitted[key] = (round(best[1], 3), len(group))
     return fitted
+
+
+# ---- the check ---------------------------------------------------------------------
+SERVING_ERRORS_CSV = DATA / "preset_errors.csv"
+
+
+def replay_all(rows: list[ServingRow]) -> tuple[dict[ServingRow, dict[str, float]], dict[ServingRow, StepLog]]:
+    """Every row replayed on today's presets (the fitted table included)."""
+    sims, logs = {}, {}
+    for r in rows:
+        sims[r], logs[r] = replay(r, build_profile(r), profile_spec(r))
+    return sims, logs
+
+
+def group_of(row: ServingRow) -> tuple[str, str, int]:
+    return row.gpu, row.weight_dtype, row.tensor_parallel
+
+
+def error_rows(rows: list[ServingRow], sims: dict[ServingRow, dict[str, float]]) -> list[dict[str, Any]]:
+    """The trust table: per (GPU, weight precision, TP), TTFT and TPOT error on the held-out
+    models' rows and on every row (NaN where a group has no such row)."""
+    held = errors([r for r in rows if r.model not in TRAIN_MODELS], sims, group_of)
+    every = errors(rows, sims, group_of)
+    out = []
+    for key in sorted(k for k in every if k != "all"):
+        h, e = held.get(key, {}), every[key]
+        cell = lambda t, fam, what: round(t[fam][what], 1) if fam in t else ""    # noqa: E731
+        out.append({"gpu": key[0], "weight_dtype": key[1], "tensor_parallel": key[2], "engine": "vllm-v1",
+                    "held_out": HELD_OUT_RULE,
+                    "num_held_out": sum(h[f]["n"] for f in h), "ttft_mae_pct": cell(h, "ttft", "mae"),
+                    "ttft_bias_pct": cell(h, "ttft", "bias"), "tpot_mae_pct": cell(h, "tpot", "mae"),
+                    "tpot_bias_pct": cell(h, "tpot", "bias"), "num_all": sum(e[f]["n"] for f in e),
+                    "ttft_mae_pct_all": cell(e, "ttft", "mae"), "tpot_mae_pct_all": cell(e, "tpot", "mae"),
+                    "source": "calibrate/profiles/public_serving/measurements.csv (vLLM 0.10-0.25 serving runs)"})
+    return out
+
+
+def print_check(rows: list[ServingRow], skipped: dict[str, int], sims: dict[ServingRow, dict[str, float]]) -> None:
+    print(f"{len(rows)} published runs replayed; left out: "
+          + "; ".join(f"{n} {why}" for why, n in sorted(skipped.items(), key=lambda kv: -kv[1])))
+    held = [r for r in rows if r.model not in TRAIN_MODELS]
+    train = [r for r in rows if r.model in TRAIN_MODELS]
+    for title, subset in ((f"held-out models ({HELD_OUT_RULE})", held), ("training models", train), ("all rows", rows)):
+        print()
+        print(format_errors(f"{title}: (sim - real) / real per GPU, weight precision, TP", errors(subset, sims, group_of)))

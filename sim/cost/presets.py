@@ -271,3 +271,34 @@ def preset_error(gpu: str, tp: int, path: str | Path | None = None) -> dict[str,
     """
     table = _preset_error_table(str(path or PRESET_ERRORS_PATH))
     return table.get((str(gpu).lower(), int(tp)))
+
+
+SERVING_ERRORS_PATH = (Path(__file__).resolve().parents[2] / "calibrate" / "profiles" / "public_serving"
+                       / "preset_errors.csv")
+
+
+@lru_cache(maxsize=4)
+def _serving_error_table(path: str) -> dict[tuple[str, str, int], dict[str, Any]]:
+    p = Path(path)
+    if not p.is_file():
+        return {}
+    out: dict[tuple[str, str, int], dict[str, Any]] = {}
+    with p.open(newline="") as f:
+        for row in csv.DictReader(f):
+            e: dict[str, Any] = {k: ((float(v) if v else None) if "_pct" in k else v) for k, v in row.items()}
+            for k in ("tensor_parallel", "num_held_out", "num_all"):
+                e[k] = int(row[k])
+            out[(e["gpu"], e["weight_dtype"], e["tensor_parallel"])] = e
+    return out
+
+
+def serving_error(gpu: str, weight_dtype: str, tp: int, path: str | Path | None = None) -> dict[str, Any] | None:
+    """The TTFT and TPOT error of the analytic preset on ``gpu`` with ``weight_dtype`` weights
+    (bf16, fp16, fp8, mxfp4, nvfp4) at TP ``tp`` against public vLLM >= 0.10 serving runs
+    (``calibrate/profiles/public_serving/``), or None where none was checked.
+
+    Keys: gpu, weight_dtype, tensor_parallel, engine, held_out (the rule), num_held_out,
+    ttft_mae_pct, ttft_bias_pct, tpot_mae_pct, tpot_bias_pct on the held-out models' rows
+    (None without any), num_all, ttft_mae_pct_all and tpot_mae_pct_all over every row, source."""
+    table = _serving_error_table(str(path or SERVING_ERRORS_PATH))
+    return table.get((str(gpu).lower(), str(weight_dtype).lower(), int(tp)))

@@ -479,11 +479,25 @@ def _progress_ticker(env: simpy.Environment, servers: list[Server], shown: Progr
 
 def profile_trust(profile: Profile) -> dict[str, Any]:
     """How far this profile's step costs are known to be off, and against what:
-    an analytic preset's held-out error against public vLLM runs for its GPU
-    and TP degree (``sim.cost.presets.preset_error``), or a measured profile's
+    an analytic preset's held-out error against public vLLM runs for its GPU, TP
+    degree and weight precision (``sim.cost.presets.serving_error``: vLLM >= 0.10
+    serving runs, for the vllm-v1 engines and quantized weights;
+    ``sim.cost.presets.preset_error``: vLLM 0.5 batches), or a measured profile's
     held-out self-check. ``error_pct`` is None where nothing was checked."""
     if profile.provenance.get("source") == "analytic-roofline":
-        from sim.cost.presets import preset_error
+        from sim.cost.presets import preset_error, serving_error
+        weights = profile.weight_dtype or profile.dtype
+        # vLLM v1's host work (engine vllm-v1*) or quantized weights: the 2025-26 serving runs;
+        # vLLM v0's (the presets' default) in fp16/bf16: the vLLM 0.5 batches
+        v1 = str(profile.efficiency.get("engine", "")).startswith("vllm-v1")
+        serving = serving_error(profile.device, weights, profile.tensor_parallel) if v1 or profile.weight_dtype else None
+        if serving is not None:
+            return serving_trust(serving, profile)
+        if profile.weight_dtype or profile.kv_cache_dtype:
+            # the vLLM 0.5 batches below ran fp16 weights and KV only
+            return {"error_pct": None, "basis": f"analytic preset, not validated on {profile.device} at TP "
+                                                 f"{profile.tensor_parallel} with {weights} weights (no public "
+                                                 f"measurements)"}
         err = preset_error(profile.device, profile.tensor_parallel)
         if err is None:
             return {"error_pct": None, "basis": f"analytic preset, not validated on {profile.device} at "
@@ -497,6 +511,23 @@ def profile_trust(profile: Profile) -> dict[str, Any]:
         if fe.get(key) is not None:
             return {"error_pct": float(fe[key]), "basis": f"{profile.provenance.get('source', 'measured')}: {basis}"}
     return {"error_pct": None, "basis": f"{profile.provenance.get('source', 'unknown')}: no held-out check recorded"}
+
+
+def serving_trust(err: dict[str, Any], profile: Profile) -> dict[str, Any]:
+    """``profile_trust`` from a public serving-run check (``sim.cost.presets.serving_error``):
+    the held-out models' mean abs TTFT and TPOT errors where there are any, else every row's
+    (the fitted models': said so); ``error_pct`` is the larger of the two."""
+    where = f"{profile.device} TP {profile.tensor_parallel} {err['weight_dtype']}"
+    held = err["num_held_out"] > 0
+    ttft, tpot = ((err["ttft_mae_pct"], err["tpot_mae_pct"]) if held
+                  else (err["ttft_mae_pct_all"], err["tpot_mae_pct_all"]))
+    parts = [f"{name} {v:.0f}%" for name, v in (("TTFT", ttft), ("TPOT", tpot)) if v is not None]
+    which = (f"{err['num_held_out']} held-out" if held
+             else f"{err['num_all']} (training models' only, none held out)")
+    return {"error_pct": max(v for v in (ttft, tpot) if v is not None),
+            "ttft_error_pct": ttft, "tpot_error_pct": tpot,
+            "basis": f"analytic preset vs {which} public vLLM serving values on {where} "
+                     f"(mean abs {', '.join(parts)})"}
 
 
 def prefix_cache_summary(pools: Sequence[Any]) -> dict[str, Any]:

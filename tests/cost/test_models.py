@@ -170,12 +170,15 @@ def test_gemm_rate_follows_the_hardware() -> None:
     assert fp4.gemm_precision(GPU_PRESETS["h200"]) == "w4a16"         # weight-only on Hopper
     assert fp4.gemm_precision(GPU_PRESETS["b200-sxm"]) == "fp4"
     llama = MODEL_PRESETS["llama-3.1-70b"]
-    # Compute-bound prefill: FP8 on H100 at 2x the peak runs faster than bf16; on A100 (bf16 math) it
-    # only saves weight bytes, so a 16k-token step costs about the same.
-    for gpu, faster in (("h100-sxm", True), ("a100-80gb", False)):
-        b = Roofline(llama, GPU_PRESETS[gpu]).linear_s(16384)
-        f = Roofline(llama, GPU_PRESETS[gpu], precision=fp8).linear_s(16384)
-        assert bool(f < 0.75 * b) is faster and f <= b
+    # Compute-bound prefill: FP8 on H100 at 2x the peak runs faster than bf16. On A100 the Marlin
+    # W8A16 kernels do bf16 math at the fraction fitted on the public runs (0.378 of the peak against
+    # dense bf16's 0.68: vLLM serves Qwen3-32B-FP8 there slower than BF16), so a 16k-token step
+    # costs more: about 0.68 / 0.378 = 1.8x the GEMM time.
+    b = Roofline(llama, GPU_PRESETS["h100-sxm"]).linear_s(16384)
+    assert Roofline(llama, GPU_PRESETS["h100-sxm"], precision=fp8).linear_s(16384) < 0.75 * b
+    b = Roofline(llama, GPU_PRESETS["a100-80gb"]).linear_s(16384)
+    f = Roofline(llama, GPU_PRESETS["a100-80gb"], precision=fp8).linear_s(16384)
+    assert 1.7 < f / b < 1.85
 
 
 def test_fp8_kv_doubles_the_pool() -> None:
