@@ -493,11 +493,11 @@ def profile_trust(profile: Profile) -> dict[str, Any]:
         serving = serving_error(profile.device, weights, profile.tensor_parallel) if v1 or profile.weight_dtype else None
         if serving is not None:
             return serving_trust(serving, profile)
-        if profile.weight_dtype or profile.kv_cache_dtype:
-            # the vLLM 0.5 batches below ran fp16 weights and KV only
+        if profile.weight_dtype or profile.kv_cache_dtype or profile.model.is_moe:
+            # the vLLM 0.5 batches below ran dense models in fp16 only
+            what = "a mixture of experts" if profile.model.is_moe else f"{weights} weights"
             return {"error_pct": None, "basis": f"analytic preset, not validated on {profile.device} at TP "
-                                                 f"{profile.tensor_parallel} with {weights} weights (no public "
-                                                 f"measurements)"}
+                                                 f"{profile.tensor_parallel} with {what} (no public measurements)"}
         err = preset_error(profile.device, profile.tensor_parallel)
         if err is None:
             return {"error_pct": None, "basis": f"analytic preset, not validated on {profile.device} at "
