@@ -15,6 +15,7 @@ from typing import Any
 from policies.dynamic import DynamicConfig, DynamicPolicy
 from policies.orca import OrcaConfig, OrcaPolicy
 from policies.sarathi import SarathiConfig, SarathiPolicy
+from policies.sglang import SglangConfig, SglangPolicy
 from policies.static import StaticConfig, StaticPolicy
 from policies.vllm import VllmConfig, VllmPolicy
 from policies.vllm_v1 import VllmV1Config, VllmV1Policy
@@ -28,6 +29,7 @@ POLICIES: dict[str, tuple[type, type]] = {
     "vllm": (VllmConfig, VllmPolicy),
     "sarathi": (SarathiConfig, SarathiPolicy),
     "vllm_v1": (VllmV1Config, VllmV1Policy),
+    "sglang": (SglangConfig, SglangPolicy),
 }
 
 
