@@ -63,7 +63,7 @@ from policies.sglang_defaults import engine_defaults
 from policies.sglang_queue import order_waiting
 from sim.core.batch import Batch, BatchItem, Idle
 from sim.core.policy import KvMemory, PolicyContext
-from sim.core.radix import RadixCachePool, TokenPool
+from sim.core.radix import CountingView, RadixCachePool, TokenPool
 from sim.core.request import Request, Status
 
 if TYPE_CHECKING:
@@ -139,6 +139,7 @@ class SglangPolicy:
         self._num_running = 0                      # len(state.running) after the last pass
         self._prefilled: list[Request] = []        # the last step's prefill items, checkpointed after it
         self._num_refresh_calls = 0                # fcfs's LRU refresh counter
+        self._view: CountingView | None = None
 
     stretch_shape = plain_stretch_shape            # unused: decode_stretch is False
 
@@ -146,8 +147,17 @@ class SglangPolicy:
         return config_knobs(self.config, chunked_prefill_size=self.chunk_size or -1,
                             max_running_requests=self.max_num_seqs, mem_fraction_static=self.mem_fraction)
 
-    def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
+    def _pool(self, state: SchedulerState) -> RadixCachePool | CountingView:
+        """The run's pool; one of another kind (a test's BlockManager) is seen uncached."""
         kv = state.kv
+        if isinstance(kv, RadixCachePool):
+            return kv
+        if self._view is None or self._view.kv is not kv:
+            self._view = CountingView(kv)
+        return self._view
+
+    def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
+        kv = self._pool(state)
         if self._pool_rule:                        # resolve_max_num_reqs, once the pool is known
             tokens = kv.capacity_tokens
             self.max_num_seqs = max(1, min(max(min(int(tokens / state.max_model_len * 512), 4096), 2048),
@@ -168,7 +178,7 @@ class SglangPolicy:
 
     # ---- prefill ----------------------------------------------------------------------------------
     def _prefill(self, state: SchedulerState, now_s: float, running: list[Request]) -> list[BatchItem] | None:
-        kv, waiting = state.kv, state.waiting
+        kv, waiting = self._pool(state), state.waiting
         if (self.batch_is_full or not waiting) and self.chunked is None:
             return None
         slots = self.max_num_seqs - len(running)
@@ -235,7 +245,7 @@ class SglangPolicy:
     def _decode(self, state: SchedulerState, running: list[Request]) -> list[BatchItem]:
         if not running:
             return []
-        kv = state.kv
+        kv = self._pool(state)
         if self._decode_fits(kv, running):
             self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
             return self._decode_items(kv, running)

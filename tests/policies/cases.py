@@ -46,6 +46,16 @@ CASES: dict[str, PolicyCase] = {
                            "long_prefill_token_threshold": st.sampled_from([0, 16, 100]),
                            "watermark": st.sampled_from([0.0, 0.05])},
                           {"max_num_batched_tokens": 4096}),
+    "sglang": PolicyCase({"max_running_requests": 4, "chunked_prefill_size": 64, "max_prefill_tokens": 64},
+                         {"max_running_requests": st.integers(1, 8),
+                          "chunked_prefill_size": st.sampled_from([-1, 8, 64, 600]),
+                          "max_prefill_tokens": st.sampled_from([64, 16384]),
+                          "schedule_policy": st.sampled_from(["fcfs", "lpm"]),
+                          "schedule_conservativeness": st.sampled_from([0.3, 1.0, 3.0]),
+                          "enable_mixed_chunk": st.booleans(),
+                          "disable_radix_cache": st.booleans(),
+                          "page_size": st.sampled_from([1, 4, 16])},
+                         {"chunked_prefill_size": 4096}),
 }
 
 KINDS: tuple[str, ...] = tuple(CASES)

@@ -53,6 +53,7 @@ DEFAULTS = {
     "vllm": (4096, 256, False),             # max(4096, 2048) = 4096
     "sarathi": (512, 256, False),
     "vllm_v1": (2048, 256, False),          # unknown device: vLLM's 2048 / 256, min(2048, 256 x 4096) = 2048
+    "sglang": (4096, 4096, False),          # unknown device: chunked_prefill_size 4096; max_running_requests 4096 until the pool is known
 }
 
 
