@@ -55,14 +55,14 @@ radix cache disabled (``add_one_req_ignore_eos``: refused).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
-from policies.base import config_knobs, knob, plain_stretch_shape
+from policies.base import config_knobs, knob
 from policies.sglang_adder import NO_TOKEN, OTHER, CONTINUE, PrefillAdder
 from policies.sglang_defaults import engine_defaults
 from policies.sglang_queue import order_waiting
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.policy import KvMemory, PolicyContext
+from sim.core.policy import KvMemory, PolicyContext, StretchShape
 from sim.core.radix import CountingView, RadixCachePool, TokenPool
 from sim.core.request import Request, Status
 
@@ -97,9 +97,13 @@ class SglangConfig:
 
 
 class SglangPolicy:
-    # The fast path would skip the decode steps whose count new_token_ratio decays by, and the
-    # tree's checkpoints after prefills: every iteration steps.
-    decode_stretch = False
+    # Fast path (sim.loop.stretch): with nothing waiting, or the batch marked full (cleared only when a
+    # request leaves), a decode step admits nobody and touches no node of the tree; the pages it
+    # grows into come free, or from evicting the LRU's next nodes, as the fast path's append_block
+    # takes them. new_token_ratio decays by the decode steps a stretch ran (state.num_steps), one
+    # decay at a time as stepping does. stretch_shape declines right after a prefill (its
+    # checkpoints are pending) and while requests wait with the batch not marked full.
+    decode_stretch = True
     chunk_stretch = False
     holds_batch = False
     refuses_by_prompt = False
@@ -140,8 +144,16 @@ class SglangPolicy:
         self._prefilled: list[Request] = []        # the last step's prefill items, checkpointed after it
         self._num_refresh_calls = 0                # fcfs's LRU refresh counter
         self._view: CountingView | None = None
+        self._num_steps = 0                        # state.num_steps once our last step commits
+        self._waiting: Any = ()                    # the queue we last saw
 
-    stretch_shape = plain_stretch_shape            # unused: decode_stretch is False
+    def stretch_shape(self, running: Sequence[Request], live_context: int, num_live: int,
+                      prefilling: Request | None) -> StretchShape | None:
+        if prefilling is not None or (self._waiting and not self.batch_is_full):
+            return None
+        if any(r.status == Status.RUNNING for r in self._prefilled):
+            return None
+        return StretchShape(live_context, num_live, 0)
 
     def knobs(self) -> dict[str, Any]:
         return config_knobs(self.config, chunked_prefill_size=self.chunk_size or -1,
@@ -163,6 +175,11 @@ class SglangPolicy:
             self.max_num_seqs = max(1, min(max(min(int(tokens / state.max_model_len * 512), 4096), 2048),
                                            tokens // 2))
             self._pool_rule = False
+        for _ in range(state.num_steps - self._num_steps):     # decode steps a stretch ran without us
+            if self.new_token_ratio <= self.min_ratio:
+                break
+            self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
+        self._waiting = state.waiting
         for r in self._prefilled:                  # the last prefill's results: its tokens enter the tree
             if r.status == Status.RUNNING:
                 kv.checkpoint(r, r.num_computed_tokens)
@@ -174,6 +191,7 @@ class SglangPolicy:
         if items is None:
             items = self._decode(state, running)
         self._num_running = len(state.running)
+        self._num_steps = state.num_steps + bool(items)
         return Batch(tuple(items)) if items else Idle()
 
     # ---- prefill ----------------------------------------------------------------------------------
