@@ -229,7 +229,7 @@ class SglangPolicy:
         items = []
         for r, prefix, n, node in adder.admitted:
             if node is not None:                   # a new admission: it takes its hit
-                kv.hold(r, prefix, node)
+                kv.hold(r, prefix, node, locked=True)     # the adder took its lock
                 state.admit(r, now_s, prefix)
                 kv.record_lookup(r, prefix)
             items.append(BatchItem(r.req_id, n, prefix))

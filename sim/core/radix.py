@@ -350,9 +350,11 @@ class RadixCachePool(KVPool):
             return 0, self.tree.root
         return self.tree.match(token_runs(req, n))
 
-    def hold(self, req: Request, prefix_tokens: int, node: Node) -> None:
-        """``req`` (holding nothing) takes its match: ``prefix_tokens`` up to ``node``, locked."""
-        self.tree.lock(node)
+    def hold(self, req: Request, prefix_tokens: int, node: Node, *, locked: bool = False) -> None:
+        """``req`` (holding nothing) takes its match: ``prefix_tokens`` up to ``node``, which it locks
+        (``locked``: the caller took the lock already, as SGLang's PrefillAdder does at admission)."""
+        if not locked:
+            self.tree.lock(node)
         self._held[req.req_id] = [node, prefix_tokens]
         req.block_ids = range(prefix_tokens // self.block_size)
 
@@ -459,7 +461,7 @@ class CountingView:
     def match(self, req: Request, limit: int | None = None) -> tuple[int, Node]:
         return 0, self.tree.root
 
-    def hold(self, req: Request, prefix_tokens: int, node: Node) -> None:
+    def hold(self, req: Request, prefix_tokens: int, node: Node, *, locked: bool = False) -> None:
         pass
 
     def checkpoint(self, req: Request, num_tokens: int, split_prompt: bool = False) -> None:

@@ -231,3 +231,47 @@ def test_knobs_are_checked():
         policy_config({"kind": "sglang", "chunked_prefill_size": 0}, "t")
     off = SglangPolicy(SglangConfig(chunked_prefill_size=-1, disable_radix_cache=True), PolicyContext(4096))
     assert off.chunk_size is None and off.kv_pool_class is TokenPool and not off.prefix_caching
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shared_prefixes_conserve_pages_and_release_every_lock(seed):
+    """Random requests sharing prefixes on a tight radix pool, stepped with the fast path checked
+    (check_stretch): pages are conserved after every step (free + tree + requests' own = pool),
+    every computed token has a page, and at the end nothing is held and every node is evictable."""
+    import random
+
+    import simpy
+    from conftest import linear_profile
+
+    from sim.loop.feed import feed
+    from sim.loop.server import Server, SimExecutor
+
+    rng = random.Random(seed)
+    page = rng.choice([1, 1, 4])
+    knobs = rng.choice([{}, {"schedule_policy": "lpm"}, {"enable_mixed_chunk": True, "chunked_prefill_size": 32},
+                        {"chunked_prefill_size": 16, "max_running_requests": 3}])
+    policy = SglangPolicy(SglangConfig(page_size=page, **knobs), PolicyContext(512))
+    pool = RadixCachePool(600 // page, page)
+    state = SchedulerState(pool, 512)
+
+    def check(start_s, batch, result):
+        own = sum(len(r.block_ids) - pool._held[r.req_id][1] // page for r in state.running)
+        assert pool._free + pool.tree.total_tokens // page + own == pool.num_blocks
+        for r in state.running:
+            assert r.num_computed_tokens <= len(r.block_ids) * page
+
+    env = simpy.Environment()
+    server = Server(env, policy, state, SimExecutor(linear_profile()), on_step=check, check_stretch=True)
+    reqs, outs, t = [], [], 0.0
+    for i in range(40):
+        t += rng.random() * 0.05
+        content = (10_000 + i,) + tuple(x for _ in range(rng.randint(1, 3))
+                                        for x in (rng.randint(1, 4), rng.randint(5, 60)))
+        reqs.append(Request(i, t, sum(content[2::2]), 30, content=content))
+        outs.append(rng.randint(1, 30))
+    env.process(feed(env, [server], reqs, outs))
+    env.run()
+    assert all(r.status == Status.FINISHED for r in reqs)
+    assert pool.num_used_blocks == 0 and not pool._held
+    assert pool.tree.evictable_tokens == pool.tree.total_tokens
+    assert pool.hits > 0
