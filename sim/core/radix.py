@@ -148,7 +148,8 @@ class RadixTree:
     def __init__(self, page_size: int = 1) -> None:
         self.page_size = page_size
         self.clock = 0
-        self.num_nodes = 0
+        self.num_nodes = 0                         # nodes in the tree, the root aside
+        self._last_id = 0
         self.root = Node(None, (), 0, 0, 0)
         self.root.lock_ref = 1                     # never evicted, as SGLang's
         self.total_tokens = 0
@@ -182,7 +183,8 @@ class RadixTree:
     def _split(self, child: Node, n: int) -> Node:
         head, tail = _split_runs(child.runs, n)
         self.num_nodes += 1
-        new = Node(child.parent, head, n, self.clock, self.num_nodes)
+        self._last_id += 1
+        new = Node(child.parent, head, n, self.clock, self._last_id)
         new.lock_ref = child.lock_ref
         new.parent.children[_page_key(list(head), 0, 0, self.page_size)] = new
         child.parent, child.runs, child.length = new, tail, child.length - n
@@ -190,9 +192,15 @@ class RadixTree:
         return new
 
     def _touched(self, node: Node) -> None:
-        """Queue ``node`` for eviction if it is an unlocked leaf (with its current stamp)."""
+        """Queue ``node`` for eviction if it is an unlocked leaf (with its current stamp). Entries
+        go stale when a node is stamped again, locked or given a child; once they outnumber the
+        nodes twice over they are dropped, so the queue stays within the tree's size."""
         if not node.lock_ref and not node.children and node.parent is not None:
-            heappush(self._heap, (node.access, node.nid, node))
+            heap = self._heap
+            heappush(heap, (node.access, node.nid, node))
+            if len(heap) > 2 * self.num_nodes + 64:
+                self._heap = heap = [e for e in heap if self._valid(e)]
+                heapify(heap)
 
     # ---- SGLang's RadixCache API -------------------------------------------------------------------
     def match(self, q: Runs) -> tuple[int, Node]:
@@ -214,7 +222,8 @@ class RadixTree:
             rest = [(q[i][0], q[i][1] + o, q[i][2])] + q[i + 1:]
             length = sum(e - s for _, s, e in rest)
             self.num_nodes += 1
-            leaf = Node(node, tuple(rest), length, self.clock, self.num_nodes)
+            self._last_id += 1
+            leaf = Node(node, tuple(rest), length, self.clock, self._last_id)
             node.children[_page_key(rest, 0, 0, self.page_size)] = leaf
             self.total_tokens += length
             self.evictable_tokens += length
@@ -240,18 +249,16 @@ class RadixTree:
     def evict(self, num_tokens: int) -> int:
         """Evict unlocked leaves, least recently used first, until ``num_tokens`` are freed or none is left;
         the tokens freed (whole nodes)."""
-        heap, freed = self._heap, 0
-        if len(heap) > 2 * self.num_nodes + 64:        # drop the stale entries now and then
-            self._heap = heap = [e for e in heap if self._valid(e)]
-            heapify(heap)
-        while freed < num_tokens and heap:
-            entry = heappop(heap)
+        freed = 0
+        while freed < num_tokens and self._heap:      # (_touched may rebuild the queue)
+            entry = heappop(self._heap)
             if not self._valid(entry):
                 continue
             node = entry[2]
             parent = node.parent
             del parent.children[_page_key(list(node.runs), 0, 0, self.page_size)]
             node.parent = None
+            self.num_nodes -= 1
             freed += node.length
             self.total_tokens -= node.length
             self.evictable_tokens -= node.length
