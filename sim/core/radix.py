@@ -335,12 +335,17 @@ class RadixCachePool(KVPool):
                 raise RuntimeError(f"KV pool exhausted: request {req.req_id} needs {missing} pages, "
                                    f"{self.num_free_blocks} free (policy must call can_allocate first)")
         self._free -= missing
-        if req.req_id not in self._held:
+        if not have and req.req_id not in self._held:
             self._held[req.req_id] = [self.tree.root, 0]
         req.block_ids = range(have + missing)        # counted: a request's pages hold no ids
 
     def append_block(self, req: Request) -> bool:
-        if not self.num_free_blocks:
+        """One more page for ``req`` (the fast path's growth: a hot call), evicting if none is free."""
+        if self._free:
+            self._free -= 1
+            req.block_ids = range(len(req.block_ids) + 1)
+            return True
+        if not self.tree.evictable_tokens:
             return False
         self.allocate(req, (len(req.block_ids) + 1) * self.block_size)
         return True
