@@ -45,11 +45,13 @@ by GPU memory) and ``mem_cache/kv_cache_configurator.py`` (``resolve_max_num_req
    enter the tree when the step ends, a finished request's prompt and outputs
    when it finishes.
 
+   With ``ignore_eos`` and the cache disabled, admission is SGLang's
+   ``add_one_req_ignore_eos`` (``policies.sglang_adder``).
+
 Not modelled: the overlap scheduler's one-step lag, priorities and priority
 preemption, hierarchical (host) cache, speculative decoding, PP and DP
-attention, LoRA, grammar, the aborts of a request that cannot fit alone (not
-reached: prompt + max_tokens always fits the pool), ``ignore_eos`` with the
-radix cache disabled (``add_one_req_ignore_eos``: refused).
+attention, LoRA, grammar, the abort of a request that cannot decode even
+alone (not reached: prompt + max_tokens always fits the pool).
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ class SglangConfig:
     page_size: int = knob(1, "KV page in tokens; matches and the tree are whole pages (default 1)")
     mem_fraction_static: float | None = knob(None, "share of GPU memory for weights + KV; unset: SGLang's "
                                                    "(memory - reserve) / memory by GPU memory (0.95 unknown)")
-    ignore_eos: bool = knob(False, "clients send ignore_eos: reservations take max_tokens in full (ratio 1)")
+    ignore_eos: bool = knob(False, "clients send ignore_eos (SGLang's benchmarks do unless --disable-ignore-eos): "
+                                   "reservations take max_tokens in full (ratio 1)")
 
 
 class SglangPolicy:
@@ -118,9 +121,6 @@ class SglangPolicy:
             raise ValueError(f"chunked_prefill_size must be > 0 or -1 (off), got {config.chunked_prefill_size}")
         if config.mem_fraction_static is not None and not 0 < config.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {config.mem_fraction_static}")
-        if config.ignore_eos and config.disable_radix_cache:
-            raise ValueError("ignore_eos with disable_radix_cache takes SGLang's add_one_req_ignore_eos, "
-                             "which is not modelled")
         self.config = config
         chunk, fraction = engine_defaults(context, config.chunked_prefill_size, config.max_prefill_tokens,
                                           config.max_running_requests)
@@ -216,8 +216,11 @@ class SglangPolicy:
                 self.batch_is_full = True
             if self.batch_is_full:
                 break
-            prefix, node = kv.match(r, r.num_prompt_tokens + r.num_output_tokens - 1)
-            res = adder.add_one_req(r, prefix, node)
+            if self.config.ignore_eos and not kv.enabled:
+                res = adder.add_one_req_ignore_eos(r)
+            else:
+                prefix, node = kv.match(r, r.num_prompt_tokens + r.num_output_tokens - 1)
+                res = adder.add_one_req(r, prefix, node)
             if res != CONTINUE:
                 if res == NO_TOKEN:
                     self.batch_is_full = bool(adder.admitted) or bool(running)

@@ -50,6 +50,8 @@ class PrefillAdder:
         self.current_offset = num_mixed_decode_tokens
         self.admitted: list[Admitted] = []
         self.new_chunked: Request | None = None
+        self.running = running
+        self.req_states: list[tuple[float, int]] | None = None    # add_one_req_ignore_eos's
 
     def _available(self) -> int:
         kv = self.kv
@@ -119,3 +121,46 @@ class PrefillAdder:
         finally:
             tree.unlock(node)
         return self.budget_state()
+
+    def add_one_req_ignore_eos(self, req: Request) -> str:
+        """SGLang's admission for an ignore_eos request with the cache off: besides the page-ceiled
+        prompt + one page, every request's outputs to come (max_tokens - outputs) must fit as the
+        requests finish, shortest remaining first, with one token per request to spare."""
+        extend = req.num_prompt_tokens + req.num_output_tokens
+        paged = self.ceil_paged(extend) + self.page
+        available = self._available()
+        if paged > min(available - self.current_offset, available - self.total_offset):
+            return NO_TOKEN
+
+        def state_of(r: Request) -> tuple[float, int] | None:
+            left = r.max_output_tokens * 1.0 - r.num_output_tokens    # ratio 1: ignore_eos
+            return (left, r.num_prompt_tokens + r.num_output_tokens) if left > 0 else None
+
+        if self.req_states is None:
+            states = [state_of(r) for r in (req, *self.running, *(a.req for a in self.admitted))]
+            self.req_states = sorted((s for s in states if s is not None), key=lambda s: s[0])
+        elif (new := state_of(req)) is not None:
+            states = self.req_states
+            i = 0                                  # SGLang's insertion: before the first with as
+            for i in range(len(states)):           # many left, else before the last one
+                if new[0] <= states[i][0]:
+                    break
+            states.insert(i, new)
+        rem = available - self.current_offset - paged
+        freed = 0
+        for i, (left, occupied) in enumerate(self.req_states):
+            bs = len(self.req_states) - i
+            if rem + freed - left * bs <= bs:        # IGNORE_EOS_RESERVE_TOKENS = 1 per request
+                return NO_TOKEN
+            freed += occupied
+        if self.rem_chunk is None or extend <= self.rem_chunk:
+            self.admitted.append(Admitted(req, 0, extend, self.kv.tree.root))
+            self._reserve(extend, min(req.max_output_tokens, CLIP_MAX_NEW_TOKENS))
+        else:
+            if self.rem_chunk <= 0:
+                return OTHER
+            self.admitted.append(Admitted(req, 0, self.rem_chunk, self.kv.tree.root))
+            self.new_chunked = req
+            self._reserve(self.rem_chunk, 0)
+        return self.budget_state()
+

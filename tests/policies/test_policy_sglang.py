@@ -11,7 +11,7 @@ from policies.sglang import SglangConfig, SglangPolicy
 from policies.sglang_defaults import engine_defaults
 from policies.sglang_queue import order_waiting
 from sim.base.strict import ConfigError
-from sim.core.batch import BatchItem
+from sim.core.batch import Batch, BatchItem
 from sim.core.policy import PolicyContext
 from sim.core.radix import RadixCachePool, TokenPool
 from sim.core.request import Request, Status
@@ -224,8 +224,6 @@ def test_max_running_requests_comes_from_the_pool():
 def test_knobs_are_checked():
     with pytest.raises(ValueError, match="schedule_policy"):
         SglangPolicy(SglangConfig(schedule_policy="lof"), PolicyContext(4096))
-    with pytest.raises(ValueError, match="ignore_eos"):
-        SglangPolicy(SglangConfig(ignore_eos=True, disable_radix_cache=True), PolicyContext(4096))
     assert policy_config({"kind": "sglang", "chunked_prefill_size": -1}, "t").chunked_prefill_size == -1
     with pytest.raises(ConfigError, match="chunked_prefill_size"):
         policy_config({"kind": "sglang", "chunked_prefill_size": 0}, "t")
@@ -320,3 +318,13 @@ def test_fast_path_identical_under_memory_pressure_with_retractions(page):
             "profile": {"model": "llama-2-7b", "gpu": "a100-80gb"}}
     summary = _stepped_and_fast(lambda: workload_from_dict(data))
     assert summary["num_preemptions"] > 0
+
+
+def test_ignore_eos_without_the_cache_reserves_every_output_to_come():
+    for max_tokens, admitted in ((897, True), (898, False)):
+        policy = SglangPolicy(SglangConfig(ignore_eos=True, disable_radix_cache=True), PolicyContext(4096))
+        state = SchedulerState(TokenPool(1000, 1), 4096)
+        add(state, 0, 100, max_tokens)
+        # 1000 free - (100 + one page) = 899 left; the request's 897 outputs leave 2 > 1 (one token
+        # per request to spare): admitted; 898 leave 1: not (add_one_req_ignore_eos).
+        assert isinstance(policy.schedule(state, 0.0), Batch) is admitted, max_tokens

@@ -267,3 +267,39 @@ def test_prefill_adder_admits_as_sglangs(sgl, seed):
     assert (ours.rem_input, ours.rem_chunk) == (theirs.rem_input_tokens, theirs.rem_chunk_tokens)
     assert ours.remaining_total == pytest.approx(theirs.rem_total_tokens)
     assert pool.tree.evictable_tokens == theirs_tree.evictable_size()
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_ignore_eos_admission_without_the_cache_as_sglangs(sgl, seed):
+    # add_one_req_ignore_eos: every request's remaining outputs must fit as they finish
+    rng = random.Random(5000 + seed)
+    page = rng.choice([1, 4])
+    chunk = rng.choice([None, 32, 256])
+    free_tokens = rng.randint(50, 3000) // page * page
+    theirs_tree = sgl.rc.RadixCache.create_simulated(disable=True, mock_allocator=sgl.Allocator(free_tokens, page),
+                                                     page_size=page)
+    pool = RadixCachePool(10_000, page)
+    pool._free = free_tokens // page
+    running = [(rng.randint(1, 300), rng.randint(1, 50), rng.randint(1, 300)) for _ in range(rng.randint(0, 3))]
+    their_running = types.SimpleNamespace(
+        reqs=[types.SimpleNamespace(sampling_params=types.SimpleNamespace(max_new_tokens=m, ignore_eos=True),
+                                    output_ids=[0] * o, origin_input_ids=[0] * p) for m, o, p in running],
+        batch_size=lambda: len(running))
+    our_running = [_our_req(100 + i, [(5, 0, p)], o, m) for i, (m, o, p) in enumerate(running)]
+    theirs = sgl.Adder(page, theirs_tree, theirs_tree.token_to_kv_pool_allocator, their_running, 0.5, 16384, chunk)
+    ours = PrefillAdder(pool, our_running, 0.5, 16384, chunk, 0, True)
+    for i in range(rng.randint(1, 6)):
+        if theirs.budget_state() == sgl.Result.OTHER:
+            break
+        runs, max_new = random_runs(rng), rng.randint(1, 3000)      # outputs to come, beside the prompt
+        t = _their_req(runs, 0, max_new, 0, theirs_tree.root_node)
+        t.sampling_params.ignore_eos = True
+        want = theirs.add_one_req(t, has_chunked_req=False, truncation_align_size=None)
+        got = ours.add_one_req_ignore_eos(_our_req(i, runs, 0, max_new))
+        assert got == want.name.lower(), (seed, i)
+        assert [a.extend_tokens for a in ours.admitted] == [r.extend_end for r in theirs.can_run_list]
+        if got != CONTINUE:
+            break
+    assert (ours.rem_input, ours.rem_chunk) == (theirs.rem_input_tokens, theirs.rem_chunk_tokens)
+    assert ours.remaining_total == pytest.approx(theirs.rem_total_tokens)
+
