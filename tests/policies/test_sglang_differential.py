@@ -81,7 +81,7 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def sgl():
     missing = {m for m in UNUSED if importlib.util.find_spec(m) is None}
     if "torchvision" in missing:          # transformers must decide before a stub appears
-        import transformers
+        import transformers  # noqa: F401
         from transformers import AutoImageProcessor, AutoProcessor   # noqa: F401
     sys.meta_path.append(_StubFinder(missing))
     import sglang.srt.mem_cache.radix_cache as rc
