@@ -149,10 +149,11 @@ class RadixCachePool(KVPool):
         self._held[req.req_id] = [node, prefix_tokens]
         req.block_ids = range(prefix_tokens // self.block_size)
 
-    def checkpoint(self, req: Request, num_tokens: int, split_prompt: bool = False) -> None:
+    def checkpoint(self, req: Request, num_tokens: int) -> None:
         """Insert ``req``'s first ``num_tokens`` tokens (whole pages) into the tree and move its lock to
         their last node (SGLang's ``RadixCache.checkpoint``): its own copies of tokens the tree held
-        are freed, the rest become the tree's. ``split_prompt``: end a node at the prompt's end too."""
+        are freed, the rest become the tree's. Tokens past the prompt (a finished request's, or a
+        retracted one's recomputed outputs) get a node of their own, split at the prompt's end."""
         held = self._held.get(req.req_id)
         if not self.enabled or held is None:
             return
@@ -160,10 +161,9 @@ class RadixCachePool(KVPool):
         key_len = num_tokens // bs * bs
         q = token_runs(req, key_len)
         cached, _ = self.tree.insert(q)
-        if split_prompt:
-            prompt = req.num_prompt_tokens // bs * bs
-            if 0 < prompt < key_len:
-                self.tree.insert(token_runs(req, prompt))
+        prompt = req.num_prompt_tokens // bs * bs
+        if 0 < prompt < key_len:
+            self.tree.insert(token_runs(req, prompt))
         self._free += max(0, cached - held[1]) // bs          # the duplicates it computed
         _, node = self.tree.match(q)
         self.tree.unlock(held[0])
@@ -175,12 +175,12 @@ class RadixCachePool(KVPool):
 
     def free(self, req: Request) -> None:
         """Give back ``req``'s KV (``release_kv_cache``): a finished request is checkpointed first,
-        with its computed tokens and the prompt split; a preempted (retracted) one is not. Its own
+        with its computed tokens; a preempted (retracted) one is not. Its own
         pages are freed and its lock dropped."""
         held = self._held.get(req.req_id)
         if held is not None:
             if req.status >= Status.FINISHED:
-                self.checkpoint(req, req.num_computed_tokens, split_prompt=True)
+                self.checkpoint(req, req.num_computed_tokens)
             del self._held[req.req_id]
             self._free += len(req.block_ids) - held[1] // self.block_size
             self.tree.unlock(held[0])
@@ -255,7 +255,7 @@ class CountingView:
     def hold(self, req: Request, prefix_tokens: int, node: Node, *, locked: bool = False) -> None:
         pass
 
-    def checkpoint(self, req: Request, num_tokens: int, split_prompt: bool = False) -> None:
+    def checkpoint(self, req: Request, num_tokens: int) -> None:
         pass
 
     def evict(self, num_tokens: int) -> None:

@@ -158,3 +158,18 @@ def test_tree_operations_cost_runs_not_tokens():
     assert sys.getsizeof(long.block_ids) < 100               # a range, not 2M ints
     n, _ = pool.match(req(1, (101, 7, 1_000_000, 9, 5)))
     assert n == 1_000_000 and pool.tree.num_nodes == 2
+
+
+def test_a_checkpoint_past_the_prompt_splits_at_the_prompts_end():
+    # a retracted request re-prefills its 10 prompt tokens and 2 outputs: the 12 enter the tree as
+    # 10 + 2, so an eviction can take the outputs and keep the prompt
+    pool = RadixCachePool(100, 1)
+    r = req(0, (100, 7, 10))
+    r.num_output_tokens = 2
+    pool.hold(r, 0, pool.tree.root)
+    pool.allocate(r, 12)
+    pool.checkpoint(r, 12)
+    assert pool.tree.num_nodes == 2
+    r.status = Status.PREEMPTED
+    pool.free(r)
+    assert pool.tree.evict(1) == 2 and pool.tree.total_tokens == 10
