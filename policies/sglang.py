@@ -48,10 +48,12 @@ by GPU memory) and ``mem_cache/kv_cache_configurator.py`` (``resolve_max_num_req
    With ``ignore_eos`` and the cache disabled, admission is SGLang's
    ``add_one_req_ignore_eos`` (``policies.sglang_adder``).
 
+   A request that cannot decode even alone (the chunked request holds the
+   rest of the pool) is aborted by SGLang; here it ends cut short.
+
 Not modelled: the overlap scheduler's one-step lag, priorities and priority
 preemption, hierarchical (host) cache, speculative decoding, PP and DP
-attention, LoRA, grammar, the abort of a request that cannot decode even
-alone (not reached: prompt + max_tokens always fits the pool).
+attention, LoRA, grammar, the error an aborted request returns.
 """
 
 from __future__ import annotations
@@ -189,7 +191,7 @@ class SglangPolicy:
             self.batch_is_full = False             # a request left
         items = self._prefill(state, now_s, running)
         if items is None:
-            items = self._decode(state, running)
+            items = self._decode(state, running, now_s)
         self._num_running = len(state.running)
         self._num_steps = state.num_steps + bool(items)
         return Batch(tuple(items)) if items else Idle()
@@ -263,7 +265,7 @@ class SglangPolicy:
             items.append(BatchItem(r.req_id, 1, computed))
         return items
 
-    def _decode(self, state: SchedulerState, running: list[Request]) -> list[BatchItem]:
+    def _decode(self, state: SchedulerState, running: list[Request], now_s: float) -> list[BatchItem]:
         if not running:
             return []
         kv = self._pool(state)
@@ -282,6 +284,12 @@ class SglangPolicy:
             kv.evict(len(keep) * RETRACT_DECODE_STEPS)
             state.waiting.popleft()                 # preempt queued it at the front; SGLang appends it
             state.waiting.append(r)
+        if len(keep) == 1 and not self._decode_fits(kv, keep):
+            # even alone it does not fit (the chunked request holds the rest): SGLang aborts it; here
+            # it ends with the tokens it has (cut short)
+            last = keep.pop()
+            state.preempt(last)
+            state.cut_short(last, now_s)
         outputs = sum(r.num_output_tokens for r in keep)
         max_tokens = sum(r.max_output_tokens for r in keep)
         self.new_token_ratio = min(1.0, (outputs + RETRACT_DECODE_STEPS * len(keep)) / (max_tokens + 1))

@@ -11,7 +11,7 @@ from policies.sglang import SglangConfig, SglangPolicy
 from policies.sglang_defaults import engine_defaults
 from policies.sglang_queue import order_waiting
 from sim.base.strict import ConfigError
-from sim.core.batch import Batch, BatchItem
+from sim.core.batch import Batch, BatchItem, Idle
 from sim.core.policy import PolicyContext
 from sim.core.radix import RadixCachePool, TokenPool
 from sim.core.request import Request, Status
@@ -328,3 +328,14 @@ def test_ignore_eos_without_the_cache_reserves_every_output_to_come():
         # 1000 free - (100 + one page) = 899 left; the request's 897 outputs leave 2 > 1 (one token
         # per request to spare): admitted; 898 leave 1: not (add_one_req_ignore_eos).
         assert isinstance(policy.schedule(state, 0.0), Batch) is admitted, max_tokens
+
+
+def test_a_request_that_cannot_decode_even_alone_is_aborted():
+    state, policy = make(num_tokens=40)
+    filler = Request(99, 0.0, 28, 1)
+    state.kv.hold(filler, 0, state.kv.tree.root)
+    state.kv.allocate(filler, 28)                      # 28 of 40 tokens taken outside the run
+    (a,) = _running(state, [(10, 3)], 20)              # a holds 12: none free for its next token
+    assert isinstance(policy.schedule(state, 1.0), Idle)
+    # nothing to retract it for: SGLang aborts it; here it ends with its 3 tokens, cut short
+    assert a.status == Status.FINISHED and state.num_cut_short == 1 and a.num_output_tokens == 3
