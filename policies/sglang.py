@@ -26,8 +26,9 @@ by GPU memory) and ``mem_cache/kv_cache_configurator.py`` (``resolve_max_num_req
    the chunk budget left becomes the one chunked request.
 3. ``new_token_ratio`` starts at min(0.7 x schedule_conservativeness, 1),
    falls by (init - floor) / 600 every decode step to its floor, min(init x
-   0.14, 1), and after a retraction is set to min(1, (outputs + 20 x n) /
-   (max_tokens + 1)) summed over the n requests left.
+   0.14, 1), after a retraction is set to min(1, (outputs + 20 x n) /
+   (max_tokens + 1)) summed over the n requests left, and goes back to its
+   start whenever the scheduler is fully idle (``on_idle``).
 4. A decode step needs a page for each request whose next token starts one.
    When they do not fit (after evicting), requests are retracted one by one,
    fewest outputs first and among those the longest prompt, until they fit
@@ -189,6 +190,8 @@ class SglangPolicy:
         running = [r for r in state.running if r is not self.chunked]
         if len(state.running) < self._num_running or not running:
             self.batch_is_full = False             # a request left
+        if not state.running and not state.waiting:
+            self.new_token_ratio = self.init_ratio      # on_idle: the scheduler is fully idle
         items = self._prefill(state, now_s, running)
         if items is None:
             items = self._decode(state, running, now_s)

@@ -103,6 +103,9 @@ def test_new_token_ratio_starts_from_conservativeness_and_decays_to_its_floor():
     for t in range(11, 700):
         step(state, policy, float(t))
     assert policy.new_token_ratio == pytest.approx(0.098)     # at its floor after 600 decodes
+    assert state.num_finished == 1                             # 1 + 699 decodes: its 700 tokens
+    assert isinstance(policy.schedule(state, 700.0), Idle)     # fully idle: on_idle resets the ratio
+    assert policy.new_token_ratio == 0.7
 
 
 def _running(state, specs, max_tokens):
