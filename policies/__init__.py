@@ -16,6 +16,7 @@ from policies.dynamic import DynamicConfig, DynamicPolicy
 from policies.lmdeploy import LmdeployConfig, LmdeployPolicy
 from policies.orca import OrcaConfig, OrcaPolicy
 from policies.sarathi import SarathiConfig, SarathiPolicy
+from policies.sglang import SglangConfig, SglangPolicy
 from policies.static import StaticConfig, StaticPolicy
 from policies.tensorrt_llm import TensorRtLlmConfig, TensorRtLlmPolicy
 from policies.tgi import TgiConfig, TgiPolicy
@@ -34,6 +35,7 @@ POLICIES: dict[str, tuple[type, type]] = {
     "tensorrt_llm": (TensorRtLlmConfig, TensorRtLlmPolicy),
     "tgi": (TgiConfig, TgiPolicy),
     "lmdeploy": (LmdeployConfig, LmdeployPolicy),
+    "sglang": (SglangConfig, SglangPolicy),
 }
 
 

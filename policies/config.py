@@ -89,6 +89,8 @@ def policy_config(data: Any, src: str) -> Any:
     cfg = build(cls, {k: v for k, v in knobs.items() if k not in foreign}, "policy", src)
     for f in dataclasses.fields(cls):
         v = getattr(cfg, f.name)
+        if kind == "sglang" and f.name == "chunked_prefill_size" and v == -1:
+            continue                      # SGLang's -1: chunked prefill off
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             _positive(src, f"policy.{f.name}", v, allow_zero=f.default == 0)   # a default of 0 means "off"
     if kind == "vllm_v1" and not cfg.watermark < 1:

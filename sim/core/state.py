@@ -41,6 +41,7 @@ class SchedulerState:
         self.num_rejected = 0
         self.num_cut_short = 0
         self.num_preemptions = 0
+        self.num_steps = 0                  # steps committed, a stretch's included (a policy's own clock)
         self._true_output: dict[int, int] = {}
         # The true output length of each request in flight, for the simulator's own
         # bookkeeping (sim.loop.stretch); policies use the explicit oracle_output_tokens.
@@ -173,6 +174,7 @@ class SchedulerState:
         with all its output tokens finishes and frees its blocks (for a static
         group: when the whole group is done).
         """
+        self.num_steps += 1
         requests = self.requests
         true_output = self._true_output
         tokens = self.tokens
@@ -223,6 +225,7 @@ class SchedulerState:
         each; with ``completes`` the last step completes it, and it samples
         a token then (and finishes if that was its last)."""
         num_steps = len(end_times_s)
+        self.num_steps += num_steps
         for r in live:
             r.num_computed_tokens += num_steps
             r.num_output_tokens += num_steps

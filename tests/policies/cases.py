@@ -68,6 +68,16 @@ CASES: dict[str, PolicyCase] = {
                             "prefill_interval": st.integers(1, 20), "block_size": st.sampled_from([16, 32, 64]),
                             "enable_prefix_caching": st.booleans()},
                            stretches_while_waiting=False),        # do_prefill's decode counter
+    "sglang": PolicyCase({"max_running_requests": 4, "chunked_prefill_size": 64, "max_prefill_tokens": 64},
+                         {"max_running_requests": st.integers(1, 8),
+                          "chunked_prefill_size": st.sampled_from([-1, 8, 64, 600]),
+                          "max_prefill_tokens": st.sampled_from([64, 16384]),
+                          "schedule_policy": st.sampled_from(["fcfs", "lpm"]),
+                          "schedule_conservativeness": st.sampled_from([0.3, 1.0, 3.0]),
+                          "enable_mixed_chunk": st.booleans(),
+                          "disable_radix_cache": st.booleans(),
+                          "page_size": st.sampled_from([1, 4, 16])},
+                         {"chunked_prefill_size": 4096}),
 }
 
 KINDS: tuple[str, ...] = tuple(CASES)

@@ -56,6 +56,7 @@ DEFAULTS = {
     "tensorrt_llm": (8192, 2048, False),    # max_num_tokens 8192, max_batch_size 2048 (any device)
     "tgi": (4096, 128, False),              # max_batch_prefill_tokens 4096, max_concurrent_requests 128
     "lmdeploy": (8192, 128, False),         # max_prefill_token_num 8192; unknown device: max_batch_size 128
+    "sglang": (4096, 4096, False),          # unknown device: chunked_prefill_size 4096; max_running_requests 4096 until the pool is known
 }
 
 

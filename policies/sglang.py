@@ -1,0 +1,300 @@
+"""SGLang: prefill first, under the PrefillAdder's budgets, over a radix prefix cache.
+
+The rules of SGLang 0.5.23 (the PyPI wheel), from ``sglang/srt/managers/
+scheduler.py`` (``get_next_batch_to_run``, ``_get_new_batch_prefill_raw``,
+``update_running_batch``), ``schedule_policy.py`` (``SchedulePolicy``,
+``PrefillAdder``, ``CLIP_MAX_NEW_TOKENS``), ``schedule_batch.py``
+(``retract_decode``, ``check_decode_mem``, ``release_req``),
+``scheduler_components/new_token_ratio_tracker.py``, ``environ.py`` (the
+ratio constants), ``mem_cache/radix_cache.py`` and ``mem_cache/common.py``
+(``sim.core.radix``), ``mem_cache/prefill_budget.py`` (``policies.sglang_adder``),
+``arg_groups/fields/schedule.py`` and ``arg_groups/memory_hook.py`` (defaults
+by GPU memory) and ``mem_cache/kv_cache_configurator.py`` (``resolve_max_num_reqs``):
+
+1. Each iteration first tries a prefill batch; if it gets one it runs it,
+   else it decodes the running batch (every running request but the one
+   being chunked). With ``enable_mixed_chunk`` the running decodes join the
+   prefill batch when their next tokens fit (budgets start short of them).
+2. A prefill pass is skipped while the batch is marked full (set when an
+   admission ran out of memory or slots; cleared when a request leaves) or
+   nothing waits, unless a chunked request is in progress. The request in
+   progress takes the next chunk first: the chunk budget, or the memory left
+   if less. Then waiting requests, in queue order, each matched in the radix
+   cache (at most ``num_tokens - 1`` tokens, whole pages), are admitted by
+   ``PrefillAdder`` (``policies.sglang_adder`` gives the budgets) while fewer
+   than ``max_running_requests`` run: a request whose uncached tokens exceed
+   the chunk budget left becomes the one chunked request.
+3. ``new_token_ratio`` starts at min(0.7 x schedule_conservativeness, 1),
+   falls by (init - floor) / 600 every decode step to its floor, min(init x
+   0.14, 1), after a retraction is set to min(1, (outputs + 20 x n) /
+   (max_tokens + 1)) summed over the n requests left, and goes back to its
+   start whenever the scheduler is fully idle (``on_idle``).
+4. A decode step needs a page for each request whose next token starts one.
+   When they do not fit (after evicting), requests are retracted one by one,
+   fewest outputs first and among those the longest prompt, until they fit
+   (one always stays); each frees its own KV (its checkpointed prefix stays
+   in the tree, unlocked), the tree then evicts up to 20 tokens per request
+   left, and it goes to the back of the waiting queue, to be prefilled again.
+5. ``schedule_policy`` fcfs keeps the queue's order (and every 32nd pass
+   refreshes the LRU stamps of the first 128 waiting prompts, the queue's head
+   last); lpm sorts it by cached prefix, longest first, deferring a request
+   whose short match (<= 32 tokens) shares >= 32 tokens with one ahead of it,
+   and falls back to fcfs while more than 128 wait.
+6. The KV: the radix pool of ``sim.core.radix`` (token-granular with the
+   default ``page_size`` 1), sized from ``mem_fraction_static`` of the device
+   memory (weights + KV; activations outside it). A prefilled chunk's tokens
+   enter the tree when the step ends, a finished request's prompt and outputs
+   when it finishes.
+
+   With ``ignore_eos`` and the cache disabled, admission is SGLang's
+   ``add_one_req_ignore_eos`` (``policies.sglang_adder``).
+
+   A request that cannot decode even alone (the chunked request holds the
+   rest of the pool) is aborted by SGLang; here it ends cut short.
+
+Not modelled: the overlap scheduler's one-step lag, priorities and priority
+preemption, hierarchical (host) cache, speculative decoding, PP and DP
+attention, LoRA, grammar, the error an aborted request returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Sequence
+
+from policies.base import config_knobs, knob
+from policies.sglang_adder import NO_TOKEN, OTHER, CONTINUE, PrefillAdder
+from policies.sglang_defaults import engine_defaults
+from policies.sglang_queue import order_waiting
+from sim.core.batch import Batch, BatchItem, Idle
+from sim.core.policy import KvMemory, PolicyContext, StretchShape
+from sim.core.radix import CountingView, RadixCachePool, TokenPool
+from sim.core.request import Request, Status
+
+if TYPE_CHECKING:
+    from sim.core.state import SchedulerState
+
+INIT_NEW_TOKEN_RATIO = 0.7              # SGLANG_INIT_NEW_TOKEN_RATIO
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14       # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
+NEW_TOKEN_RATIO_DECAY_STEPS = 600       # SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
+RETRACT_DECODE_STEPS = 20               # SGLANG_RETRACT_DECODE_STEPS
+
+
+@dataclass(frozen=True, slots=True)
+class SglangConfig:
+    kind: Literal["sglang"] = "sglang"
+    chunked_prefill_size: int | None = knob(None, "most tokens of a prefill batch (chunks); -1: no chunked prefill; "
+                                                  "unset: SGLang's default by GPU memory (<20 GiB 2048, <60 GiB "
+                                                  "4096, <160 GiB 8192, else 16384; unknown device 4096)")
+    max_prefill_tokens: int = knob(16384, "prefill tokens one pass admits before it stops (SGLang's default 16384)")
+    max_running_requests: int | None = knob(None, "most requests running at once; unset: SGLang's rule from the "
+                                                  "pool, min(clamp(pool_tokens / max_model_len x 512, 2048, "
+                                                  "4096), pool_tokens // 2), 4096 until the pool is known")
+    schedule_policy: str = knob("fcfs", "waiting-queue order: fcfs (default) or lpm (longest cached prefix "
+                                        "first; fcfs while more than 128 wait)")
+    schedule_conservativeness: float = knob(1.0, "scales new_token_ratio's start, min(0.7 x it, 1) (default 1.0)")
+    enable_mixed_chunk: bool = knob(False, "running decodes join chunked prefill batches (default off)")
+    disable_radix_cache: bool = knob(False, "no prefix cache (default false: the radix cache is on)")
+    page_size: int = knob(1, "KV page in tokens; matches and the tree are whole pages (default 1)")
+    mem_fraction_static: float | None = knob(None, "share of GPU memory for weights + KV; unset: SGLang's "
+                                                   "(memory - reserve) / memory by GPU memory (0.95 unknown)")
+    ignore_eos: bool = knob(False, "clients send ignore_eos (SGLang's benchmarks do unless --disable-ignore-eos): "
+                                   "reservations take max_tokens in full (ratio 1)")
+
+
+class SglangPolicy:
+    # Fast path (sim.loop.stretch): with nothing waiting, or the batch marked full (cleared only when a
+    # request leaves), a decode step admits nobody and touches no node of the tree; the pages it
+    # grows into come free, or from evicting the LRU's next nodes, as the fast path's append_block
+    # takes them. new_token_ratio decays by the decode steps a stretch ran (state.num_steps), one
+    # decay at a time as stepping does. stretch_shape declines right after a prefill (its
+    # checkpoints are pending) and while requests wait with the batch not marked full.
+    decode_stretch = True
+    chunk_stretch = False
+    holds_batch = False
+    refuses_by_prompt = False
+    max_prompt_tokens: int | None = None
+    num_reserved_blocks = 0          # SGLang's padded slot 0 lies outside the pool's size
+
+    def __init__(self, config: SglangConfig, context: PolicyContext) -> None:
+        if config.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be fcfs or lpm (the ones modelled), got {config.schedule_policy!r}")
+        if config.chunked_prefill_size is not None and config.chunked_prefill_size <= 0 \
+                and config.chunked_prefill_size != -1:
+            raise ValueError(f"chunked_prefill_size must be > 0 or -1 (off), got {config.chunked_prefill_size}")
+        if config.mem_fraction_static is not None and not 0 < config.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {config.mem_fraction_static}")
+        self.config = config
+        chunk, fraction = engine_defaults(context, config.chunked_prefill_size, config.max_prefill_tokens,
+                                          config.max_running_requests)
+        self.chunk_size = chunk if chunk > 0 else None
+        self.mem_fraction = config.mem_fraction_static or fraction
+        self.kv_memory = KvMemory(self.mem_fraction, "static")
+        self.block_size = config.page_size
+        self.prefix_caching = not config.disable_radix_cache
+        self.kv_pool_class = TokenPool if config.disable_radix_cache else RadixCachePool
+        self.lpm = config.schedule_policy == "lpm" and self.prefix_caching
+        self.token_budget = self.chunk_size
+        self.max_num_seqs = config.max_running_requests or 4096
+        self._pool_rule = config.max_running_requests is None
+        init = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)
+        self.init_ratio, self.min_ratio = init, min(init * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
+        self.ratio_decay = (init - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = init
+        self.chunked: Request | None = None       # the request being prefilled in chunks
+        self.batch_is_full = False
+        self._num_running = 0                      # len(state.running) after the last pass
+        self._prefilled: list[Request] = []        # the last step's prefill items, checkpointed after it
+        self._num_refresh_calls = 0                # fcfs's LRU refresh counter
+        self._view: CountingView | None = None
+        self._num_steps = 0                        # state.num_steps once our last step commits
+        self._waiting: Any = ()                    # the queue we last saw
+
+    def stretch_shape(self, running: Sequence[Request], live_context: int, num_live: int,
+                      prefilling: Request | None) -> StretchShape | None:
+        if prefilling is not None or (self._waiting and not self.batch_is_full):
+            return None
+        if any(r.status == Status.RUNNING for r in self._prefilled):
+            return None
+        return StretchShape(live_context, num_live, 0)
+
+    def knobs(self) -> dict[str, Any]:
+        return config_knobs(self.config, chunked_prefill_size=self.chunk_size or -1,
+                            max_running_requests=self.max_num_seqs, mem_fraction_static=self.mem_fraction)
+
+    def _pool(self, state: SchedulerState) -> RadixCachePool | CountingView:
+        """The run's pool; one of another kind (a test's BlockManager) is seen uncached."""
+        kv = state.kv
+        if isinstance(kv, RadixCachePool):
+            return kv
+        if self._view is None or self._view.kv is not kv:
+            self._view = CountingView(kv)
+        return self._view
+
+    def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
+        kv = self._pool(state)
+        if self._pool_rule:                        # resolve_max_num_reqs, once the pool is known
+            tokens = kv.capacity_tokens
+            self.max_num_seqs = max(1, min(max(min(int(tokens / state.max_model_len * 512), 4096), 2048),
+                                           tokens // 2))
+            self._pool_rule = False
+        for _ in range(state.num_steps - self._num_steps):     # decode steps a stretch ran without us
+            if self.new_token_ratio <= self.min_ratio:
+                break
+            self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
+        self._waiting = state.waiting
+        for r in self._prefilled:                  # the last prefill's results: its tokens enter the tree
+            if r.status == Status.RUNNING:
+                kv.checkpoint(r, r.num_computed_tokens)
+        self._prefilled = []
+        running = [r for r in state.running if r is not self.chunked]
+        if len(state.running) < self._num_running or not running:
+            self.batch_is_full = False             # a request left
+        if not state.running and not state.waiting:
+            self.new_token_ratio = self.init_ratio      # on_idle: the scheduler is fully idle
+        items = self._prefill(state, now_s, running)
+        if items is None:
+            items = self._decode(state, running, now_s)
+        self._num_running = len(state.running)
+        self._num_steps = state.num_steps + bool(items)
+        return Batch(tuple(items)) if items else Idle()
+
+    # ---- prefill ----------------------------------------------------------------------------------
+    def _prefill(self, state: SchedulerState, now_s: float, running: list[Request]) -> list[BatchItem] | None:
+        kv, waiting = self._pool(state), state.waiting
+        if (self.batch_is_full or not waiting) and self.chunked is None:
+            return None
+        slots = self.max_num_seqs - len(running)
+        if slots <= 0 and self.chunked is None:
+            self.batch_is_full = True
+            return None
+        self._num_refresh_calls = order_waiting(kv, waiting, self.lpm, self._num_refresh_calls)
+        mixed = len(running) if self.config.enable_mixed_chunk and self.chunk_size else 0
+        adder = PrefillAdder(kv, running, self.new_token_ratio, self.config.max_prefill_tokens, self.chunk_size,
+                             mixed, self.config.ignore_eos)
+        if self.chunked is not None:
+            self.chunked = adder.add_chunked_req(self.chunked)
+        for r in list(waiting):
+            if adder.budget_state() == OTHER:
+                break
+            if len(adder.admitted) >= slots:
+                self.batch_is_full = True
+            if self.batch_is_full:
+                break
+            if self.config.ignore_eos and not kv.enabled:
+                res = adder.add_one_req_ignore_eos(r)
+            else:
+                prefix, node = kv.match(r, r.num_prompt_tokens + r.num_output_tokens - 1)
+                res = adder.add_one_req(r, prefix, node)
+            if res != CONTINUE:
+                if res == NO_TOKEN:
+                    self.batch_is_full = bool(adder.admitted) or bool(running)
+                break
+        if not adder.admitted:
+            return None
+        if adder.new_chunked is not None:
+            self.chunked = adder.new_chunked
+        items = []
+        for r, prefix, n, node in adder.admitted:
+            if node is not None:                   # a new admission: it takes its hit
+                kv.hold(r, prefix, node, locked=True)     # the adder took its lock
+                state.admit(r, now_s, prefix)
+                kv.record_lookup(r, prefix)
+            items.append(BatchItem(r.req_id, n, prefix))
+        # prepare_for_extend: one allocation for the batch, evicting its shortfall at once
+        need = sum(kv.num_blocks_for(it.context_len + it.num_new_tokens) - len(state.requests[it.req_id].block_ids)
+                   for it in items)
+        kv.evict(need * kv.block_size)
+        for it in items:
+            kv.allocate(state.requests[it.req_id], it.context_len + it.num_new_tokens)
+        self._prefilled = [r for r, *_ in adder.admitted]
+        if mixed and self._decode_fits(kv, running):
+            items += self._decode_items(kv, running)
+        return items
+
+    # ---- decode -----------------------------------------------------------------------------------
+    def _decode_fits(self, kv: RadixCachePool, reqs: list[Request]) -> bool:
+        """check_decode_mem: a page for each request whose next token starts one, after evicting."""
+        need = sum(1 for r in reqs if not r.num_computed_tokens % kv.block_size) * kv.block_size
+        kv.evict(need)
+        return kv.num_free_tokens >= need
+
+    @staticmethod
+    def _decode_items(kv: RadixCachePool, reqs: list[Request]) -> list[BatchItem]:
+        items = []
+        for r in reqs:
+            computed = r.num_computed_tokens
+            kv.allocate(r, computed + 1)
+            items.append(BatchItem(r.req_id, 1, computed))
+        return items
+
+    def _decode(self, state: SchedulerState, running: list[Request], now_s: float) -> list[BatchItem]:
+        if not running:
+            return []
+        kv = self._pool(state)
+        if self._decode_fits(kv, running):
+            self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
+            return self._decode_items(kv, running)
+        # retract_decode: keep-order, most preferred first; the last is retracted first
+        keep = sorted(running, key=lambda r: (r.num_output_tokens, -r.num_prompt_tokens), reverse=True)
+        first = True
+        while first or not self._decode_fits(kv, keep):
+            if len(keep) == 1:
+                break
+            first = False
+            r = keep.pop()
+            state.preempt(r)                        # its own KV freed, its prefix unlocked
+            kv.evict(len(keep) * RETRACT_DECODE_STEPS)
+            state.waiting.popleft()                 # preempt queued it at the front; SGLang appends it
+            state.waiting.append(r)
+        if len(keep) == 1 and not self._decode_fits(kv, keep):
+            # even alone it does not fit (the chunked request holds the rest): SGLang aborts it; here
+            # it ends with the tokens it has (cut short)
+            last = keep.pop()
+            state.preempt(last)
+            state.cut_short(last, now_s)
+        outputs = sum(r.num_output_tokens for r in keep)
+        max_tokens = sum(r.max_output_tokens for r in keep)
+        self.new_token_ratio = min(1.0, (outputs + RETRACT_DECODE_STEPS * len(keep)) / (max_tokens + 1))
+        self.batch_is_full = False
+        return self._decode_items(kv, keep)

@@ -1,0 +1,66 @@
+"""SGLang 0.5.23's defaults by GPU memory (``sglang/srt/arg_groups/memory_hook.py``,
+``handle_gpu_memory_settings`` and ``reserve_for_graph_mb``; ``cuda_graph_hook.py``'s
+prefill capture sizes), for one GPU of ``PolicyContext`` (memory in MiB as
+SGLang reads it):
+
+- ``chunked_prefill_size``: < 20 GiB 2048; < 35 GiB 4096; < 60 GiB 4096;
+  < 90 GiB 8192; < 160 GiB 8192; else 16384; unknown device (and CPU): 4096.
+- the decode CUDA-graph batch: < 20 GiB 8; < 35 GiB 48 (160 at TP >= 4);
+  < 60 GiB 32 (160); < 160 GiB 256 (512); else 512; at most max_running_requests.
+- ``mem_fraction_static`` = round((memory - reserve) / memory, 3), the reserve
+  (MiB) 512 + 1.5 x max(chunked_prefill_size (or max_prefill_tokens without
+  chunking), 2048) + TP/8 x 1024 + 2 x the decode graph batch + 8 per prefill
+  capture size (CUDA's breakable prefill graphs; none on AMD), at least
+  10 GiB above 60 GiB of memory; unknown device: 0.95.
+
+Assumed: a non-MLA model, one pipeline stage, no DP attention, speculative
+decoding, DeepEP or multimodal input, post-capture KV sizing off (its default).
+"""
+
+from __future__ import annotations
+
+from sim.core.policy import PolicyContext
+
+MIB = 1024**2
+GIB_MIB = 1024
+
+
+def prefill_capture_sizes(max_bs: int) -> list[int]:
+    """``generate_prefill_cuda_graph_batch_sizes``: the token counts the prefill graphs capture."""
+    sizes = (list(range(4, 33, 4)) + list(range(48, 257, 16)) + list(range(288, 513, 32))
+             + list(range(576, 1025, 64)) + list(range(1280, 4097, 256)) + list(range(4608, max_bs + 1, 512)))
+    return [s for s in sizes if s <= max_bs]
+
+
+def engine_defaults(context: PolicyContext, chunked_prefill_size: int | None, max_prefill_tokens: int,
+                    max_running_requests: int | None) -> tuple[int, float]:
+    """(chunked_prefill_size, -1 for off; mem_fraction_static) as SGLang resolves them."""
+    device = context.device.lower()
+    mem = context.memory_bytes_per_gpu / MIB
+    known = mem > 0 and not device.startswith("cpu")
+    tp = context.world_size
+    if not known:
+        chunk, graph_bs = 4096, 160
+    elif mem < 20 * GIB_MIB:
+        chunk, graph_bs = 2048, 8
+    elif mem < 35 * GIB_MIB:
+        chunk, graph_bs = 4096, 48 if tp < 4 else 160
+    elif mem < 60 * GIB_MIB:
+        chunk, graph_bs = 4096, 32 if tp < 4 else 160
+    elif mem < 160 * GIB_MIB:
+        chunk, graph_bs = 8192, 256 if tp < 4 else 512
+    else:
+        chunk, graph_bs = 16384, 512
+    if chunked_prefill_size is not None:
+        chunk = chunked_prefill_size
+    if not known:
+        return chunk, 0.95
+    if max_running_requests is not None:
+        graph_bs = min(graph_bs, max_running_requests)
+    activation_tokens = max(chunk if chunk > 0 else max_prefill_tokens, 2048)
+    reserve = 512 + activation_tokens * 1.5 + tp / 8 * 1024 + graph_bs * 2
+    if not any(name in device for name in ("amd", "mi300", "mi325", "mi350", "mi355", "instinct")):
+        reserve += len(prefill_capture_sizes(chunk)) * 8
+    if mem > 60 * GIB_MIB:
+        reserve = max(reserve, 10 * GIB_MIB)
+    return chunk, round((mem - reserve) / mem, 3)
