@@ -245,7 +245,8 @@ def test_trtllm_profile_engine_has_inferred_budget_under_the_batchsim_key():
 
 # ---- the policy chosen -----------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["sglang", "tensorrt_llm"])
-def test_an_engine_whose_policy_is_not_here_is_one_clear_error(kind):
+def test_an_engine_whose_policy_is_not_here_is_one_clear_error(kind, monkeypatch):
+    monkeypatch.delitem(policies.POLICIES, kind)          # a batchsim without that engine's policy
     with pytest.raises(ConfigError, match=f"policy {kind} is not available"):
         engines.policy_for(kind, {})
 
@@ -290,9 +291,10 @@ def test_validation_policy_section_per_engine(monkeypatch):
     assert got == {"kind": "sglang", "max_running_requests": 48, "page_size": 16, "disable_radix_cache": False}
 
 
-def test_validate_against_sglang_refuses_before_replaying(serve, tmp_path):
+def test_validate_against_sglang_refuses_before_replaying(serve, tmp_path, monkeypatch):
     from calibrate.serving.validate_server import validate_server
 
+    monkeypatch.delitem(policies.POLICIES, "sglang")      # a batchsim without the sglang policy
     fake = serve(sglang_answers())
     cfg = workload_from_dict({"name": "w", "num_requests": 2, "arrivals": {"kind": "poisson", "rate": 1},
                               "lengths": {"kind": "fixed", "prompt_tokens": 8, "output_tokens": 2},
@@ -302,9 +304,10 @@ def test_validate_against_sglang_refuses_before_replaying(serve, tmp_path):
     assert "SGLang" in str(exc.value) and fake.bodies == []
 
 
-def test_calibrate_against_trtllm_refuses_before_probing(serve, tmp_path):
+def test_calibrate_against_trtllm_refuses_before_probing(serve, tmp_path, monkeypatch):
     import argparse
 
+    monkeypatch.delitem(policies.POLICIES, "tensorrt_llm")     # a batchsim without the tensorrt_llm policy
     from calibrate.serving.calibrate_server import main
 
     fake = serve(trtllm_answers())
@@ -333,3 +336,20 @@ def test_validate_against_a_vllm_like_fake_simulates_vllm_v1(serve, tmp_path):
     assert (v.knobs["num_blocks"], v.knobs["block_size"]) == (2048, 128)
     assert any("sarathi is replaced by vllm_v1, the scheduler of the vLLM server" in n for n in v.notes)
     assert v.body()["engine"] == "vllm" and v.measurement.run.summary["completed"] == 3
+
+
+def test_validate_against_an_sglang_like_fake_simulates_sglang(serve, tmp_path):
+    """With the sglang policy merged, the SGLang-like fake is simulated under it, with the knobs
+    its /get_server_info gives under SGLang's names (48 running requests, 512-token chunks,
+    16-token pages, the radix cache as the server has it)."""
+    from calibrate.serving.validate_server import validate_server
+
+    fake = serve(sglang_answers())
+    cfg = workload_from_dict({"name": "w", "num_requests": 3, "arrivals": {"kind": "poisson", "rate": 20},
+                              "lengths": {"kind": "fixed", "prompt_tokens": 16, "output_tokens": 4},
+                              "policy": "vllm_v1"}, str(tmp_path / "w.yaml"), tmp_path)
+    v = validate_server(cfg, profile=str(PROFILE), server=fake.url)
+    assert v.engine == "sglang" and v.sim_cfg.policy.kind == "sglang"
+    p = v.sim_cfg.policy
+    assert (p.max_running_requests, p.chunked_prefill_size, p.page_size) == (48, 512, 16)
+    assert v.body()["engine"] == "sglang" and v.measurement.run.summary["completed"] == 3
