@@ -34,9 +34,16 @@ if [ ! -f "$STAMP" ] || ! cmp -s pyproject.toml "$STAMP"; then
     "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
     # The real-vLLM tests skip without vllm; here they must run, so a broken install fails now.
     "$VENV/bin/python" -c 'import vllm, transformers; print("vllm", vllm.__version__)'
+    # SGLang's own RadixCache and PrefillAdder for the sglang differential test
+    # (tests/policies/test_sglang_differential.py): the wheel alone, beside the environment
+    # (its dependencies would replace vllm's torch); the test stubs the few imports it needs.
+    "$VENV/bin/python" -m pip install --quiet --no-deps --target "$VENV/sglang-pkgs" sglang==0.5.23
+    test -f "$VENV/sglang-pkgs/sglang/srt/mem_cache/radix_cache.py"
     cp pyproject.toml "$STAMP"
 fi
 if [ "${1:-}" = "--setup-only" ]; then
     exit 0
 fi
+export SGLANG_PATH="$PWD/$VENV/sglang-pkgs"
+case "$VENV" in /*) SGLANG_PATH="$VENV/sglang-pkgs" ;; esac
 exec "$VENV/bin/python" -m pytest -q "$@"
