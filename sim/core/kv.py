@@ -54,6 +54,34 @@ class KVPool:
         return 0
 
 
+class CachingPool(KVPool):
+    """A pool that caches KV by content (``sim.core.prefix.PrefixCachePool``,
+    ``sim.core.radix.RadixCachePool``): the lookup counters they share, as vLLM's
+    PrefixCacheStats keeps them (tokens queried and hit at admission, new
+    requests and preempted ones apart) and the cached blocks evicted for reuse."""
+
+    caching = True
+
+    __slots__ = ("queries", "hits", "preempted_queries", "preempted_hits", "evictions")
+
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0) -> None:
+        super().__init__(num_blocks, block_size, watermark)
+        self.queries = self.hits = self.preempted_queries = self.preempted_hits = 0
+        self.evictions = 0
+
+    def record_lookup(self, req: Request, num_hit_tokens: int) -> None:
+        """Count an admitted request's lookup as vLLM's ``record_prefix_cache_stats``
+        does: its known tokens queried, the hit's tokens hit; preempted ones apart."""
+        num_tokens = req.num_prompt_tokens + req.num_output_tokens
+        if req.num_preemptions:
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hit_tokens
+        else:
+            self.queries += num_tokens
+            self.hits += num_hit_tokens
+            req.num_cached_tokens = num_hit_tokens
+
+
 class BlockManager(KVPool):
     """A pool of ``num_blocks`` KV blocks of ``block_size`` tokens each, counted.
 

@@ -55,7 +55,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from sim.core.kv import KVPool
+from sim.core.kv import CachingPool
 
 if TYPE_CHECKING:
     from sim.core.request import Request
@@ -142,15 +142,12 @@ def extend_hashes(req: Request, num_tokens: int, block_size: int) -> list[int]:
     return hashes
 
 
-class PrefixCachePool(KVPool):
+class PrefixCachePool(CachingPool):
     """``num_blocks`` KV blocks of ``block_size`` tokens whose full blocks are
     cached by content (the module doc gives vLLM's rules). ``watermark`` as
     ``BlockManager``'s."""
 
-    caching = True
-
-    __slots__ = ("_front", "_next_fresh", "_lru", "_shared",
-                 "_hash_of", "_cached", "_dups", "queries", "hits", "preempted_queries", "preempted_hits", "evictions")
+    __slots__ = ("_front", "_next_fresh", "_lru", "_shared", "_hash_of", "_cached", "_dups")
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0) -> None:
         super().__init__(num_blocks, block_size, watermark)
@@ -163,9 +160,6 @@ class PrefixCachePool(KVPool):
         self._hash_of: dict[int, int] = {}         # block -> its hash (cached blocks only)
         self._cached: dict[int, int] = {}          # hash -> the first block registered with it
         self._dups: dict[int, list[int]] = {}      # hash -> the later ones, in order (rare)
-        # vLLM's PrefixCacheStats: tokens queried and hit at admission, new requests and preempted apart.
-        self.queries = self.hits = self.preempted_queries = self.preempted_hits = 0
-        self.evictions = 0                          # cached blocks popped for reuse
 
     # ---- counts (BlockManager's) -----------------------------------------------------------------
     @property
@@ -331,15 +325,3 @@ class PrefixCachePool(KVPool):
                 shared[b] = shared.get(b, 0) + 1
         req.block_ids = list(blocks)
         req.num_hashed_blocks = len(blocks)
-
-    def record_lookup(self, req: Request, num_hit_tokens: int) -> None:
-        """Count an admitted request's lookup as vLLM's ``record_prefix_cache_stats``
-        does: ``num_tokens`` queried, the hit's tokens hit; preempted ones apart."""
-        num_tokens = req.num_prompt_tokens + req.num_output_tokens
-        if req.num_preemptions:
-            self.preempted_queries += num_tokens
-            self.preempted_hits += num_hit_tokens
-        else:
-            self.queries += num_tokens
-            self.hits += num_hit_tokens
-            req.num_cached_tokens = num_hit_tokens

@@ -43,24 +43,23 @@ keys, sliding-window and Mamba trees.
 
 from __future__ import annotations
 
-from sim.core.kv import KVPool
+from sim.core.kv import CachingPool, KVPool
 from sim.core.radix_tree import Node, RadixTree, token_runs
 from sim.core.request import Request, Status
 
 __all__ = ["CountingView", "Node", "RadixCachePool", "RadixTree", "TokenPool", "token_runs"]
 
 
-class RadixCachePool(KVPool):
+class RadixCachePool(CachingPool):
     """``num_blocks`` KV pages of ``block_size`` tokens (SGLang's ``page_size``) under a
     ``RadixTree`` (the module doc gives the rules). A page is free, in the tree
     (locked by the requests whose prefix it holds, or evictable), or a request's own.
     ``num_free_blocks`` counts what an allocation can get: the free pages and the
     evictable ones. ``watermark`` is unused (SGLang keeps none)."""
 
-    caching = True
     enabled = True                  # False: SGLang's --disable-radix-cache (``TokenPool``)
 
-    __slots__ = ("tree", "_free", "_held", "queries", "hits", "preempted_queries", "preempted_hits", "evictions")
+    __slots__ = ("tree", "_free", "_held")
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0) -> None:
         super().__init__(num_blocks, block_size, watermark)
@@ -68,9 +67,6 @@ class RadixCachePool(KVPool):
         self._free = num_blocks                        # pages neither in the tree nor a request's own
         # Per request holding KV: [its locked last node, its tokens in the tree (cache_protected_len)].
         self._held: dict[int, list] = {}
-        # Prompt (+ recomputed output) tokens looked up at admission and found cached; preempted apart.
-        self.queries = self.hits = self.preempted_queries = self.preempted_hits = 0
-        self.evictions = 0                             # pages evicted from the tree
 
     # ---- counts ---------------------------------------------------------------------------------
     @property
@@ -185,17 +181,6 @@ class RadixCachePool(KVPool):
             self._free += len(req.block_ids) - held[1] // self.block_size
             self.tree.unlock(held[0])
         req.block_ids = []
-
-    def record_lookup(self, req: Request, num_hit_tokens: int) -> None:
-        """Count an admitted request's lookup: its known tokens queried, the match hit; preempted apart."""
-        num_tokens = req.num_prompt_tokens + req.num_output_tokens
-        if req.num_preemptions:
-            self.preempted_queries += num_tokens
-            self.preempted_hits += num_hit_tokens
-        else:
-            self.queries += num_tokens
-            self.hits += num_hit_tokens
-            req.num_cached_tokens = num_hit_tokens
 
     def cached_prefix_blocks(self, req: Request) -> int:
         """Whole prompt pages of ``req`` the tree holds (a router's view; changes nothing)."""
