@@ -62,7 +62,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
-from policies.base import config_knobs, knob
+from policies.base import batch_or_idle, config_knobs, knob
 from policies.sglang_adder import NO_TOKEN, OTHER, CONTINUE, PrefillAdder
 from policies.sglang_defaults import engine_defaults
 from policies.sglang_queue import order_waiting
@@ -197,7 +197,7 @@ class SglangPolicy:
             items = self._decode(state, running, now_s)
         self._num_running = len(state.running)
         self._num_steps = state.num_steps + bool(items)
-        return Batch(tuple(items)) if items else Idle()
+        return batch_or_idle(items)
 
     # ---- prefill ----------------------------------------------------------------------------------
     def _prefill(self, state: SchedulerState, now_s: float, running: list[Request]) -> list[BatchItem] | None:

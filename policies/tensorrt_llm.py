@@ -78,7 +78,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from policies.base import config_knobs, knob, plain_stretch_shape
+from policies.base import batch_or_idle, config_knobs, knob, plain_stretch_shape
 from policies.tensorrt_llm_capacity import max_utilization, no_evict
 from policies.tensorrt_llm_rules import (
     CAPACITY_POLICIES,
@@ -237,5 +237,5 @@ class TensorRtLlmPolicy:
                 to_register.append(r)
         for r in to_register:                                    # after every lookup of this step
             kv.cache(r, r.num_prompt_tokens + r.num_output_tokens)
-        return Batch(tuple(items)) if items else Idle()
+        return batch_or_idle(items)
 

@@ -67,7 +67,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from policies.base import config_knobs, knob, plain_stretch_shape
+from policies.base import batch_or_idle, config_knobs, knob, plain_stretch_shape
 from sim.core.batch import Batch, BatchItem, Idle
 from sim.core.kv import BlockManager
 from sim.core.policy import KvMemory, PolicyContext
@@ -163,7 +163,7 @@ class TgiPolicy:
         if room > 0 and state.waiting:
             items += self._next_batch(state, now_s, room, None)
         self._last_batch_size = len(items)
-        return Batch(tuple(items)) if items else Idle()
+        return batch_or_idle(items)
 
     # ---- without prefill chunking -----------------------------------------------------------------
     def _schedule_paused(self, state: SchedulerState, now_s: float) -> Batch | Idle:
@@ -172,7 +172,7 @@ class TgiPolicy:
         if not running:                              # the outer loop: a fresh batch
             new = self._next_batch(state, now_s, self.config.max_batch_prefill_tokens, None)
             self._waiting_tokens, self._must_decode = 1, False
-            return Batch(tuple(new)) if new else Idle()
+            return batch_or_idle(new)
         if self._must_decode:
             self._must_decode = False
         else:
