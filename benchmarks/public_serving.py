@@ -1,17 +1,18 @@
 """Public serving benchmarks (``vllm bench serve`` and alike) replayed on the analytic presets.
 
 A row of ``calibrate/profiles/public_serving/measurements.csv`` is one published
-run: a GPU, a TP degree, a model at a precision, fixed input and output
-lengths, and either a client concurrency (a closed loop: a new request the
-moment one returns) or a Poisson request rate, with the TTFT and TPOT it
+run: a GPU, a TP degree, a model at a precision, input and output lengths
+(fixed, or ShareGPT's published means), and either every prompt at once, a
+client concurrency (a closed loop: a new request the moment one returns) or a
+Poisson request rate, with the TTFT and TPOT it
 measured (mean and/or median). Each is replayed here under ``vllm_v1`` with the
 engine's defaults for the device, and the simulated TTFT and TPOT are compared
 with the measured ones.
 
-The fit (``fit_efficiencies``) needs many evaluations, so it does not rerun
-the simulator: a closed-loop replay's step shapes do not depend on how long a
-step takes (every request arrives at the end of the step that freed its
-client, or at 0), so each request's TTFT and TPOT are sums of step durations
+The fit (``fit_matmul_fractions``) needs many evaluations, so it does not rerun
+the simulator: without a request rate a replay's step shapes do not depend on
+how long a step takes (every request arrives at 0 or at the end of the step
+that freed its client), so each request's TTFT and TPOT are sums of step durations
 over fixed step ranges (``StepLog``), and new efficiencies only reprice the
 steps. Rows at a request rate are not fitted; they are checked by a full
 replay.
@@ -103,13 +104,6 @@ class ServingRow:
     num_prompts: int
     flags: tuple[tuple[str, Any], ...]   # server flags from the notes (max_num_batched_tokens, ...)
     measured: tuple[tuple[str, float], ...]          # (metric, ms) of METRICS that the source gives
-
-    @property
-    def closed_loop(self) -> bool:
-        return self.request_rate is None
-
-    def value(self, metric: str) -> float | None:
-        return dict(self.measured).get(metric)
 
 
 _FLAGS = ((r"--max-num-batched-tokens[ =](\d+)", "max_num_batched_tokens", int),
@@ -259,9 +253,10 @@ class _Recorder:
         return StepResult(duration_s=d, predicted_s=d)
 
 
-def replay(row: ServingRow, profile: Profile, profile_spec: dict[str, Any]) -> tuple[dict[str, float], StepLog]:
+def replay(row: ServingRow, profile: Profile) -> tuple[dict[str, float], StepLog]:
     """Simulated METRICS of ``row`` on ``profile`` (ms), and its StepLog."""
-    cfg = workload_from_dict(workload(row, profile_spec))
+    spec = workload(row, profile_spec(row))
+    cfg = workload_from_dict(spec)
     try:
         num_blocks, max_model_len = kv_blocks(cfg, profile)
     except ConfigError as exc:
@@ -270,7 +265,6 @@ def replay(row: ServingRow, profile: Profile, profile_spec: dict[str, Any]) -> t
         fits = re.search(r"set server.max_model_len <= (\d+)", str(exc))
         if fits is None:
             raise
-        spec = workload(row, profile_spec)
         spec["server"]["max_model_len"] = int(fits.group(1))
         cfg = workload_from_dict(spec)
         num_blocks, max_model_len = kv_blocks(cfg, profile)
@@ -332,10 +326,6 @@ def format_errors(title: str, table: dict[Any, dict[str, dict[str, float]]]) -> 
         label = key if isinstance(key, str) else " ".join(str(k) for k in key)
         lines.append(f"{label:<34} | {cells[0]} | {cells[1]}")
     return "\n".join(lines)
-
-
-def with_efficiency(profile_fn: Callable[..., Profile], **changes: Any) -> Callable[..., Profile]:
-    return lambda row, eff: profile_fn(row, dataclasses.replace(eff, **changes))
 
 
 def profile_spec(row: ServingRow) -> dict[str, Any]:
@@ -406,7 +396,8 @@ def fit_matmul_fractions(rows: list[ServingRow], logs: dict[ServingRow, StepLog]
     groups: dict[tuple[str, str], list[ServingRow]] = {}
     for r in rows:
         key = gemm_key(r)
-        if key is not None and r.model in TRAIN_MODELS and r in logs and r.index not in NOT_FITTED:
+        if (key is not None and r.model in TRAIN_MODELS and r in logs and r.index not in NOT_FITTED
+                and r.request_rate is None):        # repricing holds only without timed arrivals
             groups.setdefault(key, []).append(r)
     fitted = {}
     for key, group in sorted(groups.items()):
@@ -435,7 +426,7 @@ def replay_all(rows: list[ServingRow]) -> tuple[dict[ServingRow, dict[str, float
     """Every row replayed on today's presets (the fitted table included)."""
     sims, logs = {}, {}
     for r in rows:
-        sims[r], logs[r] = replay(r, build_profile(r), profile_spec(r))
+        sims[r], logs[r] = replay(r, build_profile(r))
     return sims, logs
 
 

@@ -67,7 +67,7 @@ def test_repricing_a_replay_gives_its_own_numbers(loaded) -> None:
     rows, _ = loaded
     row = next(r for r in rows if r.index == 16)        # gpt-oss-120b, 100 ShareGPT prompts, 4 clients
     prof = ps.build_profile(row)
-    sim, log = ps.replay(row, prof, ps.profile_spec(row))
+    sim, log = ps.replay(row, prof)
     again = ps.repriced(log, lambda bs: np.array([prof.step_time_s(b) for b in bs]))
     assert again == pytest.approx(sim, rel=1e-9)
     half = ps.repriced(log, lambda bs: 0.5 * np.array([prof.step_time_s(b) for b in bs]))
