@@ -83,7 +83,8 @@ def sgl():
     if "torchvision" in missing:          # transformers must decide before a stub appears
         import transformers  # noqa: F401
         from transformers import AutoImageProcessor, AutoProcessor   # noqa: F401
-    sys.meta_path.append(_StubFinder(missing))
+    finder = _StubFinder(missing)
+    sys.meta_path.append(finder)
     import sglang.srt.mem_cache.radix_cache as rc
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder as SglAdder
     from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
@@ -119,9 +120,14 @@ def sgl():
         def free(self, idx):
             pass
 
-    return types.SimpleNamespace(rc=rc, Adder=SglAdder, Result=AddReqResult, Allocator=Allocator,
-                                 EvictParams=EvictParams, InsertParams=InsertParams,
-                                 MatchPrefixParams=MatchPrefixParams)
+    yield types.SimpleNamespace(rc=rc, Adder=SglAdder, Result=AddReqResult, Allocator=Allocator,
+                                EvictParams=EvictParams, InsertParams=InsertParams,
+                                MatchPrefixParams=MatchPrefixParams)
+    # The stubs must not outlive these tests: matplotlib, for one, reads IPython.version_info
+    # when it finds an IPython module loaded.
+    sys.meta_path.remove(finder)
+    for name in [n for n in sys.modules if n.split(".")[0] in missing]:
+        del sys.modules[name]
 
 
 def ids_of(runs) -> array:
