@@ -109,6 +109,8 @@ class SglangPolicy:
     # takes them. new_token_ratio decays by the decode steps a stretch ran (state.num_steps), one
     # decay at a time as stepping does. stretch_shape declines right after a prefill (its
     # checkpoints are pending) and while requests wait with the batch not marked full.
+    # Kernel profiles (profile.kernels) price this engine on SGLang's own kernels (FlashInfer / FA3 attention, its fused MoE), measured per SGLang version.
+    kernel_tables = "sglang"
     decode_stretch = True
     chunk_stretch = False
     holds_batch = False

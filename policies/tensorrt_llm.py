@@ -124,6 +124,8 @@ class TensorRtLlmPolicy:
     # step's new blocks, which only falls; so the admission that failed fails again (a budget or
     # batch-size misfit stays one). A decode-only step decodes every running request while
     # max_num_tokens >= max_batch_size (else the budget may cut decodes: steps every iteration).
+    # Kernel profiles (profile.kernels) price this engine on TensorRT-LLM's own kernels (its FMHA and XQA attention, its MoE), measured per version.
+    kernel_tables = "trtllm"
     decode_stretch = True
     chunk_stretch = False          # no case (c): see Policy
     holds_batch = False

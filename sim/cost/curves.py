@@ -5,6 +5,11 @@ work grows" are repaired locally, by the smallest change (``isotonic_grid``),
 and a repair that moves any value by more than ``REPAIR_REPORT_REL`` is
 reported (a ``CurveRepairWarning`` and the curve's ``repairs``).
 
+A curve may also know where its values were *measured* (``Curve1D.measured_max``,
+``Curve2D.measured``: a kernel table's range, narrower than the grid that was
+tabulated from the table's own extrapolation): a lookup past that counts as
+out of range too, although the grid holds a value there.
+
 Evaluated once or a few times per simulated step, so these use ``bisect`` on
 plain lists rather than numpy (a scalar ``np.interp`` costs ~2 us; this ~0.3 us).
 The repair runs once, when a curve is built; lookups never pay for it.
@@ -12,10 +17,11 @@ The repair runs once, when a curve is built; lookups never pay for it.
 
 from __future__ import annotations
 
+import math
 import warnings
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 REPAIR_REPORT_REL = 0.05          # report a repair that moves a value by more than 5%
 
@@ -35,6 +41,28 @@ class Repair:
     @property
     def rel_change(self) -> float:
         return abs(self.after - self.before) / max(abs(self.before), 1e-300)
+
+
+class MeasuredRange(NamedTuple):
+    """Where a 2-D curve's values are measured: x <= x_max and y <= y_max + y_per_x * x.
+
+    A box is y_per_x 0; a table measured up to a total length (a prefill chunk of x tokens
+    over y earlier ones, measured while x + y <= L) is (x_max, L, -1); one measured per
+    sequence (x decodes over y context tokens in all, each measured up to L) is (x_max, 0, L)."""
+
+    x_max: float
+    y_max: float = math.inf
+    y_per_x: float = 0.0
+
+    def y_limit(self, x: float) -> float:
+        return self.y_max + self.y_per_x * x
+
+    def holds(self, x: float, y: float) -> bool:
+        return x <= self.x_max and y <= self.y_max + self.y_per_x * x
+
+    def to_dict(self) -> dict:
+        return {"x_max": self.x_max, "y_max": None if math.isinf(self.y_max) else self.y_max,
+                "y_per_x": self.y_per_x}
 
 
 def _check_axis(name: str, xs: Sequence[float]) -> list[float]:
@@ -175,12 +203,15 @@ def _segment(xs: list[float], x: float) -> int:
 
 @dataclass(slots=True)
 class Curve1D:
-    """y(x), piecewise linear on ``xs``; linear extrapolation outside, floored at 0."""
+    """y(x), piecewise linear on ``xs``; linear extrapolation outside, floored at 0.
+    ``measured_max``: the largest x measured (None: the grid's end); a lookup past it counts
+    as out of range."""
 
     xs: list[float]
     ys: list[float]
     name: str = "curve"
     num_out_of_range: int = field(default=0, compare=False)
+    measured_max: float | None = None
     repairs: list[Repair] = field(default_factory=list, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -197,7 +228,7 @@ class Curve1D:
         xs = self.xs
         last = len(xs) - 2
         i = bisect_right(xs, x) - 1                  # _segment, inlined: the hot path
-        if i < 0 or x > xs[-1]:
+        if i < 0 or x > xs[-1] or (self.measured_max is not None and x > self.measured_max):
             self.num_out_of_range += 1
         if i < 0:
             i = 0
@@ -209,19 +240,24 @@ class Curve1D:
         return y if y > 0.0 else 0.0
 
     def to_dict(self, x_name: str) -> dict:
-        return {x_name: list(self.xs), "seconds": list(self.ys)}
+        out = {x_name: list(self.xs), "seconds": list(self.ys)}
+        if self.measured_max is not None:
+            out["measured_max"] = self.measured_max
+        return out
 
 
 @dataclass(slots=True)
 class Curve2D:
     """z(x, y), bilinear on the grid ``xs`` x ``ys``; ``zs[i][j]`` is z(xs[i], ys[j]).
-    Linear extrapolation outside the grid, floored at 0."""
+    Linear extrapolation outside the grid, floored at 0. ``measured``: where the values were
+    measured (None: the whole grid); a lookup outside it counts as out of range."""
 
     xs: list[float]
     ys: list[float]
     zs: list[list[float]]
     name: str = "curve"
     num_out_of_range: int = field(default=0, compare=False)
+    measured: MeasuredRange | None = None
     repairs: list[Repair] = field(default_factory=list, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -251,6 +287,9 @@ class Curve2D:
                 i -= 1
             if j == len(ys) - 1:
                 j -= 1
+            m = self.measured
+            if m is not None and (x > m.x_max or y > m.y_max + m.y_per_x * x):
+                self.num_out_of_range += 1
         tx = (x - xs[i]) / (xs[i + 1] - xs[i])
         ty = (y - ys[j]) / (ys[j + 1] - ys[j])
         z00, z01 = zs[i][j], zs[i][j + 1]
@@ -260,15 +299,25 @@ class Curve2D:
         z = z0 + (z1 - z0) * tx
         return z if z > 0.0 else 0.0
 
-    def column(self, x: float) -> tuple[int, float, bool]:
+    def column(self, x: float) -> tuple[int, float, bool, float]:
         """What ``__call__`` computes from ``x`` alone: the segment ``i`` of
-        ``xs``, the weight ``tx`` and whether ``x`` lies outside the grid. A
-        caller pricing many ``y`` at one ``x`` (``Profile.decode_stretch_s``)
-        repeats the rest of ``__call__`` per ``y`` with these. Counts nothing."""
+        ``xs``, the weight ``tx``, whether ``x`` lies outside the grid or the
+        measured range, and the largest ``y`` counted as in range at this ``x``
+        (the grid's end, or the measured limit if lower). A caller pricing many
+        ``y`` at one ``x`` (``Profile.decode_stretch_s``) repeats the rest of
+        ``__call__`` per ``y`` with these. Counts nothing."""
         xs = self.xs
         x_out = x < xs[0] or x > xs[-1]
         i = _segment(xs, x) if x_out else min(bisect_right(xs, x) - 1, len(xs) - 2)
-        return i, (x - xs[i]) / (xs[i + 1] - xs[i]), x_out
+        y_last = self.ys[-1]
+        m = self.measured
+        if m is not None:
+            x_out = x_out or x > m.x_max
+            y_last = min(y_last, m.y_limit(x))
+        return i, (x - xs[i]) / (xs[i + 1] - xs[i]), x_out, y_last
 
     def to_dict(self, x_name: str, y_name: str) -> dict:
-        return {x_name: list(self.xs), y_name: list(self.ys), "seconds": [list(r) for r in self.zs]}
+        out = {x_name: list(self.xs), y_name: list(self.ys), "seconds": [list(r) for r in self.zs]}
+        if self.measured is not None:
+            out["measured"] = self.measured.to_dict()
+        return out

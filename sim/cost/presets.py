@@ -58,7 +58,7 @@ class GpuSpec:
     price_per_gpu_hour: float | None = None
 
 
-GENERATIONS = ("ampere", "ada", "hopper", "blackwell")
+GENERATIONS = ("ampere", "ada", "hopper", "blackwell", "xe2")
 PETA = 1e15
 
 
@@ -141,9 +141,9 @@ GPU_PRESETS: dict[str, GpuSpec] = {
     ),
     "gb200": GpuSpec(
         name="gb200",
-        # one GPU of a GB200 NVL72: datasheet "186 GB HBM3e" (nvidia-smi's MiB figure not found: the GB
-        # figure taken as 186e9 bytes; the real total is likely a little lower, as on B200)
-        memory_bytes=186 * 10**9,
+        # one GPU of a GB200 NVL72: nvidia-smi 189471 MiB (aiconfigurator-core 0.12.0 systems/gb200.yaml;
+        # the datasheet says "186 GB HBM3e")
+        memory_bytes=189471 * MIB,
         peak_flops_bf16=2.5 * PETA,             # GB200 NVL72 datasheet: FP16/BF16 5 PFLOPS with sparsity / 2
         peak_flops_fp32=80 * TERA,              # GB200 NVL72 datasheet: FP32 80 TFLOPS
         mem_bandwidth_bytes_s=8000 * GIGA,      # GB200 NVL72 datasheet: 8 TB/s per GPU
@@ -174,6 +174,46 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         peak_flops_fp8=1000 * TERA,             # see above (unsure)
         peak_flops_fp4=2000 * TERA,             # datasheet 4 PFLOPS FP4 with sparsity / 2
         price_per_gpu_hour=0.9,                 # assumed: on-demand cloud price 2025 ($0.66-1.0)
+    ),
+    # The next three take memory, bandwidth, peaks and links from aiconfigurator-core 0.12.0's system
+    # specs (systems/<name>.yaml), where their kernel tables were measured.
+    "b300-sxm": GpuSpec(
+        name="b300-sxm",
+        memory_bytes=275040 * MIB,              # b300_sxm.yaml: 275040 MiB reported by nvidia-smi
+        peak_flops_bf16=2.25 * PETA,            # b300_sxm.yaml: 2,250 TFLOPS (4.5 PFLOPS sparse / 2)
+        peak_flops_fp32=75 * TERA,              # HGX B300 datasheet: FP32 75 TFLOPS
+        mem_bandwidth_bytes_s=7750 * GIGA,      # b300_sxm.yaml: 7.75 TB/s (62 TB/s / 8 GPUs)
+        interconnect_bytes_s=900 * GIGA,        # b300_sxm.yaml: 1.8 TB/s NVLink bidirectional / 2
+        interconnect_latency_s=10e-6,           # b300_sxm.yaml p2p_latency 10 us
+        generation="blackwell",
+        peak_flops_fp8=4.5 * PETA,              # b300_sxm.yaml: 4.5 PFLOPS (9 PFLOPS sparse / 2)
+        peak_flops_fp4=14 * PETA,               # b300_sxm.yaml: 14 PFLOPS dense
+        price_per_gpu_hour=7.5,                 # assumed: on-demand cloud price 2026 (unsure; $6.5-8.5 offers)
+    ),
+    "gb300": GpuSpec(
+        name="gb300",
+        memory_bytes=284208 * MIB,              # gb300.yaml: 284208 MiB reported by nvidia-smi
+        peak_flops_bf16=2.5 * PETA,             # gb300.yaml: 2,500 TFLOPS
+        peak_flops_fp32=80 * TERA,              # GB300 NVL72 datasheet: FP32 80 TFLOPS per GPU (unsure)
+        mem_bandwidth_bytes_s=8000 * GIGA,      # gb300.yaml: 8 TB/s
+        interconnect_bytes_s=900 * GIGA,        # gb300.yaml: NVLink 5, 900 GB/s per direction
+        interconnect_latency_s=10e-6,           # gb300.yaml p2p_latency 10 us
+        generation="blackwell",
+        peak_flops_fp8=5 * PETA,                # gb300.yaml: 5 PFLOPS
+        peak_flops_fp4=15 * PETA,               # gb300.yaml: 15 PFLOPS
+        price_per_gpu_hour=8.0,                 # assumed: per-GPU share of NVL72 capacity offers 2026 (unsure)
+    ),
+    "arc-pro-b60": GpuSpec(
+        name="arc-pro-b60",
+        memory_bytes=24 * 1024 * MIB,           # b60.yaml: 24 GiB (Intel Arc Pro B60)
+        peak_flops_bf16=98.3 * TERA,            # b60.yaml: 98.3 TFLOPS
+        peak_flops_fp32=12.28 * TERA,           # b60.yaml: 12.28 TFLOPS
+        mem_bandwidth_bytes_s=456 * GIGA,       # b60.yaml: 456 GB/s
+        interconnect_bytes_s=28.4 * GIGA,       # b60.yaml: PCIe, 28.4 GB/s per direction
+        interconnect_latency_s=25e-6,           # assumed as L40S: a collective over PCIe
+        interconnect_kind="pcie",
+        generation="xe2",                       # Intel Xe2 (Battlemage): no FP8 matrix engines (b60.yaml)
+        price_per_gpu_hour=None,                # unknown: no public cloud offer found
     ),
 }
 

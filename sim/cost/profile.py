@@ -2,8 +2,10 @@
 
     step_time = overhead
               + linear(total tokens in the batch)            # QKV/O, MLP, norms, LM head
+              + lm_head(sequences in the batch)              # kernel profiles only (else in linear)
               + sum over prefill chunks attn_prefill(chunk, context_before)
-              + attn_decode(num decode seqs, total decode context tokens)
+              - (prefill chunks - 1) x prefill_shared_s      # kernel profiles only (else 0)
+              + attn_decode(num decode seqs, total decode context tokens)  # kernel profiles: mean context
 
 A token is a *decode* token when its item computes exactly one token (padding
 included); any item computing more is a prefill chunk. "context" is always the
@@ -23,7 +25,13 @@ File format history (``FORMAT_VERSION``):
       ``num_sliding_layers`` and the MoE facts ``num_experts``,
       ``num_experts_per_tok``, ``moe_intermediate_size``,
       ``shared_expert_intermediate_size``, ``num_dense_layers`` (absent: 0,
-      a dense model with full attention).
+      a dense model with full attention). Then, for profiles composed from measured
+      kernel tables (``sim.cost.kernels``): ``curves.lm_head`` (the LM head's GEMM by the
+      number of sequences it samples from; absent: the LM head is inside ``linear``),
+      ``curves.prefill_shared_s`` (what the prefill chunks of one step share, charged once:
+      one attention launch; absent: 0), and a curve's ``measured_max`` / ``measured``
+      (where its table was measured; absent: the whole grid), and ``curves.attn_decode.
+      per_seq`` (true: its second axis is the decodes' mean context; absent: their sum).
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import yaml
 
 from sim.base.atomic import write_text_atomic
 from sim.core.batch import Batch
-from sim.cost.curves import Curve1D, Curve2D
+from sim.cost.curves import Curve1D, Curve2D, MeasuredRange
 from sim.base.strict import load_yaml
 from sim.cost.shape import _POSITIVE_INT_FIELDS, MLP_KINDS, OPTIONAL_INT_FIELDS, ModelShape  # noqa: F401 (re-exported)
 
@@ -92,12 +100,22 @@ class Profile:
     # "auto" (KV). Written only when set.
     weight_dtype: str | None = None
     kv_cache_dtype: str | None = None
+    # Kernel profiles (sim.cost.kernels): the LM head by the number of sequences sampled (None: it
+    # is inside ``linear``), and the part of a prefill chunk's attention that the chunks of one
+    # step share (one kernel launch over all of them: charged once, not once per chunk).
+    lm_head: Curve1D | None = None
+    prefill_shared_s: float = 0.0
+    # Kernel profiles: attn_decode's second axis is the decodes' mean context (summed context /
+    # decodes), the axis the tables measure generation attention on, not their summed context.
+    decode_per_seq: bool = False
     # Not an init field: dataclasses.replace(profile, linear=...) must start a
     # fresh memo, not reuse the old curve's costs.
     _linear_memo: dict[int, tuple[float, bool]] = field(default_factory=dict, init=False, repr=False,
                                                         compare=False)
-    _decode_memo: dict[int, tuple[float, float, int, float, bool]] = field(
+    _decode_memo: dict[int, tuple[float, float, int, float, bool, float]] = field(
         default_factory=dict, init=False, repr=False, compare=False)
+    _lm_head_memo: dict[int, tuple[float, bool]] = field(default_factory=dict, init=False, repr=False,
+                                                         compare=False)
 
     # ---- costs --------------------------------------------------------------
     def step_time_s(self, batch: Batch) -> float:
@@ -115,12 +133,17 @@ class Profile:
             elif hit[1]:
                 self.linear.num_out_of_range += 1
             t += hit[0]
+        if self.lm_head is not None:
+            t += self._lm_head_s(batch.num_prefill_seqs + batch.decode_seqs, True)
         if batch.prefill_chunks:
             attn_prefill = self.attn_prefill
             for chunk, context in batch.prefill_chunks:
                 t += attn_prefill(chunk, context)
+            if self.prefill_shared_s and batch.num_prefill_seqs > 1:
+                t -= (batch.num_prefill_seqs - 1) * self.prefill_shared_s
         if batch.decode_seqs:
-            t += self.attn_decode(batch.decode_seqs, batch.decode_context)
+            n = batch.decode_seqs
+            t += self.attn_decode(n, batch.decode_context / n if self.decode_per_seq else batch.decode_context)
         return t
 
     def decode_stretch_s(self, num_seqs: int, context: int, growth: int, start_s: float, horizon_s: float,
@@ -141,11 +164,12 @@ class Profile:
         attention lookups of the first ``n`` steps (the one at the horizon
         included) lie outside the grid. Counts nothing (the caller counts the
         steps it uses: ``count_stretch_lookups``)."""
-        base_s, _, i, tx, x_out = self._decode_column(num_seqs)
+        base_s, _, i, tx, x_out, y_last = self._decode_column(num_seqs)
         attn = self.attn_decode
         ys, row0, row1 = attn.ys, attn.zs[i], attn.zs[i + 1]
-        y_first, y_last, last_j = ys[0], ys[-1], len(ys) - 2
-        y = context
+        y_first, last_j = ys[0], len(ys) - 2
+        per_seq = self.decode_per_seq
+        y = context / num_seqs if per_seq else context
         j = min(max(bisect_right(ys, y) - 1, 0), last_j)      # as __call__ picks it; y only grows
         # The segment's constants, as __call__ computes them (the same floats): recomputed
         # only when the context crosses into the next segment.
@@ -182,7 +206,11 @@ class Profile:
             add_duration(d)
             add_end(end)
             t = end
-            y += growth
+            if per_seq:
+                context += growth
+                y = context / num_seqs
+            else:
+                y += growth
 
         def out_of_range(n: int) -> int:
             return n if x_out else min(n, num_below) + max(0, n - first_above)
@@ -195,16 +223,31 @@ class Profile:
         Counts nothing."""
         return self._decode_column(num_seqs)[1]
 
-    def _decode_column(self, num_seqs: int) -> tuple[float, float, int, float, bool]:
+    def _decode_column(self, num_seqs: int) -> tuple[float, float, int, float, bool, float]:
         """What the decode steps of ``num_seqs`` sequences share, memoized:
-        overhead + linear (as ``step_time_s`` adds them), that floored above 0,
-        and the attention curve's ``column(num_seqs)``. Counts nothing."""
+        overhead + linear (+ the LM head, as ``step_time_s`` adds them), that
+        floored above 0, and the attention curve's ``column(num_seqs)``. Counts nothing."""
         hit = self._decode_memo.get(num_seqs)
         if hit is None:
             base_s = self.overhead_s + self._linear_uncounted(num_seqs)[0]
+            if self.lm_head is not None:
+                base_s += self._lm_head_s(num_seqs, False)
             hit = (base_s, max(base_s, 1e-12), *self.attn_decode.column(num_seqs))
             self._decode_memo[num_seqs] = hit
         return hit
+
+    def _lm_head_s(self, num_seqs: int, count: bool) -> float:
+        """lm_head(num_seqs), memoized like linear(); ``count``: count an out-of-range use."""
+        hit = self._lm_head_memo.get(num_seqs)
+        curve = self.lm_head
+        if hit is None:
+            before = curve.num_out_of_range
+            hit = (curve(num_seqs), curve.num_out_of_range > before)
+            curve.num_out_of_range = before
+            self._lm_head_memo[num_seqs] = hit
+        if count and hit[1]:
+            curve.num_out_of_range += 1
+        return hit[0]
 
     def _linear_uncounted(self, num_tokens: int) -> tuple[float, bool]:
         """The memo entry of linear(num_tokens): (cost, out of range), filled
@@ -229,38 +272,49 @@ class Profile:
         curve = self.attn_prefill
         before = curve.num_out_of_range
         costs, outs = [], []
+        lm_s = None if self.lm_head is None else self._lm_head_s(num_decode_seqs + 1, False)
         for chunk in chunks:
             linear_s, _ = self._linear_uncounted(num_decode_seqs + chunk)
             counted = curve.num_out_of_range
-            costs.append(self.overhead_s + linear_s + curve(chunk, context))
+            if lm_s is None:
+                costs.append(self.overhead_s + linear_s + curve(chunk, context))
+            else:
+                costs.append(self.overhead_s + linear_s + lm_s + curve(chunk, context))
             outs.append(curve.num_out_of_range > counted)
             context += chunk
         curve.num_out_of_range = before
         return costs, outs
 
     def count_stretch_lookups(self, linear_uses: Sequence[tuple[int, int]], decode_out_of_range: int,
-                              prefill_out_of_range: int = 0) -> None:
+                              prefill_out_of_range: int = 0,
+                              lm_head_uses: Sequence[tuple[int, int]] = ()) -> None:
         """Count the out-of-range lookups of the steps a stretch used
         (``linear_uses``: (token count, steps of that count);
         ``decode_out_of_range``: its ``decode_stretch_s``'s
         ``out_of_range(num_steps)``; the prefill chunks' from
-        ``chunk_steps_s``), as ``step_time_s`` would have counted them one
-        step at a time."""
+        ``chunk_steps_s``; ``lm_head_uses``: (sequences, steps of that count)),
+        as ``step_time_s`` would have counted them one step at a time."""
         for num_tokens, num_steps in linear_uses:
             if self._linear_uncounted(num_tokens)[1]:
                 self.linear.num_out_of_range += num_steps
         self.attn_decode.num_out_of_range += decode_out_of_range
         self.attn_prefill.num_out_of_range += prefill_out_of_range
+        if self.lm_head is not None:
+            for num_seqs, num_steps in lm_head_uses:
+                self._lm_head_s(num_seqs, False)
+                if self._lm_head_memo[num_seqs][1]:
+                    self.lm_head.num_out_of_range += num_steps
 
     @property
     def num_out_of_range(self) -> int:
         """Curve lookups outside the measured grid so far (extrapolated)."""
         return (self.linear.num_out_of_range + self.attn_prefill.num_out_of_range
-                + self.attn_decode.num_out_of_range)
+                + self.attn_decode.num_out_of_range + (self.lm_head.num_out_of_range if self.lm_head else 0))
 
     def reset_counters(self) -> None:
-        for c in (self.linear, self.attn_prefill, self.attn_decode):
-            c.num_out_of_range = 0
+        for c in (self.linear, self.attn_prefill, self.attn_decode, self.lm_head):
+            if c is not None:
+                c.num_out_of_range = 0
 
     # ---- memory -------------------------------------------------------------
     def activation_bytes(self, num_batched_tokens: int = DEFAULT_ACTIVATION_TOKENS) -> int:
@@ -336,7 +390,10 @@ class Profile:
                 "overhead_s": self.overhead_s,
                 "linear": self.linear.to_dict("tokens"),
                 "attn_prefill": self.attn_prefill.to_dict("chunk", "context"),
-                "attn_decode": self.attn_decode.to_dict("seqs", "context"),
+                "attn_decode": {**self.attn_decode.to_dict("seqs", "context"),
+                                **({"per_seq": True} if self.decode_per_seq else {})},
+                **({"lm_head": self.lm_head.to_dict("seqs")} if self.lm_head is not None else {}),
+                **({"prefill_shared_s": self.prefill_shared_s} if self.prefill_shared_s else {}),
             },
             "efficiency": self.efficiency,
             "engine": self.engine,
@@ -458,6 +515,33 @@ def _check_curve(where: str, axes: dict[str, Any], values: Any, source: str) -> 
                                        f"({prev:g} -> {r[j]:g} s): a step with more work cannot cost less")
 
 
+def _flag(value: Any, where: str, source: str) -> bool:
+    if not isinstance(value, bool):
+        raise ProfileError(f"{source}: field '{where}' must be true or false, got {value!r}")
+    return value
+
+
+def _measured_max(curve: dict, where: str, source: str) -> float | None:
+    """A 1-D curve's optional ``measured_max``: the largest x its table measured."""
+    if curve.get("measured_max") is None:
+        return None
+    return _finite(curve["measured_max"], f"{where}.measured_max", source)
+
+
+def _measured_range(curve: dict, where: str, source: str) -> MeasuredRange | None:
+    """A 2-D curve's optional ``measured`` mapping (x_max, y_max, y_per_x: ``MeasuredRange``)."""
+    m = curve.get("measured")
+    if m is None:
+        return None
+    if not isinstance(m, dict) or "x_max" not in m:
+        raise ProfileError(f"{source}: field '{where}.measured' must be a mapping with x_max, y_max and y_per_x")
+    y_max = m.get("y_max")
+    return MeasuredRange(_finite(m["x_max"], f"{where}.measured.x_max", source),
+                         math.inf if y_max is None else _finite(y_max, f"{where}.measured.y_max", source,
+                                                                minimum=-math.inf),
+                         _finite(m.get("y_per_x", 0.0), f"{where}.measured.y_per_x", source, minimum=-math.inf))
+
+
 def _precision_fields(data: dict, source: str) -> dict[str, str]:
     """The optional ``weight_dtype`` and ``kv_cache_dtype``, checked against sim.cost.precision's names."""
     from sim.cost.precision import KV_CACHE_DTYPES, WEIGHT_DTYPES
@@ -540,6 +624,15 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
         _check_curve("curves.attn_decode", {"seqs": _get(dec, "seqs", "curves.attn_decode.", source),
                                             "context": _get(dec, "context", "curves.attn_decode.", source)},
                      _get(dec, "seconds", "curves.attn_decode.", source), source)
+        lm_head = None
+        if c.get("lm_head") is not None:
+            lm = c["lm_head"]
+            _check_curve("curves.lm_head", {"seqs": _get(lm, "seqs", "curves.lm_head.", source)},
+                         _get(lm, "seconds", "curves.lm_head.", source), source)
+            lm_head = Curve1D(lm["seqs"], lm["seconds"], name="curves.lm_head",
+                              measured_max=_measured_max(lm, "curves.lm_head", source))
+        prefill_shared_s = _finite(c.get("prefill_shared_s", 0.0), "curves.prefill_shared_s", source,
+                                   maximum=MAX_SECONDS)
         prof = Profile(
             name=str(data.get("name", Path(source).stem)),
             model=model,
@@ -554,15 +647,21 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
             kv_bytes_per_token=int(_get(mem, "kv_bytes_per_token", "memory.", source)),
             overhead_s=float(_get(c, "overhead_s", "curves.", source)),
             linear=Curve1D(_get(lin, "tokens", "curves.linear.", source),
-                           _get(lin, "seconds", "curves.linear.", source), name="curves.linear"),
+                           _get(lin, "seconds", "curves.linear.", source), name="curves.linear",
+                           measured_max=_measured_max(lin, "curves.linear", source)),
             attn_prefill=Curve2D(_get(pre, "chunk", "curves.attn_prefill.", source),
                                  _get(pre, "context", "curves.attn_prefill.", source),
                                  _get(pre, "seconds", "curves.attn_prefill.", source),
-                                 name="curves.attn_prefill"),
+                                 name="curves.attn_prefill",
+                                 measured=_measured_range(pre, "curves.attn_prefill", source)),
             attn_decode=Curve2D(_get(dec, "seqs", "curves.attn_decode.", source),
                                 _get(dec, "context", "curves.attn_decode.", source),
                                 _get(dec, "seconds", "curves.attn_decode.", source),
-                                name="curves.attn_decode"),
+                                name="curves.attn_decode",
+                                measured=_measured_range(dec, "curves.attn_decode", source)),
+            lm_head=lm_head,
+            prefill_shared_s=prefill_shared_s,
+            decode_per_seq=_flag(dec.get("per_seq", False), "curves.attn_decode.per_seq", source),
             provenance=_mapping(data, "provenance", source),
             fit_error=_fit_error(data, source),
             efficiency=_mapping(data, "efficiency", source),

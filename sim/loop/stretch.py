@@ -319,10 +319,10 @@ def _plan(server: Host, batch: Batch, preempted: bool, now_s: float, horizon_s: 
 
     # What the steps' lookups count when the plan runs at once, as step_time_s would one step at a time.
     if prefilling is None:
-        lookups = (((num_seqs, num_steps),), out_of_range(num_steps), 0)
+        lookups = (((num_seqs, num_steps),), out_of_range(num_steps), 0, ((num_seqs, num_steps),))
     else:
         lookups = (((decode_seqs + chunks[0], num_steps - completes), (decode_seqs + chunks[-1], int(completes))),
-                   out_of_range(num_steps), sum(chunk_out[:num_steps]))
+                   out_of_range(num_steps), sum(chunk_out[:num_steps]), ((decode_seqs + 1, num_steps),))
 
     return tuple.__new__(_Plan, (now_s, starts, durations, ends, crossing_s, live, ids, num_seqs, kv_used,
                                  allocations, finishing, prefilling, chunks, completes, lookups))

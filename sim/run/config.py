@@ -50,6 +50,12 @@ class ProfileConfig:
     # (sim.cost.collectives.ENGINES: vllm-v0 fitted on public runs; vllm-v1, vllm-v1-async).
     engine: str = "vllm-v0"
     path: str | None = None              # a profile file; overrides model/gpu
+    # Step costs from measured CUDA kernel tables (sim.cost.kernels): "aiconfigurator" (the
+    # aiconfigurator-core wheel, the kernels extra); None: the analytic roofline. The tables are
+    # the policy's engine's (vLLM's, SGLang's or TensorRT-LLM's), at engine_version's nearest
+    # measured version (None: the newest).
+    kernels: str | None = None
+    engine_version: str | None = None
 
 
 # The thresholds goodput counts per request (vLLM's --goodput); a workload's slo takes only these.
@@ -265,15 +271,34 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
             raise ConfigError(f"{source}: field '{name}' must be a file path, got {value!r}")
     raw_profile = data.get("profile") if isinstance(data.get("profile"), dict) else {}
     clash = sorted(k for k in ("model", "gpu", "tensor_parallel", "dtype", "engine", "weight_dtype",
-                               "kv_cache_dtype", "enable_expert_parallel") if k in raw_profile)
+                               "kv_cache_dtype", "enable_expert_parallel", "kernels", "engine_version")
+                   if k in raw_profile)
     if cfg.profile.path is not None and clash:
         raise ConfigError(f"{source}: field 'profile' gives both a path and {', '.join(clash)}; a profile "
                           f"file fixes the model and the hardware: keep one of them")
     _check_precision(cfg.profile, source)
+    _check_kernels(cfg.profile, source, raw_profile)
     if cfg.slo is not None:
         for name in ("ttft_ms", "tpot_ms", "e2el_ms"):
             _positive(source, f"slo.{name}", getattr(cfg.slo, name))
     return cfg
+
+
+KERNEL_SOURCES = ("aiconfigurator",)
+
+
+def _check_kernels(p: ProfileConfig, source: str, raw: dict[str, Any]) -> None:
+    """profile.kernels names a kernel-table source; engine_version needs one and is a version."""
+    if p.kernels is not None and (not isinstance(p.kernels, str) or p.kernels.lower() not in KERNEL_SOURCES):
+        raise ConfigError(f"{source}: field 'profile.kernels' is {p.kernels!r}; expected one of "
+                          f"{', '.join(KERNEL_SOURCES)} (or leave it out for the analytic roofline)")
+    if p.engine_version is not None:
+        if p.kernels is None:
+            raise ConfigError(f"{source}: field 'profile.engine_version' picks a version of measured kernel "
+                              f"tables; set profile.kernels: aiconfigurator with it (or leave it out)")
+        if isinstance(p.engine_version, bool) or not isinstance(p.engine_version, (str, int, float)):
+            raise ConfigError(f"{source}: field 'profile.engine_version' must be a version such as 0.24.0, "
+                              f"got {p.engine_version!r}")
 
 
 def _check_precision(p: ProfileConfig, source: str) -> None:

@@ -42,7 +42,8 @@ OnStep = Callable[[Server], Callable[[float, Batch, StepResult], None] | None]
 
 
 def build_profile(cfg: WorkloadConfig) -> Profile:
-    """The workload's profile: a file, or the analytic roofline of a preset pair."""
+    """The workload's profile: a file, the measured kernel tables of the policy's engine
+    (``profile.kernels``), or the analytic roofline of a preset pair."""
     p = cfg.profile
     if p.path is not None:
         try:
@@ -51,12 +52,49 @@ def build_profile(cfg: WorkloadConfig) -> Profile:
             raise ConfigError(f"{cfg.source}: field 'profile.path': {exc}") from None
     from sim.cost.roofline import preset_profile
     model = read_model_config(cfg) if _is_config_path(p.model) else p.model
+    if p.kernels is not None:
+        return build_kernel_profile(cfg, model)
+    if isinstance(model, str) and "/" in model:
+        model = wheel_model_config(cfg, model)
     try:
         return preset_profile(model, p.gpu, tensor_parallel=p.tensor_parallel, dtype=p.dtype, engine=p.engine,
                               weight_dtype=p.weight_dtype, kv_cache_dtype=p.kv_cache_dtype,
                               expert_parallel=p.enable_expert_parallel)
     except ValueError as exc:
         raise ConfigError(f"{cfg.source}: field 'profile': {exc}") from None
+
+
+def kernel_engine(cfg: WorkloadConfig) -> str:
+    """Whose kernel tables price the policy (``Policy.kernel_tables``: vLLM's unless the
+    policy is another engine's)."""
+    from policies import POLICIES
+    return getattr(POLICIES[cfg.policy.kind][1], "kernel_tables", "vllm")
+
+
+def build_kernel_profile(cfg: WorkloadConfig, model: str | dict[str, Any]) -> Profile:
+    """``sim.cost.kernels.kernel_profile`` of the workload's profile section, with the host
+    terms of the policy's engine; ConfigError naming the field for anything the tables lack."""
+    from sim.cost.kernels import KernelsError, KernelSpec, host_terms, kernel_profile
+    p = cfg.profile
+    engine = kernel_engine(cfg)
+    spec = KernelSpec(model=model, gpu=p.gpu, engine=engine, tensor_parallel=p.tensor_parallel, dtype=p.dtype,
+                      weight_dtype=p.weight_dtype, kv_cache_dtype=p.kv_cache_dtype,
+                      expert_parallel=p.enable_expert_parallel,
+                      engine_version=None if p.engine_version is None else str(p.engine_version))
+    try:
+        return kernel_profile(spec, host_terms(engine, p.engine))
+    except (KernelsError, ValueError) as exc:
+        raise ConfigError(f"{cfg.source}: field 'profile' (kernels: {p.kernels}): {exc}") from None
+
+
+def wheel_model_config(cfg: WorkloadConfig, model_id: str) -> dict[str, Any]:
+    """A Hugging Face id's config from the aiconfigurator-core wheel's bundled configs."""
+    from sim.cost import aic
+    try:
+        return aic.model_config(model_id)
+    except aic.KernelsError as exc:
+        raise ConfigError(f"{cfg.source}: field 'profile.model': {model_id!r} is not a preset; as a Hugging Face "
+                          f"id it resolves through the wheel's bundled configs: {exc}") from None
 
 
 def _is_config_path(model: Any) -> bool:
