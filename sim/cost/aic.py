@@ -79,9 +79,13 @@ def wheel_version() -> str:
 
 
 def systems_root() -> Path:
-    require_wheel()
-    import aiconfigurator_core
-    return Path(aiconfigurator_core.__file__).resolve().parent / "systems"
+    """The wheel's systems/ folder, found without importing the wheel (a cached kernel
+    profile is read with no more than this: the import costs a second or two)."""
+    from importlib.util import find_spec
+    spec = find_spec("aiconfigurator_core")
+    if spec is None or spec.origin is None:
+        raise KernelsError(f"kernels: aiconfigurator needs the {WHEEL} wheel: {EXTRA_HINT}")
+    return Path(spec.origin).resolve().parent / "systems"
 
 
 def model_ids() -> tuple[str, ...]:
@@ -140,12 +144,14 @@ def version_key(version: str) -> tuple:
 @lru_cache(maxsize=64)
 def measured_versions(system: str, engine: str) -> tuple[str, ...]:
     """The engine versions of ``system`` that the wheel serves (its queryable slots) and
-    that hold at least one table measured on this system, oldest first."""
+    whose GEMM or attention tables were measured on this system, oldest first (a version
+    whose only new table is, say, one collective is served from an older one's kernels)."""
     from aiconfigurator_core.sdk import perf_database
     with quiet():
         slots = perf_database.get_version_slots(system, engine) or {}
     data = systems_root() / "data" / system
-    held = {p.name for p in data.glob(f"*/{engine}/*") if p.is_dir() and any(p.glob("*.parquet"))}
+    held = {p.name for family in ("gemm", "attention") for p in data.glob(f"{family}/{engine}/*")
+            if p.is_dir() and any(p.glob("*.parquet"))}
     return tuple(sorted({v for v in slots.values() if v in held}, key=version_key))
 
 
@@ -207,8 +213,22 @@ class KernelTables:
         self.model, self.database = model, database
         self.quant_modes = {name: getattr(model.config, f"{name}_quant_mode").name
                             for name in ("gemm", "moe", "kvcache", "fmha", "comm")}
+        self._check_gemm_precision()
         self._context = self._classify(model.context_ops, "context")
         self._generation = self._classify(model.generation_ops, "generation")
+
+    def _check_gemm_precision(self) -> None:
+        """KernelsError when the GEMM table measured no kernel of the model's GEMM precision
+        (the wheel would fall back to a roofline, or fail deep inside a step)."""
+        import pandas as pd
+        entry = self.tables().get("gemm_perf.parquet")
+        if entry is None:
+            return
+        dtypes = set(pd.read_parquet(systems_root().parent / entry["path"], columns=["gemm_dtype"])["gemm_dtype"])
+        if self.quant_modes["gemm"] not in dtypes:
+            raise KernelsError(f"the {ENGINES[self.engine]} {self.version} GEMM tables on {self.system} measured "
+                               f"{', '.join(sorted(dtypes))} kernels, not {self.quant_modes['gemm']} (this model's "
+                               f"weights); pick another weight_dtype, gpu or engine")
 
     def _classify(self, ops: list[Any], phase: str) -> dict[str, list[int]]:
         """Indices of the phase's ops by role: attention, LM head, the rest (token-parallel)."""

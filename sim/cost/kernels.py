@@ -50,6 +50,7 @@ MAX_AXIS_POINTS = 96               # a grid axis stops growing here (the worst e
 MIN_SPLIT_REL = 0.02               # nor is an interval split once it is narrower than 2% of its start
 GRID_FORMAT = 1                    # bump when the grids or the composition change: rebuilds caches
 _PROBES = (0.25, 0.5, 0.75)
+DECODE_ROUNDS = 3                  # the decode table's refining rounds (its answers cost ~100 us each)
 _MAX_ROUNDS = 10
 MS = 1e-3
 
@@ -136,7 +137,7 @@ def refine_1d(f: Callable[[int], float], xs: list[int], tol: float = GRID_TOLERA
 
 
 def refine_2d(f: Callable[[int, int], float], xs: list[int], ys: list[int], tol: float = GRID_TOLERANCE,
-              max_points: int = MAX_AXIS_POINTS) -> tuple[list[int], list[int], float]:
+              max_points: int = MAX_AXIS_POINTS, max_rounds: int = _MAX_ROUNDS) -> tuple[list[int], list[int], float]:
     """``refine_1d`` for a tensor grid: a cell whose bilinear interpolation misses f by
     more than ``tol`` at a probe splits the axis along which 1-D interpolation misses more.
     A cell is checked once (its error is kept while its four corners stay grid points)."""
@@ -158,7 +159,7 @@ def refine_2d(f: Callable[[int, int], float], xs: list[int], ys: list[int], tol:
         return err, err_x, err_y
 
     worst = 0.0
-    for _ in range(_MAX_ROUNDS):
+    for round_ in range(max_rounds):
         worst, add_x, add_y = 0.0, set(), set()
         for x0, x1 in zip(xs, xs[1:]):
             for y0, y1 in zip(ys, ys[1:]):
@@ -172,9 +173,9 @@ def refine_2d(f: Callable[[int, int], float], xs: list[int], ys: list[int], tol:
                         if err_y >= 0.5 * err_x and (m := _ints_between(y0, y1)) is not None:
                             add_y.add(m)
                 worst = max(worst, checked[key])
-        if len(xs) >= max_points:
+        if len(xs) >= max_points or round_ == max_rounds - 1:
             add_x = set()
-        if len(ys) >= max_points:
+        if len(ys) >= max_points or round_ == max_rounds - 1:
             add_y = set()
         if not add_x and not add_y:
             break
@@ -242,13 +243,14 @@ def tabulate(tables: aic.KernelTables, bounds: GridBounds) -> dict[str, Any]:
         lm_head = _memo(lambda n: tables.lm_head_ms(n) * MS)
         prefill = _memo(_feasible_prefill(lambda c, p: tables.prefill_attention_ms(c, p) * MS, bounds.max_context))
         # Decodes by their mean context c (the tables' KV length is c + 1, the new token's own
-        # key included), on the tables' measured lengths: the wheel interpolates between them.
+        # key included), on the tables' measured batches and lengths and refined a few rounds
+        # (where the wheel's lanes interpolate on other points than the table's).
         decode = _memo(lambda n, c: tables.decode_attention_ms(n, c + 1) * MS)
         lin_x, lin_err = refine_1d(linear, token_axis)
         lm_x, lm_err = refine_1d(lm_head, row_axis)
         pre_c, pre_p, pre_err = refine_2d(prefill, length_axis, [0] + length_axis)
         mean_axis = [0] + _axis([kv - 1 for kv in axes.get("decode_len", []) if kv > 1], 1, bounds.max_context)
-        dec_n, dec_p, dec_err = refine_2d(decode, seq_axis, mean_axis)
+        dec_n, dec_p, dec_err = refine_2d(decode, seq_axis, mean_axis, max_rounds=DECODE_ROUNDS)
         # One launch over the step's chunks: b chunks of 16 tokens cost little more than one,
         # so what one chunk alone pays beyond its share is the launch (measured at b = 8).
         one, eight = tables.prefill_attention_ms(16, 0) * MS, tables.prefill_attention_ms(16, 0, batch=8) * MS
@@ -304,6 +306,25 @@ _MECHANISMS = (
     ("interleave_moe_layer_step", "interleaved MoE and chunked-attention layers (Llama 4)"),
 )
 _WRAPPERS = ("text_config", "llm_config")
+# Presets the wheel bundles no config of: the architecture its graph builder reads them as
+# (Mistral's decoder is Llama's; Qwen3 dense adds the QK norms).
+PRESET_ARCHITECTURES = {
+    "llama-2-7b": "LlamaForCausalLM", "llama-2-13b": "LlamaForCausalLM", "mistral-7b": "LlamaForCausalLM",
+    "mistral-small-24b": "LlamaForCausalLM", "qwen3-14b": "Qwen3ForCausalLM",
+}
+
+
+def preset_hf_config(name: str) -> dict[str, Any]:
+    """The HF config.json fields of a dense preset (``MODEL_PRESETS``) the wheel bundles no config
+    of, as its graph builder reads them; ``model_shape_from_hf`` gives the preset back."""
+    from sim.cost.presets import MODEL_PRESETS
+    m = MODEL_PRESETS[name]
+    return {"name": name, "architectures": [PRESET_ARCHITECTURES[name]], "hidden_size": m.hidden_size,
+            "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
+            "num_key_value_heads": m.num_kv_heads, "intermediate_size": m.intermediate_size,
+            "vocab_size": m.vocab_size, "max_position_embeddings": m.max_position_embeddings,
+            "head_dim": m.head_dim, "hidden_act": "silu", "tie_word_embeddings": m.tie_word_embeddings,
+            "rope_theta": m.rope_theta}
 
 
 def unmodelled_mechanism(cfg: dict[str, Any]) -> str | None:
@@ -347,8 +368,11 @@ def resolve_model(model: str | dict[str, Any], folder: Path) -> ResolvedModel:
     for its graph builder (which never fetches). KernelsError naming what is missing."""
     from sim.cost.presets import MODEL_PRESETS
     if isinstance(model, str) and model.lower() in MODEL_PRESETS and model.lower() not in PRESET_IDS:
-        raise KernelsError(f"model {model!r}: the {aic.WHEEL} wheel bundles no config of this preset; give "
-                           f"one of its Hugging Face ids (e.g. Qwen/Qwen3-32B) or the model's config.json")
+        if model.lower() not in PRESET_ARCHITECTURES:
+            raise KernelsError(f"model {model!r}: the kernel tables' graphs are for gated (SwiGLU) decoders "
+                               f"and the {aic.WHEEL} wheel bundles no config of this preset; give a Hugging "
+                               f"Face id it bundles (e.g. Qwen/Qwen3-32B) or the model's config.json")
+        model = preset_hf_config(model.lower())
     if isinstance(model, str):
         model_id = PRESET_IDS.get(model.lower(), model)
         cfg = aic.model_config(model_id)
@@ -412,23 +436,25 @@ def kernel_profile(spec: KernelSpec, host: HostTerms, folder: Path | None = None
     """The kernel profile of ``spec`` with ``host``'s terms on top: read from the cache
     folder if these tables were built before, else built (seconds) and cached."""
     from sim.cost.presets import GPU_PRESETS
-    aic.require_wheel()
     folder = cache_dir() if folder is None else folder
     system = aic.system_of(spec.gpu)
     if spec.engine not in aic.ENGINES:
         raise KernelsError(f"engine {spec.engine!r} has no kernel tables; tables exist for {', '.join(aic.ENGINES)}")
     gpu = GPU_PRESETS[spec.gpu.lower()]
-    version = aic.resolve_version(system, spec.engine, spec.engine_version)
     model = resolve_model(spec.model, folder)
+    # Keyed by the version asked (the wheel's version fixes what it resolves to), so that a
+    # cached profile is read without importing the wheel.
     key = {"grid_format": GRID_FORMAT, "wheel": aic.wheel_version(), "system": system, "engine": spec.engine,
-           "version": version, "model": model.config, "tp": spec.tensor_parallel, "ep": spec.expert_parallel,
-           "dtype": spec.dtype, "weight_dtype": spec.weight_dtype, "kv_cache_dtype": spec.kv_cache_dtype,
-           "gpu": dataclasses.asdict(gpu)}
+           "version_asked": spec.engine_version, "model": model.config, "tp": spec.tensor_parallel,
+           "ep": spec.expert_parallel, "dtype": spec.dtype, "weight_dtype": spec.weight_dtype,
+           "kv_cache_dtype": spec.kv_cache_dtype, "gpu": dataclasses.asdict(gpu)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     path = folder / "kernels" / f"{digest}.json"
     if path.is_file():
         tables = load_profile(path)
     else:
+        aic.require_wheel()
+        version = aic.resolve_version(system, spec.engine, spec.engine_version)
         tables = build_tables(spec, model, gpu, system, version)
         tables.provenance["cache_key"] = digest
         tables.save(path)               # atomic: a concurrent build writes the same bytes
@@ -460,7 +486,11 @@ def build_tables(spec: KernelSpec, model: ResolvedModel, gpu: Any, system: str, 
     t = spec.tensor_parallel
     bounds = GridBounds(max_tokens=max(131072, shape.max_position_embeddings), max_seqs=4096,
                         max_context=shape.max_position_embeddings)
-    tab = tabulate(tables, bounds)
+    try:
+        tab = tabulate(tables, bounds)
+    except (RuntimeError, ValueError) as exc:        # the wheel's PerfDataNotAvailableError and kin
+        raise KernelsError(f"the {aic.ENGINES[spec.engine]} {version} tables on {system} lack a shape this "
+                           f"model needs: {str(exc).split(' at /')[0]}") from None
     grids, values, limits = tab["grids"], tab["values"], tab["limits"]
     prefill_len, decode_len = limits.get("prefill_len"), limits.get("decode_len")
     label = precision.label() + ("-ep" if spec.expert_parallel else "")

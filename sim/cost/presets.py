@@ -342,3 +342,30 @@ def serving_error(gpu: str, weight_dtype: str, tp: int, path: str | Path | None 
     (None without any), num_all, ttft_mae_pct_all and tpot_mae_pct_all over every row, source."""
     table = _serving_error_table(str(path or SERVING_ERRORS_PATH))
     return table.get((str(gpu).lower(), str(weight_dtype).lower(), int(tp)))
+
+
+KERNEL_ERRORS_PATH = SERVING_ERRORS_PATH.with_name("kernel_errors.csv")
+
+
+@lru_cache(maxsize=4)
+def _kernel_error_table(path: str) -> dict[tuple[str, str, str, int], dict[str, Any]]:
+    p = Path(path)
+    if not p.is_file():
+        return {}
+    out: dict[tuple[str, str, str, int], dict[str, Any]] = {}
+    with p.open(newline="") as f:
+        for row in csv.DictReader(f):
+            e: dict[str, Any] = {k: ((float(v) if v else None) if "_pct" in k else v) for k, v in row.items()}
+            for k in ("tensor_parallel", "num_held_out", "num_all"):
+                e[k] = int(row[k])
+            out[(e["engine"], e["gpu"], e["weight_dtype"], e["tensor_parallel"])] = e
+    return out
+
+
+def kernel_serving_error(engine: str, gpu: str, weight_dtype: str, tp: int,
+                         path: str | Path | None = None) -> dict[str, Any] | None:
+    """``serving_error`` for kernel profiles of ``engine``'s tables (vllm, sglang, trtllm):
+    their TTFT and TPOT error against the public serving runs of that engine
+    (``benchmarks/bench_kernels_public.py --write-errors``), or None where none was checked."""
+    table = _kernel_error_table(str(path or KERNEL_ERRORS_PATH))
+    return table.get((str(engine).lower(), str(gpu).lower(), str(weight_dtype).lower(), int(tp)))

@@ -543,6 +543,8 @@ def profile_trust(profile: Profile) -> dict[str, Any]:
         return {"error_pct": err["mae_pct"], "bias_pct": err["bias_pct"],
                 "basis": f"analytic preset vs {err['num_rows']} held-out public vLLM batches on "
                          f"{profile.device} TP {profile.tensor_parallel} (mean abs step error)"}
+    if profile.provenance.get("source") == "kernel-tables":
+        return kernel_trust(profile)
     fe = profile.fit_error or {}
     for key, basis in (("holdout_mape_pct", "held-out calibration batches (MAPE)"),
                        ("selfcheck_max_abs_err_pct", "held-out self-check against the server (worst |error|)")):
@@ -551,7 +553,27 @@ def profile_trust(profile: Profile) -> dict[str, Any]:
     return {"error_pct": None, "basis": f"{profile.provenance.get('source', 'unknown')}: no held-out check recorded"}
 
 
-def serving_trust(err: dict[str, Any], profile: Profile) -> dict[str, Any]:
+def kernel_trust(profile: Profile) -> dict[str, Any]:
+    """``profile_trust`` of a kernel profile: the GPU kernels are measured (the tables), the
+    host time fitted (``HostTerms.source``), and end to end it is as far off as the public
+    serving runs of its engine on its GPU, precision and TP say (``kernel_serving_error``),
+    or unchecked there."""
+    from sim.cost.presets import kernel_serving_error
+    prov = profile.provenance
+    weights = profile.weight_dtype or profile.dtype
+    measured = (f"kernels measured ({prov.get('label', 'kernel tables')}), host time "
+                f"{prov.get('host', {}).get('source', 'not fitted')}")
+    err = kernel_serving_error(prov.get("engine", ""), profile.device, weights, profile.tensor_parallel)
+    if err is None:
+        return {"error_pct": None, "basis": f"{measured}; not checked end to end on {profile.device} TP "
+                                             f"{profile.tensor_parallel} {weights} (no public serving runs)"}
+    from sim.cost.aic import ENGINES
+    trust = serving_trust(err, profile, ENGINES.get(prov.get("engine", ""), "?"), what=measured + ";")
+    return trust
+
+
+def serving_trust(err: dict[str, Any], profile: Profile, engine_name: str = "vLLM",
+                  what: str = "analytic preset") -> dict[str, Any]:
     """``profile_trust`` from a public serving-run check (``sim.cost.presets.serving_error``):
     the held-out models' mean abs TTFT and TPOT errors where there are any, else every row's
     (the fitted models': said so); ``error_pct`` is the larger of the two."""
@@ -564,7 +586,7 @@ def serving_trust(err: dict[str, Any], profile: Profile) -> dict[str, Any]:
              else f"{err['num_all']} (training models' only, none held out)")
     return {"error_pct": max(v for v in (ttft, tpot) if v is not None),
             "ttft_error_pct": ttft, "tpot_error_pct": tpot,
-            "basis": f"analytic preset vs {which} public vLLM serving values on {where} "
+            "basis": f"{what} vs {which} public {engine_name} serving values on {where} "
                      f"(mean abs {', '.join(parts)})"}
 
 
@@ -617,7 +639,8 @@ def collect(cfg: WorkloadConfig, servers: list[Server], num_requests: int, num_b
     # each step row is one replica's
     summary = log_summary(table, logs.steps, logs.tokens, slo, num_blocks, result.itl())
     summary["num_out_of_range_lookups"] = profile.num_out_of_range
-    summary["profile_source"] = profile.provenance.get("source", "unknown")
+    # a kernel profile's label names its engine, version and wheel (analytic profiles have none)
+    summary["profile_source"] = profile.provenance.get("label") or profile.provenance.get("source", "unknown")
     summary["profile_trust"] = profile_trust(profile)
     summary["policy"] = cfg.policy.kind
     summary["failed_by_reason"] = table.failed_by_reason()
