@@ -226,6 +226,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     check_budget(args.budget_s)
     if args.out:
         check_out_file(args.out, "my-profile.yaml")
+    if args.kernels:                    # measured CUDA kernel tables (the kernels extra; no torch)
+        from sim.run.config import ConfigError
+        if args.server:
+            raise ConfigError("--kernels and --server are two sources of step costs: give one of them")
+        from calibrate.kernels import main as calibrate_kernels_main
+        return calibrate_kernels_main(args)
     if args.server:                     # black box: time a running server from outside (no torch)
         from calibrate.serving.calibrate_server import main as calibrate_server_main
         return calibrate_server_main(args)
@@ -347,6 +353,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--server", metavar="URL", help="calibrate a running OpenAI-compatible server (vLLM, SGLang "
                    "or trtllm-serve, told apart by what it answers), e.g. http://127.0.0.1:8000, instead of "
                    "batchsim's own torch engine")
+    c.add_argument("--kernels", metavar="SOURCE", help="aiconfigurator: compose a profile from the measured CUDA "
+                   "kernel tables of the aiconfigurator-core wheel (the kernels extra) instead of timing anything")
+    c.add_argument("--gpu", help="--kernels: the GPU preset (h100-sxm, b200-sxm, ...)")
+    c.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm", "tensorrt_llm"],
+                   help="--kernels: whose kernel tables (default vllm)")
+    c.add_argument("--engine-version", help="--kernels: the engine version (default: the newest measured)")
+    c.add_argument("--tensor-parallel", type=int, default=1, help="--kernels: TP degree")
+    c.add_argument("--weight-dtype", help="--kernels: weight format (fp8, nvfp4, mxfp4; default: the checkpoint's)")
+    c.add_argument("--kv-cache-dtype", help="--kernels: KV cache format (auto, fp8)")
+    c.add_argument("--enable-expert-parallel", action="store_true", help="--kernels: experts placed whole (EP = TP)")
+    c.add_argument("--async-scheduling", action="store_true", help="--kernels, vllm: vLLM's async host terms")
     c.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="torch engine: device")
     c.add_argument("--model", default="tiny-llama", help="torch engine: model preset (calibrate.model)")
     c.add_argument("--dtype", choices=DTYPE_CHOICES,
