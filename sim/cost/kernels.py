@@ -48,7 +48,7 @@ KERNEL_SOURCES = ("aiconfigurator",)
 GRID_TOLERANCE = 0.01              # relative interpolation error allowed at the probes
 MAX_AXIS_POINTS = 96               # a grid axis stops growing here (the worst error left is reported)
 MIN_SPLIT_REL = 0.02               # nor is an interval split once it is narrower than 2% of its start
-GRID_FORMAT = 1                    # bump when the grids or the composition change: rebuilds caches
+GRID_FORMAT = 2                    # bump when the grids or the composition change: rebuilds caches
 _PROBES = (0.25, 0.5, 0.75)
 DECODE_ROUNDS = 3                  # the decode table's refining rounds (its answers cost ~100 us each)
 _MAX_ROUNDS = 10
@@ -401,8 +401,10 @@ def quant_modes(weights: str | None, stated: str | None, scope: str, kv_cache_dt
     """The wheel's quant modes for batchsim's formats: None where the checkpoint's config
     states the format (the wheel reads it there, block scales included); else the kernel
     class vLLM runs that format in on this generation (FP4 weight-only before Blackwell)."""
+    # The KV cache always as batchsim sizes it (vLLM's --kv-cache-dtype: auto is the activation
+    # dtype, even for an FP8 checkpoint, whose KV the wheel would otherwise take as FP8).
     modes: dict[str, str | None] = {"gemm_quant_mode": None, "moe_quant_mode": None,
-                                    "kvcache_quant_mode": "fp8" if kv_cache_dtype.startswith("fp8") else None}
+                                    "kvcache_quant_mode": "fp8" if kv_cache_dtype.startswith("fp8") else "bfloat16"}
     if weights is None or weights == stated:
         return modes
     blackwell = generation == "blackwell"
