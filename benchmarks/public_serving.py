@@ -123,25 +123,30 @@ def _version_ok(version: str) -> bool:
     return bool(dated) and (int(dated.group(1)), int(dated.group(2))) >= (2025, 8)
 
 
-def normalise(index: int, r: dict[str, str]) -> tuple[ServingRow | None, str]:
-    """The row as a replay reads it, or None and why it cannot be replayed."""
+def normalise(index: int, r: dict[str, str], engines: tuple[str, ...] = ("vllm",),
+              gpu_assumed: dict[str, str] | None = None, models: dict[str, str] | None = None
+              ) -> tuple[ServingRow | None, str]:
+    """The row as a replay reads it, or None and why it cannot be replayed. ``engines``: the
+    engines replayed (the analytic check: vLLM's only); ``gpu_assumed`` and ``models``: the
+    GPU prefixes and model ids mapped (default ``GPU_ASSUMED``, ``MODEL_PRESETS_BY_ID``)."""
     engine = r["engine"].strip()
-    if engine != "vllm":
-        return None, f"engine {engine} (replayed under vllm_v1 only)"
-    if not _version_ok(r["engine_version"]):
+    if engine not in engines:
+        return None, f"engine {engine} (replayed under {', '.join(engines)} only)"
+    if engine == "vllm" and not _version_ok(r["engine_version"]):
         return None, "vLLM older than 0.10 or version unknown"
     gpu_raw = r["gpu"].strip()
     gpu = GPU_NAMES.get(gpu_raw)
-    assumed = gpu is None and any(gpu_raw.startswith(k) for k in GPU_ASSUMED)
+    gpu_assumed = GPU_ASSUMED if gpu_assumed is None else gpu_assumed
+    assumed = gpu is None and any(gpu_raw.startswith(k) for k in gpu_assumed)
     if gpu is None:
-        gpu = next((v for k, v in GPU_ASSUMED.items() if gpu_raw.startswith(k)), None)
+        gpu = next((v for k, v in gpu_assumed.items() if gpu_raw.startswith(k)), None)
         if gpu is None:
             return None, f"GPU {gpu_raw.split(' ')[0]} has no preset"
     model_id = r["model"].split(" (")[0].strip()
     skip = next((why for k, why in SKIP_MODELS.items() if model_id.startswith(k)), None)
     if skip:
         return None, skip
-    model = MODEL_PRESETS_BY_ID.get(model_id)
+    model = (MODEL_PRESETS_BY_ID if models is None else models).get(model_id)
     if model is None:
         return None, f"model {model_id} has no preset"
     dtype = PRECISIONS.get(r["weight_dtype"].strip())
@@ -192,12 +197,13 @@ def normalise(index: int, r: dict[str, str]) -> tuple[ServingRow | None, str]:
 SHAREGPT_TOTALS = {"gpt": (215312, 195544), "qwen3": (217393, 201422)}
 
 
-def load_rows(path: Path = MEASUREMENTS_CSV) -> tuple[list[ServingRow], dict[str, int]]:
-    """The replayable rows, and how many were left out for each reason."""
+def load_rows(path: Path = MEASUREMENTS_CSV, **how: Any) -> tuple[list[ServingRow], dict[str, int]]:
+    """The replayable rows, and how many were left out for each reason (``how``: ``normalise``'s
+    keywords)."""
     rows, skipped = [], {}
     with path.open(newline="") as f:
         for i, r in enumerate(csv.DictReader(f)):
-            row, why = normalise(i, r)
+            row, why = normalise(i, r, **how)
             if row is None:
                 skipped[why] = skipped.get(why, 0) + 1
             else:
@@ -205,7 +211,7 @@ def load_rows(path: Path = MEASUREMENTS_CSV) -> tuple[list[ServingRow], dict[str
     return rows, skipped
 
 
-def workload(row: ServingRow, profile_spec: dict[str, Any]) -> dict[str, Any]:
+def workload(row: ServingRow, profile_spec: dict[str, Any], policy_kind: str = "vllm_v1") -> dict[str, Any]:
     """The row as a workload: its lengths, its client concurrency or rate, vLLM v1's defaults
     (and the server flags the source gives)."""
     n = min(row.num_prompts, MAX_REPLAY_REQUESTS)
@@ -219,8 +225,10 @@ def workload(row: ServingRow, profile_spec: dict[str, Any]) -> dict[str, Any]:
     else:
         lengths = {"kind": "fixed", "prompt_tokens": row.input_len, "output_tokens": row.output_len}
     flags = dict(row.flags)
-    policy: dict[str, Any] = {"kind": "vllm_v1", "enable_prefix_caching": False}
-    if "max_num_batched_tokens" in flags:
+    # vllm bench serve's random and ShareGPT prompts share no prefix worth a cache lookup: each
+    # engine's prefix cache is off (it would only cost simulation time)
+    policy: dict[str, Any] = {"kind": policy_kind, **PREFIX_CACHE_OFF[policy_kind]}
+    if "max_num_batched_tokens" in flags and policy_kind == "vllm_v1":      # vLLM's flag spelling
         policy["max_num_batched_tokens"] = flags["max_num_batched_tokens"]
     server: dict[str, Any] = {}
     if "max_model_len" in flags:
@@ -230,6 +238,10 @@ def workload(row: ServingRow, profile_spec: dict[str, Any]) -> dict[str, Any]:
     return {"name": "public-serving", "num_requests": n, "seed": 0, "arrivals": arrivals, "lengths": lengths,
             # vllm bench serve's random dataset: random token ids, no prefix hits worth modelling
             "policy": policy, "server": server, "profile": profile_spec}
+
+
+PREFIX_CACHE_OFF = {"vllm_v1": {"enable_prefix_caching": False}, "sglang": {"disable_radix_cache": True},
+                    "tensorrt_llm": {"enable_block_reuse": False}}
 
 
 @dataclass
@@ -253,9 +265,9 @@ class _Recorder:
         return StepResult(duration_s=d, predicted_s=d)
 
 
-def replay(row: ServingRow, profile: Profile) -> tuple[dict[str, float], StepLog]:
-    """Simulated METRICS of ``row`` on ``profile`` (ms), and its StepLog."""
-    spec = workload(row, profile_spec(row))
+def replay(row: ServingRow, profile: Profile, policy_kind: str = "vllm_v1") -> tuple[dict[str, float], StepLog]:
+    """Simulated METRICS of ``row`` on ``profile`` (ms) under ``policy_kind``, and its StepLog."""
+    spec = workload(row, profile_spec(row), policy_kind)
     cfg = workload_from_dict(spec)
     try:
         num_blocks, max_model_len = kv_blocks(cfg, profile)
