@@ -178,9 +178,10 @@ def policy_context(max_model_len: int, profile: Profile | None = None) -> Policy
 
 
 def build_policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile | None = None) -> Policy:
-    """The policy object, with the engines' start-up checks as config errors
-    (``make_policy``: without a profile the device is unknown). Policies hold
-    no state of their own, so one object serves every replica of a run."""
+    """A policy object, with the engines' start-up checks as config errors
+    (``make_policy``: without a profile the device is unknown). A policy may
+    keep state between its calls (SGLang's chunked request, TGI's step
+    counters), so every replica gets one of its own (``drive``)."""
     try:
         return make_policy(cfg.policy, policy_context(max_model_len, profile))
     except ValueError as exc:
@@ -273,8 +274,9 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     measured server's per-request overhead is not added (it happens).
     ``on_step(server)`` builds each server's step hook. ``files``, if
     given, writes steps.csv and tokens.npz from the logs in a second process
-    while the loop runs and after it (``sim.results.runfiles``). ``policy``: the
-    run's (built here if not given; one object for every replica).
+    while the loop runs and after it (``sim.results.runfiles``). Every replica
+    runs a policy object of its own: ``policy``, if given, is the first
+    replica's (the one that sized the KV pool), the others are built alike.
     ``check_stretch``: step every iteration and check the fast path's
     prediction of each against it (``sim.loop.server.Server``). ``specs``: the
     requests to run instead of ``generate(cfg)``'s (a replay of measured or
@@ -292,10 +294,10 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
         raise ConfigError(f"{cfg.source}: the workload has no requests (check num_requests, duration_s, "
                           f"arrivals.start_s)")
     requests = RequestStream(specs, request_max_tokens(cfg, specs, max_model_len))
-    if policy is None:
-        policy = build_policy(cfg, max_model_len, profile)
     servers = []
     for k in range(num_replicas):
+        if policy is None or k:
+            policy = build_policy(cfg, max_model_len, profile)
         usable = num_blocks - policy.num_reserved_blocks    # vLLM v1's null block
         state = SchedulerState(policy.kv_pool_class(usable, block_size_of(cfg, policy), cfg.server.watermark),
                                max_model_len, policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt)
