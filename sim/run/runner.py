@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 import simpy
 
-from policies import make_policy
-from policies.config import policy_knobs
+from policies import POLICIES, make_policy
+from policies.config import kinds_where, policy_knobs
 from sim.base.heap import trim_heap, tune_heap
 from sim.core.batch import Batch, StepResult
 from sim.core.logs import StepLog, TokenLog
@@ -355,14 +355,16 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
     if num_replicas < 1:
         raise ConfigError(f"num_replicas must be >= 1, got {num_replicas}")
     cap = cfg.arrivals.max_concurrency
-    if cap is not None and cfg.policy.kind == "static" and cap < cfg.policy.batch_size * num_replicas:
-        # Static batching waits for a full batch; a closed loop never has more than ``cap`` requests
-        # out, so every replica starting a batch needs batch_size x replicas of them.
-        raise ConfigError(f"{cfg.source}: field 'arrivals.max_concurrency': static batching waits for "
-                          f"batch_size {cfg.policy.batch_size} requests per replica, but at most {cap} are "
-                          f"ever in flight over {num_replicas} replica(s), so a batch would never fill; raise "
-                          f"max_concurrency to >= {cfg.policy.batch_size * num_replicas}, lower "
-                          f"policy.batch_size, or use policy dynamic (it launches after max_queue_delay_s)")
+    knob = POLICIES[cfg.policy.kind][1].full_batch_knob
+    if cap is not None and knob is not None and cap < getattr(cfg.policy, knob) * num_replicas:
+        # The policy waits for a full batch; a closed loop never has more than ``cap`` requests
+        # out, so every replica starting a batch needs a full batch x replicas of them.
+        full = getattr(cfg.policy, knob)
+        raise ConfigError(f"{cfg.source}: field 'arrivals.max_concurrency': policy {cfg.policy.kind} waits for "
+                          f"policy.{knob} = {full} requests per replica, but at most {cap} are ever in flight "
+                          f"over {num_replicas} replica(s), so a batch would never fill; raise max_concurrency "
+                          f"to >= {full * num_replicas}, lower policy.{knob}, or use a policy that does not wait "
+                          f"for a full batch (policy.kind {kinds_where(lambda c: c.full_batch_knob is None)})")
     wall0 = time.perf_counter()
     tune_heap()
     profile = build_profile(cfg)

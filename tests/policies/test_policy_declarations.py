@@ -2,14 +2,16 @@
 
 ``PolicyClass(config, context)``; ``token_budget``, ``max_num_seqs``,
 ``holds_batch``, ``max_prompt_tokens``, ``decode_stretch``, ``chunk_stretch`` and ``knobs()``
-with the same names everywhere; a one-line doc on every config field; the
-README's policy table names every kind and knob.
+with the same names everywhere, each with a safe default in ``PolicyBase`` but
+``max_num_seqs``, and a policy restates none of them; a one-line doc on every
+config field; the README's policy table names every kind and knob.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -18,12 +20,44 @@ from conftest import linear_profile
 from cases import KINDS
 
 from policies import POLICIES, knob_docs, make_policy
+from policies.base import PolicyBase
 from sim.run.runner import policy_context
-from sim.core.kv import KVPool
-from sim.core.policy import KV_MEMORY_SHARES, KvMemory, PolicyContext
+from sim.core.kv import BlockManager, KVPool
+from sim.core.policy import KV_MEMORY_SHARES, KvMemory, Policy, PolicyContext
 
 GIB = 1024**3
 README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+DECLARATIONS = [name for name in typing.get_type_hints(Policy) if name != "max_num_seqs"]
+
+
+def test_the_base_holds_a_default_for_every_declaration_but_the_sequence_limit():
+    missing = [name for name in DECLARATIONS if not hasattr(PolicyBase, name)]
+    assert missing == [], f"policies.base.PolicyBase has no default for {missing}"
+    assert not hasattr(PolicyBase, "max_num_seqs")                     # every policy sets its own
+    assert PolicyBase.decode_stretch is False and PolicyBase.kv_pool_class is BlockManager   # the safe ones
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_policy_declares_only_what_differs_from_the_base(kind):
+    cls = POLICIES[kind][1]
+    assert issubclass(cls, PolicyBase)
+    restated = [name for name in DECLARATIONS if name in vars(cls) and vars(cls)[name] == getattr(PolicyBase, name)]
+    assert restated == [], f"{cls.__name__} restates the base's default of {restated}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_class_level_declarations_name_real_knobs_and_kinds(kind):
+    # What the config's checks read from the class, before any policy is built (policies.config).
+    cfg_cls, cls = POLICIES[kind]
+    hints = typing.get_type_hints(cfg_cls)
+    if cls.prefix_switch is not None:
+        assert hints[cls.prefix_switch.knob] is bool, cls.prefix_switch
+    if cls.full_batch_knob is not None:
+        assert hints[cls.full_batch_knob] is int, cls.full_batch_knob
+    assert cls.chunked_variant is None or cls.chunked_variant in POLICIES
+    assert type(cls.always_chunks) is bool and not (cls.always_chunks and cls.chunked_variant)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -37,6 +71,7 @@ def test_declarations_exist_with_their_types(kind):
     assert type(policy.chunk_stretch) is bool
     assert policy.max_prompt_tokens is None or type(policy.max_prompt_tokens) is int
     assert issubclass(policy.kv_pool_class, KVPool)
+    assert type(policy.kv_pool_class.caching) is bool                 # what a run's summary and files read
     assert policy.block_size is None or (type(policy.block_size) is int and policy.block_size > 0)
     assert policy.kv_memory is None or (isinstance(policy.kv_memory, KvMemory)
                                         and 0 < policy.kv_memory.fraction <= 1

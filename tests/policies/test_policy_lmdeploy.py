@@ -48,7 +48,7 @@ def test_defaults_follow_lmdeploys_config_and_the_gpu():
     p = lmdeploy()
     assert (p.token_budget, p.max_num_seqs, p.block_size) == (8192, 128, 64)
     assert p.kv_memory == KvMemory(0.8, "free") and p.num_reserved_blocks == 1
-    assert not p.prefix_caching
+    assert not p.kv_pool_class.caching
     # utils.get_max_batch_size: 1024 on H100/H200, 384 on A100, 128 elsewhere
     profile = linear_profile()
     for device, size in (("NVIDIA H200", 1024), ("NVIDIA H100 80GB HBM3", 1024),
