@@ -65,6 +65,12 @@ class PrefixSwitch(NamedTuple):
     on: bool = True
 
 
+class PolicyError(RuntimeError):
+    """A policy broke the contract below while a run was going on: it made no
+    progress, returned an empty batch, or (``sim.loop.stretch.StretchMismatch``)
+    its fast-path declaration does not hold. The message names the policy and
+    what it did; ``sim run`` prints it as one line and exits 1."""
+
 
 class StretchShape(NamedTuple):
     """The step a policy repeats while nothing changes (``Policy.stretch_shape``),
@@ -83,11 +89,14 @@ class Policy(Protocol):
     policy may keep state of its own between calls); raises ValueError for a
     config the engine would refuse at start-up.
 
-    schedule(state, now_s): return the Batch to run now, or Idle when nothing
-    can run (Idle.wake_at_s asks to be called again at that simulated/wall
-    time even if no request arrives). Raises nothing on normal input. Two
-    Idle decisions at the same time with nothing changed in between stall
-    the loop, which raises RuntimeError naming the policy.
+    schedule(state, now_s): return the Batch to run now (at least one item),
+    or Idle when nothing can run (Idle.wake_at_s asks to be called again at
+    that simulated/wall time even if no request arrives). Raises nothing on
+    normal input. The loop raises ``PolicyError`` naming the policy for an
+    empty Batch, and for decisions that make no progress (no token computed,
+    no request admitted, finished or arrived) over ``sim.loop.server.
+    MAX_IDLE_DECISIONS`` in a row, or ``SPIN_DECISIONS`` in a row within
+    ``SPIN_S`` of simulated time.
 
     knobs(): every config field, in declaration order, with the value that
     runs (defaults filled in), as a result records it.

@@ -99,6 +99,9 @@ class WorkloadConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     slo: Slo | None = None
+    # Step every iteration the loop's fast path would skip and check it against the fast path's plan
+    # (sim.loop.stretch; ``sim run --check``): for a policy of your own, or knobs the tests do not cover.
+    check_fast_path: bool = False
     source: str = "<workload>"
     base_dir: str = "."
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -108,6 +111,8 @@ class WorkloadConfig:
         d.pop("raw")
         if self.sessions is None:                # a run without sessions records its config as before
             d.pop("sessions")
+        if not self.check_fast_path:             # so does a run without the check
+            d.pop("check_fast_path")
         if self.slo is not None:                 # a workload's slo holds goodput thresholds only
             d["slo"] = self.slo.goodput_thresholds()
         return d

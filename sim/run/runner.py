@@ -24,7 +24,7 @@ from policies.config import kinds_where, policy_knobs
 from sim.base.heap import trim_heap, tune_heap
 from sim.core.batch import Batch, StepResult
 from sim.core.logs import StepLog, TokenLog
-from sim.core.policy import KvMemory, Policy, PolicyContext
+from sim.core.policy import KvMemory, Policy, PolicyContext, PolicyError
 from sim.core.request import REJECT_REASONS, Request
 from sim.core.state import SchedulerState
 from sim.cost.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
@@ -333,11 +333,11 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     trim_heap()                             # the pages the loop freed: the summaries' peak comes next
     unfinished = [r.req_id for s in servers for r in (*s.state.waiting, *s.state.running)]
     if unfinished:
-        raise RuntimeError(f"run stalled with {len(unfinished)} requests unfinished "
-                           f"(policy {cfg.policy.kind}); first: {unfinished[:5]}")
+        raise PolicyError(f"policy {cfg.policy.kind}: the run stalled with {len(unfinished)} requests unfinished "
+                          f"(first: {unfinished[:5]}): nothing was left to happen but they never ran")
     num_done = sum(len(s.state.records) for s in servers)
     if num_done != len(specs):
-        raise RuntimeError(f"run ended with {num_done} of {len(specs)} requests done (policy {cfg.policy.kind})")
+        raise PolicyError(f"policy {cfg.policy.kind}: the run ended with {num_done} of {len(specs)} requests done")
     if files is not None:
         files.finish()
     return Driven(servers, len(specs), specs.num_dropped,
@@ -349,7 +349,9 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
                  files: RunFilesProcess | None = None, check_stretch: bool = False,
                  specs: RequestSpecs | None = None) -> RunResult:
     """Simulate ``cfg`` on ``num_replicas`` identical servers behind ``router``
-    (``files``, ``check_stretch``, ``specs``: see ``drive``)."""
+    (``files``, ``check_stretch``, ``specs``: see ``drive``; the workload's
+    ``check_fast_path`` checks too). Raises ``PolicyError`` if the policy
+    breaks its contract (``sim.core.policy``)."""
     if router not in ROUTERS:
         raise ConfigError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
     if num_replicas < 1:
@@ -371,6 +373,7 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
     cfg = resolve_server(cfg, profile)
     policy = build_policy(cfg, max_model_len_of(cfg, profile), profile)
     num_blocks, max_model_len = kv_blocks(cfg, profile, policy)
+    check_stretch = check_stretch or cfg.check_fast_path
     loop0 = time.perf_counter()
     servers, num_requests, num_dropped, client_queue_s = drive(
         cfg, profile, num_blocks, max_model_len, simpy.Environment(), SimExecutor(profile),
@@ -402,6 +405,8 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
     result.meta.update(wall_s=time.perf_counter() - wall0, loop_s=loop_s, num_blocks=num_blocks, num_cut_short=cut,
                        max_model_len=max_model_len, num_replicas=num_replicas, router=router,
                        num_trace_rows_dropped=num_dropped)
+    if check_stretch:
+        result.meta["fast_path_steps_checked"] = sum(s.num_stretch_steps_checked for s in servers)
     return result
 
 
