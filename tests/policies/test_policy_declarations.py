@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import linear_profile
 
-from cases import KINDS
+from cases import CASES, KINDS
 
 from policies import POLICIES, knob_docs, make_policy
 from policies.base import PolicyBase
@@ -80,25 +80,12 @@ def test_declarations_exist_with_their_types(kind):
     assert policy_cls.holds_batch is policy.holds_batch
 
 
-# kind -> (token_budget, max_num_seqs, holds_batch) of the defaults at max_model_len 4096, no profile
-DEFAULTS = {
-    "static": (None, 32, True),             # batch_size 32
-    "dynamic": (None, 32, True),            # max_batch_size 32
-    "orca": (None, 256, False),             # max_batch_size 256
-    "vllm": (4096, 256, False),             # max(4096, 2048) = 4096
-    "sarathi": (512, 256, False),
-    "vllm_v1": (2048, 256, False),          # unknown device: vLLM's 2048 / 256, min(2048, 256 x 4096) = 2048
-    "tensorrt_llm": (8192, 2048, False),    # max_num_tokens 8192, max_batch_size 2048 (any device)
-    "tgi": (4096, 128, False),              # max_batch_prefill_tokens 4096, max_concurrent_requests 128
-    "lmdeploy": (8192, 128, False),         # max_prefill_token_num 8192; unknown device: max_batch_size 128
-    "sglang": (4096, 4096, False),          # unknown device: chunked_prefill_size 4096; max_running_requests 4096 until the pool is known
-}
-
-
-@pytest.mark.parametrize("kind", list(DEFAULTS))
+@pytest.mark.parametrize("kind", KINDS)
 def test_default_declarations(kind):
+    # (token_budget, max_num_seqs, holds_batch) at max_model_len 4096, no profile: the case's
+    # ``defaults``, worked out there
     policy = make_policy(POLICIES[kind][0](), 4096)
-    assert (policy.token_budget, policy.max_num_seqs, policy.holds_batch) == DEFAULTS[kind]
+    assert (policy.token_budget, policy.max_num_seqs, policy.holds_batch) == CASES[kind].defaults
 
 
 @pytest.mark.parametrize("kind", KINDS)
