@@ -452,7 +452,7 @@ def _main(argv: Sequence[str] | None) -> int:
     except ModuleNotFoundError as exc:
         if exc.name == "torch":
             print("error: this command needs PyTorch: pip install torch==2.13.0 && pip install -e '.[calibrate]' "
-                  "(the CPU build; see the README's Tests section)", file=sys.stderr)
+                  "(the CPU build; see docs/contributing.md, Tests)", file=sys.stderr)
             return EXIT_BAD_INPUT
         raise
     except KeyboardInterrupt as exc:

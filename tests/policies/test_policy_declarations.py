@@ -4,15 +4,13 @@
 ``holds_batch``, ``max_prompt_tokens``, ``decode_stretch``, ``chunk_stretch`` and ``knobs()``
 with the same names everywhere, each with a safe default in ``PolicyBase`` but
 ``max_num_seqs``, and a policy restates none of them; a one-line doc on every
-config field; the README's policy table names every kind and knob.
+config field.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import typing
-from pathlib import Path
 
 import pytest
 from conftest import linear_profile
@@ -26,7 +24,6 @@ from sim.core.kv import BlockManager, KVPool
 from sim.core.policy import KV_MEMORY_SHARES, KvMemory, Policy, PolicyContext
 
 GIB = 1024**3
-README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 DECLARATIONS = [name for name in typing.get_type_hints(Policy) if name != "max_num_seqs"]
@@ -127,22 +124,6 @@ def test_every_knob_has_a_one_line_doc(kind):
     assert [(name, default) for name, default, _ in docs] == [(f.name, f.default) for f in fields]
     for name, _, doc in docs:
         assert doc.strip() and "\n" not in doc, (kind, name)
-
-
-def readme_policy_rows() -> dict[str, str]:
-    """kind -> its row of the README's policy table (the section "## Policies")."""
-    text = README.read_text()
-    section = text[text.index("\n## Policies\n"):]
-    section = section[:section.index("\n## ", 1)]
-    return {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)` \|.*$", section, re.MULTILINE)}
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_readme_table_names_every_kind_and_knob(kind):
-    rows = readme_policy_rows()
-    assert kind in rows, f"README.md's policy table has no row for {kind}"
-    missing = [name for name, _, _ in knob_docs(kind) if f"`{name}`" not in rows[kind]]
-    assert not missing, f"README.md's {kind} row does not name {missing}"
 
 
 def test_sim_run_help_lists_every_policys_knobs_with_defaults(capsys):
