@@ -93,7 +93,7 @@ class LmdeployPolicy(PolicyBase):
     # (case (a)); a decode grows by one block at a block boundary, as the loop's stretch does, when
     # block_size >= prefill_interval (stretch_shape refuses smaller pages). With requests waiting
     # the decode counter moves every step (rule 1), so stretch_shape refuses case (b); a long
-    # prompt's chunks end any stretch.
+    # prompt's chunks end any stretch, its last one too.
     decode_stretch = True
     num_reserved_blocks = 1        # CacheConfig.num_reserved_gpu_blocks
     prefix_switch = PrefixSwitch("enable_prefix_caching")
@@ -123,6 +123,11 @@ class LmdeployPolicy(PolicyBase):
             return None
         if state.kv.block_size < self.config.prefill_interval:
             return None                                # a decode's prealloc takes blocks two at a time
+        if self._long is not None:
+            # A long prompt's last chunk may be one token (a recompute of prompt + outputs): it looks
+            # like a decode, but preallocates prefill_interval tokens more (rule 4), a block a decode
+            # would not take.
+            return None
         return plain_stretch_shape(self, running, live_context, num_live, prefilling)
 
     def knobs(self) -> dict[str, Any]:
