@@ -1,6 +1,6 @@
 """Simulator speed and memory at scale: 100k and 1M synthetic requests through the real `sim run`.
 
-    python benchmarks/bench_scale.py                                   # 100k and 1M; vllm and sarathi
+    python benchmarks/bench_scale.py                                   # 100k and 1M; every registered policy
     python benchmarks/bench_scale.py --quick                           # 10k and 100k
     python benchmarks/bench_scale.py --sizes 2000,5000 --policies vllm,sarathi,orca
     python benchmarks/bench_scale.py --policies vllm_v1,vllm_v1-nocache     # the cost of prefix caching
@@ -114,7 +114,8 @@ def ratio_line(policy: str, small: int, big: int, results: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="100000,1000000", help="request counts, comma-separated")
-    ap.add_argument("--policies", default="vllm,sarathi", help="policy kinds, comma-separated")
+    from policies import POLICIES
+    ap.add_argument("--policies", default=",".join(POLICIES), help="policy kinds, comma-separated (default: all)")
     ap.add_argument("--quick", action="store_true", help="sizes 10000,100000")
     args = ap.parse_args()
     sizes = [10_000, 100_000] if args.quick else [int(s) for s in args.sizes.split(",")]

@@ -4,8 +4,8 @@ For each policy, in a fresh child process: wall seconds, simulated requests,
 steps and events per wall second, and the child's peak RSS (read by the
 parent from os.wait4 when the child exits). Events are the model's
 scheduling events: arrivals + completions + preemptions (requests table and
-summary). Then the 2x and 4x back-to-back replays of the trace for vllm and
-sarathi, to check that time grows linearly with trace length. Each policy
+summary). Then the 2x and 4x back-to-back replays of the trace for each
+policy, to check that time grows linearly with trace length. Each policy
 also runs with the loop's fast path off (``BATCHSIM_FAST_PATH=0``: every
 iteration stepped; same results) and the table gives the ratio of the two
 loops' times. ``proc s`` is the whole child process (interpreter start,
@@ -13,6 +13,8 @@ imports, the run and its tables); req/s and events/s divide by it. ``sim
 run s`` is the real command in a fresh process, its files written.
 
     python benchmarks/bench_sim.py [--policies vllm,sarathi] [--no-scaling]
+
+(every registered policy unless --policies names some).
 
 Figures are measured in this run; the machine may be shared and noisy: the
 process CPU seconds (cpu s) beside the wall seconds show how much of the
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 WORKLOAD = ROOT / "workloads" / "azure_conv.yaml"
 
 
@@ -112,7 +115,8 @@ def sim_run_child(policy: str) -> Child:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--policies", default="static,dynamic,orca,vllm,sarathi,vllm_v1")
+    from policies import POLICIES
+    ap.add_argument("--policies", default=",".join(POLICIES), help="policy kinds, comma-separated (default: all)")
     ap.add_argument("--no-scaling", action="store_true")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -139,7 +143,7 @@ def main() -> None:
     print("(loop: the event loop alone; the rest builds tables and summaries, whose ITL sort is n log n)")
     print(f"{'policy':<9}{'x':>3}{'requests':>9}{'wall s':>8}{'req/s':>8}{'events/s':>10}{'wall / 1x':>11}"
           f"{'loop s':>8}{'loop / 1x':>11}{'RSS MiB':>9}")
-    for policy in ("vllm", "sarathi"):
+    for policy in args.policies.split(","):
         base = None
         for repeat in (1, 2, 4):
             r = in_child(policy, repeat)

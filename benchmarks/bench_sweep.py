@@ -1,4 +1,4 @@
-"""Sweep throughput: 5 policies x 8 token budgets x 4 rates on a sample of the Azure conversation trace.
+"""Sweep throughput: every registered policy x 16 rates on a sample of the Azure conversation trace.
 
     python benchmarks/bench_sweep.py [--requests 200] [--jobs 1 2] [--cluster local]
 
@@ -12,9 +12,8 @@ i.e. the share of worker time not spent in runs (process start-up, pickling,
 scheduling, writing the table, idle workers at the end). With one worker it
 is (wall - sum) / sum. Not a timed test: numbers depend on the machine.
 
-Budgets mean max_num_batched_tokens for vllm and sarathi (vllm rejects prompts
-longer than its budget, as vLLM does without chunked prefill) and a batch of
-budget / 128 requests for static, dynamic and orca.
+Each policy runs at its defaults (``policies.POLICIES``: 10 policies make 160
+runs), the trace replayed at 2, 3, ..., 17 req/s.
 """
 
 from __future__ import annotations
@@ -31,11 +30,11 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from policies import POLICIES  # noqa: E402
 from reports.experiments.spec import expand, parse_sweep  # noqa: E402
 from reports.experiments.sweep import run_sweep  # noqa: E402
 
-BUDGETS = (512, 1024, 2048, 3072, 4096, 6144, 8192, 16384)
-RATES = (4.0, 8.0, 12.0, 16.0)
+RATES = tuple(float(r) for r in range(2, 18))
 
 
 def burn(n: int) -> float:
@@ -60,23 +59,12 @@ def machine_scaling(workers: int, n: int = 5_000_000) -> float:
         return serial_s / (time.perf_counter() - t0)
 
 
-def policies() -> list[dict]:
-    out: list[dict] = []
-    for budget in BUDGETS:
-        batch = budget // 128
-        out += [{"kind": "static", "batch_size": batch},
-                {"kind": "dynamic", "max_batch_size": batch, "max_queue_delay_s": 0.2},
-                {"kind": "orca", "max_batch_size": batch},
-                {"kind": "vllm", "max_num_batched_tokens": budget},
-                {"kind": "sarathi", "max_num_batched_tokens": budget}]
-    return out
-
-
 def write_sweep(folder: Path, num_requests: int) -> Path:
     path = folder / "bench_sweep.yaml"
     path.write_text(yaml.safe_dump({
         "name": "bench-sweep", "base": str(ROOT / "workloads" / "azure_conv.yaml"),
-        "set": {"num_requests": num_requests}, "vary": {"policy": policies(), "arrivals.rate": list(RATES)}}))
+        "set": {"num_requests": num_requests},
+        "vary": {"policy.kind": list(POLICIES), "arrivals.rate": list(RATES)}}))
     return path
 
 
@@ -102,7 +90,7 @@ def main() -> int:
                          "sum_sim_wall_s": float(runs["sim_wall_s"].sum()),
                          "overhead_pct": 100.0 * (wall_s * jobs - busy_s) / busy_s})
     base = rows[0]["wall_s"]
-    print(f"sweep: 5 policies x {len(BUDGETS)} budgets x {len(RATES)} rates = {rows[0]['runs']} runs, "
+    print(f"sweep: {len(POLICIES)} policies x {len(RATES)} rates = {rows[0]['runs']} runs, "
           f"first {args.requests} requests of the Azure conversation trace"
           + (f", Dask cluster {args.cluster}" if args.cluster else ", local process pool"))
     print(f"{'workers':>7} {'wall (s)':>9} {'sum run (s)':>12} {'sum sim (s)':>12} {'scaling':>8} {'overhead':>9}")

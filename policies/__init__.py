@@ -1,10 +1,14 @@
-"""Scheduling policies. Adding one = its file + one entry in POLICIES + its test
-file + one entry in ``tests/policies/cases.py`` (and its README row and the
-regenerated schema, which tests check).
+"""Scheduling policies. Adding one = its file + one entry in POLICIES + one entry
+in ``tests/policies/cases.py`` (the table every policy-wide test reads), and
+its own test file; the workload schema is regenerated from them (``sim schema
+--out workloads/workload.schema.json``; a test says when it is stale) and the
+docs' policy table is built from them.
 
-Every policy is built the same way, ``PolicyClass(config, context)``, and
-declares what others need to know (``sim.core.policy.Policy``); each config
-field carries a one-line doc (``knob_docs``).
+Every policy is built the same way, ``PolicyClass(config, context)``, one
+object per replica, and declares what others need to know
+(``sim.core.policy.Policy``), only where it differs from the safe defaults
+of ``policies.base.PolicyBase``; each config field carries a one-line doc
+(``knob_docs``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The helpers that several policies share.
+"""The base every policy builds on (``PolicyBase``: the contract's safe
+defaults) and the helpers that several policies share.
 
 The contract itself (``Policy``, ``PolicyContext``, ``StretchShape``) lives in
 ``sim.core.policy``; policies import only ``sim.base`` and ``sim.core``.
@@ -10,7 +11,8 @@ from dataclasses import field, fields
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.policy import StretchShape
+from sim.core.kv import BlockManager
+from sim.core.policy import KvMemory, PrefixSwitch, StretchShape
 from sim.core.request import Request, Status
 
 if TYPE_CHECKING:
@@ -23,10 +25,60 @@ RESERVE_DOC = ("KV reserved per request at admission: max_tokens (prompt + max_t
                "(max_model_len), pow2 or oracle (the true output; the vLLM paper's Orca variants)")
 
 
-def knob(default: Any, doc: str) -> Any:
+def knob(default: Any, doc: str, *, off: Any = None, below: float | None = None,
+         choices: Sequence[str] | None = None) -> Any:
     """A config field with its one-line doc, which says where the default comes from
-    (``policies.knob_docs`` shows it in ``sim run --help``)."""
-    return field(default=default, metadata={"doc": doc})
+    (``policies.knob_docs`` shows it in ``sim run --help``). A number must be > 0 (>= 0
+    when its default is 0, which means "off"); ``off``: another value that means
+    "off" (SGLang's -1); ``below``: it must also be smaller than this;
+    ``choices``: the strings it may take. ``policies.config.policy_config`` checks
+    them all, for every policy alike."""
+    meta: dict[str, Any] = {"doc": doc}
+    if off is not None:
+        meta["off"] = off
+    if below is not None:
+        meta["below"] = below
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    return field(default=default, metadata=meta)
+
+
+class PolicyBase:
+    """The safe default of every declaration of ``sim.core.policy.Policy``: a
+    policy subclasses it and declares only what differs (as SimPy's
+    ``PriorityResource`` overrides only what differs from ``Resource``). The
+    one declaration without a default is ``max_num_seqs``: every policy sets
+    it. A policy keeps its config as ``self.config`` (``knobs`` reads it).
+
+    Safe means: without a declaration the policy is stepped every iteration
+    (no fast path), runs on a plain paged pool of ``server.block_size``
+    blocks sized by vLLM's rule, refuses nothing at arrival but what the
+    context or the pool can never hold, and has no prefix cache.
+    """
+
+    token_budget: int | None = None         # no budget: the activation reserve of DEFAULT_ACTIVATION_TOKENS
+    max_num_seqs: int
+    holds_batch = False
+    max_prompt_tokens: int | None = None
+    refuses_by_prompt = False
+    num_reserved_blocks = 0
+    decode_stretch = False                  # step every iteration
+    chunk_stretch = False
+    kv_pool_class: type = BlockManager
+    block_size: int | None = None           # server.block_size
+    kv_memory: KvMemory | None = None       # vLLM's rule: server.gpu_memory_utilization
+    prefix_switch: PrefixSwitch | None = None
+    full_batch_knob: str | None = None
+    always_chunks = False
+    chunked_variant: str | None = None
+    config: Any
+
+    def knobs(self) -> dict[str, Any]:
+        return config_knobs(self.config)
+
+    def stretch_shape(self, running: Sequence[Request], live_context: int, num_live: int,
+                      prefilling: Request | None) -> StretchShape | None:
+        return None                         # nothing repeats (read only with decode_stretch)
 
 
 def config_knobs(config: Any, **resolved: Any) -> dict[str, Any]:

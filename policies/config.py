@@ -1,7 +1,13 @@
 """The policy half of a workload's config: the ``policy`` section validated
 into the policy's own config dataclass (``policy_config``), vLLM's
-``enable_chunked_prefill`` alias, and the knobs a run records
-(``policy_knobs``). The rest of the workload is ``sim.run.config``'s.
+``enable_chunked_prefill`` and ``enable_prefix_caching`` flags on policies
+that name them otherwise, and the knobs a run records (``policy_knobs``).
+The rest of the workload is ``sim.run.config``'s.
+
+Nothing here names a policy: what differs between them is read from their
+declarations (``sim.core.policy.Policy``: ``prefix_switch``,
+``always_chunks``, ``chunked_variant``) and from their knobs' metadata
+(``policies.base.knob``: ``off``, ``below``, ``choices``).
 """
 
 from __future__ import annotations
@@ -10,7 +16,6 @@ import dataclasses
 import warnings
 from typing import Any
 
-from policies.base import RESERVE_MODES
 from policies import POLICIES
 from sim.base.strict import ConfigError, _positive, build, did_you_mean
 
@@ -19,37 +24,89 @@ ALL_POLICY_KNOBS = frozenset(f.name for cfg_cls, _ in POLICIES.values()
                              for f in dataclasses.fields(cfg_cls)) - {"kind"}
 
 
+def _own_knobs(kind: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(POLICIES[kind][0])}
+
+
+def kinds_where(test: Any) -> str:
+    """'a, b or c': the registered kinds whose policy class passes ``test``."""
+    kinds = [kind for kind, (_, cls) in POLICIES.items() if test(cls)]
+    return ", ".join(kinds[:-1]) + " or " + kinds[-1] if len(kinds) > 1 else "".join(kinds)
+
+
 def _chunked_prefill_alias(data: dict[str, Any], src: str) -> dict[str, Any]:
-    """vLLM's ``enable_chunked_prefill`` flag, mapped onto the batchsim policy
-    that models the scheduler it selects, with a note. vLLM v0 with chunked
-    prefill is the ``sarathi`` policy (decode-first, then partial prefills,
-    then new prompts under one token budget); without it, ``vllm``. vLLM v1
-    and Sarathi always chunk here; v1's --no-enable-chunked-prefill (no
-    partial prefill of a new request, budget raised to max_model_len) is not
-    modelled, so it is refused."""
+    """vLLM's ``enable_chunked_prefill`` flag on a policy that has no such knob of
+    its own: a policy that always chunks takes ``true`` and refuses ``false``
+    (vLLM v1's no-chunking mode, say, is not modelled); one with a
+    ``chunked_variant`` runs as that kind with ``true`` (with a note) and as
+    itself with ``false``; any other refuses the flag."""
     kind = data.get("kind")
     if "enable_chunked_prefill" not in data or not isinstance(kind, str) or kind not in POLICIES:
         return data                       # (an unknown kind is reported by the caller)
-    if any(f.name == "enable_chunked_prefill" for f in dataclasses.fields(POLICIES[kind][0])):
-        return data                       # the policy's own knob (tensorrt_llm)
+    if "enable_chunked_prefill" in _own_knobs(kind):
+        return data                       # the policy's own knob
+    cls = POLICIES[kind][1]
     rest = {k: v for k, v in data.items() if k != "enable_chunked_prefill"}
     flag = data["enable_chunked_prefill"]
     if not isinstance(flag, bool):
         raise ConfigError(f"{src}: field 'policy.enable_chunked_prefill' expected true or false, got {flag!r}")
-    if kind == "vllm":
+    if cls.always_chunks:
         if flag:
-            warnings.warn(f"{src}: policy.kind vllm with enable_chunked_prefill true is vLLM v0's chunked-"
-                          f"prefill scheduler: simulated as policy.kind sarathi", stacklevel=4)
-            return {**rest, "kind": "sarathi"}
-        return rest
-    if kind in ("vllm_v1", "sarathi") and flag:
-        return rest                       # they always chunk
-    if kind in ("vllm_v1", "sarathi"):
+            return rest
         raise ConfigError(f"{src}: field 'policy.enable_chunked_prefill' false is not modelled for policy "
                           f"{kind}, which always chunks prefills; for a scheduler without chunked prefill "
-                          f"use policy.kind vllm (vLLM v0)")
-    raise ConfigError(f"{src}: field 'policy.enable_chunked_prefill' applies to policy.kind vllm, vllm_v1 or "
-                      f"sarathi, not {kind!r}; remove it")
+                          f"use policy.kind {kinds_where(lambda c: c.chunked_variant is not None)}")
+    if cls.chunked_variant is not None:
+        if flag:
+            warnings.warn(f"{src}: policy.kind {kind} with enable_chunked_prefill true is its scheduler with "
+                          f"chunked prefill: simulated as policy.kind {cls.chunked_variant}", stacklevel=4)
+            return {**rest, "kind": cls.chunked_variant}
+        return rest
+    applies = kinds_where(lambda c: c.always_chunks or c.chunked_variant is not None)
+    raise ConfigError(f"{src}: field 'policy.enable_chunked_prefill' applies to policy.kind {applies}, not "
+                      f"{kind!r}; remove it")
+
+
+def _prefix_caching_flag(data: dict[str, Any], src: str) -> dict[str, Any]:
+    """vLLM's ``enable_prefix_caching`` on a policy that has no knob of that name:
+    refused where the policy switches its prefix cache by another knob (naming
+    it), and where it has none, ``true`` is refused and ``false`` (what it
+    does anyway) set aside."""
+    kind = data["kind"]
+    if "enable_prefix_caching" not in data or "enable_prefix_caching" in _own_knobs(kind):
+        return data
+    switch = POLICIES[kind][1].prefix_switch
+    flag = data["enable_prefix_caching"]
+    where = f"{src}: field 'policy.enable_prefix_caching'"
+    if switch is not None:
+        default = next(f.default for f in dataclasses.fields(POLICIES[kind][0]) if f.name == switch.knob)
+        sense = "" if switch.on else f", the other way round ({str(switch.on).lower()}: cache on)"
+        raise ConfigError(f"{where}: policy {kind} names it 'policy.{switch.knob}'{sense}; its default, "
+                          f"{str(default).lower()}, has the cache {'on' if default == switch.on else 'off'}")
+    if flag is not False:
+        raise ConfigError(f"{where}: policy {kind} has no prefix cache (policy.kind "
+                          f"{kinds_where(lambda c: c.prefix_switch is not None)} have one); remove it or set "
+                          f"it false")
+    return {k: v for k, v in data.items() if k != "enable_prefix_caching"}
+
+
+def _check_knobs(cfg: Any, src: str) -> None:
+    """Every knob's range, from its metadata (``policies.base.knob``): numbers > 0
+    (>= 0 where the default 0 means off), or the knob's ``off`` value, and below its
+    ``below``; strings among its ``choices``."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        meta = f.metadata
+        if "off" in meta and v == meta["off"]:
+            continue
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            _positive(src, f"policy.{f.name}", v, allow_zero=f.default == 0)
+            if "below" in meta and not v < meta["below"]:
+                raise ConfigError(f"{src}: field 'policy.{f.name}' must be in [0, {meta['below']}), got {v}")
+        choices = meta.get("choices")
+        if choices is not None and v not in choices:
+            raise ConfigError(f"{src}: field 'policy.{f.name}' must be {', '.join(choices[:-1])} or "
+                              f"{choices[-1]}, got {v!r}")
 
 
 def policy_config(data: Any, src: str) -> Any:
@@ -66,18 +123,8 @@ def policy_config(data: Any, src: str) -> Any:
     if not isinstance(kind, str) or kind not in POLICIES:
         raise ConfigError(f"{src}: field 'policy.kind' must be one of {', '.join(POLICIES)}, got {kind!r}"
                           + did_you_mean(kind, list(POLICIES)))
-    cls = POLICIES[kind][0]
-    own = {f.name for f in dataclasses.fields(cls)}
-    if "enable_prefix_caching" in data and "enable_prefix_caching" not in own:
-        flag = data["enable_prefix_caching"]
-        if flag is not False and "prefix_caching" in own:      # TGI's knob has its launcher's name
-            raise ConfigError(f"{src}: field 'policy.enable_prefix_caching': policy {kind} names it "
-                              f"'policy.prefix_caching'")
-        if flag is not False:
-            raise ConfigError(f"{src}: field 'policy.enable_prefix_caching': policy {kind} has no prefix cache "
-                              f"(it is modelled for policy.kind vllm_v1, vLLM v1's KV manager, and lmdeploy); "
-                              f"remove it or set it false")
-        data = {k: v for k, v in data.items() if k != "enable_prefix_caching"}
+    data = _prefix_caching_flag(data, src)
+    own = _own_knobs(kind)
     knobs = {k: v for k, v in data.items() if k != "kind"}
     # A knob of another policy (say max_num_batched_tokens on static) is set
     # aside with a warning, so one file or sweep can switch policy.kind; a
@@ -86,19 +133,8 @@ def policy_config(data: Any, src: str) -> Any:
     if foreign:
         warnings.warn(f"{src}: policy.{', policy.'.join(foreign)} not used by policy {kind} (ignored)",
                       stacklevel=3)
-    cfg = build(cls, {k: v for k, v in knobs.items() if k not in foreign}, "policy", src)
-    for f in dataclasses.fields(cls):
-        v = getattr(cfg, f.name)
-        if kind == "sglang" and f.name == "chunked_prefill_size" and v == -1:
-            continue                      # SGLang's -1: chunked prefill off
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            _positive(src, f"policy.{f.name}", v, allow_zero=f.default == 0)   # a default of 0 means "off"
-    if kind == "vllm_v1" and not cfg.watermark < 1:
-        raise ConfigError(f"{src}: field 'policy.watermark' must be in [0, 1), got {cfg.watermark}")
-    reserve = getattr(cfg, "reserve", None)
-    if reserve is not None and reserve not in RESERVE_MODES:
-        raise ConfigError(f"{src}: field 'policy.reserve' must be {', '.join(RESERVE_MODES[:-1])} or "
-                          f"{RESERVE_MODES[-1]}, got {reserve!r}")
+    cfg = build(POLICIES[kind][0], {k: v for k, v in knobs.items() if k not in foreign}, "policy", src)
+    _check_knobs(cfg, src)
     return cfg
 
 

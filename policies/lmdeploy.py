@@ -53,11 +53,10 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Literal
 
-from policies.base import config_knobs, knob, plain_stretch_shape
+from policies.base import PolicyBase, config_knobs, knob, plain_stretch_shape
 from policies.lmdeploy_queue import SHORT_TURNS, prefill_order, requeue_by_arrival
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.kv import BlockManager
-from sim.core.policy import KvMemory, PolicyContext, StretchShape
+from sim.core.policy import KvMemory, PolicyContext, PrefixSwitch, StretchShape
 from sim.core.prefix import PrefixCachePool
 from sim.core.request import Request, Status
 
@@ -89,18 +88,15 @@ def default_max_batch_size(context: PolicyContext) -> int:
     return next((size for name, size in MAX_BATCH_SIZES.items() if name in device), 128)
 
 
-class LmdeployPolicy:
+class LmdeployPolicy(PolicyBase):
     # Fast path (sim.loop.stretch): with nothing waiting, every step decodes all running requests
     # (case (a)); a decode grows by one block at a block boundary, as the loop's stretch does, when
     # block_size >= prefill_interval (stretch_shape refuses smaller pages). With requests waiting
     # the decode counter moves every step (rule 1), so stretch_shape refuses case (b); a long
-    # prompt's chunks end any stretch.
+    # prompt's chunks end any stretch, its last one too.
     decode_stretch = True
-    chunk_stretch = False          # no case (c): see Policy
-    holds_batch = False
-    refuses_by_prompt = False
-    max_prompt_tokens: int | None = None
     num_reserved_blocks = 1        # CacheConfig.num_reserved_gpu_blocks
+    prefix_switch = PrefixSwitch("enable_prefix_caching")
 
     def __init__(self, config: LmdeployConfig, context: PolicyContext) -> None:
         if not 0 < config.cache_max_entry_count < 1:
@@ -113,8 +109,8 @@ class LmdeployPolicy:
         self.token_budget = config.max_prefill_token_num
         self.block_size = config.block_size
         self.kv_memory = KvMemory(config.cache_max_entry_count, "free")
-        self.prefix_caching = config.enable_prefix_caching
-        self.kv_pool_class = PrefixCachePool if self.prefix_caching else BlockManager
+        if config.enable_prefix_caching:
+            self.kv_pool_class = PrefixCachePool
         self._decode_count = 0                 # inputs_maker's _decode_count
         self._short_turns = 0                  # _short_prefill_turns_since_long_chunk
         self._last_kind: str | None = None     # the kind of the step just scheduled
@@ -127,6 +123,11 @@ class LmdeployPolicy:
             return None
         if state.kv.block_size < self.config.prefill_interval:
             return None                                # a decode's prealloc takes blocks two at a time
+        if self._long is not None:
+            # A long prompt's last chunk may be one token (a recompute of prompt + outputs): it looks
+            # like a decode, but preallocates prefill_interval tokens more (rule 4), a block a decode
+            # would not take.
+            return None
         return plain_stretch_shape(self, running, live_context, num_live, prefilling)
 
     def knobs(self) -> dict[str, Any]:

@@ -12,12 +12,11 @@ preempts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from policies.base import (RESERVE_DOC, admit_reserved, batch_or_idle, config_knobs, decode_items, knob,
-                           plain_stretch_shape)
+from policies.base import (RESERVE_DOC, RESERVE_MODES, PolicyBase, admit_reserved, batch_or_idle, decode_items,
+                           knob, plain_stretch_shape)
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.kv import BlockManager
 from sim.core.policy import PolicyContext
 
 if TYPE_CHECKING:
@@ -29,32 +28,20 @@ class OrcaConfig:
     kind: Literal["orca"] = "orca"
     max_batch_size: int = knob(256, "most requests running at once (256: vLLM's max_num_seqs default, for "
                                     "comparison)")
-    reserve: str = knob("max_tokens", RESERVE_DOC)
+    reserve: str = knob("max_tokens", RESERVE_DOC, choices=RESERVE_MODES)
 
 
-class OrcaPolicy:
+class OrcaPolicy(PolicyBase):
     # Fast path (sim.loop.stretch): decodes use reserved blocks, so the free pool and the free slots
     # that refused admission stay as they are while the same requests decode.
     decode_stretch = True
-    prefix_caching = False         # no prefix cache (vllm_v1 models vLLM's)
-    kv_pool_class = BlockManager
-    block_size = None              # server.block_size
-    kv_memory = None               # vLLM's rule: server.gpu_memory_utilization
-    chunk_stretch = False          # no case (c): see Policy
-    holds_batch = False
-    refuses_by_prompt = False
-    num_reserved_blocks = 0
-    max_prompt_tokens: int | None = None
-    token_budget: int | None = None           # a joining request's whole prompt runs in one step
+    # (no token budget: a joining request's whole prompt runs in one step)
 
     def __init__(self, config: OrcaConfig, context: PolicyContext) -> None:
         self.config = config
         self.max_num_seqs = config.max_batch_size
 
     stretch_shape = plain_stretch_shape          # its decodes attend over their own contexts; no case (c)
-
-    def knobs(self) -> dict[str, Any]:
-        return config_knobs(self.config)
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         items = decode_items(state.running)

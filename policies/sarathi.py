@@ -13,12 +13,11 @@ request by recompute, as in vLLM.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
-from policies.base import config_knobs, knob, schedule_decodes
+from policies.base import PolicyBase, knob, schedule_decodes
 from policies.vllm import admit_prefills, check_budget
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.kv import BlockManager
 from sim.core.policy import PolicyContext, StretchShape
 from sim.core.request import Request, Status
 
@@ -33,23 +32,17 @@ class SarathiConfig:
     max_num_batched_tokens: int = knob(512, "most tokens per step (512: vLLM v0's default with chunked prefill)")
 
 
-class SarathiPolicy:
+class SarathiPolicy(PolicyBase):
     # Fast path (sim.loop.stretch): with nothing prefilling, a decode-only step means admission failed
     # for want of slots, budget left after the decodes or free blocks; none of them grows while
     # the same requests decode.
     decode_stretch = True
-    prefix_caching = False         # no prefix cache (vllm_v1 models vLLM's)
-    kv_pool_class = BlockManager
-    block_size = None              # server.block_size
-    kv_memory = None               # vLLM's rule: server.gpu_memory_utilization
     # Case (c): with one request prefilling and every other decoding, the decodes take their
     # tokens first and a chunk of at least the rest of the budget fills it, so nothing is admitted
     # and the same shape repeats, the chunk moving on, until the chunk that ends the prompt.
     chunk_stretch = True
-    holds_batch = False
     refuses_by_prompt = True           # as vllm: Sarathi-Serve's and vLLM v0's can_allocate
-    num_reserved_blocks = 0
-    max_prompt_tokens: int | None = None
+    always_chunks = True
 
     def __init__(self, config: SarathiConfig, context: PolicyContext) -> None:
         self.config = config
@@ -70,9 +63,6 @@ class SarathiPolicy:
             if not num_decodes or chunk < 2:
                 return None
         return tuple.__new__(StretchShape, (live_context, num_live, chunk))    # StretchShape(...), faster
-
-    def knobs(self) -> dict[str, Any]:
-        return config_knobs(self.config)
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         plan = schedule_decodes(state)

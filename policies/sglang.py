@@ -62,13 +62,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
-from policies.base import batch_or_idle, config_knobs, knob
+from policies.base import PolicyBase, batch_or_idle, config_knobs, knob
 from policies.sglang_adder import NO_TOKEN, OTHER, CONTINUE, PrefillAdder
 from policies.sglang_defaults import engine_defaults
 from policies.sglang_queue import order_waiting
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.policy import KvMemory, PolicyContext, StretchShape
-from sim.core.radix import CountingView, RadixCachePool, TokenPool
+from sim.core.policy import KvMemory, PolicyContext, PrefixSwitch, StretchShape
+from sim.core.radix import RadixCachePool, TokenPool
 from sim.core.request import Request, Status
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class SglangConfig:
     kind: Literal["sglang"] = "sglang"
     chunked_prefill_size: int | None = knob(None, "most tokens of a prefill batch (chunks); -1: no chunked prefill; "
                                                   "unset: SGLang's default by GPU memory (<20 GiB 2048, <60 GiB "
-                                                  "4096, <160 GiB 8192, else 16384; unknown device 4096)")
+                                                  "4096, <160 GiB 8192, else 16384; unknown device 4096)", off=-1)
     max_prefill_tokens: int = knob(16384, "prefill tokens one pass admits before it stops (SGLang's default 16384)")
     max_running_requests: int | None = knob(None, "most requests running at once; unset: SGLang's rule from the "
                                                   "pool, min(clamp(pool_tokens / max_model_len x 512, 2048, "
@@ -102,7 +102,7 @@ class SglangConfig:
                                    "reservations take max_tokens in full (ratio 1)")
 
 
-class SglangPolicy:
+class SglangPolicy(PolicyBase):
     # Fast path (sim.loop.stretch): with nothing waiting, or the batch marked full (cleared only when a
     # request leaves), a decode step admits nobody and touches no node of the tree; the pages it
     # grows into come free, or from evicting the LRU's next nodes, as the fast path's append_block
@@ -112,11 +112,8 @@ class SglangPolicy:
     # Kernel profiles (profile.kernels) price this engine on SGLang's own kernels (FlashInfer / FA3 attention, its fused MoE), measured per SGLang version.
     kernel_tables = "sglang"
     decode_stretch = True
-    chunk_stretch = False
-    holds_batch = False
-    refuses_by_prompt = False
-    max_prompt_tokens: int | None = None
-    num_reserved_blocks = 0          # SGLang's padded slot 0 lies outside the pool's size
+    # (num_reserved_blocks 0: SGLang's padded slot 0 lies outside the pool's size)
+    prefix_switch = PrefixSwitch("disable_radix_cache", on=False)
 
     def __init__(self, config: SglangConfig, context: PolicyContext) -> None:
         if config.schedule_policy not in ("fcfs", "lpm"):
@@ -133,9 +130,8 @@ class SglangPolicy:
         self.mem_fraction = config.mem_fraction_static or fraction
         self.kv_memory = KvMemory(self.mem_fraction, "static")
         self.block_size = config.page_size
-        self.prefix_caching = not config.disable_radix_cache
         self.kv_pool_class = TokenPool if config.disable_radix_cache else RadixCachePool
-        self.lpm = config.schedule_policy == "lpm" and self.prefix_caching
+        self.lpm = config.schedule_policy == "lpm" and not config.disable_radix_cache
         self.token_budget = self.chunk_size
         self.max_num_seqs = config.max_running_requests or 4096
         self._pool_rule = config.max_running_requests is None
@@ -148,7 +144,6 @@ class SglangPolicy:
         self._num_running = 0                      # len(state.running) after the last pass
         self._prefilled: list[Request] = []        # the last step's prefill items, checkpointed after it
         self._num_refresh_calls = 0                # fcfs's LRU refresh counter
-        self._view: CountingView | None = None
         self._num_steps = 0                        # state.num_steps once our last step commits
         self._waiting: Any = ()                    # the queue we last saw
 
@@ -164,17 +159,8 @@ class SglangPolicy:
         return config_knobs(self.config, chunked_prefill_size=self.chunk_size or -1,
                             max_running_requests=self.max_num_seqs, mem_fraction_static=self.mem_fraction)
 
-    def _pool(self, state: SchedulerState) -> RadixCachePool | CountingView:
-        """The run's pool; one of another kind (a test's BlockManager) is seen uncached."""
-        kv = state.kv
-        if isinstance(kv, RadixCachePool):
-            return kv
-        if self._view is None or self._view.kv is not kv:
-            self._view = CountingView(kv)
-        return self._view
-
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
-        kv = self._pool(state)
+        kv = state.kv
         if self._pool_rule:                        # resolve_max_num_reqs, once the pool is known
             tokens = kv.capacity_tokens
             self.max_num_seqs = max(1, min(max(min(int(tokens / state.max_model_len * 512), 4096), 2048),
@@ -203,7 +189,7 @@ class SglangPolicy:
 
     # ---- prefill ----------------------------------------------------------------------------------
     def _prefill(self, state: SchedulerState, now_s: float, running: list[Request]) -> list[BatchItem] | None:
-        kv, waiting = self._pool(state), state.waiting
+        kv, waiting = state.kv, state.waiting
         if (self.batch_is_full or not waiting) and self.chunked is None:
             return None
         slots = self.max_num_seqs - len(running)
@@ -273,7 +259,7 @@ class SglangPolicy:
     def _decode(self, state: SchedulerState, running: list[Request], now_s: float) -> list[BatchItem]:
         if not running:
             return []
-        kv = self._pool(state)
+        kv = state.kv
         if self._decode_fits(kv, running):
             self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
             return self._decode_items(kv, running)

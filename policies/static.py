@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
-from policies.base import RESERVE_DOC, admit_reserved, batch_or_idle, config_knobs, knob
+from policies.base import RESERVE_DOC, RESERVE_MODES, PolicyBase, admit_reserved, batch_or_idle, knob
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.kv import BlockManager
 from sim.core.policy import PolicyContext, StretchShape
 from sim.core.request import Status
 
@@ -29,7 +28,7 @@ class StaticConfig:
     kind: Literal["static"] = "static"
     batch_size: int = knob(32, "requests per batch, the most running at once (32: our choice; no engine "
                                 "default)")
-    reserve: str = knob("max_tokens", RESERVE_DOC)
+    reserve: str = knob("max_tokens", RESERVE_DOC, choices=RESERVE_MODES)
 
 
 def padded_length(group: Sequence[Request]) -> int:
@@ -74,28 +73,17 @@ def launch_group(state: SchedulerState, now_s: float, reserve: str, max_size: in
                                     longest - r.num_uncomputed_tokens) for r in group])
 
 
-class StaticPolicy:
+class StaticPolicy(PolicyBase):
     # Fast path (sim.loop.stretch): a running group is stepped to its end, whatever arrives.
     decode_stretch = True
-    prefix_caching = False         # no prefix cache (vllm_v1 models vLLM's)
-    kv_pool_class = BlockManager
-    block_size = None              # server.block_size
-    kv_memory = None               # vLLM's rule: server.gpu_memory_utilization
-    chunk_stretch = False          # no case (c): see Policy
     holds_batch = True
-    refuses_by_prompt = False
-    num_reserved_blocks = 0
-    max_prompt_tokens: int | None = None
-    token_budget: int | None = None           # a batch takes its prompts whole
+    full_batch_knob = "batch_size"         # a batch launches once batch_size wait (or nothing more arrives)
 
     def __init__(self, config: StaticConfig, context: PolicyContext) -> None:
         self.config = config
         self.max_num_seqs = config.batch_size
 
     stretch_shape = padded_stretch_shape         # a padded group: every row attends over the padded length
-
-    def knobs(self) -> dict[str, Any]:
-        return config_knobs(self.config)
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         if state.running:

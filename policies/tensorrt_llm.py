@@ -76,9 +76,9 @@ speculative decoding, beams, LoRA pages, disaggregated serving.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from policies.base import batch_or_idle, config_knobs, knob, plain_stretch_shape
+from policies.base import PolicyBase, batch_or_idle, knob, plain_stretch_shape
 from policies.tensorrt_llm_capacity import max_utilization, no_evict
 from policies.tensorrt_llm_rules import (
     CAPACITY_POLICIES,
@@ -88,8 +88,7 @@ from policies.tensorrt_llm_rules import (
     reused_chunk,
 )
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.kv import BlockManager
-from sim.core.policy import KvMemory, PolicyContext
+from sim.core.policy import KvMemory, PolicyContext, PrefixSwitch
 from sim.core.prefix import PrefixCachePool
 
 if TYPE_CHECKING:
@@ -117,7 +116,7 @@ class TensorRtLlmConfig:
                                                 "to the KV cache (KvCacheConfig default 0.9)")
 
 
-class TensorRtLlmPolicy:
+class TensorRtLlmPolicy(PolicyBase):
     # Fast path (sim.loop.stretch): a decode-only step leaves GUARANTEED_NO_EVICT's free pool less
     # the running requests' blocks to completion unchanged (a decode's new block is one fewer to
     # come) and MAX_UTILIZATION's head of the queue needing more than the free pool less the
@@ -127,10 +126,8 @@ class TensorRtLlmPolicy:
     # Kernel profiles (profile.kernels) price this engine on TensorRT-LLM's own kernels (its FMHA and XQA attention, its MoE), measured per version.
     kernel_tables = "trtllm"
     decode_stretch = True
-    chunk_stretch = False          # no case (c): see Policy
-    holds_batch = False
-    refuses_by_prompt = False      # reserved to completion: refused if prompt + max_tokens exceed the pool
-    num_reserved_blocks = 0
+    # (refuses_by_prompt False: reserved to completion, refused if prompt + max_tokens exceed the pool)
+    prefix_switch = PrefixSwitch("enable_block_reuse")
 
     def __init__(self, config: TensorRtLlmConfig, context: PolicyContext) -> None:
         for name, allowed in (("capacity_scheduler_policy", CAPACITY_POLICIES),
@@ -150,8 +147,8 @@ class TensorRtLlmPolicy:
         self.max_num_seqs = config.max_batch_size
         self.block_size = config.tokens_per_block
         self.kv_memory = KvMemory(config.free_gpu_memory_fraction, "free")
-        self.prefix_caching = config.enable_block_reuse
-        self.kv_pool_class = PrefixCachePool if config.enable_block_reuse else BlockManager
+        if config.enable_block_reuse:
+            self.kv_pool_class = PrefixCachePool
         self.chunking = config.enable_chunked_prefill
         # Without chunking a prefill must fit one step (the micro batch scheduler's context-length check).
         self.max_prompt_tokens = None if self.chunking else config.max_num_tokens
@@ -160,9 +157,6 @@ class TensorRtLlmPolicy:
             self.decode_stretch = False      # see the class's decode_stretch
 
     stretch_shape = plain_stretch_shape          # its decodes attend over their own contexts; no case (c)
-
-    def knobs(self) -> dict[str, Any]:
-        return config_knobs(self.config)
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         if self.capacity == "MAX_UTILIZATION":

@@ -65,12 +65,11 @@ hardware without unpadded attention), VLMs, the 429s of ``max_concurrent_request
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from policies.base import batch_or_idle, config_knobs, knob, plain_stretch_shape
+from policies.base import PolicyBase, batch_or_idle, knob, plain_stretch_shape
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.kv import BlockManager
-from sim.core.policy import KvMemory, PolicyContext
+from sim.core.policy import KvMemory, PolicyContext, PrefixSwitch
 from sim.core.prefix import PrefixCachePool
 from sim.core.request import Request
 
@@ -99,17 +98,15 @@ class TgiConfig:
                                        "approximation of its radix trie, see policies/tgi.py)")
 
 
-class TgiPolicy:
+class TgiPolicy(PolicyBase):
     # Fast path (sim.loop.stretch), with chunking and no prefix cache: blocks are reserved at
     # admission, so a decode step allocates nothing; a decode-only step with requests waiting means
     # the head did not fit the free blocks, the budget or the cap, and none of them changes until a
     # request finishes or arrives. Without chunking the loop's counters (waiting_tokens) live here:
     # it steps every iteration, as it does with the prefix cache (a stretch would cache outputs).
     decode_stretch = True
-    chunk_stretch = False          # no case (c): see Policy
-    holds_batch = False
-    refuses_by_prompt = False
     num_reserved_blocks = 1        # TGI's block 0, kept for health checks
+    prefix_switch = PrefixSwitch("prefix_caching")     # the launcher's name
 
     def __init__(self, config: TgiConfig, context: PolicyContext) -> None:
         if config.attention not in ATTENTIONS:
@@ -119,8 +116,8 @@ class TgiPolicy:
         if config.prefix_caching and not self.chunking:
             raise ValueError("prefix_caching needs attention flashinfer or flashdecoding: TGI has no prefix "
                              "cache on paged attention")
-        self.prefix_caching = config.prefix_caching
-        self.kv_pool_class = PrefixCachePool if config.prefix_caching else BlockManager
+        if config.prefix_caching:
+            self.kv_pool_class = PrefixCachePool
         self.kv_memory = KvMemory(TGI_WIGGLE_ROOM, "free")
         self.token_budget = config.max_batch_prefill_tokens
         self.max_num_seqs = config.max_concurrent_requests
@@ -131,9 +128,6 @@ class TgiPolicy:
         self._must_decode = False          # without chunking: a joining prefill just ran
 
     stretch_shape = plain_stretch_shape          # decodes attend over their own contexts; no case (c)
-
-    def knobs(self) -> dict[str, Any]:
-        return config_knobs(self.config)
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         if self.chunking:

@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from policies.base import config_knobs, knob, plain_stretch_shape, schedule_decodes
+from policies.base import PolicyBase, config_knobs, knob, plain_stretch_shape, schedule_decodes
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.kv import BlockManager
 from sim.core.policy import PolicyContext
 
 if TYPE_CHECKING:
@@ -75,20 +74,14 @@ def admit_prefills(state: SchedulerState, now_s: float, max_num_seqs: int,
     return items
 
 
-class VllmPolicy:
+class VllmPolicy(PolicyBase):
     # Fast path (sim.loop.stretch): a decode-only step means admission failed for want of sequence
     # slots or free blocks above the watermark; slots stay, free blocks only shrink while decoding.
     decode_stretch = True
-    prefix_caching = False         # no prefix cache (vllm_v1 models vLLM's)
-    kv_pool_class = BlockManager
-    block_size = None              # server.block_size
-    kv_memory = None               # vLLM's rule: server.gpu_memory_utilization
-    chunk_stretch = False          # no case (c): see Policy
-    holds_batch = False
     # vLLM v0's block manager refuses a request for good (AllocStatus.NEVER) only when the blocks
     # of what it must compute now, its prompt, exceed the pool above the watermark.
     refuses_by_prompt = True
-    num_reserved_blocks = 0
+    chunked_variant = "sarathi"    # vLLM v0 with enable_chunked_prefill: Sarathi-Serve's scheduler
 
     def __init__(self, config: VllmConfig, context: PolicyContext) -> None:
         self.config = config

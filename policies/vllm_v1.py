@@ -47,11 +47,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from policies.base import config_knobs, knob, plain_stretch_shape
+from policies.base import PolicyBase, config_knobs, knob, plain_stretch_shape
 from policies.vllm import check_budget
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.kv import BlockManager
-from sim.core.policy import PolicyContext
+from sim.core.policy import PolicyContext, PrefixSwitch
 from sim.core.prefix import PrefixCachePool
 from sim.core.request import Status
 
@@ -73,7 +72,7 @@ class VllmV1Config:
     reserve_full_prompt: bool = knob(True, "admit only if the whole prompt's blocks fit the free pool (vLLM's "
                                            "scheduler_reserve_full_isl, default true)")
     watermark: float = knob(0.0, "share of the pool kept free when admitting while requests run (vLLM v1's "
-                                 "default 0)")
+                                 "default 0)", below=1)
     enable_prefix_caching: bool = knob(True, "reuse the KV of cached full blocks of earlier requests' tokens "
                                              "(vLLM 0.32's default: on; sim.core.prefix)")
 
@@ -98,7 +97,7 @@ def engine_defaults(context: PolicyContext) -> tuple[int, int]:
     return tokens, min(seqs, tokens)
 
 
-class VllmV1Policy:
+class VllmV1Policy(PolicyBase):
     # Fast path (sim.loop.stretch): a decode-only step that preempted nobody means admission failed
     # for want of slots, budget or free blocks; slots and budget stay, free blocks only shrink.
     # With prefix caching the whole-prompt check's need (its blocks less the hit blocks others
@@ -109,21 +108,17 @@ class VllmV1Policy:
     # LRU evicts a hit's deepest block first, which keeps the fall within the freed block, but
     # duplicate blocks of one hash break that argument, so that case steps every iteration.
     decode_stretch = True
-    chunk_stretch = False          # no case (c): see Policy
-    holds_batch = False
-    refuses_by_prompt = False
-    max_prompt_tokens: int | None = None     # chunked prefill: any prompt that fits the context
     num_reserved_blocks = 1                  # vLLM's null block
-    block_size = None                        # server.block_size
-    kv_memory = None                         # vLLM's rule: server.gpu_memory_utilization
+    prefix_switch = PrefixSwitch("enable_prefix_caching")
+    always_chunks = True                     # chunked prefill: any prompt that fits the context
 
     def __init__(self, config: VllmV1Config, context: PolicyContext) -> None:
         """Knobs left unset come from the server a profile was measured on
         (``context.engine``), else from vLLM's defaults for the device."""
         self.config = config
-        self.prefix_caching = config.enable_prefix_caching
-        self.kv_pool_class = PrefixCachePool if self.prefix_caching else BlockManager
-        if self.prefix_caching and not config.reserve_full_prompt:
+        if config.enable_prefix_caching:
+            self.kv_pool_class = PrefixCachePool
+        if config.enable_prefix_caching and not config.reserve_full_prompt:
             self.decode_stretch = False      # see the class's decode_stretch
         self.max_model_len = max_model_len = context.max_model_len
         tokens, seqs = engine_defaults(context)

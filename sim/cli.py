@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 EXIT_BAD_INPUT = 2
+EXIT_POLICY = 1                      # a policy broke its contract (sim.core.policy.PolicyError)
 STARTED_S = time.perf_counter()      # the command's "in all" counts from here (interpreter start-up aside)
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")   # calibrate.runner.DTYPES, without importing torch
 ROUTER_CHOICES = ("round_robin", "least_requests", "least_tokens", "prefix_aware")   # sim.loop.feed.ROUTERS, without importing simpy
@@ -105,7 +106,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         # steps.csv and tokens.npz are written by a second process while the run goes on (sim.results.runfiles)
         with RunFilesProcess(out) as files:
             result = run_workload(cfg, num_replicas=args.replicas, router=args.router, progress=not args.quiet,
-                                  strict=args.strict, files=files)
+                                  strict=args.strict, files=files, check_stretch=args.check)
             traced = first_steps(result.steps) if args.trace else None
             write_run(result, out, bench=bench_result(result, percentiles, detailed=args.save_detailed),
                       trace=trace_chunks(traced) if traced is not None else None, files=files)
@@ -126,6 +127,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if result.summary.get("num_out_of_range_lookups"):
         print(f"note: {result.summary['num_out_of_range_lookups']:,} cost lookups fell outside the "
               f"profile's measured grid and were extrapolated")
+    if "fast_path_steps_checked" in meta:
+        print(f"check       policy {cfg.policy.kind}: {meta['fast_path_steps_checked']:,} of "
+              f"{result.summary['num_steps']:,} steps were the fast path's, each stepped and found as planned")
     files = ["requests.csv", "steps.csv", "tokens.npz", "meta.json", "vllm_bench.json"]
     if traced is not None:
         files.append("trace.json")
@@ -304,6 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--router", default="round_robin", choices=ROUTER_CHOICES,
                    help="how arrivals are spread over the replicas")
     r.add_argument("--strict", action="store_true", help="fail if any request is rejected")
+    r.add_argument("--check", action="store_true",
+                   help="check the policy's fast-path declarations: step every iteration the fast path would "
+                        "skip and fail on the first that differs from its plan (slower; same results; for a "
+                        "policy of your own or new knobs; the workload key check_fast_path: true does the same)")
     r.add_argument("--quiet", action="store_true",
                    help="no progress (a bar on a terminal, else a line every 10 s on stderr)")
     r.add_argument("--report", action="store_true", help="also build the run's figures and report.html")
@@ -438,6 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    from sim.core.policy import PolicyError
     from sim.run.config import ConfigError
     from sim.cost.profile import ProfileError
 
@@ -454,10 +463,13 @@ def _main(argv: Sequence[str] | None) -> int:
     except (ConfigError, ProfileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except PolicyError as exc:          # a policy that broke its contract (sim.core.policy): a failed check
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_POLICY
     except ModuleNotFoundError as exc:
         if exc.name == "torch":
             print("error: this command needs PyTorch: pip install torch==2.13.0 && pip install -e '.[calibrate]' "
-                  "(the CPU build; see the README's Tests section)", file=sys.stderr)
+                  "(the CPU build; see docs/contributing.md, Tests)", file=sys.stderr)
             return EXIT_BAD_INPUT
         raise
     except KeyboardInterrupt as exc:

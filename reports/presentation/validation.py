@@ -498,7 +498,8 @@ def server_report(body: Mapping[str, Any], cdf_png: Path) -> Document:
         f"workload `{body['workload_file']}`: {body['num_requests']} requests, {body['traffic']}",
         f"measured: {m['source']}, model `{m['model'] or 'unknown'}`"
         + ("" if m["arrivals_measured"] else " (**arrival times were not measured**: the workload's were used)"),
-        f"simulated: policy `vllm_v1`, profile `{body['profile']}`, {body['num_blocks_simulated']} KV blocks"]))
+        f"simulated: policy `{body['policy']['kind']}`, profile `{body['profile']}`, "
+        f"{body['num_blocks_simulated']} KV blocks"]))
     knobs = pd.DataFrame([{"knob": k, "value": d["value"], "from": d["source"]} for k, d in body["knobs"].items()])
     doc.add(Table(knobs, "Server knobs used by the simulator and where each came from"))
     if body.get("load"):

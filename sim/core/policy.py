@@ -55,6 +55,23 @@ class KvMemory(NamedTuple):
 KV_MEMORY_SHARES = ("total", "static", "free")
 
 
+class PrefixSwitch(NamedTuple):
+    """The config knob that turns a policy's prefix cache on or off, under the
+    engine's own name (``Policy.prefix_switch``): ``on`` is the value that
+    means "cache" (SGLang's ``disable_radix_cache`` says it the other way
+    round: ``PrefixSwitch("disable_radix_cache", on=False)``)."""
+
+    knob: str
+    on: bool = True
+
+
+class PolicyError(RuntimeError):
+    """A policy broke the contract below while a run was going on: it made no
+    progress, returned an empty batch, or (``sim.loop.stretch.StretchMismatch``)
+    its fast-path declaration does not hold. The message names the policy and
+    what it did; ``sim run`` prints it as one line and exits 1."""
+
+
 class StretchShape(NamedTuple):
     """The step a policy repeats while nothing changes (``Policy.stretch_shape``),
     as the loop's fast path (``sim.loop.stretch``) prices and logs it."""
@@ -68,14 +85,18 @@ class Policy(Protocol):
     """Chooses the work of the next iteration, and declares what the rest of
     batchsim needs to know about it (readers never guess knob names).
 
-    Built as ``PolicyClass(config, context)``; raises ValueError for a config
-    the engine would refuse at start-up.
+    Built as ``PolicyClass(config, context)``, one object per replica (a
+    policy may keep state of its own between calls); raises ValueError for a
+    config the engine would refuse at start-up.
 
-    schedule(state, now_s): return the Batch to run now, or Idle when nothing
-    can run (Idle.wake_at_s asks to be called again at that simulated/wall
-    time even if no request arrives). Raises nothing on normal input. Two
-    Idle decisions at the same time with nothing changed in between stall
-    the loop, which raises RuntimeError naming the policy.
+    schedule(state, now_s): return the Batch to run now (at least one item),
+    or Idle when nothing can run (Idle.wake_at_s asks to be called again at
+    that simulated/wall time even if no request arrives). Raises nothing on
+    normal input. The loop raises ``PolicyError`` naming the policy for an
+    empty Batch, and for decisions that make no progress (no token computed,
+    no request admitted, finished or arrived) over ``sim.loop.server.
+    MAX_IDLE_DECISIONS`` in a row, or ``SPIN_DECISIONS`` in a row within
+    ``SPIN_S`` of simulated time.
 
     knobs(): every config field, in declaration order, with the value that
     runs (defaults filled in), as a result records it.
@@ -106,9 +127,11 @@ class Policy(Protocol):
     None. Return None when this state does not repeat (the loop steps it).
     """
 
+    # Every declaration but max_num_seqs has a safe default in ``policies.base.PolicyBase``: a
+    # policy that subclasses it declares only what differs.
     token_budget: int | None       # most tokens one step computes; sizes the activation reserve as vLLM's
     #                                profiling run does (None: no budget, ``DEFAULT_ACTIVATION_TOKENS``)
-    max_num_seqs: int              # most requests running at once
+    max_num_seqs: int              # most requests running at once (no default: every policy sets it)
     holds_batch: bool              # True: a batch runs to completion and nobody joins it (static, dynamic):
     #                                while any request runs, schedule() steps the running group, whatever waits
     max_prompt_tokens: int | None  # longer prompts are refused at arrival (None: only the context limits)
@@ -120,12 +143,20 @@ class Policy(Protocol):
     num_reserved_blocks: int       # blocks of the pool that never hold KV (vLLM v1's null block: 1)
     decode_stretch: bool
     chunk_stretch: bool
-    prefix_caching: bool           # True: runs on a pool that caches blocks by content (sim.core.prefix)
-    kv_pool_class: type            # the KV pool the runner builds, a sim.core.kv.KVPool: BlockManager, or
-    #                                PrefixCachePool (sim.core.prefix) when prefix_caching, or the engine's own
+    kv_pool_class: type            # the KV pool each replica gets, a sim.core.kv.KVPool: BlockManager, a
+    #                                caching pool (sim.core.prefix, sim.core.radix: its ``caching`` says so)
     block_size: int | None         # the engine's KV page in tokens where the policy has it as a knob (SGLang's
     #                                page_size, TensorRT-LLM's tokens_per_block); None: server.block_size
     kv_memory: KvMemory | None     # how the engine sizes its KV pool; None: vLLM's rule (KvMemory)
+    # Read from the class, before any policy is built (the config's checks):
+    prefix_switch: PrefixSwitch | None   # the knob of its prefix cache; None: it has none
+    full_batch_knob: str | None    # the knob that says how many requests a batch waits for before it
+    #                                launches while more may arrive (static's batch_size); None: it runs
+    #                                what waits, so a closed loop or a session can never starve it
+    always_chunks: bool            # True: it always chunks prefills (vLLM's enable_chunked_prefill: true is
+    #                                accepted, false refused)
+    chunked_variant: str | None    # the kind that runs this scheduler with vLLM's enable_chunked_prefill
+    #                                true (vllm: sarathi); false keeps this one
 
     def knobs(self) -> dict[str, Any]: ...
 

@@ -43,11 +43,11 @@ keys, sliding-window and Mamba trees.
 
 from __future__ import annotations
 
-from sim.core.kv import CachingPool, KVPool
+from sim.core.kv import CachingPool
 from sim.core.radix_tree import Node, RadixTree, token_runs
 from sim.core.request import Request, Status
 
-__all__ = ["CountingView", "Node", "RadixCachePool", "RadixTree", "TokenPool", "token_runs"]
+__all__ = ["Node", "RadixCachePool", "RadixTree", "TokenPool", "token_runs"]
 
 
 class RadixCachePool(CachingPool):
@@ -196,55 +196,3 @@ class TokenPool(RadixCachePool):
     caching = False
     enabled = False
     __slots__ = ()
-
-
-class _NullTree:
-    """A tree that holds nothing: lock and unlock have nothing to count."""
-
-    def __init__(self) -> None:
-        self.root = Node(None, (), 0, 0, 0)
-        self.evictable_tokens = 0
-
-    def lock(self, node: Node) -> None:
-        pass
-
-    unlock = lock
-
-
-class CountingView:
-    """Another pool (``sim.core.kv.BlockManager``'s counts) seen through ``RadixCachePool``'s
-    interface with nothing cached: SGLang with ``--disable-radix-cache`` on a pool the
-    caller built (tests build their own)."""
-
-    enabled = False
-
-    def __init__(self, kv: KVPool) -> None:
-        self.kv = kv
-        self.block_size = kv.block_size
-        self.tree = _NullTree()
-        self.capacity_tokens = kv.capacity_tokens
-
-    @property
-    def num_free_tokens(self) -> int:
-        return self.kv.num_free_blocks * self.block_size
-
-    def num_blocks_for(self, num_tokens: int) -> int:
-        return self.kv.num_blocks_for(num_tokens)
-
-    def allocate(self, req: Request, num_tokens: int) -> None:
-        self.kv.allocate(req, num_tokens)
-
-    def match(self, req: Request, limit: int | None = None) -> tuple[int, Node]:
-        return 0, self.tree.root
-
-    def hold(self, req: Request, prefix_tokens: int, node: Node, *, locked: bool = False) -> None:
-        pass
-
-    def checkpoint(self, req: Request, num_tokens: int) -> None:
-        pass
-
-    def evict(self, num_tokens: int) -> None:
-        pass
-
-    def record_lookup(self, req: Request, num_hit_tokens: int) -> None:
-        pass

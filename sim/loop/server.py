@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 from array import array
+from collections import deque
 from typing import Callable, Protocol
 
 import simpy
 
 from sim.core.batch import Batch, Idle, StepResult
 from sim.core.logs import StepLog
-from sim.core.policy import Policy
+from sim.core.policy import Policy, PolicyError
 from sim.core.request import Request
 from sim.core.state import SchedulerState
 from sim.cost.profile import Profile
@@ -53,6 +54,48 @@ class SimExecutor:
 
 
 CACHE_SAMPLE_S = 0.25         # the prefix cache time line's sampling interval (simulated seconds)
+
+# The no-progress guard (``ProgressGuard``): decisions that compute no token while requests wait or
+# run, with nothing changed in between (no request admitted, finished, preempted or arrived), end
+# the run once MAX_IDLE_DECISIONS of them come in a row, or SPIN_DECISIONS of them within SPIN_S
+# of simulated time (a policy asking to be woken ever again a moment later: no engine's step or
+# deadline is that short, and float rounding of a deadline repeats it twice at most).
+MAX_IDLE_DECISIONS = 100_000
+SPIN_DECISIONS = 100
+SPIN_S = 1e-6
+
+
+class ProgressGuard:
+    """Counts a server's decisions that make no progress (the constants above) and raises
+    ``PolicyError`` naming the policy and its last decisions when they run on."""
+
+    __slots__ = ("policy", "count", "mark", "since_s", "recent")
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.count = 0                     # decisions in a row with nothing changed
+        self.mark: tuple | None = None     # the state's fingerprint when the run of them began
+        self.since_s = 0.0
+        self.recent: deque[tuple[float, object]] = deque(maxlen=3)
+
+    def check(self, state: SchedulerState, now_s: float, decision: object) -> None:
+        mark = state.fingerprint()
+        if mark != self.mark:
+            self.mark, self.count, self.since_s = mark, 0, now_s
+            self.recent.clear()
+        self.count += 1
+        self.recent.append((now_s, decision))
+        if self.count >= MAX_IDLE_DECISIONS or (self.count >= SPIN_DECISIONS and now_s - self.since_s < SPIN_S):
+            last = "; ".join(f"{d!r} at t={t:.9g} s" for t, d in self.recent)
+            raise PolicyError(f"policy {type(self.policy).__name__} made no progress in {self.count:,} decisions "
+                              f"in a row, from t={self.since_s:.9g} s to t={now_s:.9g} s (no token computed, no "
+                              f"request admitted, finished or arrived; {len(state.waiting)} waiting, "
+                              f"{len(state.running)} running); the last: {last}. It must return work, or Idle "
+                              f"with a wake_at_s more than {SPIN_S:g} s ahead, or Idle() to wait for an arrival")
+
+    def reset(self) -> None:
+        self.count = 0
+        self.mark = None
 
 class Server:
     """One replica driven by SimPy. ``submit`` hands it an arrived request.
@@ -136,7 +179,8 @@ class Server:
         stretch = (coalesce and (FAST_PATH or self.check_stretch) and on_step is None
                    and type(executor) is SimExecutor and policy.decode_stretch)
         now_s = env.now
-        idle_at = None                     # (time, state) of the last Idle(now): a second one alike is a stall
+        guard = ProgressGuard(policy)
+        name = type(policy).__name__
         while True:
             num_preempted = state.num_preemptions
             decision = policy.schedule(state, now_s)
@@ -148,17 +192,10 @@ class Server:
                     continue
                 if state.done:
                     return
-                # Only an Idle that asks to be called again at once can come back at the same time
-                # with nothing changed (any other waits for an arrival or a later time): a spin.
-                if decision.wake_at_s is not None and decision.wake_at_s <= now_s:
-                    seen = (now_s, state.fingerprint())
-                    if seen == idle_at:
-                        raise RuntimeError(f"policy {type(policy).__name__} stalled: it returned Idle twice at "
-                                           f"t={now_s:.9g} s with nothing changed in between (wake_at_s="
-                                           f"{decision.wake_at_s!r}, {len(state.waiting)} waiting, "
-                                           f"{len(state.running)} running); it must return work, or Idle "
-                                           f"with a later wake_at_s or none")
-                    idle_at = seen
+                if state.waiting or state.running:
+                    guard.check(state, now_s, decision)
+                elif guard.count:
+                    guard.reset()
                 self._wake = env.event()
                 if decision.wake_at_s is not None:
                     yield env.any_of([self._wake, env.timeout(max(0.0, decision.wake_at_s - env.now))])
@@ -167,6 +204,17 @@ class Server:
                 self._wake = None
                 now_s = env.now
                 continue
+            if type(decision) is not Batch and not isinstance(decision, Batch):
+                raise PolicyError(f"policy {name} returned {decision!r} at t={now_s:.9g} s: schedule() returns "
+                                  f"a Batch or an Idle")
+            if decision.num_tokens == decision.num_pad_tokens:         # nothing computed: no progress
+                if not decision.items:
+                    raise PolicyError(f"policy {name} returned an empty Batch at t={now_s:.9g} s "
+                                      f"({len(state.waiting)} waiting, {len(state.running)} running): "
+                                      f"a Batch holds work; return Idle when nothing can run")
+                guard.check(state, now_s, decision)
+            elif guard.count:
+                guard.reset()
             start_s = now_s
             result = executor.execute(decision, state)
             end_s = start_s + result.duration_s

@@ -75,7 +75,7 @@ import simpy
 
 from sim.core.batch import Batch
 from sim.core.logs import StepLog
-from sim.core.policy import Policy
+from sim.core.policy import Policy, PolicyError
 from sim.core.request import Request, Status
 from sim.core.state import SchedulerState
 from sim.cost.profile import Profile
@@ -87,7 +87,7 @@ PREFILL_TOKENS, KV_USED = StepLog.PREFILL_TOKENS, StepLog.KV_USED_BLOCKS
 NUM_INTS = StepLog.NUM_INTS
 
 
-class StretchMismatch(RuntimeError):
+class StretchMismatch(PolicyError):
     """A policy's stepped decision differs from the step the fast path
     planned for it: its ``decode_stretch`` (or ``chunk_stretch``) declaration
     or its ``stretch_shape`` is wrong. Raised only by a ``check_stretch`` run."""

@@ -15,7 +15,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from policies.config import policy_config
+from policies import POLICIES
+from policies.config import kinds_where, policy_config
 from workloads.spec import (MAX_TOKEN_COUNT, ArrivalsConfig, LengthsConfig, SessionsConfig, check_arrivals,
                             check_lengths, check_sessions)
 from sim.base.strict import ConfigError, _positive, build, did_you_mean, load_yaml
@@ -104,6 +105,9 @@ class WorkloadConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     slo: Slo | None = None
+    # Step every iteration the loop's fast path would skip and check it against the fast path's plan
+    # (sim.loop.stretch; ``sim run --check``): for a policy of your own, or knobs the tests do not cover.
+    check_fast_path: bool = False
     source: str = "<workload>"
     base_dir: str = "."
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -113,6 +117,8 @@ class WorkloadConfig:
         d.pop("raw")
         if self.sessions is None:                # a run without sessions records its config as before
             d.pop("sessions")
+        if not self.check_fast_path:             # so does a run without the check
+            d.pop("check_fast_path")
         if self.slo is not None:                 # a workload's slo holds goodput thresholds only
             d["slo"] = self.slo.goodput_thresholds()
         return d
@@ -178,10 +184,13 @@ def _check_sessions_run(cfg: WorkloadConfig, src: str) -> None:
         raise ConfigError(f"{src}: field 'lengths.kind': prefix_repetition builds whole prompts around shared "
                           f"prefixes, not a session's turns (each turn's prompt is its history + new user "
                           f"tokens); use sessions.system_prompt_tokens for a prefix all sessions share")
-    if getattr(cfg.policy, "kind", None) == "static":
-        raise ConfigError(f"{src}: field 'policy.kind': static batching waits for a full batch, and a session "
-                          f"sends its next turn only after its reply, so the last sessions would wait forever; "
-                          f"use policy dynamic (it launches after max_queue_delay_s) or another policy")
+    knob = POLICIES[cfg.policy.kind][1].full_batch_knob
+    if knob is not None and getattr(cfg.policy, knob) > 1:
+        raise ConfigError(f"{src}: field 'policy.kind': policy {cfg.policy.kind} waits for a full batch "
+                          f"(policy.{knob} = {getattr(cfg.policy, knob)} requests), and a session sends its next "
+                          f"turn only after its reply, so the last sessions would wait forever; use a policy "
+                          f"that does not wait for a full batch (policy.kind "
+                          f"{kinds_where(lambda c: c.full_batch_knob is None)})")
 
 
 def _workload_slo(data: Any, source: str) -> Slo:

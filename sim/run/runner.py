@@ -19,12 +19,12 @@ import numpy as np
 import pandas as pd
 import simpy
 
-from policies import make_policy
-from policies.config import policy_knobs
+from policies import POLICIES, make_policy
+from policies.config import kinds_where, policy_knobs
 from sim.base.heap import trim_heap, tune_heap
 from sim.core.batch import Batch, StepResult
 from sim.core.logs import StepLog, TokenLog
-from sim.core.policy import KvMemory, Policy, PolicyContext
+from sim.core.policy import KvMemory, Policy, PolicyContext, PolicyError
 from sim.core.request import REJECT_REASONS, Request
 from sim.core.state import SchedulerState
 from sim.cost.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
@@ -216,9 +216,10 @@ def policy_context(max_model_len: int, profile: Profile | None = None) -> Policy
 
 
 def build_policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile | None = None) -> Policy:
-    """The policy object, with the engines' start-up checks as config errors
-    (``make_policy``: without a profile the device is unknown). Policies hold
-    no state of their own, so one object serves every replica of a run."""
+    """A policy object, with the engines' start-up checks as config errors
+    (``make_policy``: without a profile the device is unknown). A policy may
+    keep state between its calls (SGLang's chunked request, TGI's step
+    counters), so every replica gets one of its own (``drive``)."""
     try:
         return make_policy(cfg.policy, policy_context(max_model_len, profile))
     except ValueError as exc:
@@ -311,8 +312,9 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     measured server's per-request overhead is not added (it happens).
     ``on_step(server)`` builds each server's step hook. ``files``, if
     given, writes steps.csv and tokens.npz from the logs in a second process
-    while the loop runs and after it (``sim.results.runfiles``). ``policy``: the
-    run's (built here if not given; one object for every replica).
+    while the loop runs and after it (``sim.results.runfiles``). Every replica
+    runs a policy object of its own: ``policy``, if given, is the first
+    replica's (the one that sized the KV pool), the others are built alike.
     ``check_stretch``: step every iteration and check the fast path's
     prediction of each against it (``sim.loop.server.Server``). ``specs``: the
     requests to run instead of ``generate(cfg)``'s (a replay of measured or
@@ -330,10 +332,10 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
         raise ConfigError(f"{cfg.source}: the workload has no requests (check num_requests, duration_s, "
                           f"arrivals.start_s)")
     requests = RequestStream(specs, request_max_tokens(cfg, specs, max_model_len))
-    if policy is None:
-        policy = build_policy(cfg, max_model_len, profile)
     servers = []
     for k in range(num_replicas):
+        if policy is None or k:
+            policy = build_policy(cfg, max_model_len, profile)
         usable = num_blocks - policy.num_reserved_blocks    # vLLM v1's null block
         state = SchedulerState(policy.kv_pool_class(usable, block_size_of(cfg, policy), cfg.server.watermark),
                                max_model_len, policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt)
@@ -369,11 +371,11 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     trim_heap()                             # the pages the loop freed: the summaries' peak comes next
     unfinished = [r.req_id for s in servers for r in (*s.state.waiting, *s.state.running)]
     if unfinished:
-        raise RuntimeError(f"run stalled with {len(unfinished)} requests unfinished "
-                           f"(policy {cfg.policy.kind}); first: {unfinished[:5]}")
+        raise PolicyError(f"policy {cfg.policy.kind}: the run stalled with {len(unfinished)} requests unfinished "
+                          f"(first: {unfinished[:5]}): nothing was left to happen but they never ran")
     num_done = sum(len(s.state.records) for s in servers)
     if num_done != len(specs):
-        raise RuntimeError(f"run ended with {num_done} of {len(specs)} requests done (policy {cfg.policy.kind})")
+        raise PolicyError(f"policy {cfg.policy.kind}: the run ended with {num_done} of {len(specs)} requests done")
     if files is not None:
         files.finish()
     return Driven(servers, len(specs), specs.num_dropped,
@@ -385,26 +387,31 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
                  files: RunFilesProcess | None = None, check_stretch: bool = False,
                  specs: RequestSpecs | None = None) -> RunResult:
     """Simulate ``cfg`` on ``num_replicas`` identical servers behind ``router``
-    (``files``, ``check_stretch``, ``specs``: see ``drive``)."""
+    (``files``, ``check_stretch``, ``specs``: see ``drive``; the workload's
+    ``check_fast_path`` checks too). Raises ``PolicyError`` if the policy
+    breaks its contract (``sim.core.policy``)."""
     if router not in ROUTERS:
         raise ConfigError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
     if num_replicas < 1:
         raise ConfigError(f"num_replicas must be >= 1, got {num_replicas}")
     cap = cfg.arrivals.max_concurrency
-    if cap is not None and cfg.policy.kind == "static" and cap < cfg.policy.batch_size * num_replicas:
-        # Static batching waits for a full batch; a closed loop never has more than ``cap`` requests
-        # out, so every replica starting a batch needs batch_size x replicas of them.
-        raise ConfigError(f"{cfg.source}: field 'arrivals.max_concurrency': static batching waits for "
-                          f"batch_size {cfg.policy.batch_size} requests per replica, but at most {cap} are "
-                          f"ever in flight over {num_replicas} replica(s), so a batch would never fill; raise "
-                          f"max_concurrency to >= {cfg.policy.batch_size * num_replicas}, lower "
-                          f"policy.batch_size, or use policy dynamic (it launches after max_queue_delay_s)")
+    knob = POLICIES[cfg.policy.kind][1].full_batch_knob
+    if cap is not None and knob is not None and cap < getattr(cfg.policy, knob) * num_replicas:
+        # The policy waits for a full batch; a closed loop never has more than ``cap`` requests
+        # out, so every replica starting a batch needs a full batch x replicas of them.
+        full = getattr(cfg.policy, knob)
+        raise ConfigError(f"{cfg.source}: field 'arrivals.max_concurrency': policy {cfg.policy.kind} waits for "
+                          f"policy.{knob} = {full} requests per replica, but at most {cap} are ever in flight "
+                          f"over {num_replicas} replica(s), so a batch would never fill; raise max_concurrency "
+                          f"to >= {full * num_replicas}, lower policy.{knob}, or use a policy that does not wait "
+                          f"for a full batch (policy.kind {kinds_where(lambda c: c.full_batch_knob is None)})")
     wall0 = time.perf_counter()
     tune_heap()
     profile = build_profile(cfg)
     cfg = resolve_server(cfg, profile)
     policy = build_policy(cfg, max_model_len_of(cfg, profile), profile)
     num_blocks, max_model_len = kv_blocks(cfg, profile, policy)
+    check_stretch = check_stretch or cfg.check_fast_path
     loop0 = time.perf_counter()
     servers, num_requests, num_dropped, client_queue_s = drive(
         cfg, profile, num_blocks, max_model_len, simpy.Environment(), SimExecutor(profile),
@@ -436,6 +443,8 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
     result.meta.update(wall_s=time.perf_counter() - wall0, loop_s=loop_s, num_blocks=num_blocks, num_cut_short=cut,
                        max_model_len=max_model_len, num_replicas=num_replicas, router=router,
                        num_trace_rows_dropped=num_dropped)
+    if check_stretch:
+        result.meta["fast_path_steps_checked"] = sum(s.num_stretch_steps_checked for s in servers)
     return result
 
 

@@ -255,7 +255,7 @@ def test_good_concurrency_file_runs(tmp_path: Path, capsys: pytest.CaptureFixtur
     (("{kind: vllm}", "{kind: sarathi, enable_chunked_prefill: false}"),
      "'policy.enable_chunked_prefill' false is not modelled for policy sarathi"),
     (("{kind: vllm}", "{kind: orca, enable_chunked_prefill: true}"),
-     "'policy.enable_chunked_prefill' applies to policy.kind vllm, vllm_v1 or sarathi, not 'orca'"),
+     "'policy.enable_chunked_prefill' applies to policy.kind vllm, sarathi or vllm_v1, not 'orca'"),
     (("{kind: vllm}", "{kind: vllm, enable_chunked_prefill: 1}"),
      "'policy.enable_chunked_prefill' expected true or false, got 1"),
 ])

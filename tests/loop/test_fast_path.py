@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from cases import KINDS
+from cases import CASES, KINDS
 
 import sim.loop.server
+from policies import make_policy
+from policies.config import policy_config
 from sim.run.config import load_workload, load_yaml_mapping, workload_from_dict
 from sim.run.runner import run_workload
 
@@ -59,13 +61,16 @@ def test_fast_path_identical_on_bundled_examples(example: str, policy: str) -> N
     assert stepped.summary["completed"] > 0
 
 
-def _tight(policy: dict, num_blocks: int, **extra) -> dict:
-    """Long outputs on a small KV pool: decodes run the pool dry and preempt."""
+def _tight(policy: dict, num_tokens: int, **extra) -> dict:
+    """Long outputs on a small KV pool of ``num_tokens`` token slots (in blocks of the
+    policy's page, else 16 tokens): decodes run the pool dry and preempt."""
+    block_size = make_policy(policy_config(policy, "<tight>"), 1024).block_size or 16
     return {"name": "tight", "seed": 3, "num_requests": 120,
             "arrivals": {"kind": "gamma", "rate": 40.0, "cv": 2.0},
             "lengths": {"kind": "uniform", "prompt_min": 16, "prompt_max": 300,
                         "output_min": 20, "output_max": 400},
-            "policy": policy, "server": {"num_blocks": num_blocks, "block_size": 16, "max_model_len": 1024, **extra},
+            "policy": policy, "server": {"num_blocks": num_tokens // block_size, "block_size": 16,
+                                         "max_model_len": 1024, **extra},
             "profile": {"model": "llama-2-7b", "gpu": "a100-80gb"}}
 
 
@@ -84,24 +89,22 @@ def test_fast_path_identical_on_the_mooncake_trace_with_prefix_caching(extra: di
     assert (fast.summary["prefix_cache_evicted_blocks"] > 0) == bool(extra)
 
 
-@pytest.mark.parametrize("policy", [{"kind": "vllm"}, {"kind": "sarathi", "max_num_batched_tokens": 256},
-                                    {"kind": "vllm_v1", "max_num_batched_tokens": 256, "max_num_seqs": 64},
-                                    {"kind": "orca", "reserve": "pow2"}, {"kind": "static", "batch_size": 8},
-                                    {"kind": "dynamic", "max_batch_size": 8}])
-def test_fast_path_identical_under_memory_pressure(policy: dict) -> None:
-    # 120 blocks x 16 = 1,920 token slots (max_model_len 1,024) for requests of up to 700 tokens: the pool runs dry
-    # in the middle of decode stretches, so a stretch must stop at the step whose block
-    # allocation would fail and leave the preemption to the stepped path.
-    stepped, fast = _both(lambda: workload_from_dict(_tight(policy, 120)))
+@pytest.mark.parametrize("kind", KINDS)
+def test_fast_path_identical_under_memory_pressure(kind: str) -> None:
+    # 1,920 token slots (120 blocks x 16; max_model_len 1,024) for requests of up to 700 tokens: the pool
+    # runs dry in the middle of decode stretches, so a stretch must stop at the step whose block
+    # allocation would fail and leave the preemption to the stepped path. The case says whether the
+    # policy preempts there (those that reserve at admission never do).
+    stepped, fast = _both(lambda: workload_from_dict(_tight({"kind": kind, **CASES[kind].tight}, 1920)))
     _assert_identical(stepped, fast)
-    if policy["kind"] in ("vllm", "sarathi", "vllm_v1"):
-        assert stepped.summary["num_preemptions"] > 0
+    assert (stepped.summary["num_preemptions"] > 0) == CASES[kind].preempts, stepped.summary["num_preemptions"]
 
 
 @pytest.mark.parametrize("router", ["round_robin", "least_tokens"])
-def test_fast_path_identical_with_replicas(router: str) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_fast_path_identical_with_replicas(kind: str, router: str) -> None:
     # Other replicas' steps are the events that bound a stretch here.
-    cfg = lambda: workload_from_dict(_tight({"kind": "vllm_v1"}, 400))   # noqa: E731
+    cfg = lambda: workload_from_dict(_tight({"kind": kind, **CASES[kind].tight}, 6400))   # noqa: E731
     stepped, fast = _both(cfg, num_replicas=3, router=router)
     _assert_identical(stepped, fast)
 

@@ -5,7 +5,7 @@ does (``sim.loop.stretch``), then steps each planned iteration through the
 policy and fails on the first that differs. Every policy of the table
 (``tests/policies/cases.py``) that declares a stretch runs so on random
 workloads; a policy whose declaration lies is caught; a policy that spins on
-Idle is stopped.
+Idle is stopped (tests/loop/test_guards.py).
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ from collections import deque
 
 import pytest
 from cases import CASES, KINDS
-from conftest import linear_profile, simulate
+from conftest import simulate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sim.loop.server
 from policies import POLICIES
-from policies.vllm import VllmPolicy
 from policies.vllm_v1 import VllmV1Config, VllmV1Policy
 from sim.core.batch import Idle
 from sim.core.policy import PolicyContext
@@ -139,16 +138,3 @@ def test_a_declaration_that_lies_is_caught() -> None:
     assert fast != stepped                    # the lie changes results: why the flag must be checked
     with pytest.raises(StretchMismatch, match="HeldAdmissions at t=.*num_waiting|HeldAdmissions at t=.*requests"):
         _run(specs, None, 400, fast=True, check=True, policy=policy)
-
-
-class Spinning(VllmPolicy):
-    """Asks to be called again now, forever, while requests wait."""
-
-    def schedule(self, state, now_s):
-        return Idle(wake_at_s=now_s)
-
-
-def test_a_policy_that_spins_on_idle_is_stopped() -> None:
-    policy = Spinning(POLICIES["vllm"][0](), PolicyContext(512))
-    with pytest.raises(RuntimeError, match=r"policy Spinning stalled: it returned Idle twice at t=0 s"):
-        simulate([(0.0, 10, 2)], None, policy=policy, profile=linear_profile())

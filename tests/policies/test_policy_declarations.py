@@ -2,28 +2,59 @@
 
 ``PolicyClass(config, context)``; ``token_budget``, ``max_num_seqs``,
 ``holds_batch``, ``max_prompt_tokens``, ``decode_stretch``, ``chunk_stretch`` and ``knobs()``
-with the same names everywhere; a one-line doc on every config field; the
-README's policy table names every kind and knob.
+with the same names everywhere, each with a safe default in ``PolicyBase`` but
+``max_num_seqs``, and a policy restates none of them; a one-line doc on every
+config field.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-from pathlib import Path
+import typing
 
 import pytest
 from conftest import linear_profile
 
-from cases import KINDS
+from cases import CASES, KINDS
 
 from policies import POLICIES, knob_docs, make_policy
+from policies.base import PolicyBase
 from sim.run.runner import policy_context
-from sim.core.kv import KVPool
-from sim.core.policy import KV_MEMORY_SHARES, KvMemory, PolicyContext
+from sim.core.kv import BlockManager, KVPool
+from sim.core.policy import KV_MEMORY_SHARES, KvMemory, Policy, PolicyContext
 
 GIB = 1024**3
-README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+DECLARATIONS = [name for name in typing.get_type_hints(Policy) if name != "max_num_seqs"]
+
+
+def test_the_base_holds_a_default_for_every_declaration_but_the_sequence_limit():
+    missing = [name for name in DECLARATIONS if not hasattr(PolicyBase, name)]
+    assert missing == [], f"policies.base.PolicyBase has no default for {missing}"
+    assert not hasattr(PolicyBase, "max_num_seqs")                     # every policy sets its own
+    assert PolicyBase.decode_stretch is False and PolicyBase.kv_pool_class is BlockManager   # the safe ones
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_policy_declares_only_what_differs_from_the_base(kind):
+    cls = POLICIES[kind][1]
+    assert issubclass(cls, PolicyBase)
+    restated = [name for name in DECLARATIONS if name in vars(cls) and vars(cls)[name] == getattr(PolicyBase, name)]
+    assert restated == [], f"{cls.__name__} restates the base's default of {restated}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_class_level_declarations_name_real_knobs_and_kinds(kind):
+    # What the config's checks read from the class, before any policy is built (policies.config).
+    cfg_cls, cls = POLICIES[kind]
+    hints = typing.get_type_hints(cfg_cls)
+    if cls.prefix_switch is not None:
+        assert hints[cls.prefix_switch.knob] is bool, cls.prefix_switch
+    if cls.full_batch_knob is not None:
+        assert hints[cls.full_batch_knob] is int, cls.full_batch_knob
+    assert cls.chunked_variant is None or cls.chunked_variant in POLICIES
+    assert type(cls.always_chunks) is bool and not (cls.always_chunks and cls.chunked_variant)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -37,6 +68,7 @@ def test_declarations_exist_with_their_types(kind):
     assert type(policy.chunk_stretch) is bool
     assert policy.max_prompt_tokens is None or type(policy.max_prompt_tokens) is int
     assert issubclass(policy.kv_pool_class, KVPool)
+    assert type(policy.kv_pool_class.caching) is bool                 # what a run's summary and files read
     assert policy.block_size is None or (type(policy.block_size) is int and policy.block_size > 0)
     assert policy.kv_memory is None or (isinstance(policy.kv_memory, KvMemory)
                                         and 0 < policy.kv_memory.fraction <= 1
@@ -45,25 +77,12 @@ def test_declarations_exist_with_their_types(kind):
     assert policy_cls.holds_batch is policy.holds_batch
 
 
-# kind -> (token_budget, max_num_seqs, holds_batch) of the defaults at max_model_len 4096, no profile
-DEFAULTS = {
-    "static": (None, 32, True),             # batch_size 32
-    "dynamic": (None, 32, True),            # max_batch_size 32
-    "orca": (None, 256, False),             # max_batch_size 256
-    "vllm": (4096, 256, False),             # max(4096, 2048) = 4096
-    "sarathi": (512, 256, False),
-    "vllm_v1": (2048, 256, False),          # unknown device: vLLM's 2048 / 256, min(2048, 256 x 4096) = 2048
-    "tensorrt_llm": (8192, 2048, False),    # max_num_tokens 8192, max_batch_size 2048 (any device)
-    "tgi": (4096, 128, False),              # max_batch_prefill_tokens 4096, max_concurrent_requests 128
-    "lmdeploy": (8192, 128, False),         # max_prefill_token_num 8192; unknown device: max_batch_size 128
-    "sglang": (4096, 4096, False),          # unknown device: chunked_prefill_size 4096; max_running_requests 4096 until the pool is known
-}
-
-
-@pytest.mark.parametrize("kind", list(DEFAULTS))
+@pytest.mark.parametrize("kind", KINDS)
 def test_default_declarations(kind):
+    # (token_budget, max_num_seqs, holds_batch) at max_model_len 4096, no profile: the case's
+    # ``defaults``, worked out there
     policy = make_policy(POLICIES[kind][0](), 4096)
-    assert (policy.token_budget, policy.max_num_seqs, policy.holds_batch) == DEFAULTS[kind]
+    assert (policy.token_budget, policy.max_num_seqs, policy.holds_batch) == CASES[kind].defaults
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -105,22 +124,6 @@ def test_every_knob_has_a_one_line_doc(kind):
     assert [(name, default) for name, default, _ in docs] == [(f.name, f.default) for f in fields]
     for name, _, doc in docs:
         assert doc.strip() and "\n" not in doc, (kind, name)
-
-
-def readme_policy_rows() -> dict[str, str]:
-    """kind -> its row of the README's policy table (the section "## Policies")."""
-    text = README.read_text()
-    section = text[text.index("\n## Policies\n"):]
-    section = section[:section.index("\n## ", 1)]
-    return {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)` \|.*$", section, re.MULTILINE)}
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_readme_table_names_every_kind_and_knob(kind):
-    rows = readme_policy_rows()
-    assert kind in rows, f"README.md's policy table has no row for {kind}"
-    missing = [name for name, _, _ in knob_docs(kind) if f"`{name}`" not in rows[kind]]
-    assert not missing, f"README.md's {kind} row does not name {missing}"
 
 
 def test_sim_run_help_lists_every_policys_knobs_with_defaults(capsys):

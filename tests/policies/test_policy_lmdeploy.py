@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import add, linear_profile, make_state
+from conftest import add, linear_profile, make_state, simulate
 
 from policies import make_policy
 from policies.lmdeploy import LmdeployConfig, LmdeployPolicy
@@ -48,7 +48,7 @@ def test_defaults_follow_lmdeploys_config_and_the_gpu():
     p = lmdeploy()
     assert (p.token_budget, p.max_num_seqs, p.block_size) == (8192, 128, 64)
     assert p.kv_memory == KvMemory(0.8, "free") and p.num_reserved_blocks == 1
-    assert not p.prefix_caching
+    assert not p.kv_pool_class.caching
     # utils.get_max_batch_size: 1024 on H100/H200, 384 on A100, 128 elsewhere
     profile = linear_profile()
     for device, size in (("NVIDIA H200", 1024), ("NVIDIA H100 80GB HBM3", 1024),
@@ -259,3 +259,15 @@ def test_fast_path_keeps_lmdeploys_steps(policy: dict) -> None:
     from sim.run.config import workload_from_dict
     summary = checked_equals_fast(lambda: workload_from_dict(tight(policy, 120)))
     assert summary["completed"] == 120 and summary["num_preemptions"] > 0
+
+
+def test_a_one_token_last_chunk_is_not_taken_for_a_decode_by_the_fast_path():
+    # Found by the fast-path check (tests/loop/test_stretch_check.py): request 0 (250-token prompt)
+    # is preempted and recomputes prompt + 79 outputs = 329 tokens in 8-token chunks
+    # (max_prefill_token_num 8) on 8-token pages; its last chunk is 1 token, which looks like a
+    # decode, but preallocates prefill_interval more: 328 + 1 + 8 = 337 tokens = 43 blocks, 2 more
+    # than the 41 it holds, where a decode takes 1. The stretch must not plan that step.
+    cfg = LmdeployConfig(max_batch_size=2, max_prefill_token_num=8, prefill_interval=8, block_size=16)
+    specs = [(0.0, 250, 80), (0.03125, 110, 68)]
+    checked, reqs = simulate(specs, cfg, num_blocks=64, block_size=8, max_model_len=512, check_stretch=True)
+    assert reqs[0].num_preemptions >= 1 and [r.num_output_tokens for r in reqs] == [80, 68]

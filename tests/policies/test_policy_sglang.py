@@ -231,7 +231,7 @@ def test_knobs_are_checked():
     with pytest.raises(ConfigError, match="chunked_prefill_size"):
         policy_config({"kind": "sglang", "chunked_prefill_size": 0}, "t")
     off = SglangPolicy(SglangConfig(chunked_prefill_size=-1, disable_radix_cache=True), PolicyContext(4096))
-    assert off.chunk_size is None and off.kv_pool_class is TokenPool and not off.prefix_caching
+    assert off.chunk_size is None and off.kv_pool_class is TokenPool and not off.kv_pool_class.caching
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -342,3 +342,15 @@ def test_a_request_that_cannot_decode_even_alone_is_aborted():
     assert isinstance(policy.schedule(state, 1.0), Idle)
     # nothing to retract it for: SGLang aborts it; here it ends with its 3 tokens, cut short
     assert a.status == Status.FINISHED and state.num_cut_short == 1 and a.num_output_tokens == 3
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_vllms_prefix_caching_flag_points_to_sglangs_own_knob(flag):
+    # SGLang's radix cache is on by default and its switch says "disable": vLLM's
+    # enable_prefix_caching, either way, is refused naming it (false was once dropped in
+    # silence, leaving the cache on)
+    with pytest.raises(ConfigError, match=r"field 'policy.enable_prefix_caching': policy sglang names it "
+                                          r"'policy.disable_radix_cache', the other way round \(false: cache on\); "
+                                          r"its default, false, has the cache on"):
+        policy_config({"kind": "sglang", "enable_prefix_caching": flag}, "w.yaml")
+    assert policy_config({"kind": "sglang", "disable_radix_cache": True}, "w.yaml").disable_radix_cache

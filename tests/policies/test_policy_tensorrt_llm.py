@@ -58,7 +58,7 @@ def test_defaults_are_the_llm_apis():
     # max_num_tokens 8192, max_batch_size 2048, KV 0.9 of free memory, 32-token pages, no chunking:
     # prompts longer than one step's 8192 tokens are refused at arrival
     assert (p.token_budget, p.max_num_seqs, p.block_size) == (8192, 2048, 32)
-    assert p.kv_memory == KvMemory(0.9, "free") and p.kv_pool_class is PrefixCachePool and p.prefix_caching
+    assert p.kv_memory == KvMemory(0.9, "free") and p.kv_pool_class is PrefixCachePool
     assert p.max_prompt_tokens == 8192 and policy(enable_chunked_prefill=True).max_prompt_tokens is None
     assert p.knobs()["capacity_scheduler_policy"] == "GUARANTEED_NO_EVICT"
 

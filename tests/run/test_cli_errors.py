@@ -135,9 +135,9 @@ def test_every_example_workload_validates():
 
 
 def test_readme_custom_model_example_runs(tmp_path, capsys):
-    """The HF-fields example in the README, verbatim."""
+    """The HF-fields example of docs/profiles.md, verbatim."""
     import re
-    readme = (WORKLOADS.parent / "README.md").read_text()
+    readme = (WORKLOADS.parent / "docs" / "profiles.md").read_text()
     block = re.search(r"```yaml\n(profile:\n  model: \{hidden_size.*?)```", readme, re.S).group(1)
     text = GOOD + block
     rc, out, err, _ = run_cli(tmp_path, text, capsys=capsys)

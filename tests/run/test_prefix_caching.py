@@ -123,3 +123,14 @@ def test_mooncake_hits_match_the_trace_ids_while_nothing_is_evicted():
 def test_prefix_examples_use_vllm_v1_with_caching_on(name):
     cfg = load_workload(ROOT / "workloads" / f"{name}.yaml")
     assert cfg.policy.kind == "vllm_v1" and cfg.policy.enable_prefix_caching
+
+
+def test_prefix_caching_on_a_policy_without_a_cache_names_those_with_one():
+    # The list comes from the policies' own declarations (Policy.prefix_switch), not from prose.
+    from policies.config import policy_config
+    from sim.base.strict import ConfigError
+    with pytest.raises(ConfigError, match=r"w.yaml: field 'policy.enable_prefix_caching': policy orca has no "
+                                          r"prefix cache \(policy.kind vllm_v1, tensorrt_llm, tgi, lmdeploy or "
+                                          r"sglang have one\); remove it or set it false"):
+        policy_config({"kind": "orca", "enable_prefix_caching": True}, "w.yaml")
+    assert policy_config({"kind": "orca", "enable_prefix_caching": False}, "w.yaml").kind == "orca"

@@ -52,4 +52,5 @@ def test_shipped_schema_file_is_current(tmp_path: Path, capsys) -> None:
     # `sim schema --out workloads/workload.schema.json` after changing a config dataclass).
     assert main(["schema", "--out", str(tmp_path / "s.json")]) == 0
     assert json.loads((tmp_path / "s.json").read_text()) == json.loads(
-        (ROOT / "workloads" / "workload.schema.json").read_text())
+        (ROOT / "workloads" / "workload.schema.json").read_text()), \
+        "workloads/workload.schema.json is stale: sim schema --out workloads/workload.schema.json"

@@ -29,7 +29,6 @@ names and shapes; the values are made up):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any, Iterator
 
@@ -251,12 +250,10 @@ def test_an_engine_whose_policy_is_not_here_is_one_clear_error(kind, monkeypatch
         engines.policy_for(kind, {})
 
 
-def test_policy_for_each_engine_takes_its_knobs_under_its_names(monkeypatch):
+def test_policy_for_each_engine_takes_its_knobs_under_its_names():
     assert engines.policy_for("vllm", {"max_num_seqs": 8, "page_size": 16}, True) == {
         "kind": "vllm_v1", "max_num_seqs": 8, "enable_prefix_caching": True}
     assert engines.policy_for("unknown", {})["kind"] == "vllm_v1"
-    for kind in ("sglang", "tensorrt_llm"):
-        monkeypatch.setitem(policies.POLICIES, kind, (object, object))   # as once merged
     sglang = engines.sglang_facts(SGLANG_SERVER_INFO, 2048)
     assert engines.policy_for("sglang", sglang.knobs, prefix_caching=False) == {
         "kind": "sglang", "max_running_requests": 48, "chunked_prefill_size": 512, "max_prefill_tokens": 16384,
@@ -268,7 +265,7 @@ def test_policy_for_each_engine_takes_its_knobs_under_its_names(monkeypatch):
         "enable_block_reuse": True}
 
 
-def test_validation_policy_section_per_engine(monkeypatch):
+def test_validation_policy_section_per_engine():
     from calibrate.serving.validate_server import sim_policy
 
     cfg = workload_from_dict({"name": "w", "num_requests": 2, "arrivals": {"kind": "poisson", "rate": 1},
@@ -278,15 +275,7 @@ def test_validation_policy_section_per_engine(monkeypatch):
     # vLLM, as before: the workload's own vllm_v1 knobs, then the server's
     assert sim_policy(cfg, knobs, False) == {"kind": "vllm_v1", "max_num_seqs": 16, "max_num_batched_tokens": 256,
                                              "watermark": 0.01, "enable_prefix_caching": False}
-
-    @dataclasses.dataclass(frozen=True)
-    class SglangStub:                        # stands in for the sglang policy's config until it is merged
-        kind: str = "sglang"
-        max_running_requests: int | None = None
-        page_size: int = 1
-        disable_radix_cache: bool = False
-
-    monkeypatch.setitem(policies.POLICIES, "sglang", (SglangStub, object))
+    # SGLang: the server's knobs under its names, caching on = the radix cache not disabled
     got = sim_policy(cfg, knobs, True, engine="sglang", engine_knobs={"max_running_requests": 48, "page_size": 16})
     assert got == {"kind": "sglang", "max_running_requests": 48, "page_size": 16, "disable_radix_cache": False}
 
@@ -353,3 +342,15 @@ def test_validate_against_an_sglang_like_fake_simulates_sglang(serve, tmp_path):
     p = v.sim_cfg.policy
     assert (p.max_running_requests, p.chunked_prefill_size, p.page_size) == (48, 512, 16)
     assert v.body()["engine"] == "sglang" and v.measurement.run.summary["completed"] == 3
+
+
+def test_prefix_caching_of_reads_the_policys_own_switch():
+    # Policy.prefix_switch: SGLang's cache is on unless disable_radix_cache (on by default), TGI's
+    # prefix_caching is off by default here, vllm_v1 and tensorrt_llm are on; orca has none.
+    from policies.config import policy_config
+    expected = [({"kind": "sglang"}, True), ({"kind": "sglang", "disable_radix_cache": True}, False),
+                ({"kind": "tgi"}, False), ({"kind": "tgi", "prefix_caching": True}, True),
+                ({"kind": "vllm_v1"}, True), ({"kind": "tensorrt_llm", "enable_block_reuse": False}, False),
+                ({"kind": "lmdeploy"}, False), ({"kind": "orca"}, None)]
+    for section, caching in expected:
+        assert engines.prefix_caching_of(policy_config(section, "w.yaml")) is caching, section

@@ -238,7 +238,8 @@ def test_good_sessions_file_runs(tmp_path: Path, capsys: pytest.CaptureFixture) 
     (("{kind: fixed, prompt_tokens: 20, output_tokens: 5}", "{kind: sessions}"),
      "field 'lengths.path' is required for lengths.kind sessions (a session file"),
     (("name: s\n", "name: s\nmax_tokens: 64\n"), "field 'max_tokens' (64) would cut answers short"),
-    (("{kind: vllm_v1}", "{kind: static}"), "field 'policy.kind': static batching waits for a full batch"),
+    (("{kind: vllm_v1}", "{kind: static}"),
+     "field 'policy.kind': policy static waits for a full batch (policy.batch_size = 32 requests)"),
     (("kind: sessions, rate: 2, think_time_s: 1", "kind: poisson, rate: 2, think_time_s: 1"),
      "field 'arrivals.think_time_s' needs arrivals.max_concurrency or arrivals.kind sessions"),
 ])
