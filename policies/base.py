@@ -71,6 +71,11 @@ class PolicyBase:
     full_batch_knob: str | None = None
     always_chunks = False
     chunked_variant: str | None = None
+    # Whose measured kernel tables price this policy's steps under profile.kernels (sim.cost.kernels):
+    # vLLM's, the most complete set, for every engine whose kernels the tables do not hold apart
+    # (the research policies run vLLM-style paged attention; TGI and LMDeploy run the same
+    # FlashAttention / FlashInfer and cuBLAS class of kernels); SGLang and TensorRT-LLM say theirs.
+    kernel_tables = "vllm"
     config: Any
 
     def knobs(self) -> dict[str, Any]:

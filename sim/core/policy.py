@@ -157,6 +157,8 @@ class Policy(Protocol):
     #                                accepted, false refused)
     chunked_variant: str | None    # the kind that runs this scheduler with vLLM's enable_chunked_prefill
     #                                true (vllm: sarathi); false keeps this one
+    kernel_tables: str             # whose measured kernel tables price it (profile.kernels): vllm, sglang
+    #                                or trtllm (sim.cost.aic.ENGINES)
 
     def knobs(self) -> dict[str, Any]: ...
 

@@ -68,7 +68,7 @@ def kernel_engine(cfg: WorkloadConfig) -> str:
     """Whose kernel tables price the policy (``Policy.kernel_tables``: vLLM's unless the
     policy is another engine's)."""
     from policies import POLICIES
-    return getattr(POLICIES[cfg.policy.kind][1], "kernel_tables", "vllm")
+    return POLICIES[cfg.policy.kind][1].kernel_tables
 
 
 def build_kernel_profile(cfg: WorkloadConfig, model: str | dict[str, Any]) -> Profile:

@@ -55,6 +55,8 @@ def test_class_level_declarations_name_real_knobs_and_kinds(kind):
         assert hints[cls.full_batch_knob] is int, cls.full_batch_knob
     assert cls.chunked_variant is None or cls.chunked_variant in POLICIES
     assert type(cls.always_chunks) is bool and not (cls.always_chunks and cls.chunked_variant)
+    from sim.cost.aic import ENGINES
+    assert cls.kernel_tables in ENGINES           # the engines whose kernel tables the wheel measures
 
 
 @pytest.mark.parametrize("kind", KINDS)
