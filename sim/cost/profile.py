@@ -30,8 +30,9 @@ File format history (``FORMAT_VERSION``):
       number of sequences it samples from; absent: the LM head is inside ``linear``),
       ``curves.prefill_shared_s`` (what the prefill chunks of one step share, charged once:
       one attention launch; absent: 0), and a curve's ``measured_max`` / ``measured``
-      (where its table was measured; absent: the whole grid), and ``curves.attn_decode.
-      per_seq`` (true: its second axis is the decodes' mean context; absent: their sum).
+      (where its table was measured; absent: the whole grid), ``curves.attn_decode.
+      per_seq`` (true: its second axis is the decodes' mean context; absent: their sum) and
+      ``memory.sampler_bytes_per_seq`` (vLLM's sampler warm-up per sequence; absent: 0).
 """
 
 from __future__ import annotations
@@ -105,6 +106,11 @@ class Profile:
     # step share (one kernel launch over all of them: charged once, not once per chunk).
     lm_head: Curve1D | None = None
     prefill_shared_s: float = 0.0
+    # vLLM's start-up profiling also warms the sampler up on max_num_seqs dummy requests: their
+    # logits over the whole vocabulary (on the rank that samples), sorted for top-p. Its peak, per
+    # sequence, competes with the forward pass's activations for the memory the KV pool does not
+    # get (vLLM's rule only; 0: not modelled, as the analytic presets leave it).
+    sampler_bytes_per_seq: int = 0
     # Kernel profiles: attn_decode's second axis is the decodes' mean context (summed context /
     # decodes), the axis the tables measure generation attention on, not their summed context.
     decode_per_seq: bool = False
@@ -334,14 +340,18 @@ class Profile:
         NOTE: the sliding reserve is an upper bound: it holds a full window for every
         sequence slot, where vLLM's hybrid pool lends the same blocks to full-attention
         layers while slots are empty or requests are shorter than the window."""
-        free = self._kv_budget_bytes(gpu_memory_utilization, num_batched_tokens, share_of)
+        free = self._kv_budget_bytes(gpu_memory_utilization, num_batched_tokens, share_of, max_num_seqs)
         if self.kv_bytes_per_seq:
             free -= max_num_seqs * self.kv_bytes_per_seq
         return max(0, int(free // self.kv_bytes_per_token))
 
-    def _kv_budget_bytes(self, fraction: float, num_batched_tokens: int, share_of: str) -> float:
+    def _kv_budget_bytes(self, fraction: float, num_batched_tokens: int, share_of: str,
+                         max_num_seqs: int = 0) -> float:
         tp, memory = self.tensor_parallel, self.memory_bytes_per_gpu
         activations = tp * self.activation_bytes(num_batched_tokens)
+        if share_of == "total" and self.sampler_bytes_per_seq:
+            # the profiling run's peak is the forward pass's or the sampler warm-up's, whichever is larger
+            activations = tp * max(self.activation_bytes(num_batched_tokens), self.sampler_bytes_per_seq * max_num_seqs)
         if share_of == "total":
             return tp * memory * fraction - activations - self.weight_bytes
         if share_of == "static":
@@ -357,6 +367,10 @@ class Profile:
         weights = f"weights {self.weight_bytes / GIB:.1f} GiB"
         activations = (f"activations {tp} x {self.activation_bytes(num_batched_tokens) / GIB:.2f} GiB"
                        f" (steps of {num_batched_tokens} tokens)")
+        sampler = self.sampler_bytes_per_seq * max_num_seqs
+        if share_of == "total" and sampler > self.activation_bytes(num_batched_tokens):
+            activations = (f"sampler warm-up {tp} x {sampler / GIB:.2f} GiB ({max_num_seqs} sequences, more than "
+                           f"the activations of steps of {num_batched_tokens} tokens)")
         sliding = (f" - sliding-window KV {max_num_seqs} x {self.kv_bytes_per_seq / 2**20:.1f} MiB"
                    if self.kv_bytes_per_seq and max_num_seqs else "")
         if share_of == "static":
@@ -385,6 +399,7 @@ class Profile:
                 "activation_bytes_per_token_per_gpu": self.activation_bytes_per_token_per_gpu,
                 "kv_bytes_per_token": self.kv_bytes_per_token,
                 **({"kv_bytes_per_seq": self.kv_bytes_per_seq} if self.kv_bytes_per_seq else {}),
+                **({"sampler_bytes_per_seq": self.sampler_bytes_per_seq} if self.sampler_bytes_per_seq else {}),
             },
             "curves": {
                 "overhead_s": self.overhead_s,
@@ -610,7 +625,7 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
         mem = dict(mem)
         for key, least in (("memory_bytes_per_gpu", 1), ("kv_bytes_per_token", 1), ("weight_bytes", 0),
                            ("activation_bytes_per_gpu", 0), ("activation_bytes_per_token_per_gpu", 0),
-                           ("kv_bytes_per_seq", 0)):
+                           ("kv_bytes_per_seq", 0), ("sampler_bytes_per_seq", 0)):
             if key in mem or least:
                 mem[key] = _whole(_get(mem, key, "memory.", source), f"memory.{key}", source, minimum=least,
                                   maximum=MAX_BYTES)
@@ -667,6 +682,7 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
             efficiency=_mapping(data, "efficiency", source),
             engine=_engine(data.get("engine"), source),
             kv_bytes_per_seq=int(mem.get("kv_bytes_per_seq", 0)),
+            sampler_bytes_per_seq=int(mem.get("sampler_bytes_per_seq", 0)),
             **_precision_fields(data, source),
         )
     except ProfileError:
