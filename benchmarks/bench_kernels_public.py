@@ -16,7 +16,6 @@ Targets on held-out rows: MAE <= 15% on TTFT and on TPOT, no group biased beyond
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
@@ -60,20 +59,9 @@ def three_way(rows: list[ps.ServingRow], kernel: dict, analytic: dict, static: d
 def error_rows(rows: list[ps.ServingRow], sims: dict) -> list[dict[str, Any]]:
     """The trust table of kernel profiles: per (engine, GPU, precision, TP), TTFT and TPOT
     error on the held-out models' rows and on every row."""
-    held = ps.errors([r for r in rows if r.model not in ps.TRAIN_MODELS and r in sims], sims, group_of)
-    every = ps.errors([r for r in rows if r in sims], sims, group_of)
-    out = []
-    for key in sorted(k for k in every if k != "all"):
-        h, e = held.get(key, {}), every[key]
-        cell = lambda t, fam, what: round(t[fam][what], 1) if fam in t else ""    # noqa: E731
-        out.append({"engine": ks.TABLES[key[0]], "gpu": key[1], "weight_dtype": key[2], "tensor_parallel": key[3],
-                    "held_out": ps.HELD_OUT_RULE, "num_held_out": sum(h[f]["n"] for f in h),
-                    "ttft_mae_pct": cell(h, "ttft", "mae"), "ttft_bias_pct": cell(h, "ttft", "bias"),
-                    "tpot_mae_pct": cell(h, "tpot", "mae"), "tpot_bias_pct": cell(h, "tpot", "bias"),
-                    "num_all": sum(e[f]["n"] for f in e), "ttft_mae_pct_all": cell(e, "ttft", "mae"),
-                    "tpot_mae_pct_all": cell(e, "tpot", "mae"),
-                    "source": "calibrate/profiles/public_serving/measurements.csv (vLLM, SGLang, TensorRT-LLM)"})
-    return out
+    return ps.error_rows(rows, sims, group_of, lambda key: {"engine": ks.TABLES[key[0]], "gpu": key[1],
+                                                            "weight_dtype": key[2], "tensor_parallel": key[3]},
+                         "calibrate/profiles/public_serving/measurements.csv (vLLM, SGLang, TensorRT-LLM)")
 
 
 def main() -> int:
@@ -95,6 +83,13 @@ def main() -> int:
             print(f"fitted {engine} on {n} training rows: " + ", ".join(f"{k}={v:.4g}" for k, v in x.items()))
             terms[engine] = HostTerms(engine, source=f"fitted on {n} public serving runs of the training models",
                                       **x)
+        if "vllm" in fitted:
+            for engine in terms:
+                if engine not in fitted and engine != "vllm-async":
+                    x, n = fitted["vllm"]
+                    print(f"{engine}: fewer than {ks.MIN_FIT_ROWS} training rows; takes vLLM's fitted terms")
+                    terms[engine] = HostTerms(engine, source=f"vLLM's, fitted on {n} public vLLM serving runs "
+                                                             f"(too few public {engine} runs to fit its own)", **x)
         t0 = time.perf_counter()
         sims, logs, failed = ks.replay_all(rows, terms)
         print(f"replayed again with the fitted terms in {time.perf_counter() - t0:.0f} s")
@@ -107,6 +102,11 @@ def main() -> int:
         est = ks.aic_static(r, max_num_seqs=max(b.num_prefill_seqs + b.decode_seqs for b in policy_knobs.batches))
         if est is not None:
             static[r] = est
+    by_arrivals = lambda r: (r.engine, "burst" if r.request_rate is None and r.max_concurrency is None  # noqa: E731
+                             else "closed loop" if r.request_rate is None else "rate")
+    print("\nall rows by arrivals: (sim - real) / real per engine and how requests arrive")
+    for name, table in (("kernels", sims), ("analytic", analytic), ("AIC", static)):
+        print(ps.format_errors(name, ps.errors([r for r in sims if r in table], table, by_arrivals)))
     held = [r for r in sims if r.model not in ps.TRAIN_MODELS]
     train = [r for r in sims if r.model in ps.TRAIN_MODELS]
     for title, subset in ((f"held-out models ({ps.HELD_OUT_RULE})", held), ("training models", train),
@@ -114,12 +114,7 @@ def main() -> int:
         print(f"\n{title}: (sim - real) / real per engine, GPU, weight precision, TP")
         print(three_way(subset, sims, analytic, static))
     if args.write_errors:
-        table = error_rows(rows, sims)
-        with KERNEL_ERRORS_CSV.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(table[0]))
-            w.writeheader()
-            w.writerows(table)
-        print(f"wrote {KERNEL_ERRORS_CSV}")
+        ps.write_table(KERNEL_ERRORS_CSV, error_rows(rows, sims))
     return 0
 
 

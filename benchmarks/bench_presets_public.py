@@ -276,12 +276,7 @@ def serving_main(refit: bool, write: bool) -> int:
         print("\nfitted (sim.cost.efficiency.MATMUL_FLOPS_FIT): " + ", ".join(
             f"{k}: {v} ({n} rows)" for k, (v, n) in fitted.items()))
     if write:
-        table = ps.error_rows(rows, sims)
-        with ps.SERVING_ERRORS_CSV.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(table[0]))
-            w.writeheader()
-            w.writerows(table)
-        print(f"wrote {ps.SERVING_ERRORS_CSV}")
+        ps.write_table(ps.SERVING_ERRORS_CSV, ps.error_rows(rows, sims))
     return 0
 
 

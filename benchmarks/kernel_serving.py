@@ -80,7 +80,13 @@ def replay_all(rows: list[ps.ServingRow], terms: dict[str, HostTerms] | None = N
 # ---- the host fit --------------------------------------------------------------------------
 FIT_PARAMS = ("step_s", "tp_step_s", "per_seq_s", "request_s")
 FIT_START = (0.5e-3, 0.1e-3, 20e-6, 5e-3)
-FIT_HI = (10e-3, 5e-3, 500e-6, 200e-3)
+# What host work can plausibly cost: a step's scheduling and input preparation (a few ms at
+# most), the TP broadcast, a sequence's bookkeeping and output (~10-100 us in Python), a
+# request's API work (tokenizing, detokenizing: tens of ms at most).
+FIT_HI = (3e-3, 2e-3, 200e-6, 50e-3)
+# Fewer training rows than this and an engine takes vLLM's fitted terms (said in its source):
+# four numbers from two or three runs fit the runs, not the engine.
+MIN_FIT_ROWS = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +126,8 @@ def fit_host(rows: list[ps.ServingRow], logs: dict[ps.ServingRow, ps.StepLog]) -
             groups.setdefault(host_of(r).engine, []).append(r)
     fitted = {}
     for engine, group in sorted(groups.items()):
+        if len(group) < MIN_FIT_ROWS:
+            continue
         prices = {r: priced(r, logs[r]) for r in group}
         free = [k for k in FIT_PARAMS if k != "tp_step_s" or any(r.tensor_parallel > 1 for r in group)]
 

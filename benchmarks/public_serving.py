@@ -446,23 +446,40 @@ def group_of(row: ServingRow) -> tuple[str, str, int]:
     return row.gpu, row.weight_dtype, row.tensor_parallel
 
 
-def error_rows(rows: list[ServingRow], sims: dict[ServingRow, dict[str, float]]) -> list[dict[str, Any]]:
-    """The trust table: per (GPU, weight precision, TP), TTFT and TPOT error on the held-out
-    models' rows and on every row (NaN where a group has no such row)."""
-    held = errors([r for r in rows if r.model not in TRAIN_MODELS], sims, group_of)
-    every = errors(rows, sims, group_of)
+def error_rows(rows: list[ServingRow], sims: dict[ServingRow, dict[str, float]],
+               group: Callable[[ServingRow], tuple] = group_of,
+               describe: Callable[[tuple], dict[str, Any]] | None = None,
+               source: str = "calibrate/profiles/public_serving/measurements.csv (vLLM 0.10-0.25 serving runs)"
+               ) -> list[dict[str, Any]]:
+    """The trust table: per ``group`` (default: GPU, weight precision, TP), TTFT and TPOT error
+    on the held-out models' rows and on every row (empty where a group has no such row);
+    ``describe(key)``: the key's columns (default: gpu, weight_dtype, tensor_parallel and the
+    vllm-v1 engine)."""
+    if describe is None:
+        def describe(key: tuple) -> dict[str, Any]:
+            return {"gpu": key[0], "weight_dtype": key[1], "tensor_parallel": key[2], "engine": "vllm-v1"}
+    held = errors([r for r in rows if r.model not in TRAIN_MODELS and r in sims], sims, group)
+    every = errors([r for r in rows if r in sims], sims, group)
     out = []
     for key in sorted(k for k in every if k != "all"):
         h, e = held.get(key, {}), every[key]
         cell = lambda t, fam, what: round(t[fam][what], 1) if fam in t else ""    # noqa: E731
-        out.append({"gpu": key[0], "weight_dtype": key[1], "tensor_parallel": key[2], "engine": "vllm-v1",
-                    "held_out": HELD_OUT_RULE,
+        out.append({**describe(key), "held_out": HELD_OUT_RULE,
                     "num_held_out": sum(h[f]["n"] for f in h), "ttft_mae_pct": cell(h, "ttft", "mae"),
                     "ttft_bias_pct": cell(h, "ttft", "bias"), "tpot_mae_pct": cell(h, "tpot", "mae"),
                     "tpot_bias_pct": cell(h, "tpot", "bias"), "num_all": sum(e[f]["n"] for f in e),
                     "ttft_mae_pct_all": cell(e, "ttft", "mae"), "tpot_mae_pct_all": cell(e, "tpot", "mae"),
-                    "source": "calibrate/profiles/public_serving/measurements.csv (vLLM 0.10-0.25 serving runs)"})
+                    "source": source})
     return out
+
+
+def write_table(path: Path, table: list[dict[str, Any]]) -> None:
+    """A trust table as CSV (header from the first row)."""
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(table[0]))
+        w.writeheader()
+        w.writerows(table)
+    print(f"wrote {path}")
 
 
 def print_check(rows: list[ServingRow], skipped: dict[str, int], sims: dict[ServingRow, dict[str, float]]) -> None:

@@ -15,7 +15,10 @@ interpolation stays within ``GRID_TOLERANCE`` of the wheel at probe points:
                          (the tables' KV length c + 1: the new token's key included)
 
 Memory (weights, KV bytes, activations) is batchsim's own model of the same config
-(``sim.cost.roofline``). What kernels do not measure, the engine's host time per step and
+(``sim.cost.roofline``), and for vLLM's tables its start-up sampler warm-up: max_num_seqs
+dummy requests' logits over the whole vocabulary in fp32, sorted for top-p (values and
+int64 indices: ``SAMPLER_BYTES_PER_LOGIT`` a logit), whose peak the KV pool loses when it
+exceeds the forward pass's (gpt-oss-120b at 1,024 sequences: 3.1 GiB of an H100). What kernels do not measure, the engine's host time per step and
 per sequence and the API server's per request, is ``HostTerms`` (fitted per engine on
 public serving runs: ``benchmarks/public_serving.py``), added on top; the provenance says
 which part is measured and which fitted.
@@ -48,7 +51,8 @@ KERNEL_SOURCES = ("aiconfigurator",)
 GRID_TOLERANCE = 0.01              # relative interpolation error allowed at the probes
 MAX_AXIS_POINTS = 96               # a grid axis stops growing here (the worst error left is reported)
 MIN_SPLIT_REL = 0.02               # nor is an interval split once it is narrower than 2% of its start
-GRID_FORMAT = 2                    # bump when the grids or the composition change: rebuilds caches
+GRID_FORMAT = 3                    # bump when the grids or the composition change: rebuilds caches
+SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 8  # vLLM's sampler warm-up: fp32 logits, their sorted copy, int64 sort indices
 _PROBES = (0.25, 0.5, 0.75)
 DECODE_ROUNDS = 3                  # the decode table's refining rounds (its answers cost ~100 us each)
 _MAX_ROUNDS = 10
@@ -69,16 +73,21 @@ class HostTerms:
     source: str
 
 
-# The host terms per engine (benchmarks/public_serving.py --kernels --fit; see HostTerms.source).
+# The host terms per engine: benchmarks/bench_kernels_public.py --fit (kernel_serving.fit_host:
+# least squares on log(sim / real) of the TTFT and TPOT of the training models' public serving
+# runs, soft L1, within the plausible bounds kernel_serving.FIT_HI). Two public SGLang and TensorRT-
+# LLM training runs are too few to fit four numbers: those engines take vLLM's, said in their source.
+_VLLM = dict(step_s=0.8689e-3, tp_step_s=0.0, per_seq_s=71.45e-6, request_s=13.78e-3)
+_VLLM_SOURCE = "fitted on 27 public vLLM serving runs of the training models (vLLM 0.10-0.25, synchronous loop)"
 HOST_TERMS: dict[str, HostTerms] = {
-    "vllm": HostTerms("vllm", step_s=0.5e-3, tp_step_s=0.1e-3, per_seq_s=20e-6, request_s=0.0,
-                      source="not fitted yet: vLLM V1's analytic host terms (sim.cost.collectives.ENGINES)"),
-    "vllm-async": HostTerms("vllm-async", step_s=0.2e-3, tp_step_s=0.05e-3, per_seq_s=1e-6, request_s=0.0,
-                            source="not fitted yet: vLLM V1 async's analytic host terms"),
-    "sglang": HostTerms("sglang", step_s=0.5e-3, tp_step_s=0.1e-3, per_seq_s=20e-6, request_s=0.0,
-                        source="not fitted yet: vLLM V1's analytic host terms"),
-    "trtllm": HostTerms("trtllm", step_s=0.5e-3, tp_step_s=0.1e-3, per_seq_s=20e-6, request_s=0.0,
-                        source="not fitted yet: vLLM V1's analytic host terms"),
+    "vllm": HostTerms("vllm", **_VLLM, source=_VLLM_SOURCE),
+    "vllm-async": HostTerms("vllm-async", step_s=0.0, tp_step_s=0.4975e-3, per_seq_s=62.60e-6, request_s=0.0,
+                            source="fitted on 8 public vLLM serving runs of the training models with "
+                                   "--async-scheduling"),
+    "sglang": HostTerms("sglang", **_VLLM, source=f"vLLM's ({_VLLM_SOURCE}): 3 public SGLang runs of the "
+                                                  f"training models are too few to fit SGLang's own"),
+    "trtllm": HostTerms("trtllm", **_VLLM, source=f"vLLM's ({_VLLM_SOURCE}): 4 public TensorRT-LLM runs of "
+                                                  f"the training models are too few to fit its own"),
 }
 
 
@@ -514,6 +523,7 @@ def build_tables(spec: KernelSpec, model: ResolvedModel, gpu: Any, system: str, 
                             measured=(MeasuredRange(limits["decode_seqs"], decode_len - 1)
                                       if decode_len else None)),
         prefill_shared_s=tab["prefill_shared_s"], decode_per_seq=True,
+        sampler_bytes_per_seq=SAMPLER_BYTES_PER_LOGIT * shape.vocab_size if spec.engine == "vllm" else 0,
         provenance={"source": "kernel-tables", "kernels": "aiconfigurator",
                     "label": f"{engine_name} {version} kernel tables on {system}, {aic.WHEEL} {aic.wheel_version()}",
                     "wheel": f"{aic.WHEEL} {aic.wheel_version()}", "system": system, "engine": spec.engine,
