@@ -131,3 +131,23 @@ def test_fast_path_prices_kernel_profiles_as_stepping(policy) -> None:
     assert steps(checked) == steps(fast) and len(fast.log) > 100
     assert checked.executor.profile.num_out_of_range == fast.executor.profile.num_out_of_range
     assert all(math.isfinite(d) for chunk in fast.log.chunks() for d in chunk[1])
+
+
+def test_the_sampler_warm_up_competes_with_the_activations_for_the_pool() -> None:
+    # vLLM's rule: KV = memory x fraction - weights - max(activations, sampler warm-up); the
+    # warm-up is per sequence, so max_num_seqs decides it. 80 GiB x 0.9 = 72 GiB, weights 60 GiB,
+    # activations 1 GiB at any budget, 2 MiB a sequence (a 131,072-token vocabulary x 16 B).
+    gib, mib = 2**30, 2**20
+    p = dataclasses.replace(linear_profile(), memory_bytes_per_gpu=80 * gib, weight_bytes=60 * gib,
+                            activation_bytes_per_gpu=gib, kv_bytes_per_token=64 * 1024,
+                            sampler_bytes_per_seq=131072 * 16)
+    # 256 sequences: 512 MiB < 1 GiB of activations, so the pool is 72 - 60 - 1 = 11 GiB
+    assert p.kv_capacity_tokens(0.9, 8192, "total", 256) == 11 * gib // (64 * 1024)
+    # 1,024 sequences: 2 GiB of sampler warm-up > 1 GiB: 72 - 60 - 2 = 10 GiB
+    assert p.kv_capacity_tokens(0.9, 8192, "total", 1024) == 10 * gib // (64 * 1024)
+    assert "sampler warm-up 1 x 2.00 GiB (1024 sequences" in p.memory_report(0.9, 8192, "total", 1024)
+    # SGLang's static share and TensorRT-LLM's free share hold no such warm-up
+    assert p.kv_capacity_tokens(0.9, 8192, "static", 1024) == 12 * gib // (64 * 1024)
+    # and it survives the file
+    assert profile_from_dict(p.to_dict()).sampler_bytes_per_seq == 131072 * 16
+    assert mib * 2 == 131072 * 16

@@ -49,6 +49,11 @@ def test_sim_run_on_kernel_tables_names_engine_and_version(tmp_path, capsys, pol
     assert prov["tables"]["gemm_perf.parquet"]["version"] == version
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["profile_source"] == label and summary["completed"] == 150
+    # the trust line reads the kernel profiles' check (kernel_errors.csv) for the engine's group
+    trust = summary["profile_trust"]
+    if policy == "sglang":       # SGLang on one H100 in bf16: 8 held-out public values
+        assert "vs 8 held-out public SGLang serving values on h100-sxm TP 1 bf16" in trust["basis"]
+        assert trust["error_pct"] == pytest.approx(41.7)
 
 
 def test_the_other_policies_use_vllms_tables(tmp_path, capsys) -> None:
@@ -113,3 +118,18 @@ def test_calibrate_kernels_writes_profile_check_and_figure(tmp_path, capsys) -> 
                         f"lengths: {{kind: fixed, prompt_tokens: 300, output_tokens: 20}}\n"
                         f"policy: {{kind: sglang}}\nprofile: {{path: {out}}}\n")
     assert main(["run", str(workload), "--out", str(tmp_path / "run"), "--quiet"]) == 0
+
+
+def test_a_sweep_varies_gpus_on_kernel_profiles(tmp_path, capsys) -> None:
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(f"name: k\nbase: {WORKLOADS / 'azure_conv.yaml'}\n"
+                     "set: {num_requests: 80, policy: {kind: vllm_v1}, profile.kernels: aiconfigurator}\n"
+                     "vary: {profile.gpu: [h100-sxm, h200]}\n")
+    rc = main(["sweep", str(sweep), "--out", str(tmp_path / "out"), "-j", "1", "--quiet"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    import csv
+    rows = list(csv.DictReader((tmp_path / "out" / "results.csv").open()))
+    assert sorted(r["profile_source"] for r in rows) == [
+        "vLLM 0.24.0 kernel tables on h100_sxm, aiconfigurator-core 0.12.0",
+        "vLLM 0.24.0 kernel tables on h200_sxm, aiconfigurator-core 0.12.0"]
