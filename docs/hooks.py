@@ -16,6 +16,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MARKER = "<!-- policy-table -->"
+SERVER_MARKER = "<!-- server-fields-table -->"
 
 
 def _cell(text: str) -> str:
@@ -44,7 +45,31 @@ def policy_table() -> str:
     return "\n".join(rows)
 
 
+def server_fields_table() -> str:
+    """The Markdown table of which ``server`` fields each policy reads, and for each one it
+    does not, its own knob that means it (``Policy.server_knobs``)."""
+    from policies import POLICIES
+    from sim.run.config import ServerConfig
+    from dataclasses import fields
+
+    names = [f.name for f in fields(ServerConfig)]
+    rows = ["| `policy.kind` | " + " | ".join(f"`server.{n}`" for n in names) + " |",
+            "|---|" + "---|" * len(names)]
+    for kind, (_, cls) in POLICIES.items():
+        cells = []
+        for name in names:
+            if name not in cls.server_knobs:
+                cells.append("read")
+            else:
+                knob, note = cls.server_knobs[name]
+                cells.append((f"refused: `policy.{knob}`" if knob else "refused: none") + f" ({_cell(note)})")
+        rows.append(f"| `{kind}` | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     if MARKER in markdown:
         markdown = markdown.replace(MARKER, policy_table())
+    if SERVER_MARKER in markdown:
+        markdown = markdown.replace(SERVER_MARKER, server_fields_table())
     return markdown

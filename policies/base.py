@@ -8,11 +8,11 @@ The contract itself (``Policy``, ``PolicyContext``, ``StretchShape``) lives in
 from __future__ import annotations
 
 from dataclasses import field, fields
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 from sim.core.batch import Batch, BatchItem, Idle
 from sim.core.kv import BlockManager
-from sim.core.policy import KvMemory, PrefixSwitch, StretchShape
+from sim.core.policy import EngineKnob, KvMemory, PrefixSwitch, StretchShape
 from sim.core.request import Request, Status
 
 if TYPE_CHECKING:
@@ -41,6 +41,9 @@ def knob(default: Any, doc: str, *, off: Any = None, below: float | None = None,
     if choices is not None:
         meta["choices"] = tuple(choices)
     return field(default=default, metadata=meta)
+
+
+NO_WATERMARK = "it keeps no block-manager watermark"
 
 
 class PolicyBase:
@@ -76,10 +79,20 @@ class PolicyBase:
     # (the research policies run vLLM-style paged attention; TGI and LMDeploy run the same
     # FlashAttention / FlashInfer and cuBLAS class of kernels); SGLang and TensorRT-LLM say theirs.
     kernel_tables = "vllm"
+    # server.watermark is vLLM v0's block-manager watermark: a policy reads it only by asking for it
+    # (can_allocate(use_watermark=True), refuses_by_prompt), so by default it is refused, not dropped.
+    server_knobs: Mapping[str, EngineKnob] = {"watermark": EngineKnob(None, NO_WATERMARK)}
     config: Any
 
     def knobs(self) -> dict[str, Any]:
         return config_knobs(self.config)
+
+    def max_request_tokens(self, num_blocks: int, block_size: int) -> int:
+        return num_blocks * block_size      # the whole pool, as vLLM's start-up check counts it
+
+    @staticmethod
+    def unread_knobs(config: Any) -> Mapping[str, str]:
+        return {}                           # every knob is read, whatever the others say
 
     def stretch_shape(self, running: Sequence[Request], live_context: int, num_live: int,
                       prefilling: Request | None) -> StretchShape | None:

@@ -17,7 +17,7 @@ import warnings
 from typing import Any
 
 from policies import POLICIES
-from sim.base.strict import ConfigError, _positive, build, did_you_mean
+from sim.base.strict import MAX_COUNT, MAX_SPAN_S, ConfigError, _positive, build, did_you_mean
 
 # Every knob of some policy: one of another policy's is set aside with a warning, one of none is a typo.
 ALL_POLICY_KNOBS = frozenset(f.name for cfg_cls, _ in POLICIES.values()
@@ -90,6 +90,30 @@ def _prefix_caching_flag(data: dict[str, Any], src: str) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k != "enable_prefix_caching"}
 
 
+def check_server_fields(kind: str, server: Any, src: str) -> None:
+    """Refuse a ``server`` field the workload sets (``server``: the section as written)
+    that policy ``kind`` does not read (``Policy.server_knobs``), naming the knob of its
+    own that means it, or saying it has none: dropped, it would run the engine's default
+    while the file says otherwise."""
+    if not isinstance(server, dict):
+        return
+    unread = POLICIES[kind][1].server_knobs
+    for name, value in server.items():
+        if name not in unread or value is None:
+            continue
+        knob, note = unread[name]
+        where = f"{src}: field 'server.{name}' is not read by policy {kind}"
+        if knob is None:
+            raise ConfigError(f"{where}, which has no knob for it ({note}); remove it")
+        default = next(f.default for f in dataclasses.fields(POLICIES[kind][0]) if f.name == knob)
+        raise ConfigError(f"{where}: its knob is 'policy.{knob}' ({note}; default {_shown(default)}); "
+                          f"set that instead")
+
+
+def _shown(value: Any) -> str:
+    return "unset: the engine's rule" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _check_knobs(cfg: Any, src: str) -> None:
     """Every knob's range, from its metadata (``policies.base.knob``): numbers > 0
     (>= 0 where the default 0 means off), or the knob's ``off`` value, and below its
@@ -103,6 +127,12 @@ def _check_knobs(cfg: Any, src: str) -> None:
             _positive(src, f"policy.{f.name}", v, allow_zero=f.default == 0)
             if "below" in meta and not v < meta["below"]:
                 raise ConfigError(f"{src}: field 'policy.{f.name}' must be in [0, {meta['below']}), got {v}")
+            # A count fits int32 as every server's does; a time (a name in _s) stays within a run's span.
+            most, what = (f"{MAX_SPAN_S:g} s (31 years)", MAX_SPAN_S) if f.name.endswith("_s") else \
+                (f"{MAX_COUNT:,} (a count)", MAX_COUNT if isinstance(v, int) else None)
+            if what is not None and v > what:
+                raise ConfigError(f"{src}: field 'policy.{f.name}' must be at most {most}, got "
+                                  f"{f'{v:,}' if isinstance(v, int) else f'{v:g}'}")
         choices = meta.get("choices")
         if choices is not None and v not in choices:
             raise ConfigError(f"{src}: field 'policy.{f.name}' must be {', '.join(choices[:-1])} or "
@@ -135,6 +165,9 @@ def policy_config(data: Any, src: str) -> Any:
                       stacklevel=3)
     cfg = build(POLICIES[kind][0], {k: v for k, v in knobs.items() if k not in foreign}, "policy", src)
     _check_knobs(cfg, src)
+    unread = {k: why for k, why in POLICIES[kind][1].unread_knobs(cfg).items() if knobs.get(k) is not None}
+    for k, why in unread.items():
+        warnings.warn(f"{src}: policy.{k} is ignored by policy {kind} {why}", stacklevel=3)
     return cfg
 
 

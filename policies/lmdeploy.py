@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from policies.base import PolicyBase, config_knobs, knob, plain_stretch_shape
 from policies.lmdeploy_queue import SHORT_TURNS, prefill_order, requeue_by_arrival
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.policy import KvMemory, PolicyContext, PrefixSwitch, StretchShape
+from sim.core.policy import EngineKnob, KvMemory, PolicyContext, PrefixSwitch, StretchShape
 from sim.core.prefix import PrefixCachePool
 from sim.core.request import Request, Status
 
@@ -97,6 +97,12 @@ class LmdeployPolicy(PolicyBase):
     decode_stretch = True
     num_reserved_blocks = 1        # CacheConfig.num_reserved_gpu_blocks
     prefix_switch = PrefixSwitch("enable_prefix_caching")
+    server_knobs = {
+        "block_size": EngineKnob("block_size", "PytorchEngineConfig's block_size, its KV block"),
+        "gpu_memory_utilization": EngineKnob("cache_max_entry_count", "PytorchEngineConfig's cache_max_entry_count, "
+                                                                      "a share of the memory free after the weights"),
+        "watermark": EngineKnob(None, "a decode that finds no block preempts itself"),
+    }
 
     def __init__(self, config: LmdeployConfig, context: PolicyContext) -> None:
         if not 0 < config.cache_max_entry_count < 1:

@@ -43,6 +43,7 @@ class SarathiPolicy(PolicyBase):
     chunk_stretch = True
     refuses_by_prompt = True           # as vllm: Sarathi-Serve's and vLLM v0's can_allocate
     always_chunks = True
+    server_knobs = {}                  # every server field, the watermark too (admit_prefills asks for it)
 
     def __init__(self, config: SarathiConfig, context: PolicyContext) -> None:
         self.config = config

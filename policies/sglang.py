@@ -67,7 +67,7 @@ from policies.sglang_adder import NO_TOKEN, OTHER, CONTINUE, PrefillAdder
 from policies.sglang_defaults import engine_defaults
 from policies.sglang_queue import order_waiting
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.policy import KvMemory, PolicyContext, PrefixSwitch, StretchShape
+from sim.core.policy import EngineKnob, KvMemory, PolicyContext, PrefixSwitch, StretchShape
 from sim.core.radix import RadixCachePool, TokenPool
 from sim.core.request import Request, Status
 
@@ -114,6 +114,13 @@ class SglangPolicy(PolicyBase):
     decode_stretch = True
     # (num_reserved_blocks 0: SGLang's padded slot 0 lies outside the pool's size)
     prefix_switch = PrefixSwitch("disable_radix_cache", on=False)
+    server_knobs = {
+        "block_size": EngineKnob("page_size", "SGLang's --page-size, its KV page in tokens"),
+        "gpu_memory_utilization": EngineKnob("mem_fraction_static", "SGLang's --mem-fraction-static, the share "
+                                                                    "of GPU memory for weights + KV"),
+        "watermark": EngineKnob(None, "SGLang keeps no watermark: its PrefillAdder holds back each running "
+                                      "request's expected outputs (new_token_ratio)"),
+    }
 
     def __init__(self, config: SglangConfig, context: PolicyContext) -> None:
         if config.schedule_policy not in ("fcfs", "lpm"):
@@ -146,6 +153,26 @@ class SglangPolicy(PolicyBase):
         self._num_refresh_calls = 0                # fcfs's LRU refresh counter
         self._num_steps = 0                        # state.num_steps once our last step commits
         self._waiting: Any = ()                    # the queue we last saw
+
+    @staticmethod
+    def unread_knobs(config: SglangConfig) -> dict[str, str]:
+        unread = {}
+        if config.disable_radix_cache and config.schedule_policy == "lpm":
+            unread["schedule_policy"] = ("with disable_radix_cache: lpm sorts by cached prefix, and nothing is "
+                                         "cached, so fcfs runs (as in SGLang)")
+        if config.enable_mixed_chunk and config.chunked_prefill_size == -1:
+            unread["enable_mixed_chunk"] = "with chunked_prefill_size -1: decodes join chunked prefills only"
+        return unread
+
+    def max_request_tokens(self, num_blocks: int, block_size: int) -> int:
+        # PrefillAdder.add_one_req admits a request alone on an empty pool only if its prompt +
+        # min(max_tokens, CLIP_MAX_NEW_TOKENS) + one page < the pool's tokens; prompt + max_tokens
+        # <= pool - page - 1 passes for any split. add_one_req_ignore_eos (ignore_eos, cache off)
+        # also ceils the prompt to pages and keeps one token to spare: pool - 2 pages - 1.
+        pool = num_blocks * block_size
+        if self.config.ignore_eos and self.config.disable_radix_cache:
+            return pool - 2 * block_size - 1
+        return pool - block_size - 1
 
     def stretch_shape(self, running: Sequence[Request], live_context: int, num_live: int,
                       prefilling: Request | None) -> StretchShape | None:

@@ -88,7 +88,7 @@ from policies.tensorrt_llm_rules import (
     reused_chunk,
 )
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.policy import KvMemory, PolicyContext, PrefixSwitch
+from sim.core.policy import EngineKnob, KvMemory, PolicyContext, PrefixSwitch
 from sim.core.prefix import PrefixCachePool
 
 if TYPE_CHECKING:
@@ -128,6 +128,14 @@ class TensorRtLlmPolicy(PolicyBase):
     decode_stretch = True
     # (refuses_by_prompt False: reserved to completion, refused if prompt + max_tokens exceed the pool)
     prefix_switch = PrefixSwitch("enable_block_reuse")
+    server_knobs = {
+        "block_size": EngineKnob("tokens_per_block", "KvCacheConfig's tokens_per_block, its KV page"),
+        "gpu_memory_utilization": EngineKnob("free_gpu_memory_fraction", "KvCacheConfig's free_gpu_memory_fraction, "
+                                                                         "a share of the memory left after weights "
+                                                                         "and activations"),
+        "watermark": EngineKnob(None, "its capacity scheduler reserves to completion (GUARANTEED_NO_EVICT) or "
+                                      "pauses requests (MAX_UTILIZATION)"),
+    }
 
     def __init__(self, config: TensorRtLlmConfig, context: PolicyContext) -> None:
         for name, allowed in (("capacity_scheduler_policy", CAPACITY_POLICIES),
@@ -157,6 +165,11 @@ class TensorRtLlmPolicy(PolicyBase):
             self.decode_stretch = False      # see the class's decode_stretch
 
     stretch_shape = plain_stretch_shape          # its decodes attend over their own contexts; no case (c)
+
+    @staticmethod
+    def unread_knobs(config: TensorRtLlmConfig) -> dict[str, str]:
+        return {} if config.enable_chunked_prefill else {
+            "context_chunking_policy": "without enable_chunked_prefill: nothing is chunked"}
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         if self.capacity == "MAX_UTILIZATION":

@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING, Literal
 
 from policies.base import PolicyBase, batch_or_idle, knob, plain_stretch_shape
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.policy import KvMemory, PolicyContext, PrefixSwitch
+from sim.core.policy import EngineKnob, KvMemory, PolicyContext, PrefixSwitch
 from sim.core.prefix import PrefixCachePool
 from sim.core.request import Request
 
@@ -107,6 +107,13 @@ class TgiPolicy(PolicyBase):
     decode_stretch = True
     num_reserved_blocks = 1        # TGI's block 0, kept for health checks
     prefix_switch = PrefixSwitch("prefix_caching")     # the launcher's name
+    server_knobs = {
+        "block_size": EngineKnob("attention", "TGI's KV page follows its attention: flashinfer 1 token, "
+                                              "flashdecoding 256, paged 16"),
+        "gpu_memory_utilization": EngineKnob(None, "TGI's pool is 0.95 of the memory free after its warm-up "
+                                                   "forward; its --cuda-memory-fraction is not modelled"),
+        "watermark": EngineKnob(None, "TGI reserves prompt + max_new_tokens at admission and never preempts"),
+    }
 
     def __init__(self, config: TgiConfig, context: PolicyContext) -> None:
         if config.attention not in ATTENTIONS:
@@ -128,6 +135,13 @@ class TgiPolicy(PolicyBase):
         self._must_decode = False          # without chunking: a joining prefill just ran
 
     stretch_shape = plain_stretch_shape          # decodes attend over their own contexts; no case (c)
+
+    @staticmethod
+    def unread_knobs(config: TgiConfig) -> dict[str, str]:
+        if not ATTENTIONS.get(config.attention, (0, False))[1]:
+            return {}
+        why = f"with attention {config.attention}, which chunks prefills (TGI's router ignores it too)"
+        return {"waiting_served_ratio": why, "max_waiting_tokens": why}
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         if self.chunking:

@@ -82,6 +82,7 @@ class VllmPolicy(PolicyBase):
     # of what it must compute now, its prompt, exceed the pool above the watermark.
     refuses_by_prompt = True
     chunked_variant = "sarathi"    # vLLM v0 with enable_chunked_prefill: Sarathi-Serve's scheduler
+    server_knobs = {}              # every server field, the watermark too: it is vLLM v0's
 
     def __init__(self, config: VllmConfig, context: PolicyContext) -> None:
         self.config = config

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from policies.base import PolicyBase, config_knobs, knob, plain_stretch_shape
 from policies.vllm import check_budget
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.policy import PolicyContext, PrefixSwitch
+from sim.core.policy import EngineKnob, PolicyContext, PrefixSwitch
 from sim.core.prefix import PrefixCachePool
 from sim.core.request import Status
 
@@ -108,6 +108,9 @@ class VllmV1Policy(PolicyBase):
     # LRU evicts a hit's deepest block first, which keeps the fall within the freed block, but
     # duplicate blocks of one hash break that argument, so that case steps every iteration.
     decode_stretch = True
+    # vLLM v1's block pool keeps no v0 block-manager watermark; its admission watermark is a knob here
+    server_knobs = {"watermark": EngineKnob("watermark", "a share of the pool kept free when admitting while "
+                                                         "requests run")}
     num_reserved_blocks = 1                  # vLLM's null block
     prefix_switch = PrefixSwitch("enable_prefix_caching")
     always_chunks = True                     # chunked prefill: any prompt that fits the context

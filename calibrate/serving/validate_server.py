@@ -139,6 +139,10 @@ def sim_workload(cfg: WorkloadConfig, knobs: dict[str, Any], profile_path: str |
     policy = sim_policy(cfg, knobs, prefix_caching, engine=engine, engine_knobs=engine_knobs)
     server = dict(data.get("server") or {})
     server.update({k: knobs[k] for k in ("num_blocks", "block_size", "max_model_len") if knobs[k] is not None})
+    # A field the engine's policy does not read (its page is a knob of its own) stays out of the workload.
+    from policies import POLICIES
+    unread = POLICIES[policy["kind"]][1].server_knobs
+    server = {k: v for k, v in server.items() if k not in unread}
     data.update(policy=policy, server=server)
     if profile_path is not None:
         data["profile"] = {"path": profile_path}

@@ -22,6 +22,14 @@ class ConfigError(ValueError):
     """Bad user input. The message is one line: file, field, expected, fix."""
 
 
+# The ranges a run can mean, for every field alike: a count (tokens, blocks, requests in a step)
+# fits the int32 columns of the requests table and every server's own limits; a time, span or
+# duration within 1e9 s (31 years) keeps float64 seconds to a tenth of a microsecond (the ulp of
+# 1e9 is 1.2e-7 s), finer than any step: beyond it, 1e300 ms gave 0 ms latencies.
+MAX_COUNT = 2**31 - 1
+MAX_SPAN_S = 1e9
+
+
 class StrictLoader(yaml.SafeLoader):
     """PyYAML's safe loader with two YAML 1.2 habits users expect: ``1e3`` and ``2.5E-6`` are
     numbers (YAML 1.1 wants a dot, ``1.0e3``, and reads ``1e3`` as a string), and a key given

@@ -65,6 +65,17 @@ class PrefixSwitch(NamedTuple):
     on: bool = True
 
 
+class EngineKnob(NamedTuple):
+    """What an engine has in place of a ``server`` field its policy does not read
+    (``Policy.server_knobs``): ``knob``, the policy's own config field that means it
+    (SGLang's ``page_size`` for ``server.block_size``), or None where the engine has no
+    such knob; ``note`` says in a few words what the engine does instead. A workload
+    that sets the field is refused, naming ``knob`` (``policies.config.check_server_fields``)."""
+
+    knob: str | None
+    note: str
+
+
 class PolicyError(RuntimeError):
     """A policy broke the contract below while a run was going on: it made no
     progress, returned an empty batch, or (``sim.loop.stretch.StretchMismatch``)
@@ -119,6 +130,20 @@ class Policy(Protocol):
     step after step, until the chunk that completes the prompt; its
     ``stretch_shape`` says how large that chunk is. Say why beside the flag.
 
+    max_request_tokens(num_blocks, block_size): the most tokens (prompt +
+    max_tokens) of one request this policy can ever schedule, alone, on an
+    empty pool of ``num_blocks`` blocks of ``block_size`` tokens, its budgets
+    and reservations included (SGLang's PrefillAdder wants prompt + max_tokens
+    + one page below the pool). The run refuses at start-up a max_model_len
+    above it, as vLLM refuses one its KV cache cannot hold, so no request that
+    passes the context check waits forever. Default: the whole pool.
+
+    unread_knobs(config): read from the class, before any policy is built:
+    the knobs of ``config`` that its other knobs leave unread, each with the
+    reason ("with attention flashinfer, which chunks prefills"); a workload
+    that sets one gets a warning that it is ignored, as TGI's router warns.
+    Default: none.
+
     stretch_shape(running, live_context, num_live, prefilling): with
     ``decode_stretch``, the shape of the step the policy repeats from here:
     ``running`` is ``state.running``, of which ``num_live`` requests decode,
@@ -159,6 +184,13 @@ class Policy(Protocol):
     #                                true (vllm: sarathi); false keeps this one
     kernel_tables: str             # whose measured kernel tables price it (profile.kernels): vllm, sglang
     #                                or trtllm (sim.cost.aic.ENGINES)
+    server_knobs: Mapping[str, EngineKnob]   # the ``server`` fields it does not read, each with the knob of
+    #                                its own that means it (or none): a workload setting one is refused
+
+    def max_request_tokens(self, num_blocks: int, block_size: int) -> int: ...
+
+    @staticmethod
+    def unread_knobs(config: Any) -> Mapping[str, str]: ...
 
     def knobs(self) -> dict[str, Any]: ...
 

@@ -16,10 +16,10 @@ from typing import Any, Mapping
 import yaml
 
 from policies import POLICIES
-from policies.config import kinds_where, policy_config
+from policies.config import check_server_fields, kinds_where, policy_config
 from workloads.spec import (MAX_TOKEN_COUNT, ArrivalsConfig, LengthsConfig, SessionsConfig, check_arrivals,
                             check_lengths, check_sessions)
-from sim.base.strict import ConfigError, _positive, build, did_you_mean, load_yaml
+from sim.base.strict import MAX_COUNT, MAX_SPAN_S, ConfigError, _positive, build, did_you_mean, load_yaml
 
 __all__ = ["ConfigError", "WorkloadConfig", "load_workload", "load_yaml_mapping", "parse_override",
            "set_dotted", "workload_from_dict"]
@@ -265,9 +265,13 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
         if cfg.max_tokens > MAX_TOKEN_COUNT:
             raise ConfigError(f"{source}: field 'max_tokens' must be at most {MAX_TOKEN_COUNT:,} (a token count), "
                               f"got {cfg.max_tokens:,}")
+    check_server_fields(cfg.policy.kind, data.get("server"), source)
     s = cfg.server
     for name in ("block_size", "max_model_len", "num_blocks"):
         _positive(source, f"server.{name}", getattr(s, name))
+        if getattr(s, name) is not None and getattr(s, name) > MAX_COUNT:
+            raise ConfigError(f"{source}: field 'server.{name}' must be at most {MAX_COUNT:,} (a count), "
+                              f"got {getattr(s, name):,}")
     if not 0 < s.gpu_memory_utilization <= 1:
         raise ConfigError(f"{source}: field 'server.gpu_memory_utilization' must be in (0, 1], "
                           f"got {s.gpu_memory_utilization}")

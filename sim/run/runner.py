@@ -171,13 +171,16 @@ def kv_blocks(cfg: WorkloadConfig, profile: Profile, policy: Policy | None = Non
     if policy is None:
         policy = build_policy(cfg, max_model_len, profile)
     block_size = block_size_of(cfg, policy)
+    page, _ = engine_field(cfg, policy, "block_size")
+    memory, memory_given = engine_field(cfg, policy, "gpu_memory_utilization")
+    more = (f"raise {memory}" if memory else "a larger GPU or profile.tensor_parallel") if s.num_blocks is None \
+        else "raise server.num_blocks"
     if s.num_blocks is not None:
         num_blocks = s.num_blocks
         where = "server.num_blocks"
     else:
         step_tokens = policy.token_budget or DEFAULT_ACTIVATION_TOKENS
         rule = policy.kv_memory or KvMemory(s.gpu_memory_utilization, "total")
-        knob = "server.gpu_memory_utilization" if policy.kv_memory is None else "the policy's memory fraction"
         # Sliding-window layers keep up to a window per running request: reserved for every slot.
         capacity = profile.kv_capacity_tokens(rule.fraction, step_tokens, rule.share_of,
                                               max_num_seqs=policy.max_num_seqs)
@@ -185,19 +188,46 @@ def kv_blocks(cfg: WorkloadConfig, profile: Profile, policy: Policy | None = Non
             report = profile.memory_report(rule.fraction, step_tokens, rule.share_of,
                                            max_num_seqs=policy.max_num_seqs)
             raise ConfigError(
-                f"{cfg.source}: field 'profile': the model's weights do not fit ({report} leaves no room for KV); "
-                f"raise profile.tensor_parallel, pick a larger GPU or raise {knob}")
+                f"{cfg.source}: field '{memory if memory_given else 'profile'}': the model's weights do not fit "
+                f"({report} leaves no room for KV); raise profile.tensor_parallel, pick a larger GPU"
+                + (f" or raise {memory}" if memory else ""))
         num_blocks = capacity // block_size
-        where = "profile"
+        where = memory if memory_given else "profile"
+        if num_blocks == 0 and memory_given:    # a memory share that leaves less than a page
+            raise ConfigError(f"{cfg.source}: field '{memory}': the KV cache it leaves holds {capacity:,} tokens, "
+                              f"less than one page of {block_size:,} ({page}); raise {memory}")
         if num_blocks == 0:                # the pool holds tokens, but not one block of this size
-            raise ConfigError(f"{cfg.source}: field 'server.block_size' ({block_size:,} tokens) is larger than "
-                              f"the whole KV cache ({capacity:,} tokens); use vLLM's block sizes (16, 32)")
+            raise ConfigError(f"{cfg.source}: field '{page}' ({block_size:,} tokens) is larger than "
+                              f"the whole KV cache ({capacity:,} tokens); use a smaller page"
+                              + (" (vLLM's block sizes: 16, 32)" if page == "server.block_size" else ""))
     if num_blocks * block_size < max_model_len:
         raise ConfigError(
             f"{cfg.source}: field '{where}': KV cache holds {num_blocks * block_size} tokens, fewer "
             f"than one request of max_model_len {max_model_len}; set server.max_model_len <= "
-            f"{num_blocks * block_size}, or give the KV cache more memory")
+            f"{num_blocks * block_size}, or give the KV cache more memory ({more})")
+    most = policy.max_request_tokens(num_blocks, block_size)
+    if most < max_model_len:
+        # The policy's own start-up limit (SGLang's page and reservation): a request up to max_model_len
+        # would pass the context check and then wait forever.
+        raise ConfigError(
+            f"{cfg.source}: field '{where}': policy {cfg.policy.kind} can schedule at most {most:,} tokens "
+            f"(prompt + max_tokens) of one request on this KV cache of {num_blocks * block_size:,} tokens "
+            f"({page} {block_size}), fewer than max_model_len {max_model_len:,}, so a request that long "
+            f"would wait forever; set server.max_model_len <= {most:,}, or give the KV cache more memory "
+            f"({more})")
     return num_blocks, max_model_len
+
+
+def engine_field(cfg: WorkloadConfig, policy: Policy, name: str) -> tuple[str | None, bool]:
+    """The field the workload's policy sizes its pool by in place of ``server.<name>``
+    (``Policy.server_knobs``: SGLang's ``policy.page_size`` for ``block_size``), or None where
+    its engine has none; and whether the workload sets it."""
+    if name not in policy.server_knobs:
+        given = cfg.raw.get("server")
+        return f"server.{name}", isinstance(given, dict) and given.get(name) is not None
+    knob = policy.server_knobs[name].knob
+    given = cfg.raw.get("policy")
+    return (None if knob is None else f"policy.{knob}"), isinstance(given, dict) and given.get(knob) is not None
 
 
 def block_size_of(cfg: WorkloadConfig, policy: Policy) -> int:
@@ -369,10 +399,14 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
         env.sync()                          # t = 0 is now, not when the env was built
     _run_env(env, servers, len(requests), progress)
     trim_heap()                             # the pages the loop freed: the summaries' peak comes next
-    unfinished = [r.req_id for s in servers for r in (*s.state.waiting, *s.state.running)]
+    unfinished = [(r, s) for s in servers for r in (*s.state.waiting, *s.state.running)]
     if unfinished:
-        raise PolicyError(f"policy {cfg.policy.kind}: the run stalled with {len(unfinished)} requests unfinished "
-                          f"(first: {unfinished[:5]}): nothing was left to happen but they never ran")
+        r, s = unfinished[0]
+        raise PolicyError(f"policy {cfg.policy.kind}: the run stalled with {len(unfinished)} request(s) unfinished, "
+                          f"first request {r.req_id} ({r.num_prompt_tokens:,} prompt + {r.max_output_tokens:,} "
+                          f"max_tokens tokens, {r.status.name.lower()}, {r.num_computed_tokens:,} computed, on a "
+                          f"pool of {s.state.kv.capacity_tokens:,} tokens): nothing was left to happen but it "
+                          f"never finished")
     num_done = sum(len(s.state.records) for s in servers)
     if num_done != len(specs):
         raise PolicyError(f"policy {cfg.policy.kind}: the run ended with {num_done} of {len(specs)} requests done")

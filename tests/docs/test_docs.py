@@ -99,7 +99,8 @@ def test_the_policy_table_names_every_kind_and_knob() -> None:
     page = (ROOT / "docs" / "policies.md").read_text()
     assert page.count(hooks.MARKER) == 1, "docs/policies.md lost the marker its policy table is built at"
     rendered = hooks.on_page_markdown(page, None, None, None)
-    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)` \|.*$", rendered, re.M)}
+    table = rendered.split("## Server fields under each engine")[0]       # the server fields' table follows
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)` \|.*$", table, re.M)}
     assert list(rows) == list(POLICIES)
     for kind in POLICIES:
         missing = [name for name, _, _ in knob_docs(kind) if f"`{name}` (" not in rows[kind]]
@@ -108,6 +109,24 @@ def test_the_policy_table_names_every_kind_and_knob() -> None:
     assert "| `vllm_v1` | vLLM v1 (the engine of today's vLLM): one token budget, running requests first. |" \
         in rendered
     assert "`max_queue_delay_s` (0.1): a batch launches once its oldest request waited" in rows["dynamic"]
+
+
+def test_the_server_fields_table_names_each_engines_own_knob() -> None:
+    # Built from the policies' server_knobs: a field a policy reads says so, one it does not
+    # names the policy's own knob or says it has none.
+    hooks = load_hooks()
+    page = (ROOT / "docs" / "policies.md").read_text()
+    assert page.count(hooks.SERVER_MARKER) == 1, "docs/policies.md lost the marker of its server fields table"
+    rendered = hooks.on_page_markdown(page, None, None, None)
+    table = rendered.split("## Server fields under each engine")[1].split("\n## ")[0]
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)` \|.*$", table, re.M)}
+    assert list(rows) == list(POLICIES)
+    assert rows["vllm"].count("| read") == 5                    # every server field, the watermark too
+    assert "refused: `policy.page_size`" in rows["sglang"] and "refused: `policy.mem_fraction_static`" in rows["sglang"]
+    assert "refused: `policy.tokens_per_block`" in rows["tensorrt_llm"]
+    assert "refused: `policy.cache_max_entry_count`" in rows["lmdeploy"]
+    assert "refused: `policy.attention`" in rows["tgi"] and "refused: none (TGI's pool" in rows["tgi"]
+    assert "refused: `policy.watermark`" in rows["vllm_v1"] and "refused: none" in rows["orca"]
 
 
 def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:

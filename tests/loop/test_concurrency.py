@@ -183,7 +183,7 @@ def test_cap_is_never_exceeded_and_always_full(tmp_path: Path) -> None:
     # it replaces just out).
     res = run(tmp_path, {"kind": "concurrency", "max_concurrency": 8}, RANDOM, num_requests=300, seed=3,
               policy={"kind": "vllm_v1", "max_num_seqs": 16, "max_num_batched_tokens": 512},
-              server={"max_model_len": 960, "num_blocks": 60, "watermark": 0.0})
+              server={"max_model_len": 960, "num_blocks": 60})       # (vllm_v1 keeps no server.watermark)
     r = res.requests
     assert (r["status"] == "finished").all() and len(r) == 300
     assert res.summary["num_preemptions"] > 0
@@ -272,8 +272,9 @@ def test_bad_values_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, 
 
 # ---- enable_chunked_prefill -------------------------------------------------------------------
 def policy_of(tmp_path: Path, policy: dict[str, Any]) -> Any:
-    return workload_from_dict(workload(tmp_path, {"kind": "poisson", "rate": 5}, RANDOM,
-                                       num_requests=10, policy=policy)).policy
+    # (the server section without the watermark vLLM v0 reads: vllm_v1 refuses server.watermark)
+    return workload_from_dict(workload(tmp_path, {"kind": "poisson", "rate": 5}, RANDOM, num_requests=10,
+                                       policy=policy, server={"max_model_len": 1024, "num_blocks": 256})).policy
 
 
 def test_vllm_with_chunked_prefill_is_sarathi(tmp_path: Path) -> None:

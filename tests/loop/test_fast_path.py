@@ -69,8 +69,7 @@ def _tight(policy: dict, num_tokens: int, **extra) -> dict:
             "arrivals": {"kind": "gamma", "rate": 40.0, "cv": 2.0},
             "lengths": {"kind": "uniform", "prompt_min": 16, "prompt_max": 300,
                         "output_min": 20, "output_max": 400},
-            "policy": policy, "server": {"num_blocks": num_tokens // block_size, "block_size": 16,
-                                         "max_model_len": 1024, **extra},
+            "policy": policy, "server": {"num_blocks": num_tokens // block_size, "max_model_len": 1024, **extra},
             "profile": {"model": "llama-2-7b", "gpu": "a100-80gb"}}
 
 

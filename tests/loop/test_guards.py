@@ -116,3 +116,29 @@ def test_an_empty_batch_or_no_decision_is_refused_with_the_policys_name(cls, wor
     with pytest.raises(PolicyError, match=words):
         simulate([(0.0, 10, 2)], None, policy=cls(POLICIES["vllm"][0](), PolicyContext(512)),
                  profile=linear_profile())
+
+
+class Never(VllmPolicy):
+    """Never schedules anything, and asks to be woken by nothing but an arrival."""
+
+    def schedule(self, state, now_s):
+        return Idle()
+
+
+def test_a_run_left_with_a_request_it_never_ran_names_the_policy_and_the_request() -> None:
+    # The one request (prompt 4,000 + max_tokens 95) waits when the arrivals end: the run stops
+    # with one line naming the policy, the request, its tokens and the pool (256 x 16 = 4,096).
+    import simpy
+
+    from sim.loop.server import SimExecutor
+    from sim.run.config import workload_from_dict
+    from sim.run.runner import build_profile, drive
+    cfg = workload_from_dict({"name": "never", "num_requests": 1, "arrivals": {"kind": "all_at_once"},
+                              "lengths": {"kind": "fixed", "prompt_tokens": 4000, "output_tokens": 95},
+                              "server": {"num_blocks": 256, "max_model_len": 4096}})
+    profile = build_profile(cfg)
+    with pytest.raises(PolicyError, match=r"^policy vllm: the run stalled with 1 request\(s\) unfinished, first request "
+                                          r"0 \(4,000 prompt \+ 95 max_tokens tokens, waiting, 0 computed, on a pool "
+                                          r"of 4,096 tokens\): nothing was left to happen but it never finished$"):
+        drive(cfg, profile, 256, 4096, simpy.Environment(), SimExecutor(profile),
+              policy=Never(cfg.policy, PolicyContext(4096)))

@@ -45,7 +45,7 @@ def workload(tmp: Path, turns: list[tuple[int, int]], sessions: dict[str, Any], 
     return {"name": "sessions", "arrivals": {"kind": "sessions", **arrivals}, "sessions": sessions,
             "lengths": {"kind": "empirical", "path": str(tmp / "turns.csv"), "sample": "sequential"},
             "policy": {"kind": "vllm_v1"},
-            "server": {"max_model_len": 1024, "num_blocks": 256, "block_size": 16, "watermark": 0.0, **server},
+            "server": {"max_model_len": 1024, "num_blocks": 256, "block_size": 16, **server},
             "profile": {"path": str(tmp / "p.yaml")}}
 
 

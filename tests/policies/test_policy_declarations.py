@@ -80,6 +80,39 @@ def test_declarations_exist_with_their_types(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_server_knobs_agree_with_what_sizes_the_pool(kind):
+    # A policy that pages or sizes its pool by a knob of its own (block_size, kv_memory set) does
+    # not read the server field, and says which of its knobs means it; one that reads the field
+    # does not declare it. The knob named is a field of its config; the fields are ServerConfig's.
+    from sim.run.config import ServerConfig
+    from sim.core.policy import EngineKnob
+    cfg_cls, cls = POLICIES[kind]
+    policy = make_policy(cfg_cls(), 4096)
+    knobs = {f.name for f in dataclasses.fields(cfg_cls)}
+    assert set(cls.server_knobs) <= {f.name for f in dataclasses.fields(ServerConfig)}
+    assert ("block_size" in cls.server_knobs) == (policy.block_size is not None)
+    assert ("gpu_memory_utilization" in cls.server_knobs) == (policy.kv_memory is not None)
+    for name, engine_knob in cls.server_knobs.items():
+        assert isinstance(engine_knob, EngineKnob) and engine_knob.note, (kind, name)
+        assert engine_knob.knob is None or engine_knob.knob in knobs, (kind, name)
+    # the watermark is read only by the policies that ask for it (vLLM v0's block manager)
+    assert ("watermark" not in cls.server_knobs) == cls.refuses_by_prompt
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_lone_request_up_to_its_stated_limit_is_scheduled(kind):
+    # max_request_tokens of an empty pool of 256 blocks of 16 = 4,096 tokens: the whole pool but
+    # for SGLang, whose PrefillAdder wants prompt + max_tokens + one page < the pool's tokens:
+    # 4,096 - 16 - 1 = 4,079 (with ignore_eos and no cache: 4,096 - 2 x 16 - 1 = 4,063)
+    policy = make_policy(POLICIES[kind][0](), 4096)
+    assert policy.max_request_tokens(256, 16) == (4079 if kind == "sglang" else 4096)
+    if kind == "sglang":
+        lean = make_policy(POLICIES[kind][0](ignore_eos=True, disable_radix_cache=True), 4096)
+        assert lean.max_request_tokens(256, 16) == 4063
+        assert policy.max_request_tokens(4096, 1) == 4094          # 4,096 - 1 - 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_default_declarations(kind):
     # (token_budget, max_num_seqs, holds_batch) at max_model_len 4096, no profile: the case's
     # ``defaults``, worked out there

@@ -263,12 +263,13 @@ def test_next_batch_max_size_as_queue_rs():
 
 
 # ---- the loop's fast path under the non-default knobs (the CASES runs use the defaults) --------
-def tight(policy: dict, num_blocks: int, block_size: int = 16) -> dict:
-    """Long outputs on a small KV pool (tests/loop/test_fast_path.py's tight workload)."""
+def tight(policy: dict, num_blocks: int) -> dict:
+    """Long outputs on a small KV pool (tests/loop/test_fast_path.py's tight workload), in the
+    policy's own pages (TGI's and LMDeploy's pages are knobs of theirs, not server.block_size)."""
     return {"name": "tight", "seed": 3, "num_requests": 120,
             "arrivals": {"kind": "gamma", "rate": 40.0, "cv": 2.0},
             "lengths": {"kind": "uniform", "prompt_min": 16, "prompt_max": 300, "output_min": 20, "output_max": 400},
-            "policy": policy, "server": {"num_blocks": num_blocks, "block_size": block_size, "max_model_len": 1024},
+            "policy": policy, "server": {"num_blocks": num_blocks, "max_model_len": 1024},
             "profile": {"model": "llama-2-7b", "gpu": "a100-80gb"}}
 
 
