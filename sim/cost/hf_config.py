@@ -3,12 +3,21 @@
 Beyond the dense Llama fields it reads an explicit ``head_dim`` (Qwen3, gpt-oss, Gemma), which
 layers slide (``sliding_layer_count``) and the mixture-of-experts fields (``moe_fields``).
 Qwen3's q_norm / k_norm (implied by model_type qwen3*, no config flag) cost nothing to model
-and are accepted as is. Multi-head latent attention (DeepSeek-V2/V3's ``kv_lora_rank``) is
-refused: its KV cache is a latent vector, not K and V heads.
+and are accepted as is. Mechanisms that change the architecture and that batchsim does not
+model (``UNMODELLED_MECHANISMS``: multi-head latent attention, whose KV cache is a latent vector,
+not K and V heads; linear-attention or state-space layers; ...) are refused by name.
+
+Read strictly: a field batchsim reads must have its type (a boolean is true or false, not the
+string "false"; a count a positive integer), an enumerated value is matched case-insensitively or
+refused, and a key batchsim does not know that is one letter or two away from one it reads, the
+one it reads being absent (``num_key_value_head``), gets a did-you-mean warning: left unread, it
+would quietly mean the default (there: full multi-head attention, 4x the KV cache of 8 KV heads).
 """
 
 from __future__ import annotations
 
+import difflib
+import warnings
 from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from typing import Any
@@ -33,6 +42,78 @@ _PLAIN_ACTS = {"gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_pytho
 # Spellings of the expert count and the routing width across model families.
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token")
+# What a config's fields say about mechanisms batchsim does not model yet (one line each): the one
+# table, which sim.cost.kernels reads too for the configs the kernel tables' wheel bundles.
+UNMODELLED_MECHANISMS = (
+    ("kv_lora_rank", "multi-head latent attention (MLA)"),
+    ("index_topk", "DeepSeek sparse attention (DSA)"),
+    ("compress_ratios", "compressed sparse attention (DeepSeek-V4)"),
+    ("hybrid_override_pattern", "hybrid Mamba2 state-space layers"),
+    ("layers_block_type", "hybrid state-space / linear-attention layers"),
+    ("linear_num_value_heads", "hybrid linear attention (Gated DeltaNet)"),
+    ("block_configs", "per-layer heterogeneous blocks (Nemotron NAS)"),
+    ("interleave_moe_layer_step", "interleaved MoE and chunked-attention layers (Llama 4)"),
+)
+WRAPPER_KEYS = ("text_config", "llm_config")       # a multimodal config's language model
+# layer_types entries: the two batchsim prices (lower case, as transformers writes them).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+_REQUIRED_KEYS = frozenset(k for keys in _HF_FIELDS.values() for k in keys)
+# Every key the importer reads (one set for the did-you-mean check of unknown keys).
+READ_KEYS = frozenset({k for keys in _HF_FIELDS.values() for k in keys} | set(_EXPERT_KEYS) | set(_TOP_K_KEYS) | {
+    "num_key_value_heads", "num_kv_heads", "head_dim", "hidden_act", "activation_function", "mlp", "model_type",
+    "tie_word_embeddings", "rope_theta", "rope_parameters", "sliding_window", "layer_types", "use_sliding_window",
+    "max_window_layers", "sliding_window_pattern", "moe_intermediate_size", "shared_expert_intermediate_size",
+    "n_shared_experts", "first_k_dense_replace", "mlp_only_layers", "decoder_sparse_step", "quantization_config",
+    "name", "_name_or_path"})
+
+
+def unmodelled_mechanism(cfg: Mapping[str, Any]) -> str | None:
+    """The first mechanism of ``cfg`` (or of its wrapped language model) batchsim cannot price."""
+    for inner in (cfg, *(cfg[k] for k in WRAPPER_KEYS if isinstance(cfg.get(k), Mapping))):
+        for key, mechanism in UNMODELLED_MECHANISMS:
+            if inner.get(key) is not None:
+                return mechanism
+        if any("linear" in str(t) or "mamba" in str(t) for t in _as_list(inner.get("layer_types"))):
+            return "hybrid linear attention (Gated DeltaNet)"
+    return None
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def warn_unknown_keys(cfg: Mapping[str, Any], name: str) -> None:
+    """A did-you-mean warning for each key batchsim does not read that is close to one it reads
+    (difflib ratio >= 0.9: a letter or two) while that one is absent: a misspelt field would
+    silently mean its default."""
+    for key in cfg:
+        if not isinstance(key, str) or key in READ_KEYS:
+            continue
+        close = difflib.get_close_matches(key, READ_KEYS, n=1, cutoff=0.9)
+        if close and close[0] not in cfg and close[0] not in _REQUIRED_KEYS:    # (a missing one is refused)
+            warnings.warn(f"model '{name}': config field '{key}' is not one batchsim reads (did you mean "
+                          f"'{close[0]}'?); without it, {close[0]} takes its default", stacklevel=3)
+
+
+def _boolean(cfg: Mapping[str, Any], key: str, name: str, default: bool) -> bool:
+    """A JSON boolean field (null or absent: ``default``); the string "false" is refused, not read as true."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"model '{name}': field '{key}' must be true or false, got {value!r}")
+    return value
+
+
+def _count(cfg: Mapping[str, Any], key: str, name: str, least: int) -> int | None:
+    """An integer field >= ``least`` (None: null or absent)."""
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        what = "a positive integer" if least == 1 else f"an integer >= {least}"
+        raise ValueError(f"model '{name}': field '{key}' must be {what}, got {value!r}")
+    return value
 
 
 def _positive_int(cfg: Mapping[str, Any], key: str, name: str) -> int:
@@ -55,8 +136,8 @@ def _mlp_kind(cfg: Mapping[str, Any], name: str) -> str:
     """batchsim's ``mlp`` key as given, else the kind hidden_act (or OPT's activation_function) implies;
     Gemma's gated GELU MLP (``_GATED_GELU_MODEL_TYPES``) is the gated 3-matrix kind."""
     if "mlp" in cfg:
-        return str(cfg["mlp"])                    # ModelShape checks it is one of MLP_KINDS
-    if str(cfg.get("model_type", "")) in _GATED_GELU_MODEL_TYPES:
+        return str(cfg["mlp"]).lower()            # ModelShape checks it is one of MLP_KINDS
+    if str(cfg.get("model_type", "")).lower() in _GATED_GELU_MODEL_TYPES:
         return "swiglu"
     act = cfg.get("hidden_act", cfg.get("activation_function"))
     if act is None:
@@ -83,25 +164,25 @@ def sliding_layer_count(cfg: Mapping[str, Any], num_layers: int, name: str) -> t
     local (5 local : 1 global for N = 6); otherwise a set ``sliding_window``
     (Mistral v0.1's 4096, Phi-3) slides every layer.
     """
+    types = _layer_types(cfg, num_layers, name)
+    use = cfg.get("use_sliding_window")
+    if use is not None and not isinstance(use, bool):
+        raise ValueError(f"model '{name}': field 'use_sliding_window' must be true or false, got {use!r}")
+    max_window_layers = _count(cfg, "max_window_layers", name, 0)
     window = cfg.get("sliding_window")
     if window is None or window is False:
         return 0, 0
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ValueError(f"model '{name}': field 'sliding_window' must be a positive integer or null, got {window!r}")
-    types = cfg.get("layer_types")
     if types is not None:
-        if not isinstance(types, list) or len(types) != num_layers:
-            raise ValueError(f"model '{name}': field 'layer_types' must list one type per layer "
-                             f"({num_layers}), got {types!r}")
-        count = sum(1 for t in types if t == "sliding_attention")
+        count = types.count("sliding_attention")
         return (window, count) if count else (0, 0)
-    use = cfg.get("use_sliding_window")
     if use is False:
         return 0, 0
-    if use is True and cfg.get("max_window_layers") is not None:
-        count = max(0, num_layers - int(cfg["max_window_layers"]))
+    if use is True and max_window_layers is not None:
+        count = max(0, num_layers - max_window_layers)
         return (window, count) if count else (0, 0)
-    if str(cfg.get("model_type", "")) == "gemma2":
+    if str(cfg.get("model_type", "")).lower() == "gemma2":
         return window, (num_layers + 1) // 2
     pattern = cfg.get("sliding_window_pattern")
     if pattern is not None:
@@ -111,6 +192,22 @@ def sliding_layer_count(cfg: Mapping[str, Any], num_layers: int, name: str) -> t
         count = num_layers - num_layers // pattern        # layer i is global when (i + 1) % pattern == 0
         return (window, count) if count else (0, 0)
     return window, num_layers
+
+
+def _layer_types(cfg: Mapping[str, Any], num_layers: int, name: str) -> list[str] | None:
+    """``layer_types``, one of ``LAYER_TYPES`` per layer (any case), or None when absent."""
+    types = cfg.get("layer_types")
+    if types is None:
+        return None
+    if not isinstance(types, list) or len(types) != num_layers or not all(isinstance(t, str) for t in types):
+        raise ValueError(f"model '{name}': field 'layer_types' must list one type per layer "
+                         f"({num_layers}), got {types!r}")
+    types = [t.lower() for t in types]
+    other = next((t for t in types if t not in LAYER_TYPES), None)
+    if other is not None:
+        raise ValueError(f"model '{name}': field 'layer_types' has layers of type {other!r}, which batchsim does "
+                         f"not model; it prices {' and '.join(LAYER_TYPES)} layers")
+    return types
 
 
 def moe_fields(cfg: Mapping[str, Any], num_layers: int, name: str) -> dict[str, int]:
@@ -135,19 +232,22 @@ def moe_fields(cfg: Mapping[str, Any], num_layers: int, name: str) -> dict[str, 
     out = {"num_experts": num_experts, "num_experts_per_tok": _positive_int(cfg, k_key, name)}
     if cfg.get("moe_intermediate_size") is not None:
         out["moe_intermediate_size"] = _positive_int(cfg, "moe_intermediate_size", name)
-    if cfg.get("shared_expert_intermediate_size"):
-        out["shared_expert_intermediate_size"] = _positive_int(cfg, "shared_expert_intermediate_size", name)
-    elif cfg.get("n_shared_experts"):
+    shared_width, num_shared = (_count(cfg, k, name, 0) for k in ("shared_expert_intermediate_size", "n_shared_experts"))
+    if shared_width:
+        out["shared_expert_intermediate_size"] = shared_width
+    elif num_shared:
         width = out.get("moe_intermediate_size") or _positive_int(cfg, "intermediate_size", name)
-        out["shared_expert_intermediate_size"] = _positive_int(cfg, "n_shared_experts", name) * width
-    if cfg.get("first_k_dense_replace"):
-        out["num_dense_layers"] = _positive_int(cfg, "first_k_dense_replace", name)
+        out["shared_expert_intermediate_size"] = num_shared * width
+    first_dense = _count(cfg, "first_k_dense_replace", name, 0)
+    if first_dense:
+        out["num_dense_layers"] = first_dense
     else:
         only = cfg.get("mlp_only_layers") or []
-        step = cfg.get("decoder_sparse_step") or 1
-        if not isinstance(only, list) or isinstance(step, bool) or not isinstance(step, int) or step < 1:
-            raise ValueError(f"model '{name}': fields 'mlp_only_layers' (a list of layer indices) and "
-                             f"'decoder_sparse_step' (an integer >= 1) got {only!r} and {step!r}")
+        step = _count(cfg, "decoder_sparse_step", name, 1) or 1
+        if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                 and 0 <= i < num_layers for i in only):
+            raise ValueError(f"model '{name}': field 'mlp_only_layers' must list layer indices in [0, "
+                             f"{num_layers}), got {only!r}")
         num_dense = sum(1 for i in range(num_layers) if i in only or (i + 1) % step)
         if num_dense:
             # NOTE: counted as "the first num_dense layers"; which layers they are changes no cost.
@@ -174,15 +274,19 @@ def model_shape_from_hf(cfg: Mapping[str, Any], name: str | None = None) -> Mode
     if not isinstance(cfg, Mapping):
         raise ValueError(f"model '{name}': expected a mapping of config fields, got {type(cfg).__name__}")
     name = name or str(cfg.get("name") or cfg.get("_name_or_path") or "custom")
-    if cfg.get("kv_lora_rank") is not None:
-        raise ValueError(f"model '{name}': field 'kv_lora_rank' means multi-head latent attention (DeepSeek "
-                         f"MLA), whose KV cache batchsim does not model; use a model with K/V heads")
+    mechanism = unmodelled_mechanism(cfg)
+    if mechanism is not None:                   # sim.cost.kernels says it in the same words
+        raise ValueError(f"model {name!r} uses {mechanism}, which batchsim does not model yet")
+    warn_unknown_keys(cfg, name)
     values: dict[str, int] = {}
     for field_name, keys in _HF_FIELDS.items():
         key = next((k for k in keys if k in cfg), None)
         if key is None:
+            close = next((k for k in cfg if isinstance(k, str) and k not in READ_KEYS
+                          and difflib.get_close_matches(k, keys, n=1, cutoff=0.9)), None)
             raise ValueError(f"model '{name}': config field '{keys[0]}' is missing"
-                             + (f" (or '{keys[1]}')" if len(keys) > 1 else ""))
+                             + (f" (or '{keys[1]}')" if len(keys) > 1 else "")
+                             + (f"; the config has '{close}': a typo of it?" if close else ""))
         values[field_name] = _positive_int(cfg, key, name)
     kv_key = next((k for k in ("num_key_value_heads", "num_kv_heads") if cfg.get(k) is not None), None)
     num_kv_heads = _positive_int(cfg, kv_key, name) if kv_key else values["num_heads"]
@@ -190,11 +294,13 @@ def model_shape_from_hf(cfg: Mapping[str, Any], name: str | None = None) -> Mode
     if not isinstance(rope_parameters, Mapping):
         raise ValueError(f"model '{name}': field 'rope_parameters' must be a mapping (rope_theta, rope_type, ...), "
                          f"got {rope_parameters!r}")
-    rope_theta = cfg.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
+    rope_theta = cfg.get("rope_theta")
+    if rope_theta is None:
+        rope_theta = rope_parameters.get("rope_theta", 10000.0)
     head_dim = _positive_int(cfg, "head_dim", name) if cfg.get("head_dim") is not None else 0
     window, num_sliding = sliding_layer_count(cfg, values["num_layers"], name)
     return ModelShape(name=name, num_kv_heads=num_kv_heads, mlp=_mlp_kind(cfg, name),
-                      tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+                      tie_word_embeddings=_boolean(cfg, "tie_word_embeddings", name, True),
                       rope_theta=rope_theta, explicit_head_dim=head_dim, sliding_window=window,
                       num_sliding_layers=num_sliding, **moe_fields(cfg, values["num_layers"], name), **values)
 

@@ -45,6 +45,7 @@ from sim.cost import aic
 from sim.cost.curves import (Curve1D, Curve2D, CurveRepairWarning, MeasuredRange, isotonic, isotonic_grid,
                              repairs_of)
 from sim.cost.aic import KernelsError
+from sim.cost.hf_config import WRAPPER_KEYS as _WRAPPERS, unmodelled_mechanism   # the importer's one table
 from sim.cost.profile import FORMAT_VERSION, Profile, load_profile
 
 KERNEL_SOURCES = ("aiconfigurator",)
@@ -303,18 +304,6 @@ PRESET_IDS = {
     "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1", "gpt-oss-20b": "openai/gpt-oss-20b",
     "gpt-oss-120b": "openai/gpt-oss-120b",
 }
-# What a config's fields say about mechanisms batchsim does not model yet (one line each).
-_MECHANISMS = (
-    ("kv_lora_rank", "multi-head latent attention (MLA)"),
-    ("index_topk", "DeepSeek sparse attention (DSA)"),
-    ("compress_ratios", "compressed sparse attention (DeepSeek-V4)"),
-    ("hybrid_override_pattern", "hybrid Mamba2 state-space layers"),
-    ("layers_block_type", "hybrid state-space / linear-attention layers"),
-    ("linear_num_value_heads", "hybrid linear attention (Gated DeltaNet)"),
-    ("block_configs", "per-layer heterogeneous blocks (Nemotron NAS)"),
-    ("interleave_moe_layer_step", "interleaved MoE and chunked-attention layers (Llama 4)"),
-)
-_WRAPPERS = ("text_config", "llm_config")
 # Presets the wheel bundles no config of: the architecture its graph builder reads them as
 # (Mistral's decoder is Llama's; Qwen3 dense adds the QK norms).
 PRESET_ARCHITECTURES = {
@@ -334,17 +323,6 @@ def preset_hf_config(name: str) -> dict[str, Any]:
             "vocab_size": m.vocab_size, "max_position_embeddings": m.max_position_embeddings,
             "head_dim": m.head_dim, "hidden_act": "silu", "tie_word_embeddings": m.tie_word_embeddings,
             "rope_theta": m.rope_theta}
-
-
-def unmodelled_mechanism(cfg: dict[str, Any]) -> str | None:
-    """The first mechanism of ``cfg`` (or of its wrapped language model) batchsim cannot price."""
-    for inner in (cfg, *(cfg[k] for k in _WRAPPERS if isinstance(cfg.get(k), dict))):
-        for key, mechanism in _MECHANISMS:
-            if inner.get(key) is not None:
-                return mechanism
-        if any("linear" in str(t) or "mamba" in str(t) for t in inner.get("layer_types") or ()):
-            return "hybrid linear attention (Gated DeltaNet)"
-    return None
 
 
 def language_model_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], str | None]:

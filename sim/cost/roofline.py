@@ -106,6 +106,12 @@ class Roofline:
             raise ValueError(f"tensor_parallel must be an integer >= 1, got {t!r}")
         if expert_parallel and not model.is_moe:
             raise ValueError(f"expert parallelism needs a mixture-of-experts model; {model.name} has no experts")
+        if t > model.num_heads:
+            # (before the KV heads are replicated up to t below, which would report a count of the
+            # replication's making, "num_heads 32 is not divisible by num_kv_heads 64")
+            raise ValueError(f"tensor_parallel={t} is more than {model.name}'s {model.num_heads} attention heads "
+                             f"(num_heads): tensor parallelism splits the heads across the GPUs; pick a divisor "
+                             f"of {model.num_heads}")
         if model.num_kv_heads < t and t % model.num_kv_heads == 0:
             # NOTE: vLLM replicates KV heads when TP exceeds them (QKVParallelLinear's
             # num_kv_head_replicas): every GPU holds one head's K and V weights and cache, so

@@ -289,11 +289,14 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
     if cfg.profile.path is not None and clash:
         raise ConfigError(f"{source}: field 'profile' gives both a path and {', '.join(clash)}; a profile "
                           f"file fixes the model and the hardware: keep one of them")
-    _check_precision(cfg.profile, source)
+    cfg = dataclasses.replace(cfg, profile=_check_precision(cfg.profile, source))
     _check_kernels(cfg.profile, source, raw_profile)
     if cfg.slo is not None:
         for name in ("ttft_ms", "tpot_ms", "e2el_ms"):
             _positive(source, f"slo.{name}", getattr(cfg.slo, name))
+            if getattr(cfg.slo, name) is not None and getattr(cfg.slo, name) > MAX_SPAN_S * 1e3:
+                raise ConfigError(f"{source}: field 'slo.{name}' must be at most {MAX_SPAN_S * 1e3:g} ms (31 years), "
+                                  f"got {getattr(cfg.slo, name):g}")
     return cfg
 
 
@@ -314,18 +317,23 @@ def _check_kernels(p: ProfileConfig, source: str, raw: dict[str, Any]) -> None:
                               f"got {p.engine_version!r}")
 
 
-def _check_precision(p: ProfileConfig, source: str) -> None:
-    """profile.dtype, weight_dtype and kv_cache_dtype name formats sim.cost.precision knows."""
+def _check_precision(p: ProfileConfig, source: str) -> ProfileConfig:
+    """profile.dtype, weight_dtype and kv_cache_dtype name formats sim.cost.precision knows, in
+    any case; returned in lower case, the one spelling everything downstream compares (MXFP4
+    against a checkpoint's stated mxfp4 once quantized every linear layer, not only the experts)."""
     from sim.cost.precision import ACTIVATION_DTYPES, KV_CACHE_DTYPES, WEIGHT_DTYPES
     for name, value, allowed in (("dtype", p.dtype, tuple(ACTIVATION_DTYPES)),
                                  ("weight_dtype", p.weight_dtype, WEIGHT_DTYPES),
                                  ("kv_cache_dtype", p.kv_cache_dtype, KV_CACHE_DTYPES)):
         if value is not None and str(value).lower() not in allowed:
             raise ConfigError(f"{source}: field 'profile.{name}' is {value!r}; expected one of {', '.join(allowed)}")
-    if p.weight_dtype is not None and p.weight_dtype.lower() in ACTIVATION_DTYPES and p.weight_dtype.lower() != p.dtype:
+    p = dataclasses.replace(p, **{name: getattr(p, name).lower() for name in ("dtype", "weight_dtype", "kv_cache_dtype")
+                                  if getattr(p, name) is not None})
+    if p.weight_dtype is not None and p.weight_dtype in ACTIVATION_DTYPES and p.weight_dtype != p.dtype:
         raise ConfigError(f"{source}: field 'profile.weight_dtype' is {p.weight_dtype!r} but profile.dtype is "
                           f"{p.dtype!r}; unquantized weights are stored in dtype: set dtype: {p.weight_dtype} "
                           f"(or a quantized weight_dtype: fp8, nvfp4, mxfp4)")
+    return p
 
 
 def _check_name(name: str, source: str) -> None:

@@ -310,6 +310,45 @@ def test_configs_batchsim_cannot_cost_are_refused_by_field(change: dict, words: 
         preset_profile(cfg, "h200")
 
 
+def test_a_config_is_read_strictly_and_its_reading_otherwise_unchanged() -> None:
+    # Typed fields: a string "false" is no boolean (bool("false") was True: a tied 151,936 x 5,120
+    # embedding, 0.8 GB too few); decoder_sparse_step 0 is no step (it was read as 1).
+    qwen = config("Qwen3-32B")
+    with pytest.raises(ValueError, match=r"field 'tie_word_embeddings' must be true or false, got 'false'"):
+        model_shape_from_hf({**qwen, "tie_word_embeddings": "false"}, "q")
+    with pytest.raises(ValueError, match=r"field 'decoder_sparse_step' must be a positive integer, got 0"):
+        model_shape_from_hf({**config("Qwen3-30B-A3B"), "decoder_sparse_step": 0}, "q")
+    # linear-attention layers are a mechanism, named as sim.cost.kernels names it; other types are refused
+    with pytest.raises(ValueError, match=r"model 'q' uses hybrid linear attention \(Gated DeltaNet\), which batchsim "
+                                         r"does not model yet"):
+        model_shape_from_hf({**qwen, "layer_types": ["linear_attention", "full_attention"] * 32}, "q")
+    with pytest.raises(ValueError, match=r"layers of type 'chunked_attention'"):
+        model_shape_from_hf({**qwen, "layer_types": ["chunked_attention"] * 64}, "q")
+    # names in any case mean what they mean in lower case
+    same = model_shape_from_hf({**qwen, "hidden_act": "SiLU", "layer_types": ["Full_Attention"] * 64}, "q")
+    assert same == model_shape_from_hf(qwen, "q")
+    # layer_types of 5 sliding layers and 1 full (Gemma 3's pattern), window 1024: 5 sliding layers
+    gemma = {**config("Qwen3-32B"), "num_hidden_layers": 6, "sliding_window": 1024,
+             "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+    assert (model_shape_from_hf(gemma, "g").sliding_window, model_shape_from_hf(gemma, "g").num_sliding_layers) == (1024, 5)
+
+
+def test_a_misspelt_key_warns_did_you_mean_and_a_missing_one_says_which_it_may_be() -> None:
+    # num_key_value_head (no s) left unread meant 64 KV heads, not 8: 8x the KV cache, in silence
+    qwen = {k: v for k, v in config("Qwen3-32B").items() if k != "num_key_value_heads"}
+    with pytest.warns(UserWarning, match=r"config field 'num_key_value_head' is not one batchsim reads \(did you "
+                                         r"mean 'num_key_value_heads'\?\)"):
+        shape = model_shape_from_hf({**qwen, "num_key_value_head": 8}, "q")
+    assert shape.num_kv_heads == 64                       # the default it warned of: one KV head per head
+    with pytest.raises(ValueError, match=r"config field 'num_hidden_layers' is missing \(or 'num_layers'\); the config "
+                                         r"has 'num_hidden_layer': a typo of it\?"):
+        model_shape_from_hf({**{k: v for k, v in qwen.items() if k != "num_hidden_layers"}, "num_hidden_layer": 64}, "q")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                     # no warning where the read key is there too
+        model_shape_from_hf({**config("Qwen3-32B"), "num_key_value_head": 8}, "q")
+
+
 def test_a_workload_sets_precisions_and_expert_parallel(tmp_path, capsys) -> None:
     (tmp_path / "w.yaml").write_text(
         "name: t\nnum_requests: 12\narrivals: {kind: poisson, rate: 4}\n"
