@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim.base.strict import ConfigError
-from workloads.spec import MAX_TOKEN_COUNT, Traffic, num_turns_range
+from workloads.spec import MAX_SPAN_S, MAX_TOKEN_COUNT, Traffic, num_turns_range
 from workloads.traces import TraceData, load_sessions, load_trace
 
 
@@ -326,6 +326,10 @@ def _trace(cfg: Traffic) -> RequestSpecs:
         raise ConfigError(f"{cfg.source}: field 'arrivals.start_s' ({a.start_s}) is past the "
                           f"trace's last arrival")
     t = t * a.time_scale / a.rate_scale
+    if len(t) and float(t[-1]) > MAX_SPAN_S:
+        raise ConfigError(f"{cfg.source}: fields 'arrivals.repeat', 'arrivals.time_scale' and 'arrivals.rate_scale' "
+                          f"({a.repeat:,}, {a.time_scale:g}, {a.rate_scale:g}) replay the trace over {float(t[-1]):.3g} "
+                          f"s, past the {MAX_SPAN_S:g} s (31 years) a run can span; replay fewer copies or faster")
     if cfg.num_requests is not None:               # the rate below is the replayed sample's
         n = cfg.num_requests
         if n > len(t):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from sim.base.strict import ConfigError, _positive, _require, did_you_mean
+from sim.base.strict import MAX_COUNT, MAX_SPAN_S, ConfigError, _positive, _require, did_you_mean
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +139,14 @@ def check_arrivals(a: ArrivalsConfig, src: str) -> None:
     if not MIN_CV <= a.cv <= MAX_CV:        # gamma shape 1/cv^2: 1e-300 divides by zero, 1e6 is one burst
         raise ConfigError(f"{src}: field 'arrivals.cv' must be in [{MIN_CV:g}, {MAX_CV:g}] (the gaps' coefficient "
                           f"of variation: 1 is Poisson, < 1 more regular, > 1 burstier), got {a.cv:g}")
+    for name in ("time_scale", "rate_scale"):
+        if not MIN_SCALE <= getattr(a, name) <= MAX_SCALE:
+            raise ConfigError(f"{src}: field 'arrivals.{name}' must be in [{MIN_SCALE:g}, {MAX_SCALE:g}] (a factor on "
+                              f"the trace's times or rate), got {getattr(a, name):g}")
     _positive(src, "arrivals.start_s", a.start_s, allow_zero=True)
+    if a.start_s > MAX_SPAN_S:
+        raise ConfigError(f"{src}: field 'arrivals.start_s' must be at most {MAX_SPAN_S:g} s (31 years), "
+                          f"got {a.start_s:g}")
     _positive(src, "arrivals.repeat", a.repeat)
     if a.time_unit not in TIME_UNITS:
         raise ConfigError(f"{src}: field 'arrivals.time_unit' must be one of {', '.join(TIME_UNITS[1:])}, "
@@ -185,7 +192,8 @@ TIME_UNITS = (None, "s", "ms", "us", "ns", "datetime")
 MIN_CV, MAX_CV = 0.001, 100.0
 MIN_RATE, MAX_RATE = 1e-6, 1e6        # requests per second: one in 11 days .. a million a second
 MAX_THINK_S = 1e6
-MAX_TOKEN_COUNT = 2**31 - 1           # as traces hold token counts
+MAX_TOKEN_COUNT = MAX_COUNT           # as traces hold token counts
+MIN_SCALE, MAX_SCALE = 1e-6, 1e6      # a trace's time_scale and rate_scale
 
 
 def _check_columns(columns: dict[str, str] | None, name: str, roles: tuple[str, ...], src: str) -> None:
@@ -215,6 +223,11 @@ def check_lengths(ln: LengthsConfig, src: str) -> None:
     for name in ("prompt_tokens", "output_tokens", "prompt_min", "prompt_max", "output_min",
                  "output_max", "prompt_mean", "output_mean", "sigma", "alpha"):
         _positive(src, f"lengths.{name}", getattr(ln, name))
+    for name in ("prompt_tokens", "output_tokens", "prompt_min", "prompt_max", "output_min", "output_max",
+                 "prompt_mean", "output_mean"):
+        if getattr(ln, name) is not None and getattr(ln, name) > MAX_TOKEN_COUNT:    # 1e15 overflowed int32
+            raise ConfigError(f"{src}: field 'lengths.{name}' must be at most {MAX_TOKEN_COUNT:,} (a token count), "
+                              f"got {getattr(ln, name):,}")
     for lo, hi in (("prompt_min", "prompt_max"), ("output_min", "output_max")):
         if getattr(ln, hi) is not None and getattr(ln, hi) < getattr(ln, lo):
             raise ConfigError(f"{src}: field 'lengths.{hi}' ({getattr(ln, hi)}) must be >= "

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sim.base.strict import ConfigError
+from sim.base.strict import MAX_COUNT, MAX_SPAN_S, ConfigError
 
 ALIASES: dict[str, tuple[str, ...]] = {
     "arrival": ("arrival_time_s", "timestamp", "arrived_at", "arrival_time", "arrival_s",
@@ -105,13 +105,31 @@ def _read_json(path: Path, text: str) -> pd.DataFrame:
                     raise ConfigError(f"{path}: line {number}: cannot parse as JSON: {exc.msg} "
                                       f"(column {exc.colno})") from None
                 where.append(f"line {number}")
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+    if not isinstance(rows, list):
         raise ConfigError(f"{path}: expected JSON objects, one per request (JSON lines, or an array of "
                           f"objects), with an arrival time and token counts")
+    if not rows:
+        raise ConfigError(f"{path}: the file holds no requests (expected JSON objects, one per request: JSON "
+                          f"lines, or an array of objects)")
+    bad = next((k for k, r in enumerate(rows) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise ConfigError(f"{path}: {where[bad]}: expected a JSON object (one request: an arrival time and token "
+                          f"counts), got {_json_kind(rows[bad])}")
     df = pd.DataFrame(rows)
     _unique_names(path, [str(c) for c in df.columns])
     df.attrs["where"] = where
     return df
+
+
+def _json_kind(value: object) -> str:
+    """'an array', 'null', 'the number 3', ...: a JSON value that is not an object, in words."""
+    if value is None:
+        return "null"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, bool):
+        return f"{str(value).lower()}"
+    return f"the {'string' if isinstance(value, str) else 'number'} {json.dumps(value)[:40]}"
 
 
 def _unique_names(path: Path, names: list[str]) -> None:
@@ -211,7 +229,7 @@ def _find(df: pd.DataFrame, role: str, given: dict[str, str] | None, path: Path,
     return None
 
 
-MAX_TOKENS = 2**31 - 1
+MAX_TOKENS = MAX_COUNT
 
 
 def _no_booleans(df: pd.DataFrame, col: str, path: Path, what: str) -> None:
@@ -343,7 +361,7 @@ def _datetimes_s(raw: pd.Series, col: str, path: Path, df: pd.DataFrame) -> np.n
         bad = parsed.isna()
         if not bad.any():
             ns = parsed.dt.as_unit("ns").astype("int64").to_numpy()    # any resolution, as nanoseconds
-            return (ns - ns.min()) / 1e9
+            return _within_span((ns - ns.min()) / 1e9, col, path, df)
     row = int(np.flatnonzero(bad.to_numpy())[0])
     raise ConfigError(f"{path}: column '{col}' {_where(df, row)}: cannot parse timestamp {raw.iloc[row]!r} "
                       f"(expected ISO 8601 like 2024-05-10 00:00:01.5+00:00, the format of the first row "
@@ -366,8 +384,20 @@ def _times(df: pd.DataFrame, col: str, unit: str | None, path: Path, relative_ms
         raise ConfigError(f"{path}: column '{col}' {_where(df, row)}: expected a finite number, "
                           f"got {_shown(raw.iloc[row])}")
     t = numeric.to_numpy(dtype=np.float64)
-    t = t * UNIT_SECONDS[unit or numeric_unit(t, relative_ms)]
-    return t - t.min()
+    unit = unit or numeric_unit(t, relative_ms)
+    t = t * UNIT_SECONDS[unit]
+    return _within_span(t - t.min(), col, path, df, f" (read as {unit})")
+
+
+def _within_span(t: np.ndarray, col: str, path: Path, df: pd.DataFrame, unit: str = "") -> np.ndarray:
+    """``t``, seconds from the trace's first arrival, if no arrival lies more than ``MAX_SPAN_S``
+    after the first; else an error naming the row (a timestamp of 1e300 ms ran as a 1e297 s trace)."""
+    if len(t) and float(t.max()) > MAX_SPAN_S:
+        row = int(np.argmax(t))
+        raise ConfigError(f"{path}: column '{col}' {_where(df, row)}: {_shown(df[col].iloc[row])}{unit} arrives "
+                          f"{float(t[row]):.3g} s after the first request, past the {MAX_SPAN_S:g} s (31 years) a run "
+                          f"can span; check the value (or arrivals.time_unit)")
+    return t
 
 
 def load_trace(path: Path, *, need_arrivals: bool, columns: dict[str, str] | None = None,

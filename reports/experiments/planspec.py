@@ -45,6 +45,7 @@ from reports.experiments.capacity import SearchSettings
 from reports.experiments.spec import (apply_set, check_keys, check_runnable, fail, file_name, free_folder,
                                       holds_other, load_base, out_dir, positive_int, split_overrides,
                                       validate_run_settings, within)
+from sim.base.strict import did_you_mean
 from sim.run.config import ConfigError, Slo, load_yaml_mapping, set_dotted, workload_from_dict
 from workloads.spec import MAX_RATE, MIN_RATE
 from sim.results.folder import folder_kind, refuse_foreign
@@ -247,6 +248,9 @@ def _default_price(source: Path, where: str, profile: dict, base_dir: Path) -> t
         except ProfileError:
             gpu = None                   # the workload check names the bad file
     spec = GPU_PRESETS.get(str(gpu).lower()) if gpu is not None else None
+    if spec is None and profile.get("path") is None:     # a typo, not a GPU without a price
+        raise fail(source, f"{where}.profile.gpu", f"is {gpu!r}, not a GPU preset"
+                   + did_you_mean(str(gpu).lower(), list(GPU_PRESETS)), f"one of {', '.join(GPU_PRESETS)}")
     if spec is None or spec.price_per_gpu_hour is None:
         raise fail(source, f"{where}.price_per_gpu_hour", f"is missing and GPU {gpu!r} has no preset price",
                    "give price_per_gpu_hour: N ($ per GPU-hour)")

@@ -119,7 +119,7 @@ def apply_set(source: Path, raw: dict[str, Any], overrides: Any, field: str = "s
         raise fail(source, field, f"must be a mapping of dotted key -> value, got {overrides!r}",
                    f"{field}: {{num_requests: 400}}")
     for key, value in overrides.items():
-        raw = set_dotted(raw, str(key), value)
+        raw = set_dotted(raw, str(key), value, f"{source} ({field}: {key})")
     return raw
 
 
@@ -398,7 +398,7 @@ def expand(spec: SweepSpec) -> list[RunTask]:
             if key in RUN_KEYS:
                 run_settings[key] = value
             else:
-                raw = set_dotted(raw, key, value)
+                raw = set_dotted(raw, key, value, where)
         validate_run_settings(where, run_settings["num_replicas"], run_settings["router"])
         cfg = workload_from_dict(raw, where, spec.base_path.parent)
         check_runnable(cfg, checked)

@@ -257,6 +257,9 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
     _positive(source, "seed", cfg.seed, allow_zero=True)
     _positive(source, "num_requests", cfg.num_requests)
     _positive(source, "duration_s", cfg.duration_s)
+    if cfg.duration_s is not None and cfg.duration_s > MAX_SPAN_S:
+        raise ConfigError(f"{source}: field 'duration_s' must be at most {MAX_SPAN_S:g} s (31 years), "
+                          f"got {cfg.duration_s:g}")
     if isinstance(cfg.max_tokens, str) and cfg.max_tokens not in ("output", "context"):
         raise ConfigError(f"{source}: field 'max_tokens' must be output, context or an integer, "
                           f"got {cfg.max_tokens!r}")
@@ -384,20 +387,48 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def set_dotted(data: Mapping[str, Any], key: str, value: Any) -> dict[str, Any]:
-    """A copy of ``data`` with the dotted ``key`` set to ``value``."""
+def set_dotted(data: Mapping[str, Any], key: str, value: Any, source: str = "<workload>") -> dict[str, Any]:
+    """A copy of ``data`` with the dotted ``key`` set to ``value``. A part of the key that holds
+    a value rather than a mapping (``profile.model.hidden_size`` with ``model: llama-3.1-8b``) is
+    a ConfigError naming ``source``: replacing the value by a mapping of one field would change
+    what it names (a preset became a custom shape of one field)."""
     out = dict(data)
     parts = key.split(".")
     node = out
-    for part in parts[:-1]:
+    for depth, part in enumerate(parts[:-1]):
         child = node.get(part)
-        if isinstance(child, str) and part == "policy":
+        if isinstance(child, str) and part == "policy" and depth == 0:
             child = {"kind": child}
+        default = _default_at(parts[:depth + 1]) if child is None else None
+        if (child is not None and not isinstance(child, dict)) or isinstance(default, str):
+            prefix = ".".join(parts[:depth + 1])
+            shown = f"{child!r}" if child is not None else f"{default!r} (its default)"
+            raise ConfigError(f"{source}: field '{key}' cannot be set: '{prefix}' is {shown}, a value, not a "
+                              f"mapping of fields; set '{prefix}' as a whole")
         child = dict(child) if isinstance(child, dict) else {}
         node[part] = child
         node = child
     node[parts[-1]] = value
     return out
+
+
+def _default_at(parts: list[str]) -> Any:
+    """The default of the workload field ``parts`` names (``["profile", "model"]``: the preset
+    llama-3.1-8b), through the section dataclasses; None where there is none."""
+    cls: Any = WorkloadConfig
+    value: Any = None
+    for part in parts:
+        f = next((f for f in dataclasses.fields(cls) if f.name == part), None) if dataclasses.is_dataclass(cls) else None
+        if f is None:
+            return None
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            return None
+        cls = type(value)
+    return value
 
 
 def load_workload(path: str | Path, overrides: Mapping[str, Any] | None = None) -> WorkloadConfig:
@@ -406,7 +437,7 @@ def load_workload(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     for key, value in (overrides or {}).items():
         if isinstance(value, str):
             _, value = parse_override(f"{key}={value}")
-        data = set_dotted(data, key, value)
+        data = set_dotted(data, key, value, f"{path} (--set {key}={value})")
     try:
         return workload_from_dict(data, str(path), Path(path).resolve().parent)
     except ConfigError as exc:          # a field an override set: say so, the file does not hold it

@@ -221,8 +221,8 @@ def test_json_errors_name_the_line(tmp_path):
     p.write_text('{"timestamp": 0, "input_length": 5}\n{"timestamp": 1, oops}\n')
     with pytest.raises(ConfigError, match=r"bad.jsonl: line 2: cannot parse as JSON"):
         load_trace(p, need_arrivals=True)
-    p.write_text("[1, 2, 3]")
-    with pytest.raises(ConfigError, match="expected JSON objects, one per request"):
+    p.write_text("[1, 2, 3]")                       # an array, but of numbers: its first item is named
+    with pytest.raises(ConfigError, match=r"bad.jsonl: item 1: expected a JSON object \(one request.*got the number 1"):
         load_trace(p, need_arrivals=True)
 
 
