@@ -106,6 +106,26 @@ def test_every_variant_is_validated_before_any_run(tmp_path: Path, vary: dict, m
     assert not NEVER_CALLED and not (tmp_path / "out" / "results.csv").exists()
 
 
+def test_each_engines_switch_turns_its_cache_off_in_a_sweep(tmp_path: Path) -> None:
+    # Prompts of one 512-token prefix and a 64-token suffix: with the cache on every later request
+    # hits; each engine's own switch turns it off in a sweep as in a run (no hit, no cache columns),
+    # while vLLM's flag varied over the kinds is refused at the kind that names it otherwise.
+    lengths = {"kind": "prefix_repetition", "prefix_len": 512, "suffix_len": 64, "num_prefixes": 1, "output_len": 8}
+    base = {**WORKLOAD, "lengths": lengths}
+    off = [{"kind": "vllm_v1", "enable_prefix_caching": False}, {"kind": "sglang", "disable_radix_cache": True},
+           {"kind": "tensorrt_llm", "enable_block_reuse": False}]
+    for task in expand(parse_sweep(write_files(tmp_path, {"vary": {"policy": off}}, base), out=tmp_path / "out")):
+        row = run_task(task)
+        assert not row.get("prefix_cache_hits"), (task.values, row.get("prefix_cache_hits"))
+    on = expand(parse_sweep(write_files(tmp_path, {"vary": {"policy.kind": ["vllm_v1", "sglang", "tensorrt_llm"]}},
+                                        base), out=tmp_path / "out2"))
+    assert all(run_task(task)["prefix_cache_hits"] > 0 for task in on)
+    with pytest.raises(ConfigError, match=r"\[run policy.kind=\"sglang\"\]: field 'policy.enable_prefix_caching': "
+                                          r"policy sglang names it 'policy.disable_radix_cache'"):
+        expand(parse_sweep(write_files(tmp_path, {"vary": {"policy.kind": ["vllm_v1", "sglang"]}},
+                                       {**base, "policy": off[0]}), out=tmp_path / "out3"))
+
+
 def test_what_fails_before_any_run_writes_nothing(tmp_path: Path, capsys) -> None:
     # a malformed trace in the base workload is read once, before the output folder exists
     (tmp_path / "tr.csv").write_text("arrival_time_s,prompt_tokens,output_tokens\n0,10,5\n1,abc,5\n")
