@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import numpy as np
 
@@ -24,7 +23,7 @@ from sim.cost import aic
 from sim.cost.kernels import HOST_TERMS, HostTerms, KernelSpec, host_terms, kernel_profile
 from sim.cost.profile import Profile
 
-POLICIES = {"vllm": "vllm_v1", "sglang": "sglang", "tensorrt-llm": "tensorrt_llm"}
+POLICIES = ps.POLICY_OF
 TABLES = {"vllm": "vllm", "sglang": "sglang", "tensorrt-llm": "trtllm"}
 # "other:b300" is the B300 HGX board (SXM) where a source gives no variant; Hopper unnamed stays out.
 GPU_ASSUMED = {**ps.GPU_ASSUMED, "other:b300": "b300-sxm"}

@@ -131,7 +131,7 @@ def normalise(index: int, r: dict[str, str], engines: tuple[str, ...] = ("vllm",
     GPU prefixes and model ids mapped (default ``GPU_ASSUMED``, ``MODEL_PRESETS_BY_ID``)."""
     engine = r["engine"].strip()
     if engine not in engines:
-        return None, f"engine {engine} (replayed under {', '.join(engines)} only)"
+        return None, f"engine {engine} (replayed under {', '.join(POLICY_OF.get(e, e) for e in engines)} only)"
     if engine == "vllm" and not _version_ok(r["engine_version"]):
         return None, "vLLM older than 0.10 or version unknown"
     gpu_raw = r["gpu"].strip()
@@ -240,6 +240,8 @@ def workload(row: ServingRow, profile_spec: dict[str, Any], policy_kind: str = "
             "policy": policy, "server": server, "profile": profile_spec}
 
 
+# The policy a published engine's runs replay under.
+POLICY_OF = {"vllm": "vllm_v1", "sglang": "sglang", "tensorrt-llm": "tensorrt_llm"}
 PREFIX_CACHE_OFF = {"vllm_v1": {"enable_prefix_caching": False}, "sglang": {"disable_radix_cache": True},
                     "tensorrt_llm": {"enable_block_reuse": False}}
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator

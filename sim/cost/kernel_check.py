@@ -165,7 +165,7 @@ def lm_head_rows_wheel(kind: str, shape: tuple[int, ...], moe_context: bool) -> 
 def check(profile: Profile, tables: Any, count: int = 200, seed: int = 0) -> list[Checked]:
     """``profile`` (the tables only: no host terms) against the wheel on ``count`` random shapes."""
     from sim.cost.aic import quiet
-    from sim.cost.kernels import MS, _feasible_prefill
+    from sim.cost.kernel_grids import MS, _feasible_prefill
     rng = np.random.default_rng(seed)
     moe_context = not tables._context["lm_head"]
     context = profile.model.max_position_embeddings

@@ -36,8 +36,9 @@ class ServerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ProfileConfig:
-    # A preset name (sim.cost.presets.MODEL_PRESETS), an HF config.json's fields, or the path
-    # of a config.json file (relative to the workload file; any name ending in .json).
+    # A preset name (sim.cost.presets.MODEL_PRESETS), an HF config.json's fields, the path of a
+    # config.json file (relative to the workload file; any name ending in .json), or a Hugging Face
+    # id among the configs the aiconfigurator-core wheel bundles (the kernels extra: Qwen/Qwen3-32B).
     model: str | dict[str, Any] = "llama-3.1-8b"
     gpu: str = "h100-sxm"
     tensor_parallel: int = 1
@@ -48,7 +49,9 @@ class ProfileConfig:
     kv_cache_dtype: str | None = None    # vLLM's --kv-cache-dtype: auto (dtype), fp8, fp8_e4m3, fp8_e5m2
     enable_expert_parallel: bool = False  # vLLM's --enable-expert-parallel (EP degree = tensor_parallel)
     # The serving engine generation whose host work the analytic preset charges
-    # (sim.cost.collectives.ENGINES: vllm-v0 fitted on public runs; vllm-v1, vllm-v1-async).
+    # (sim.cost.collectives.ENGINES: vllm-v0 fitted on public runs; vllm-v1, vllm-v1-async). With
+    # kernels on vLLM's tables, vllm-v1-async picks vLLM's async host terms, anything else its
+    # synchronous loop's (sim.cost.kernels.host_terms).
     engine: str = "vllm-v0"
     path: str | None = None              # a profile file; overrides model/gpu
     # Step costs from measured CUDA kernel tables (sim.cost.kernels): "aiconfigurator" (the
