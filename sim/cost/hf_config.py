@@ -43,7 +43,7 @@ _PLAIN_ACTS = {"gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_pytho
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token")
 # What a config's fields say about mechanisms batchsim does not model yet (one line each): the one
-# table, which sim.cost.kernels reads too for the configs the kernel tables' wheel bundles.
+# table, which sim.cost.kernel_models reads too for the configs the kernel tables' wheel bundles.
 UNMODELLED_MECHANISMS = (
     ("kv_lora_rank", "multi-head latent attention (MLA)"),
     ("index_topk", "DeepSeek sparse attention (DSA)"),
@@ -275,7 +275,7 @@ def model_shape_from_hf(cfg: Mapping[str, Any], name: str | None = None) -> Mode
         raise ValueError(f"model '{name}': expected a mapping of config fields, got {type(cfg).__name__}")
     name = name or str(cfg.get("name") or cfg.get("_name_or_path") or "custom")
     mechanism = unmodelled_mechanism(cfg)
-    if mechanism is not None:                   # sim.cost.kernels says it in the same words
+    if mechanism is not None:                   # sim.cost.kernel_models says it in the same words
         raise ValueError(f"model {name!r} uses {mechanism}, which batchsim does not model yet")
     warn_unknown_keys(cfg, name)
     values: dict[str, int] = {}
