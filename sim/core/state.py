@@ -41,6 +41,7 @@ class SchedulerState:
         self.num_rejected = 0
         self.num_cut_short = 0
         self.num_preemptions = 0
+        self.num_admissions = 0              # admit() calls: a resumed request counts again
         self.num_steps = 0                  # steps committed, a stretch's included (a policy's own clock)
         self._true_output: dict[int, int] = {}
         # The true output length of each request in flight, for the simulator's own
@@ -128,6 +129,7 @@ class SchedulerState:
         if req.first_scheduled_s is None:
             req.first_scheduled_s = now_s
         self.running.append(req)
+        self.num_admissions += 1
 
     def preempt(self, req: Request) -> None:
         """Evict ``req`` by recompute: free its KV, put it at the queue's front."""

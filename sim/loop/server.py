@@ -182,7 +182,7 @@ class Server:
         guard = ProgressGuard(policy)
         name = type(policy).__name__
         while True:
-            num_preempted = state.num_preemptions
+            num_preempted, num_admitted = state.num_preemptions, state.num_admissions
             decision = policy.schedule(state, now_s)
             if on_finish is not None and state.finished_ids:
                 on_finish(now_s, state.take_finished_ids())                # cut short (SchedulerState.cut_short)
@@ -234,8 +234,11 @@ class Server:
                 self._sample_cache(end_s)
             # (Only after a step that did not yield: nothing has arrived since it was chosen.)
             if stretch and coalesced:
-                now_s = yield from run_decode_stretch(self, decision, state.num_preemptions != num_preempted,
-                                                      now_s, env.peek(), chain=on_finish is None)
+                # A step that admitted someone may look like a decode step (a prompt found cached
+                # but one token computes one token): it is no evidence that the next step repeats.
+                changed = state.num_preemptions != num_preempted or state.num_admissions != num_admitted
+                now_s = yield from run_decode_stretch(self, decision, changed, now_s, env.peek(),
+                                                      chain=on_finish is None)
                 if on_finish is not None and state.finished_ids:
                     on_finish(now_s, state.take_finished_ids())
                 if self.cache_samples is not None:

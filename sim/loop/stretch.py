@@ -105,10 +105,10 @@ class Host(Protocol):
     num_stretch_steps_checked: int
 
 
-def run_decode_stretch(server: Host, batch: Batch, preempted: bool, now_s: float, horizon_s: float,
+def run_decode_stretch(server: Host, batch: Batch, changed: bool, now_s: float, horizon_s: float,
                        chain: bool) -> Generator:
     """Run the decode steps that follow the committed step of ``batch`` (it
-    ended at ``now_s``; ``preempted``: it preempted someone) up to and through
+    ended at ``now_s``; ``changed``: it preempted or admitted someone) up to and through
     the next event (a SimPy process fragment: use with ``yield from``);
     return the time the last of them ends (``now_s`` if none ran).
 
@@ -124,7 +124,7 @@ def run_decode_stretch(server: Host, batch: Batch, preempted: bool, now_s: float
     holds = server.policy.holds_batch
     check = server.check_stretch
     while True:
-        plan = _plan(server, batch, preempted, now_s, horizon_s)
+        plan = _plan(server, batch, changed, now_s, horizon_s)
         if plan is None:
             return now_s
         if check:
@@ -189,7 +189,7 @@ class _Plan(NamedTuple):
                 self.kv_used[j])                            # kv_used_blocks
 
 
-def _plan(server: Host, batch: Batch, preempted: bool, now_s: float, horizon_s: float) -> _Plan | None:
+def _plan(server: Host, batch: Batch, changed: bool, now_s: float, horizon_s: float) -> _Plan | None:
     """The next stretch, or None when the state does not repeat. Changes nothing."""
     state = server.state
     running = state.running
@@ -200,7 +200,7 @@ def _plan(server: Host, batch: Batch, preempted: bool, now_s: float, horizon_s: 
     # holds its batch decodes the running group whatever waits: no evidence needed.
     policy = server.policy
     holds = policy.holds_batch
-    repeats = holds or not (state.waiting and (preempted or batch.decode_seqs != len(batch.items)
+    repeats = holds or not (state.waiting and (changed or batch.decode_seqs != len(batch.items)
                                                or num_seqs != len(batch.items)))
     chunked = policy.chunk_stretch         # case (c): one request may prefill a full-budget chunk
     if not repeats and not chunked:

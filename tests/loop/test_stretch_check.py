@@ -138,3 +138,19 @@ def test_a_declaration_that_lies_is_caught() -> None:
     assert fast != stepped                    # the lie changes results: why the flag must be checked
     with pytest.raises(StretchMismatch, match="HeldAdmissions at t=.*num_waiting|HeldAdmissions at t=.*requests"):
         _run(specs, None, 400, fast=True, check=True, policy=policy)
+
+
+def test_a_cached_resume_that_looks_like_a_decode_is_no_evidence() -> None:
+    # Found by the property test above: TensorRT-LLM under MAX_UTILIZATION pauses request 2
+    # (prompt 229, 4 outputs) and caches its blocks; it resumes with 232 tokens found cached
+    # and 1 computed, a one-token item that looks like a decode, while its chunk took 233 of
+    # the 236-token budget (TensorRT-LLM sizes a chunk before the lookup), so request 3
+    # (4 tokens) waited. The step after is a plain decode of request 2 and admits request 3
+    # (1 + 4 <= 236): an admission in the step just run must stop the fast path's inference.
+    from policies.tensorrt_llm import TensorRtLlmConfig
+    cfg = TensorRtLlmConfig(max_batch_size=8, max_num_tokens=236, tokens_per_block=16,
+                            capacity_scheduler_policy="MAX_UTILIZATION")
+    specs = _specs([(0.0, 95, 80), (0.03125, 214, 67), (0.0, 229, 6), (0.0, 4, 62)])
+    _, got = _run(specs, cfg, 64, fast=True, check=True)      # raised StretchMismatch before
+    _, stepped = _run(specs, cfg, 64, fast=False)
+    assert got == stepped
