@@ -198,7 +198,15 @@ def test_exact_token_count_and_monotone_times(fake: FakeServer, max_tokens: int)
     while sent < max_tokens:
         sent += GROUPS[num_events % len(GROUPS)]
         num_events += 1
-    assert len(set(res.token_times_s)) == num_events - (num_events >= 5)
+    # A client the machine left waiting longer than GAP_S reads two chunks at once and stamps them
+    # alike: the count of distinct times can only fall under load, so the best of three tries
+    # must reach it (a client that stamped chunks alike would never).
+    distinct = len(set(res.token_times_s))
+    for _ in range(2):
+        if distinct == num_events - (num_events >= 5):
+            break
+        distinct = max(distinct, len(set(run(stream_completion(fake.url, "ok", prompt, max_tokens)).token_times_s)))
+    assert distinct == num_events - (num_events >= 5)
 
 
 def test_request_body_asks_for_a_forced_greedy_stream(fake: FakeServer) -> None:
@@ -213,7 +221,14 @@ def test_counts_token_ids_without_continuous_usage(fake: FakeServer) -> None:
     res = run(stream_completion(fake.url, "ids", [1, 2, 3], 9))
     assert res.error is None
     assert res.num_output_tokens == len(res.token_times_s) == 9
-    assert len(set(res.token_times_s)) == 5
+    # 5 events (2, 2, 2, 2, 1 tokens), each its own time, unless the machine made the client read
+    # two at once: the best of three tries (see test_exact_token_count_and_monotone_times).
+    distinct = len(set(res.token_times_s))
+    for _ in range(2):
+        if distinct == 5:
+            break
+        distinct = max(distinct, len(set(run(stream_completion(fake.url, "ids", [1, 2, 3], 9)).token_times_s)))
+    assert distinct == 5
 
 
 def test_http_error_carries_the_server_message(fake: FakeServer) -> None:
