@@ -64,6 +64,7 @@ class PolicyBase:
     holds_batch = False
     max_prompt_tokens: int | None = None
     refuses_by_prompt = False
+    clamps_max_tokens = False               # prompt + max_tokens > max_model_len is refused
     num_reserved_blocks = 0
     decode_stretch = False                  # step every iteration
     chunk_stretch = False

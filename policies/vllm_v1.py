@@ -10,8 +10,8 @@ against that class):
 2. Running requests, in order, each get ``num_tokens - num_computed_tokens``
    tokens (a decode: 1; an unfinished prefill or a recompute: the rest of
    it), capped by the threshold and the remaining budget. (vLLM's cap at
-   the model length binds only with speculative decoding: batchsim rejects
-   requests whose prompt + max_tokens exceed it.)
+   the model length binds only with speculative decoding: no request
+   reaches the scheduler with prompt + max_tokens above it, see 6.)
    Blocks are allocated for exactly the tokens scheduled. When the pool is
    short, the *last* running request is preempted (recompute: blocks freed,
    back to the front of the waiting queue) until the allocation fits; if the
@@ -37,6 +37,13 @@ against that class):
    later request of the same step can hit them. The lookup is counted
    (vLLM's ``prefix_cache_queries`` / ``hits``) only when the request is
    admitted.
+
+6. Arrivals as vLLM 0.32's OpenAI server takes them (``clamps_max_tokens``):
+   a prompt of max_model_len tokens or more, or a max_tokens above
+   max_model_len, is refused (HTTP 400: ``TokenizeParams``, the input
+   processor's prompt-length check); a max_tokens that prompt + max_tokens
+   would take past max_model_len is cut to max_model_len - prompt
+   (``get_max_tokens``), and the reply ends there (finish_reason "length").
 
 Not modelled: async scheduling's one-step lag in freeing blocks,
 priorities, speculative decoding, KV connectors, multimodal inputs.
@@ -112,6 +119,7 @@ class VllmV1Policy(PolicyBase):
     server_knobs = {"watermark": EngineKnob("watermark", "a share of the pool kept free when admitting while "
                                                          "requests run")}
     num_reserved_blocks = 1                  # vLLM's null block
+    clamps_max_tokens = True                 # rule 6 of the module doc
     prefix_switch = PrefixSwitch("enable_prefix_caching")
     always_chunks = True                     # chunked prefill: any prompt that fits the context
 

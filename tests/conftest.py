@@ -66,7 +66,8 @@ def policy_state(policy, num_blocks: int, block_size: int, max_model_len: int,
     """The state a run gives ``policy`` (``sim.run.runner.drive``): its own pool class, its
     arrival rules, ``num_blocks`` of ``block_size`` tokens."""
     return SchedulerState(policy.kv_pool_class(num_blocks, block_size, watermark), max_model_len,
-                          policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt)
+                          policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt,
+                          clamp_max_tokens=policy.clamps_max_tokens)
 
 
 def simulate(specs: Sequence[tuple[float, int, int]], policy_cfg, profile: Profile | None = None,

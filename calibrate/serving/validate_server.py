@@ -257,7 +257,11 @@ def measure_server(cfg: WorkloadConfig, url: str, info: Any, vocab_size: int, ma
         raise ConfigError(f"{cfg.source}: field 'arrivals.think_time_s': a live replay has no think time "
                           f"(vllm bench serve sends as soon as a slot frees); remove it to validate")
     caps = [r.max_output_tokens for r in make_requests(cfg, specs, max_model_len)]
-    out_tokens = np.minimum(specs.output_tokens, caps)
+    # vLLM's server cuts a max_tokens that the context cannot hold to what it leaves (the simulated
+    # vllm_v1 does the same: SchedulerState's clamp_max_tokens); the replay asks for exactly that
+    # many tokens (min_tokens = max_tokens, which the server would refuse above its cut).
+    room = np.maximum(1, max_model_len - np.asarray(specs.prompt_tokens, dtype=np.int64))
+    out_tokens = np.minimum(np.minimum(specs.output_tokens, caps), room)
     schedule = [(float(t), [] if follows[i] else plan.prompt(i), int(o))
                 for i, (t, o) in enumerate(zip(specs.arrival_s, out_tokens))]
 

@@ -208,13 +208,16 @@ class StepLog:
             self._flush()
 
     def record(self, t_s: float, batch: Batch, result: StepResult, num_waiting: int, num_running: int,
-               kv_used_blocks: int) -> None:
-        """One step that started at ``t_s``, with the queues and the KV blocks in use it ran with."""
+               kv_used_blocks: int, prefill_items: int = 0) -> None:
+        """One step that started at ``t_s``, with the queues and the KV blocks in use it ran with.
+        ``prefill_items``: its one-token items that are prefill chunks (``SchedulerState.prefill_items``),
+        counted with the prefill tokens and sequences, not with the decodes, as vLLM counts them."""
         self.t_s.append(t_s)
         self.duration_s.append(result.duration_s)
         self.predicted_s.append(result.predicted_s if result.predicted_s is not None else float("nan"))
-        self.ints.extend((len(batch.items), batch.num_prefill_tokens, batch.num_decode_tokens,
-                          batch.num_pad_tokens, batch.num_prefill_seqs, num_waiting, num_running, kv_used_blocks))
+        self.ints.extend((len(batch.items), batch.num_prefill_tokens + prefill_items,
+                          batch.num_decode_tokens - prefill_items, batch.num_pad_tokens,
+                          batch.num_prefill_seqs + prefill_items, num_waiting, num_running, kv_used_blocks))
         if len(self.t_s) >= self._chunk_steps:
             self._flush()
 

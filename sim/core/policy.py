@@ -165,6 +165,9 @@ class Policy(Protocol):
     #                                that outgrows it later is cut short (SchedulerState.cut_short). False: if
     #                                prompt + max_tokens exceeds the whole pool (reserved at admission, or
     #                                vllm_v1, which keeps no watermark back from a lone request)
+    clamps_max_tokens: bool        # True: a max_tokens the context cannot hold is cut to what it leaves, and
+    #                                only a prompt >= max_model_len or a max_tokens > it is refused (vLLM 0.32's
+    #                                OpenAI server); False: prompt + max_tokens > max_model_len is refused
     num_reserved_blocks: int       # blocks of the pool that never hold KV (vLLM v1's null block: 1)
     decode_stretch: bool
     chunk_stretch: bool

@@ -41,6 +41,9 @@ REJECT_REASONS: dict[str, str] = {
     "context": "prompt + max_tokens > max_model_len {max_model_len}",
     "prompt_limit": "prompt > the policy's prompt limit of {limit} tokens (no chunked prefill: vLLM v0, TensorRT-LLM)",
     "kv_pool": "more KV blocks than the pool holds above the watermark",
+    # vLLM 0.32's OpenAI server (a policy's ``clamps_max_tokens``): it cuts a max_tokens that the
+    # context cannot hold to what it leaves, and refuses only these.
+    "model_len": "prompt >= max_model_len {max_model_len}, or max_tokens > it",
 }
 
 

@@ -27,11 +27,14 @@ class SchedulerState:
     """
 
     def __init__(self, kv: BlockManager, max_model_len: int,
-                 max_prompt_tokens: int | None = None, *, refuse_by_prompt: bool = False) -> None:
+                 max_prompt_tokens: int | None = None, *, refuse_by_prompt: bool = False,
+                 clamp_max_tokens: bool = False) -> None:
         self.kv = kv
         self.max_model_len = max_model_len
         self.max_prompt_tokens = max_prompt_tokens
         self.refuse_by_prompt = refuse_by_prompt      # the policy's ``refuses_by_prompt``
+        self.clamp_max_tokens = clamp_max_tokens      # the policy's ``clamps_max_tokens``
+        self.num_clamped = 0                          # requests whose max_tokens the context cut
         # The requests in flight (arrived, not done): the only Request objects a run holds.
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -42,6 +45,10 @@ class SchedulerState:
         self.num_cut_short = 0
         self.num_preemptions = 0
         self.num_admissions = 0              # admit() calls: a resumed request counts again
+        # Running requests that have not caught up since their (re)admission: a prompt or a
+        # recompute in progress. A one-token item of one is a prefill chunk, as vLLM counts it,
+        # though it costs what a decode costs (the step log's counts: prefill_items).
+        self.prefilling: set[int] = set()
         self.num_steps = 0                  # steps committed, a stretch's included (a policy's own clock)
         self._true_output: dict[int, int] = {}
         # The true output length of each request in flight, for the simulator's own
@@ -62,7 +69,10 @@ class SchedulerState:
 
         A request is rejected (status REJECTED, counted as failed, with its
         ``reject_reason``, see ``sim.core.request.REJECT_REASONS``) when prompt +
-        max_tokens exceeds the model's context (vLLM's validation), when its
+        max_tokens exceeds the model's context (vLLM v0's validation; with
+        ``clamp_max_tokens``, vLLM 0.32's server, max_tokens is cut to what the
+        context leaves and only a prompt that leaves nothing or a max_tokens
+        above the context is refused), when its
         prompt exceeds the policy's prompt limit (vLLM v0 ignores such
         prompts), or when it could never fit in the KV pool: with
         ``refuse_by_prompt`` (vLLM v0), when its prompt's blocks exceed the
@@ -72,7 +82,21 @@ class SchedulerState:
         lone request). Returns False if rejected.
         """
         total = req.num_prompt_tokens + req.max_output_tokens
-        if total > self.max_model_len:
+        reason = None
+        if self.clamp_max_tokens and total > self.max_model_len:
+            # vLLM 0.32's OpenAI server: a prompt that leaves no room for one output token, or a
+            # max_tokens above the whole context, is refused (TokenizeParams, the input processor's
+            # prompt-length check); any other max_tokens is cut to what the context leaves
+            # (get_max_tokens), and the reply ends there with finish_reason "length".
+            if req.num_prompt_tokens >= self.max_model_len or req.max_output_tokens > self.max_model_len:
+                reason = "model_len"
+            else:
+                req.max_output_tokens = self.max_model_len - req.num_prompt_tokens
+                total = self.max_model_len
+                self.num_clamped += 1
+        if reason is not None:
+            pass
+        elif total > self.max_model_len:
             reason = "context"
         elif self.max_prompt_tokens is not None and req.num_prompt_tokens > self.max_prompt_tokens:
             reason = "prompt_limit"
@@ -90,6 +114,15 @@ class SchedulerState:
         self.num_rejected += 1
         self.records.add(req, min(true_output_tokens, req.max_output_tokens))
         return False
+
+    def prefill_items(self, batch: Batch) -> int:
+        """The one-token items of ``batch`` that are prefill chunks (of a request in
+        ``prefilling``: the last token of a budget, a prompt found cached but its last token,
+        the end of a recompute), which ``Batch`` counts as decodes: it sees no request."""
+        prefilling = self.prefilling
+        if not prefilling or not batch.decode_seqs:
+            return 0
+        return sum(1 for it in batch.items if it[1] == 1 and it[3] == 0 and it[0] in prefilling)
 
     def take_finished_ids(self) -> list[int]:
         """The ids of the requests finished since the last call, in finish
@@ -130,11 +163,13 @@ class SchedulerState:
             req.first_scheduled_s = now_s
         self.running.append(req)
         self.num_admissions += 1
+        self.prefilling.add(req.req_id)
 
     def preempt(self, req: Request) -> None:
         """Evict ``req`` by recompute: free its KV, put it at the queue's front."""
         self.kv.free(req)
         self.running.remove(req)
+        self.prefilling.discard(req.req_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = Status.PREEMPTED
@@ -183,6 +218,7 @@ class SchedulerState:
         tok_ids = tokens.ids
         tok_ids_append = tok_ids.append
         num_logged = len(tok_ids)
+        prefilling = self.prefilling
         finished: list[Request] | None = None
         for req_id, n, context_len, _pad in batch.items:
             if n == 0:
@@ -200,6 +236,8 @@ class SchedulerState:
                 raise RuntimeError(f"request {req_id} computed past its known tokens")
             r.num_output_tokens += 1
             tok_ids_append(req_id)
+            if prefilling and req_id in prefilling:
+                prefilling.discard(req_id)
             if r.first_token_s is None:
                 r.first_token_s = now_s
             if r.num_output_tokens >= true_output[req_id]:
@@ -249,6 +287,7 @@ class SchedulerState:
             self.tokens.add_stretch(end_times_s[:-1], ids)
             self.tokens.add_stretch(end_times_s[-1:], [*ids, p.req_id])   # the chunk's item comes last
             p.num_output_tokens += 1
+            self.prefilling.discard(p.req_id)
             if p.first_token_s is None:
                 p.first_token_s = end_times_s[-1]
             if p.num_output_tokens >= self._true_output[p.req_id]:
@@ -277,6 +316,7 @@ class SchedulerState:
             m.finished_s = now_s
             self.kv.free(m)
             self.running.remove(m)
+            self.prefilling.discard(m.req_id)
             self.num_finished += 1
             self.records.add(m, self._true_output.pop(m.req_id))
             del self.requests[m.req_id]

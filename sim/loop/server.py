@@ -224,7 +224,8 @@ class Server:
                 end_s = env.now
             now_s = end_s
             # The queues and KV the step ran with.
-            log.record(start_s, decision, result, len(state.waiting), len(state.running), state.kv.num_used_blocks)
+            log.record(start_s, decision, result, len(state.waiting), len(state.running), state.kv.num_used_blocks,
+                       state.prefill_items(decision))
             state.commit(decision, end_s)
             if on_step is not None:
                 on_step(start_s, decision, result)

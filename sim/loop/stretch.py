@@ -391,7 +391,8 @@ def _step_through(server: Host, plan: _Plan) -> Generator:
         if last:
             yield env.timeout(end_s - env.now)
             end_s = env.now
-        log.record(now_s, decision, result, len(state.waiting), len(state.running), state.kv.num_used_blocks)
+        log.record(now_s, decision, result, len(state.waiting), len(state.running), state.kv.num_used_blocks,
+                   state.prefill_items(decision))
         state.commit(decision, end_s)
         server.num_stretch_steps_checked += 1
         now_s = end_s
@@ -403,8 +404,10 @@ def _check_shape(where: str, plan: _Plan, j: int, decision: Any, state: Schedule
     """``decision`` is plan step j: the same step-log row and the same requests computing tokens."""
     if not isinstance(decision, Batch):
         raise StretchMismatch(f"{where}: the fast path planned a step, the policy returned {decision!r}")
-    got = (len(decision.items), decision.num_prefill_tokens, decision.num_decode_tokens, decision.num_pad_tokens,
-           decision.num_prefill_seqs, len(state.waiting), len(state.running), state.kv.num_used_blocks)
+    short = state.prefill_items(decision)          # one-token prefill chunks: the step log's counts
+    got = (len(decision.items), decision.num_prefill_tokens + short, decision.num_decode_tokens - short,
+           decision.num_pad_tokens, decision.num_prefill_seqs + short, len(state.waiting), len(state.running),
+           state.kv.num_used_blocks)
     want = plan.row(j, len(state.waiting))
     ids = {item.req_id for item in decision.items if item.num_new_tokens}
     if got == want and ids == expected_ids:

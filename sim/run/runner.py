@@ -368,7 +368,8 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
             policy = build_policy(cfg, max_model_len, profile)
         usable = num_blocks - policy.num_reserved_blocks    # vLLM v1's null block
         state = SchedulerState(policy.kv_pool_class(usable, block_size_of(cfg, policy), cfg.server.watermark),
-                               max_model_len, policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt)
+                               max_model_len, policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt,
+                               clamp_max_tokens=policy.clamps_max_tokens)
         server = Server(env, policy, state, executor, replica=k, coalesce=not live, check_stretch=check_stretch)
         server.on_step = on_step(server) if on_step is not None else None
         servers.append(server)
@@ -470,12 +471,18 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
                       f"them with the tokens they had (vLLM v0 ignores such requests); they count as completed, "
                       f"with fewer output tokens (add KV blocks, or lower max_tokens or server.watermark)",
                       stacklevel=2)
+    clamped = sum(s.state.num_clamped for s in servers)
+    if clamped:
+        warnings.warn(f"{cfg.source}: {clamped} of {num_requests} requests asked for more tokens than the context "
+                      f"leaves (prompt + max_tokens > max_model_len {max_model_len:,}); as vLLM's API server does, "
+                      f"their max_tokens was cut to max_model_len - prompt", stacklevel=2)
     if cfg.profile.path is not None:
         path = cfg.resolve_path(cfg.profile.path)
         result.meta["profile_file"] = {"path": str(path), "format_version": FORMAT_VERSION,
                                        "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     result.meta.update(wall_s=time.perf_counter() - wall0, loop_s=loop_s, num_blocks=num_blocks, num_cut_short=cut,
-                       max_model_len=max_model_len, num_replicas=num_replicas, router=router,
+                       num_max_tokens_clamped=clamped, max_model_len=max_model_len, num_replicas=num_replicas,
+                       router=router,
                        num_trace_rows_dropped=num_dropped)
     if check_stretch:
         result.meta["fast_path_steps_checked"] = sum(s.num_stretch_steps_checked for s in servers)

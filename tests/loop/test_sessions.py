@@ -127,21 +127,46 @@ def test_sessions_behind_one_client_and_a_shared_system_prompt(tmp_path: Path) -
 
 # ---- a turn longer than the context ------------------------------------------------------------
 #
-# max_model_len 64; (user, output): (20, 10) (30, 10) (5, 3), think 0.5 s.
+# max_model_len 64; (user, output): (20, 10) (30, 10) (5, 3), think 0.5 s, 10 ms a step.
+# Under a policy that refuses prompt + max_tokens > max_model_len (sarathi, as vLLM v0):
 #   T0 prompt 20 + 10 = 30 <= 64: 10 steps, done 0.10
 #   T1 prompt 20 + 10 + 30 = 60, + max_tokens 10 = 70 > 64: refused when sent, 0.60
 #   T2 prompt 60 + 10 + 5 = 75: longer still, refused when sent, 0.60 + 0.5 = 1.10
 # The session is not cut: its later turns are sent, and refused, as a real server refuses them.
 def test_turns_past_the_context_are_refused_one_after_another(tmp_path: Path) -> None:
+    raw = workload(tmp_path, [(20, 10), (30, 10), (5, 3)], {"num_sessions": 1, "num_turns": 3},
+                   {"rate": 1.0, "think_time_s": 0.5}, max_model_len=64)
+    raw["policy"] = {"kind": "sarathi"}
     with pytest.warns(UserWarning, match=r"2 of 3 requests were rejected \(2 with prompt \+ max_tokens > "
                                          r"max_model_len 64\)"):
-        res = run(workload(tmp_path, [(20, 10), (30, 10), (5, 3)], {"num_sessions": 1, "num_turns": 3},
-                           {"rate": 1.0, "think_time_s": 0.5}, max_model_len=64))
+        res = run(raw)
     r = res.requests
     assert list(r["status"]) == ["finished", "rejected", "rejected"]
     assert list(r["reject_reason"]) == ["", "context", "context"]
     assert list(r["arrival_s"]) == [exact(t) for t in (0.0, 0.60, 1.10)]
     assert list(r["finished_s"]) == [exact(t) for t in (0.10, 0.60, 1.10)]
+
+
+# Under vllm_v1, as vLLM 0.32's OpenAI server: T1's max_tokens 10 is cut to 64 - 60 = 4; it runs
+# 4 steps (its prefill samples the first token), done 0.60 + 0.04 = 0.64; T2's prompt,
+# 60 + 10 + 5 = 75 >= 64, leaves no room for one token: refused when sent, 0.64 + 0.5 = 1.14.
+# (Sessions plan each prompt when the trace is made, from the planned answer of 10 tokens; a live
+# replay sends the 4 the server returned, 60 + 4 + 5 = 69, refused all the same.)
+def test_a_turn_past_the_context_is_cut_under_vllm_v1(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning) as warned:
+        res = run(workload(tmp_path, [(20, 10), (30, 10), (5, 3)], {"num_sessions": 1, "num_turns": 3},
+                           {"rate": 1.0, "think_time_s": 0.5}, max_model_len=64))
+    said = [str(w.message) for w in warned]
+    assert any("1 of 3 requests were rejected (1 with prompt >= max_model_len 64" in m for m in said), said
+    assert any("1 of 3 requests asked for more tokens than the context leaves" in m for m in said), said
+    r = res.requests
+    assert list(r["prompt_tokens"]) == [20, 60, 75]
+    assert list(r["status"]) == ["finished", "finished", "rejected"]
+    assert list(r["reject_reason"]) == ["", "", "model_len"]
+    assert list(r["output_tokens"]) == [10, 4, 3] and list(r["max_tokens"])[:2] == [10, 4]
+    assert list(r["arrival_s"]) == [exact(t) for t in (0.0, 0.60, 1.14)]
+    assert list(r["finished_s"]) == [exact(t) for t in (0.10, 0.64, 1.14)]
+    assert res.meta["num_max_tokens_clamped"] == 1
 
 
 # ---- open across sessions, on a real preset --------------------------------------------------------
