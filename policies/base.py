@@ -68,6 +68,7 @@ class PolicyBase:
     num_reserved_blocks = 0
     decode_stretch = False                  # step every iteration
     chunk_stretch = False
+    pipelined = False                       # a step is chosen after the one before it committed
     kv_pool_class: type = BlockManager
     block_size: int | None = None           # server.block_size
     kv_memory: KvMemory | None = None       # vLLM's rule: server.gpu_memory_utilization

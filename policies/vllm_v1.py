@@ -45,8 +45,22 @@ against that class):
    would take past max_model_len is cut to max_model_len - prompt
    (``get_max_tokens``), and the reply ends there (finish_reason "length").
 
-Not modelled: async scheduling's one-step lag in freeing blocks,
-priorities, speculative decoding, KV connectors, multimodal inputs.
+7. ``async_scheduling`` (vLLM's ``AsyncScheduler`` under ``EngineCore.
+   step_with_batch_queue``, a queue of two; ``tests/policies/
+   test_vllm_v1_differential.py`` checks it step by step too): a step is
+   chosen while the one before it runs (``pipelined``: sim.loop.server). That
+   step's tokens count as computed, and each token it samples as a
+   placeholder: a decode schedules one more token beside it; a request whose
+   token in flight is its last by ``max_tokens`` is passed over (it holds its
+   slot and blocks until that output is in); one that stops on EOS is not
+   known to and runs one more token, thrown away; finishes and frees are seen
+   one step late; a preempted request's in-flight token is still delivered;
+   blocks are registered in the prefix cache only over tokens whose ids are
+   known (``SchedulerState.commit_pipelined``). The timing is unchanged: the
+   host time of a step is still added to it, not overlapped with the GPU's.
+
+Not modelled: async scheduling's host-time overlap, priorities, speculative
+decoding, KV connectors, multimodal inputs.
 """
 
 from __future__ import annotations
@@ -82,6 +96,10 @@ class VllmV1Config:
                                  "default 0)", below=1)
     enable_prefix_caching: bool = knob(True, "reuse the KV of cached full blocks of earlier requests' tokens "
                                              "(vLLM 0.32's default: on; sim.core.prefix)")
+    async_scheduling: bool = knob(False, "choose each step while the one before it runs, as vLLM's "
+                                         "AsyncScheduler does (rule 7 of the module doc); vLLM 0.32 turns "
+                                         "it on by default, batchsim not yet: its host-time overlap is not "
+                                         "modelled")
 
 
 def engine_defaults(context: PolicyContext) -> tuple[int, int]:
@@ -131,6 +149,9 @@ class VllmV1Policy(PolicyBase):
             self.kv_pool_class = PrefixCachePool
         if config.enable_prefix_caching and not config.reserve_full_prompt:
             self.decode_stretch = False      # see the class's decode_stretch
+        if config.async_scheduling:
+            self.pipelined = True            # rule 7 of the module doc
+            self.decode_stretch = False
         self.max_model_len = max_model_len = context.max_model_len
         tokens, seqs = engine_defaults(context)
         tokens = context.engine.get("max_num_batched_tokens") or tokens
@@ -149,6 +170,8 @@ class VllmV1Policy(PolicyBase):
         return config_knobs(self.config, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.token_budget)
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
+        if self.pipelined:
+            return self._schedule_async(state, now_s)
         kv = state.kv
         running = state.running
         budget = self.token_budget
@@ -226,3 +249,45 @@ class VllmV1Policy(PolicyBase):
             state.admit(r, now_s, hit_tokens)
             items.append(BatchItem(r.req_id, n, hit_tokens))
             budget -= n
+
+    def _schedule_async(self, state: SchedulerState, now_s: float) -> Batch | Idle:
+        """Rule 7 of the module doc: ``schedule`` with the step in flight (``state.pending``)
+        counted as computed, its sampled tokens as placeholders."""
+        kv = state.kv
+        running = state.running
+        budget = self.token_budget
+        threshold = self.config.long_prefill_token_threshold
+        if len(running) + len(state.waiting) <= 1:
+            threshold = 0
+        flight = {it[0]: it[1] for it in state.pending[-1].items} if state.pending else {}
+        items: list[BatchItem] = []
+        preempted = False
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            ahead = flight.get(r.req_id, 0)
+            computed = r.num_computed_tokens + ahead
+            known = r.num_prompt_tokens + r.num_output_tokens
+            placeholder = 1 if ahead and computed == known else 0
+            if placeholder and computed + 1 >= r.num_prompt_tokens + r.max_output_tokens:
+                i += 1                 # its token in flight is its last by length: nothing to schedule
+                continue
+            n = known + placeholder - computed
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, budget)
+            while not kv.can_allocate(r, computed + n):
+                victim = running[-1]
+                state.preempt(victim)
+                preempted = True
+                if victim is r:
+                    break
+            if r.status != Status.RUNNING:
+                break
+            kv.allocate(r, computed + n)   # registers the full blocks among the tokens it knows
+            items.append(BatchItem(r.req_id, n, computed))
+            budget -= n
+            i += 1
+        if not preempted:
+            self._admit(state, now_s, budget, threshold, items)
+        return Batch(tuple(items)) if items else Idle()

@@ -171,6 +171,9 @@ class Policy(Protocol):
     num_reserved_blocks: int       # blocks of the pool that never hold KV (vLLM v1's null block: 1)
     decode_stretch: bool
     chunk_stretch: bool
+    pipelined: bool                # True: schedule() chooses a step while the one before it runs and sees it
+    #                                in ``state.pending`` (vLLM's async scheduling; sim.loop.server's
+    #                                _serve_pipelined, SchedulerState.commit_pipelined); no fast path
     kv_pool_class: type            # the KV pool each replica gets, a sim.core.kv.KVPool: BlockManager, a
     #                                caching pool (sim.core.prefix, sim.core.radix: its ``caching`` says so)
     block_size: int | None         # the engine's KV page in tokens where the policy has it as a knob (SGLang's

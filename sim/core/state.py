@@ -49,6 +49,9 @@ class SchedulerState:
         # recompute in progress. A one-token item of one is a prefill chunk, as vLLM counts it,
         # though it costs what a decode costs (the step log's counts: prefill_items).
         self.prefilling: set[int] = set()
+        # A pipelined loop (a policy's ``pipelined``: vLLM's async scheduling): the batches chosen
+        # whose outputs are not yet committed, oldest first; ``commit_pipelined`` takes the oldest.
+        self.pending: deque[Batch] = deque()
         self.num_steps = 0                  # steps committed, a stretch's included (a policy's own clock)
         self._true_output: dict[int, int] = {}
         # The true output length of each request in flight, for the simulator's own
@@ -250,6 +253,85 @@ class SchedulerState:
         if finished:
             for r in finished:
                 self._finish(r, now_s)
+
+    def commit_pipelined(self, batch: Batch, now_s: float) -> None:
+        """``commit`` of the oldest of ``pending`` (``batch``), whose outputs come back while the
+        batch chosen after it runs (vLLM's async scheduling: ``AsyncScheduler.update_from_output``).
+
+        Beyond ``commit``: an item of a request that has finished since the batch was chosen (it
+        stopped on EOS one step earlier, which the scheduler could not know) was computed and is
+        thrown away; an item of a request preempted since (its output is stale) still delivers
+        the token it sampled, which the recompute then includes, and may finish the request in
+        the waiting queue; a request that sampled registers the full blocks of its tokens whose
+        ids are known (computed, the batch after this one's included, less the token that batch
+        is sampling) in the prefix cache before it may finish, as ``AsyncScheduler`` does.
+        """
+        if not self.pending or self.pending[0] is not batch:
+            raise RuntimeError("commit_pipelined: the batch is not the oldest pending one")
+        self.pending.popleft()
+        self.num_steps += 1
+        requests = self.requests
+        true_output = self._true_output
+        tok_ids = self.tokens.ids
+        num_logged = len(tok_ids)
+        prefilling = self.prefilling
+        kv = self.kv
+        caching = kv.caching
+        later: dict[int, int] = {it[0]: it[1] for it in self.pending[0].items} if caching and self.pending else {}
+        finished: list[Request] = []
+        for req_id, n, context_len, _pad in batch.items:
+            if n == 0:
+                continue
+            r = requests.get(req_id)
+            if r is None:
+                continue                                   # finished a step earlier: a slot thrown away
+            known = r.num_prompt_tokens + r.num_output_tokens
+            if r.status != Status.RUNNING:                 # preempted since: a stale output
+                if context_len + n == known:
+                    self._sample(r, req_id, now_s)
+                    if r.num_output_tokens >= true_output[req_id]:
+                        r.last_token_s = now_s
+                        self._finish_waiting(r, now_s)
+                continue
+            if context_len != r.num_computed_tokens:
+                raise RuntimeError(f"batch item for request {req_id} has context_len {context_len}, "
+                                   f"but {r.num_computed_tokens} tokens are computed")
+            computed = context_len + n
+            r.num_computed_tokens = computed
+            if computed > known:
+                raise RuntimeError(f"request {req_id} computed past its known tokens")
+            if computed == known:
+                self._sample(r, req_id, now_s)
+                prefilling.discard(req_id)
+                if caching:                                # only where a token came back
+                    m = later.get(req_id, 0)
+                    ahead = computed + m
+                    placeholder = 1 if m and ahead == r.num_prompt_tokens + r.num_output_tokens else 0
+                    kv.cache(r, ahead - placeholder)
+                if r.num_output_tokens >= true_output[req_id]:
+                    r.last_token_s = now_s
+                    finished.append(r)
+        if len(tok_ids) > num_logged:
+            self.tokens.end_step(now_s, len(tok_ids) - num_logged)
+        for r in finished:
+            self._finish(r, now_s)
+
+    def _sample(self, r: Request, req_id: int, now_s: float) -> None:
+        r.num_output_tokens += 1
+        self.tokens.ids.append(req_id)
+        if r.first_token_s is None:
+            r.first_token_s = now_s
+
+    def _finish_waiting(self, req: Request, now_s: float) -> None:
+        """A preempted request that its stale output finished: it leaves the waiting queue done."""
+        self.waiting.remove(req)
+        req.status = Status.FINISHED
+        req.finished_s = now_s
+        self.num_finished += 1
+        self.records.add(req, self._true_output.pop(req.req_id))
+        del self.requests[req.req_id]
+        if self.finished_ids is not None:
+            self.finished_ids.append(req.req_id)
 
     def commit_decode_stretch(self, live: list[Request], ids: Sequence[int], end_times_s: list[float],
                               finishing: list[Request], prefilling: Request | None = None,

@@ -136,7 +136,8 @@ class Server:
         # one sample per CACHE_SAMPLE_S of simulated time (a million requests stay a few MB).
         self.cache_samples = array("d") if state.kv.caching else None
         self._next_sample_s = 0.0
-        self.process = env.process(self._serve())
+        self.process = env.process(self._serve_pipelined() if getattr(policy, "pipelined", False)
+                                   else self._serve())
 
     def _sample_cache(self, now_s: float) -> None:
         if now_s >= self._next_sample_s:
@@ -244,3 +245,77 @@ class Server:
                     on_finish(now_s, state.take_finished_ids())
                 if self.cache_samples is not None:
                     self._sample_cache(now_s)
+
+    def _serve_pipelined(self):  # SimPy process
+        """The loop of a policy that schedules a step while the one before it runs (its
+        ``pipelined``: vLLM's async scheduling, ``EngineCore.step_with_batch_queue`` with a queue
+        of two). At each step's end its outputs are committed (``SchedulerState.commit_pipelined``),
+        the step chosen during it starts, and the policy chooses the next one, with that one in
+        flight (``state.pending``); with nothing in flight a chosen step starts at once and the
+        next is chosen at the same instant. No fast path: every step is a SimPy timeout."""
+        env, state, policy, executor, log = self.env, self.state, self.policy, self.executor, self.log
+        on_step, on_finish = self.on_step, self.on_finish
+        if on_finish is not None:
+            state.finished_ids = []
+        now_s = env.now
+        guard = ProgressGuard(policy)
+        name = type(policy).__name__
+        running = None            # (batch, start_s, result, log row) of the step on the GPU
+        while True:
+            decision = policy.schedule(state, now_s)
+            if on_finish is not None and state.finished_ids:
+                on_finish(now_s, state.take_finished_ids())
+            if type(decision) is Idle:
+                if running is not None:            # nothing to queue: let the running step end
+                    now_s = yield from self._end_pipelined(running)
+                    running = None
+                    continue
+                if state.done:
+                    return
+                if state.waiting or state.running:
+                    guard.check(state, now_s, decision)
+                elif guard.count:
+                    guard.reset()
+                self._wake = env.event()
+                if decision.wake_at_s is not None:
+                    yield env.any_of([self._wake, env.timeout(max(0.0, decision.wake_at_s - env.now))])
+                else:
+                    yield self._wake
+                self._wake = None
+                now_s = env.now
+                continue
+            if not isinstance(decision, Batch):
+                raise PolicyError(f"policy {name} returned {decision!r} at t={now_s:.9g} s: schedule() returns "
+                                  f"a Batch or an Idle")
+            if decision.num_tokens == decision.num_pad_tokens:
+                if not decision.items:
+                    raise PolicyError(f"policy {name} returned an empty Batch at t={now_s:.9g} s "
+                                      f"({len(state.waiting)} waiting, {len(state.running)} running): "
+                                      f"a Batch holds work; return Idle when nothing can run")
+                guard.check(state, now_s, decision)
+            elif guard.count:
+                guard.reset()
+            state.pending.append(decision)
+            row = (len(state.waiting), len(state.running), state.kv.num_used_blocks, state.prefill_items(decision))
+            result = executor.execute(decision, state)
+            if running is None:
+                running = (decision, now_s, result, row)      # starts now; the next is chosen now too
+                continue
+            now_s = yield from self._end_pipelined(running)
+            running = (decision, now_s, result, row)
+
+    def _end_pipelined(self, running):
+        """Wait for the running step's end, log and commit it; return its end."""
+        batch, start_s, result, (num_waiting, num_running, kv_used, prefill_items) = running
+        end_s = start_s + result.duration_s
+        yield self.env.timeout(end_s - self.env.now)
+        end_s = self.env.now
+        self.log.record(start_s, batch, result, num_waiting, num_running, kv_used, prefill_items)
+        self.state.commit_pipelined(batch, end_s)
+        if self.on_step is not None:
+            self.on_step(start_s, batch, result)
+        if self.on_finish is not None and self.state.finished_ids:
+            self.on_finish(end_s, self.state.take_finished_ids())
+        if self.cache_samples is not None:
+            self._sample_cache(end_s)
+        return end_s

@@ -366,6 +366,10 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     for k in range(num_replicas):
         if policy is None or k:
             policy = build_policy(cfg, max_model_len, profile)
+        if live and policy.pipelined:
+            raise ConfigError(f"{cfg.source}: field 'policy.async_scheduling': the live engine runs one step at a "
+                              f"time and cannot choose a step while another runs; set policy.async_scheduling: "
+                              f"false to run it live")
         usable = num_blocks - policy.num_reserved_blocks    # vLLM v1's null block
         state = SchedulerState(policy.kv_pool_class(usable, block_size_of(cfg, policy), cfg.server.watermark),
                                max_model_len, policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt,
