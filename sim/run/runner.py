@@ -81,8 +81,18 @@ def build_kernel_profile(cfg: WorkloadConfig, model: str | dict[str, Any]) -> Pr
                       weight_dtype=p.weight_dtype, kv_cache_dtype=p.kv_cache_dtype,
                       expert_parallel=p.enable_expert_parallel,
                       engine_version=None if p.engine_version is None else str(p.engine_version))
+    generation = p.engine
+    if getattr(cfg.policy, "async_scheduling", False):
+        # vLLM's async host terms: what its host work leaves unhidden behind the forward pass,
+        # fitted on public runs served with --async-scheduling (sim.cost.kernels.HOST_TERMS).
+        given = (cfg.raw.get("profile") or {}).get("engine") if isinstance(cfg.raw.get("profile"), dict) else None
+        if given is not None and given != "vllm-v1-async":
+            raise ConfigError(f"{cfg.source}: field 'profile.engine' ({given!r}) names a synchronous loop's host "
+                              f"terms, but policy.async_scheduling is true; leave profile.engine out (or set it "
+                              f"to vllm-v1-async) or set policy.async_scheduling: false")
+        generation = "vllm-v1-async"
     try:
-        return kernel_profile(spec, host_terms(engine, p.engine))
+        return kernel_profile(spec, host_terms(engine, generation))
     except (KernelsError, ValueError) as exc:
         raise ConfigError(f"{cfg.source}: field 'profile' (kernels: {p.kernels}): {exc}") from None
 
