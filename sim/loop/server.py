@@ -296,7 +296,7 @@ class Server:
             elif guard.count:
                 guard.reset()
             state.pending.append(decision)
-            row = (len(state.waiting), len(state.running), state.kv.num_used_blocks, state.prefill_items(decision))
+            row = (len(state.waiting), len(state.running), state.kv.num_used_blocks)
             result = executor.execute(decision, state)
             if running is None:
                 running = (decision, now_s, result, row)      # starts now; the next is chosen now too
@@ -306,10 +306,13 @@ class Server:
 
     def _end_pipelined(self, running):
         """Wait for the running step's end, log and commit it; return its end."""
-        batch, start_s, result, (num_waiting, num_running, kv_used, prefill_items) = running
+        batch, start_s, result, (num_waiting, num_running, kv_used) = running
         end_s = start_s + result.duration_s
         yield self.env.timeout(end_s - self.env.now)
         end_s = self.env.now
+        # Its one-token prefill items, with the steps before it committed (a request whose prompt
+        # ends in the step before is decoding in this one, though it had not caught up when chosen).
+        prefill_items = self.state.prefill_items(batch)
         self.log.record(start_s, batch, result, num_waiting, num_running, kv_used, prefill_items)
         self.state.commit_pipelined(batch, end_s)
         if self.on_step is not None:

@@ -1,0 +1,76 @@
+"""vllm_v1 with async_scheduling on the pipelined loop (sim.loop.server), by hand.
+
+Every step costs 10 ms (a profile with only a per-step overhead). vLLM's
+AsyncScheduler chooses a step while the one before it runs, counting that
+step's tokens as computed and its sampled tokens as placeholders; outputs,
+finishes and frees of a step are seen when it ends, after the next step was
+chosen.
+"""
+
+from __future__ import annotations
+
+import pytest
+import simpy
+
+from conftest import linear_profile, policy_state
+from policies import make_policy
+from policies.vllm_v1 import VllmV1Config
+from sim.loop.feed import feed
+from sim.loop.server import Server, SimExecutor
+from sim.core.request import Request
+
+STEP = linear_profile(per_token_s=0.0, overhead_s=0.010, decode_per_ctx_s=0.0, prefill_per_ctx_s=0.0)
+
+
+def _run(specs, async_scheduling: bool):
+    """(arrival_s, prompt, max_tokens, true output) per request; (server, requests)."""
+    env = simpy.Environment()
+    policy = make_policy(VllmV1Config(max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False,
+                                      async_scheduling=async_scheduling), 1024)
+    server = Server(env, policy, policy_state(policy, 100, 4, 1024), SimExecutor(STEP))
+    reqs = [Request(i, a, p, m) for i, (a, p, m, _) in enumerate(specs)]
+    env.process(feed(env, [server], reqs, [o for *_, o in specs]))
+    env.run()
+    return server, reqs
+
+
+def _steps(server) -> list[tuple[float, int, int, int]]:
+    """(start ms, batch size, prefill tokens, decode tokens) of every step."""
+    rows = []
+    for t, _, _, ints in server.log.chunks():
+        for j, start in enumerate(t):
+            row = ints.reshape(-1, 8)[j]
+            rows.append((round(start * 1000, 6), int(row[0]), int(row[1]), int(row[2])))
+    return rows
+
+
+# r0: t=0, prompt 4, max_tokens 10, stops on EOS after 3 tokens (the scheduler cannot know);
+# r1: t=15 ms, prompt 4, max_tokens 2 (a length stop, known in advance).
+SPECS = [(0.0, 4, 10, 3), (0.015, 4, 2, 2)]
+
+
+def test_async_timeline_by_hand() -> None:
+    # t=0:  S1 = r0's prompt (4), runs 0-10; S2 chosen at once with S1 in flight: r0 has 4
+    #       computed and a placeholder, so one more token: (r0, 1 @ 4).
+    # t=10: S1's output: r0's token 1. S2 runs 10-20; S3 chosen: (r0, 1 @ 5).
+    # t=20: token 2. S3 runs 20-30; S4 chosen: (r0, 1 @ 6) and r1 (arrived at 15), prompt 4.
+    # t=30: token 3, r0 finishes (EOS) and frees. S4 runs 30-40 (r0's token is thrown away);
+    #       S5 chosen: (r1, 1 @ 4).
+    # t=40: S4's output: r1's token 1. S5 runs 40-50; S6 would be r1 at 5 computed plus its
+    #       placeholder = prompt + max_tokens - 1: its token in flight is its last, passed over.
+    # t=50: r1's token 2, finished.
+    server, (r0, r1) = _run(SPECS, async_scheduling=True)
+    assert _steps(server) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1), (20.0, 1, 0, 1), (30.0, 2, 4, 1), (40.0, 1, 0, 1)]
+    assert (r0.first_token_s, r0.finished_s, r0.num_output_tokens) == pytest.approx((0.010, 0.030, 3))
+    assert (r1.first_token_s, r1.finished_s, r1.num_output_tokens) == pytest.approx((0.040, 0.050, 2))
+    assert server.state.done and not server.state.pending
+
+
+def test_sync_timeline_by_hand() -> None:
+    # The synchronous loop: S1 0-10 r0's prompt; S2 10-20 r0 decodes; at 20 r1 (arrived at 15)
+    # joins: S3 20-30 = r0's decode (its 3rd and last token) + r1's prompt (its 1st token);
+    # S4 30-40 r1's last token. r1: TTFT 15 ms against 25 ms under async scheduling.
+    server, (r0, r1) = _run(SPECS, async_scheduling=False)
+    assert _steps(server) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1), (20.0, 2, 4, 1), (30.0, 1, 0, 1)]
+    assert (r0.first_token_s, r0.finished_s) == pytest.approx((0.010, 0.030))
+    assert (r1.first_token_s, r1.finished_s) == pytest.approx((0.030, 0.040))
