@@ -241,11 +241,17 @@ class AsyncVllmReference(VllmReference):
     the arrivals of step k are handed to the scheduler just before it (the engine drains its
     input queue before every call); ``items`` and ``preempted`` are that call's; ``finished``
     are the requests whose stop is seen when *that batch's* output is processed;
-    ``kv_used_blocks``, ``cached_blocks`` and ``cached_free_blocks`` are the pool once that
-    output is processed, less what the schedule calls made in between (batch k+1's, which ran
-    before it) changed, i.e. the pool the engine would hold after batch k had it scheduled
-    nothing more: the counterpart of a synchronous step's. A step in which the engine is idle
-    (no request, no batch in flight) records an empty step, as the synchronous side does.
+    ``kv_used_blocks``, ``cached_blocks`` and ``cached_free_blocks`` are the pool as the
+    schedule calls of batches 0..k and the processing of outputs 0..k left it, i.e. once
+    batch k's output is processed, less what batch k+1's schedule call (which ran before
+    it) changed. That is the counterpart of a synchronous step's pool (decisions through k,
+    outputs through k), so a difference there is the scheduler's, not the record's. Two
+    consequences of async scheduling show in it: a block that batch k's decode fills is
+    registered for prefix caching only by batch k+1's schedule call (its last token is still
+    a placeholder when batch k is scheduled), so it is missing from record k; blocks that
+    batch k+1's schedule call frees by preempting are still counted in record k.
+    A step in which the engine is idle (no request, no batch in flight) records an empty
+    step, as the synchronous side does.
     Records complete one engine call after their batch is scheduled; ``tick()`` runs the calls
     of one step and returns the records it completed.
     """
@@ -427,11 +433,37 @@ def first_difference(case: Case, max_steps: int = 100_000,
     raise RuntimeError(f"no side finished within {max_steps} steps")
 
 
-def _first_difference_async(case: Case, max_steps: int) -> tuple[Difference | None, int]:
+def run_async_reference(case: Case, max_steps: int = 100_000) -> tuple[AsyncVllmReference, list[Step]]:
+    """vLLM's asynchronous side alone on ``case``: (the reference, its step records), up
+    to the last batch that runs tokens (the empty batches the engine schedules while its
+    last requests finish are left off)."""
+    ref = AsyncVllmReference(case)
+    order = sorted(range(len(case.prompts)), key=lambda i: (case.arrival_steps[i], i))
+    nxt = 0
+    records: list[Step] = []
+    for k in range(max_steps):
+        while nxt < len(order) and case.arrival_steps[order[nxt]] <= k:
+            i = order[nxt]
+            ref.add(i, case.prompts[i], case.outputs[i])
+            nxt += 1
+        records.extend(step for _, step in ref.tick())
+        if nxt == len(order) and ref.done and not ref.busy:
+            while records and not records[-1].items:
+                records.pop()
+            return ref, records
+    raise RuntimeError(f"vLLM's async side did not finish within {max_steps} steps")
+
+
+def _first_difference_async(case: Case, max_steps: int, ref: AsyncVllmReference | None = None,
+                            same: Any = None) -> tuple[Difference | None, int]:
     """As ``first_difference``, vLLM's side asynchronous: both get the same arrivals
     before each step; batchsim's step k is compared with the k-th batch's record once
-    that batch's output is processed (one step later)."""
-    ref, ours = AsyncVllmReference(case), BatchsimSide(case)
+    that batch's output is processed (one step later). ``ref``: a fresh reference to use
+    (to look into afterwards); ``same(vllm_step, batchsim_step)``: the comparison (all
+    fields by default)."""
+    ref = ref if ref is not None else AsyncVllmReference(case)
+    ours = BatchsimSide(case)
+    same = same or (lambda a, b: a == b)
     order = sorted(range(len(case.prompts)), key=lambda i: (case.arrival_steps[i], i))
     nxt = 0
     ours_steps: list[Step] = []
@@ -445,7 +477,7 @@ def _first_difference_async(case: Case, max_steps: int) -> tuple[Difference | No
         ours_steps.append(ours.step())
         for j, a in ref.tick():
             assert j == compared, (j, compared)
-            if a != ours_steps[j]:
+            if not same(a, ours_steps[j]):
                 return Difference(j, a, ours_steps[j]), j + 1
             compared += 1
         if nxt == len(order) and ref.done and not ref.busy and ours.done:
