@@ -249,7 +249,9 @@ class AsyncVllmReference(VllmReference):
     consequences of async scheduling show in it: a block that batch k's decode fills is
     registered for prefix caching only by batch k+1's schedule call (its last token is still
     a placeholder when batch k is scheduled), so it is missing from record k; blocks that
-    batch k+1's schedule call frees by preempting are still counted in record k.
+    batch k+1's schedule call frees by preempting are still counted in record k. (Blocks that
+    batch k+1's call gives a request that batch k's output finishes, an EOS stop's extra
+    slot, are freed with it and counted in neither.)
     A step in which the engine is idle (no request, no batch in flight) records an empty
     step, as the synchronous side does.
     Records complete one engine call after their batch is scheduled; ``tick()`` runs the calls
@@ -263,7 +265,8 @@ class AsyncVllmReference(VllmReference):
         super().__init__(case)
         from collections import deque
         # In flight, newest first (EngineCore's batch_queue): [index, SchedulerOutput,
-        # ModelRunnerOutput, Step, the pool change of the later schedule calls].
+        # ModelRunnerOutput, Step, the pool change of the later schedule calls, the blocks
+        # they gave each running request].
         self.queue: Any = deque()
         self.num_steps = 0
 
@@ -283,8 +286,14 @@ class AsyncVllmReference(VllmReference):
         before = self._pool()
         out = self.scheduler.schedule()
         change = tuple(a - b for a, b in zip(self._pool(), before))
+        cached = out.scheduled_cached_reqs         # the running requests' new blocks
+        grown = {int(rid): sum(len(group) for group in ids)
+                 for rid, ids in zip(cached.req_ids, cached.new_block_ids)
+                 if ids is not None and rid not in cached.resumed_req_ids}
         for entry in self.queue:                   # they are processed after this allocation
             entry[4] = tuple(a + b for a, b in zip(entry[4], change))
+            for rid, n in grown.items():
+                entry[5][rid] = entry[5].get(rid, 0) + n
         step = Step(preempted=list(self._preempted))
         req_ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
@@ -296,17 +305,20 @@ class AsyncVllmReference(VllmReference):
             sampled.append([] if req.is_prefill_chunk else [self._token(where)])
         output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                    sampled_token_ids=sampled)
-        self.queue.appendleft([k, out, output, step, (0, 0, 0)])
+        self.queue.appendleft([k, out, output, step, (0, 0, 0), {}])
         return out.total_num_scheduled_tokens > 0
 
     def _process(self) -> tuple[int, Step]:
         """Process the oldest batch's output: its record, complete."""
-        k, out, output, step, later = self.queue.pop()
+        k, out, output, step, later, grown = self.queue.pop()
         unfinished = [rid for rid, r in self.requests.items() if not r.is_finished()]
         self.scheduler.update_from_output(out, output)
         step.finished = sorted(rid for rid in unfinished if self.requests[rid].is_finished())
         step.kv_used_blocks, step.cached_blocks, step.cached_free_blocks = (
             a - b for a, b in zip(self._pool(), later))
+        # A request that finishes here frees the blocks the later schedule call gave it too
+        # (an EOS stop's extra slot): they were never in the pool this record counts.
+        step.kv_used_blocks += sum(grown.get(rid, 0) for rid in step.finished)
         return k, step
 
     def tick(self) -> list[tuple[int, Step]]:

@@ -76,6 +76,20 @@ def test_eos_stop_gets_one_more_slot() -> None:
     assert diff.vllm.items == [(0, 1, 6)] and diff.batchsim.items == []
 
 
+def test_eos_extra_slot_block_counted_in_no_record() -> None:
+    """Prompt 4, EOS at output 5, block size 4: batches 4@0, 1@4 .. 1@7 (output 4, the EOS,
+    sampled by batch 4), then the extra slot 1@8, which needs a third block (positions
+    8-11). Batch 5's schedule call takes it before batch 4's output is in; that output
+    frees all 3. Record 4: pool 0 after it, less batch 5's +1, plus the 1 block batch 5
+    gave the request it finishes = 0 (not -1). Record 5: 0. Pools before: record 0 the
+    prompt's block (1), records 1-3 two blocks (context 4 opened block 1).
+    """
+    _, records = run_async_reference(_case([4], [5], eos=[True]))
+    assert _items(records) == [[(0, 4, 0)], [(0, 1, 4)], [(0, 1, 5)], [(0, 1, 6)], [(0, 1, 7)], [(0, 1, 8)]]
+    assert [r.finished for r in records] == [[], [], [], [], [0], []]
+    assert [r.kv_used_blocks for r in records] == [1, 2, 2, 2, 0, 0]
+
+
 def test_eos_token_is_the_last_output() -> None:
     """The fake model samples the EOS id (2) as output 2 of a request stopping at 3, and
     vLLM stops on it (FINISHED_STOPPED, not by length: max_tokens is 60)."""
