@@ -242,16 +242,17 @@ class AsyncVllmReference(VllmReference):
     input queue before every call); ``items`` and ``preempted`` are that call's; ``finished``
     are the requests whose stop is seen when *that batch's* output is processed;
     ``kv_used_blocks``, ``cached_blocks`` and ``cached_free_blocks`` are the pool as the
-    schedule calls of batches 0..k and the processing of outputs 0..k left it, i.e. once
-    batch k's output is processed, less what batch k+1's schedule call (which ran before
-    it) changed. That is the counterpart of a synchronous step's pool (decisions through k,
-    outputs through k), so a difference there is the scheduler's, not the record's. Two
-    consequences of async scheduling show in it: a block that batch k's decode fills is
-    registered for prefix caching only by batch k+1's schedule call (its last token is still
-    a placeholder when batch k is scheduled), so it is missing from record k; blocks that
-    batch k+1's schedule call frees by preempting are still counted in record k. (Blocks that
-    batch k+1's call gives a request that batch k's output finishes, an EOS stop's extra
-    slot, are freed with it and counted in neither.)
+    schedule calls of batches 0..k and the processing of outputs 0..k leave it, without
+    batch k+1's schedule call, which ran before batch k's output was processed: the
+    counterpart of a synchronous step's pool (decisions through k, outputs through k), so
+    that a difference there is the scheduler's, not the record's. It is worked out from the
+    pool just before that later call (the *base*; just before the processing if there was
+    none) and the requests batch k's output finishes: a block is freed if every request
+    holding it at the base finishes; a block in use at the base holds a hash if it did then
+    or if it is full of tokens its holder had computed by then (batch k's output makes them
+    known, and processing it registers them). So the blocks an EOS stop's extra slot takes,
+    the holds that batch k+1's admissions take on a finishing request's cached blocks, and
+    the frees of batch k+1's preemptions all count in the records from k+1 on.
     A step in which the engine is idle (no request, no batch in flight) records an empty
     step, as the synchronous side does.
     Records complete one engine call after their batch is scheduled; ``tick()`` runs the calls
@@ -265,8 +266,7 @@ class AsyncVllmReference(VllmReference):
         super().__init__(case)
         from collections import deque
         # In flight, newest first (EngineCore's batch_queue): [index, SchedulerOutput,
-        # ModelRunnerOutput, Step, the pool change of the later schedule calls, the blocks
-        # they gave each running request].
+        # ModelRunnerOutput, Step, the base (None until a later schedule call)].
         self.queue: Any = deque()
         self.num_steps = 0
 
@@ -278,22 +278,27 @@ class AsyncVllmReference(VllmReference):
         return (used, sum(1 for b in pool.blocks if b.block_hash is not None),
                 sum(1 for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None))
 
+    def _base(self) -> tuple[int, int, dict[int, tuple[list[tuple[int, bool]], int]]]:
+        """(blocks in use, free blocks holding a hash, each request's blocks (id, holds a
+        hash) and computed tokens)."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        used = self.num_blocks - 1 - pool.get_num_free_blocks()
+        free_cached = (sum(1 for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None)
+                       if self.case.enable_prefix_caching else 0)
+        manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        holders = {int(rid): ([(b.block_id, b.block_hash is not None) for b in blocks if not b.is_null],
+                              self.requests[int(rid)].num_computed_tokens)
+                   for rid, blocks in manager.req_to_blocks.items() if blocks}
+        return used, free_cached, holders
+
     def _schedule(self, k: int) -> bool:
         """Schedule batch ``k`` into the queue; whether it runs tokens."""
         from vllm.v1.outputs import ModelRunnerOutput
 
+        if self.queue and self.queue[0][4] is None:   # batch k-1 is processed after this call
+            self.queue[0][4] = self._base()
         self._preempted = []
-        before = self._pool()
         out = self.scheduler.schedule()
-        change = tuple(a - b for a, b in zip(self._pool(), before))
-        cached = out.scheduled_cached_reqs         # the running requests' new blocks
-        grown = {int(rid): sum(len(group) for group in ids)
-                 for rid, ids in zip(cached.req_ids, cached.new_block_ids)
-                 if ids is not None and rid not in cached.resumed_req_ids}
-        for entry in self.queue:                   # they are processed after this allocation
-            entry[4] = tuple(a + b for a, b in zip(entry[4], change))
-            for rid, n in grown.items():
-                entry[5][rid] = entry[5].get(rid, 0) + n
         step = Step(preempted=list(self._preempted))
         req_ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
@@ -305,20 +310,33 @@ class AsyncVllmReference(VllmReference):
             sampled.append([] if req.is_prefill_chunk else [self._token(where)])
         output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                    sampled_token_ids=sampled)
-        self.queue.appendleft([k, out, output, step, (0, 0, 0), {}])
+        self.queue.appendleft([k, out, output, step, None])
         return out.total_num_scheduled_tokens > 0
 
     def _process(self) -> tuple[int, Step]:
         """Process the oldest batch's output: its record, complete."""
-        k, out, output, step, later, grown = self.queue.pop()
+        k, out, output, step, base = self.queue.pop()
+        used, free_cached, holders = base if base is not None else self._base()
         unfinished = [rid for rid, r in self.requests.items() if not r.is_finished()]
         self.scheduler.update_from_output(out, output)
         step.finished = sorted(rid for rid in unfinished if self.requests[rid].is_finished())
-        step.kv_used_blocks, step.cached_blocks, step.cached_free_blocks = (
-            a - b for a, b in zip(self._pool(), later))
-        # A request that finishes here frees the blocks the later schedule call gave it too
-        # (an EOS stop's extra slot): they were never in the pool this record counts.
-        step.kv_used_blocks += sum(grown.get(rid, 0) for rid in step.finished)
+        finished = set(step.finished)
+        num_holders: dict[int, int] = {}
+        num_finishing: dict[int, int] = {}
+        cached: set[int] = set()
+        size = self.case.block_size
+        for rid, (blocks, computed) in holders.items():
+            for j, (bid, hashed) in enumerate(blocks):
+                num_holders[bid] = num_holders.get(bid, 0) + 1
+                if rid in finished:
+                    num_finishing[bid] = num_finishing.get(bid, 0) + 1
+                if self.case.enable_prefix_caching and (hashed or (j + 1) * size <= computed):
+                    cached.add(bid)
+        freed = {bid for bid, n in num_finishing.items() if n == num_holders[bid]}
+        step.kv_used_blocks = used - len(freed)
+        if self.case.enable_prefix_caching:
+            step.cached_blocks = free_cached + len(cached)
+            step.cached_free_blocks = free_cached + len(freed & cached)
         return k, step
 
     def tick(self) -> list[tuple[int, Step]]:

