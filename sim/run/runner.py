@@ -82,14 +82,11 @@ def build_kernel_profile(cfg: WorkloadConfig, model: str | dict[str, Any]) -> Pr
                       expert_parallel=p.enable_expert_parallel,
                       engine_version=None if p.engine_version is None else str(p.engine_version))
     generation = p.engine
-    if getattr(cfg.policy, "async_scheduling", False):
-        # vLLM's async host terms: what its host work leaves unhidden behind the forward pass,
-        # fitted on public runs served with --async-scheduling (sim.cost.kernels.HOST_TERMS).
-        given = (cfg.raw.get("profile") or {}).get("engine") if isinstance(cfg.raw.get("profile"), dict) else None
-        if given is not None and given != "vllm-v1-async":
-            raise ConfigError(f"{cfg.source}: field 'profile.engine' ({given!r}) names a synchronous loop's host "
-                              f"terms, but policy.async_scheduling is true; leave profile.engine out (or set it "
-                              f"to vllm-v1-async) or set policy.async_scheduling: false")
+    wanted = async_scheduling_of(cfg)
+    if wanted or (wanted is None and hasattr(cfg.policy, "async_scheduling")):
+        # vLLM's async host terms (on a GPU, unset means on): what its host work leaves unhidden
+        # behind the forward pass, fitted on public runs served with --async-scheduling
+        # (sim.cost.kernels.HOST_TERMS).
         generation = "vllm-v1-async"
     try:
         return kernel_profile(spec, host_terms(engine, generation))
@@ -260,10 +257,33 @@ def build_policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile | Non
     (``make_policy``: without a profile the device is unknown). A policy may
     keep state between its calls (SGLang's chunked request, TGI's step
     counters), so every replica gets one of its own (``drive``)."""
+    policy_cfg = cfg.policy
+    if getattr(policy_cfg, "async_scheduling", False) is None:
+        wanted = async_scheduling_of(cfg)
+        if wanted is not None:
+            policy_cfg = dataclasses.replace(policy_cfg, async_scheduling=wanted)
     try:
-        return make_policy(cfg.policy, policy_context(max_model_len, profile))
+        return make_policy(policy_cfg, policy_context(max_model_len, profile))
     except ValueError as exc:
         raise ConfigError(f"{cfg.source}: field 'policy': {exc}") from None
+
+
+def async_scheduling_of(cfg: WorkloadConfig) -> bool | None:
+    """Whether vLLM's async scheduling is on, as the workload says it: ``policy.async_scheduling``
+    if given, else what an explicit ``profile.engine`` names (vllm-v1: the synchronous loop;
+    vllm-v1-async), else None (the policy decides by the device, as vLLM does). A
+    contradiction between the two is a ConfigError."""
+    if not hasattr(cfg.policy, "async_scheduling"):
+        return None
+    raw = cfg.raw.get("profile")
+    given = raw.get("engine") if isinstance(raw, dict) else None
+    named = {"vllm-v1": False, "vllm-v1-async": True}.get(given)
+    explicit = cfg.policy.async_scheduling
+    if explicit is not None and named is not None and explicit != named:
+        raise ConfigError(f"{cfg.source}: field 'profile.engine' ({given!r}) names "
+                          f"{'the asynchronous' if named else 'a synchronous'} loop's host terms, but "
+                          f"policy.async_scheduling is {str(explicit).lower()}; leave one of them out")
+    return explicit if explicit is not None else named
 
 
 def request_max_tokens(cfg: WorkloadConfig, specs: RequestSpecs, max_model_len: int) -> np.ndarray:

