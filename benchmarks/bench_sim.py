@@ -12,9 +12,10 @@ loops' times. ``proc s`` is the whole child process (interpreter start,
 imports, the run and its tables); req/s and events/s divide by it. ``sim
 run s`` is the real command in a fresh process, its files written.
 
-    python benchmarks/bench_sim.py [--policies vllm,sarathi] [--no-scaling]
+    python benchmarks/bench_sim.py [--policies vllm,sarathi,vllm_v1-sync] [--no-scaling]
 
-(every registered policy unless --policies names some).
+(every registered policy unless --policies names some; ``vllm_v1-sync``: vllm_v1 without async
+scheduling).
 
 Figures are measured in this run; the machine may be shared and noisy: the
 process CPU seconds (cpu s) beside the wall seconds show how much of the
@@ -38,6 +39,16 @@ sys.path.insert(0, str(ROOT))
 WORKLOAD = ROOT / "workloads" / "azure_conv.yaml"
 
 
+def overrides(policy: str) -> dict[str, object]:
+    """The workload fields of a policy name: a kind, or ``vllm_v1-sync`` (vllm_v1 with
+    ``async_scheduling: false``: the synchronous loop and its fast path; vllm_v1 alone runs
+    async on the trace's GPU, as vLLM 0.32 does)."""
+    kind, _, variant = policy.partition("-")
+    if variant and variant != "sync":
+        sys.exit(f"--policies: {policy!r}: the only variant is KIND-sync")
+    return {"policy.kind": kind, **({"policy.async_scheduling": False} if variant else {})}
+
+
 def one_run(policy: str, repeat: int) -> dict:
     """Runs inside the child: simulate, measure, return figures."""
     import warnings
@@ -45,7 +56,7 @@ def one_run(policy: str, repeat: int) -> dict:
     from sim.run.config import load_workload
     from sim.run.runner import run_workload
     warnings.simplefilter("ignore")
-    cfg = load_workload(WORKLOAD, {"policy.kind": policy, "arrivals.repeat": repeat})
+    cfg = load_workload(WORKLOAD, {**overrides(policy), "arrivals.repeat": repeat})
     t0, c0 = time.perf_counter(), time.process_time()
     result = run_workload(cfg)
     wall_s = time.perf_counter() - t0
@@ -106,7 +117,8 @@ def in_child(policy: str, repeat: int, fast_path: bool = True) -> dict:
 def sim_run_child(policy: str) -> Child:
     """The real command, files and all, in a fresh process: ``sim run`` of the trace."""
     with tempfile.TemporaryDirectory(prefix="bench_sim_") as tmp:
-        child = run_child([sys.executable, "-m", "sim.cli", "run", str(WORKLOAD), "--set", f"policy.kind={policy}",
+        sets = [a for k, v in overrides(policy).items() for a in ("--set", f"{k}={str(v).lower()}")]
+        child = run_child([sys.executable, "-m", "sim.cli", "run", str(WORKLOAD), *sets,
                            "--out", str(Path(tmp) / "run"), "--quiet"])
     if child.returncode != 0:
         sys.exit(f"sim run {policy}: exited with {child.returncode}: {child.stderr.strip()[-2000:]}")
@@ -123,14 +135,14 @@ def main() -> None:
     if args.child:
         print(json.dumps(one_run(args.child[0], int(args.child[1]))))
         return
-    print(f"{'policy':<9}{'requests':>9}{'steps':>9}{'events':>8}{'proc s':>8}{'run s':>7}{'cpu s':>7}{'req/s':>8}"
+    print(f"{'policy':<13}{'requests':>9}{'steps':>9}{'events':>8}{'proc s':>8}{'run s':>7}{'cpu s':>7}{'req/s':>8}"
           f"{'steps/s':>9}{'events/s':>10}{'RSS MiB':>9}{'loop s':>8}{'stepped':>9}{'speed-up':>10}"
           f"{'sim run s':>11}{'req/s':>8}")
     for policy in args.policies.split(","):
         r = in_child(policy, 1)
         off = in_child(policy, 1, fast_path=False)
         cli = sim_run_child(policy)
-        print(f"{policy:<9}{r['requests']:>9}{r['steps']:>9}{r['events']:>8}{r['proc_s']:>8.2f}{r['wall_s']:>7.2f}"
+        print(f"{policy:<13}{r['requests']:>9}{r['steps']:>9}{r['events']:>8}{r['proc_s']:>8.2f}{r['wall_s']:>7.2f}"
               f"{r['cpu_s']:>7.2f}{r['req_per_s']:>8.0f}{r['steps_per_s']:>9.0f}{r['events_per_s']:>10.0f}"
               f"{r['peak_rss_mib']:>9.0f}{r['loop_s']:>8.2f}{off['loop_s']:>9.2f}{off['loop_s'] / r['loop_s']:>9.2f}x"
               f"{cli.wall_s:>11.2f}{r['requests'] / cli.wall_s:>8.0f}", flush=True)
@@ -141,14 +153,14 @@ def main() -> None:
         return
     print("\nlinear growth (trace replayed back to back):")
     print("(loop: the event loop alone; the rest builds tables and summaries, whose ITL sort is n log n)")
-    print(f"{'policy':<9}{'x':>3}{'requests':>9}{'wall s':>8}{'req/s':>8}{'events/s':>10}{'wall / 1x':>11}"
+    print(f"{'policy':<13}{'x':>3}{'requests':>9}{'wall s':>8}{'req/s':>8}{'events/s':>10}{'wall / 1x':>11}"
           f"{'loop s':>8}{'loop / 1x':>11}{'RSS MiB':>9}")
     for policy in args.policies.split(","):
         base = None
         for repeat in (1, 2, 4):
             r = in_child(policy, repeat)
             base = base or r
-            print(f"{policy:<9}{repeat:>3}{r['requests']:>9}{r['wall_s']:>8.2f}{r['req_per_s']:>8.0f}"
+            print(f"{policy:<13}{repeat:>3}{r['requests']:>9}{r['wall_s']:>8.2f}{r['req_per_s']:>8.0f}"
                   f"{r['events_per_s']:>10.0f}{r['wall_s'] / base['wall_s']:>11.2f}{r['loop_s']:>8.2f}"
                   f"{r['loop_s'] / base['loop_s']:>11.2f}{r['peak_rss_mib']:>9.0f}", flush=True)
 

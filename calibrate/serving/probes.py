@@ -415,8 +415,10 @@ def simulate_session(sents: Sequence[Sent], profile, *, max_num_seqs: int, max_n
             return StepResult(t, t)
 
     env = simpy.Environment()
-    policy = VllmV1Policy(VllmV1Config(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-                          PolicyContext(max_model_len))
+    # A synchronous server, as vLLM runs on a CPU (its platform turns async scheduling off): the
+    # calibration's probes are read as its steps (a GPU server's async loop is not modelled here).
+    policy = VllmV1Policy(VllmV1Config(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                       async_scheduling=False), PolicyContext(max_model_len))
     state = SchedulerState(BlockManager(num_blocks - 1, block_size), max_model_len, None)
     server = Server(env, policy, state, Noisy())
     order = sorted(range(len(sents)), key=lambda i: sents[i].offset_s)

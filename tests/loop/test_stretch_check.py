@@ -11,6 +11,7 @@ Idle is stopped (tests/loop/test_guards.py).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import fields
 
 import pytest
 from cases import CASES, KINDS
@@ -88,7 +89,8 @@ def test_check_mode_with_shared_prefixes(raw, num_blocks, reserve, budget) -> No
         prompt = sum(runs[1::2])
         specs.append((t, prompt, output))
         contents.append((5000 + i, *runs))
-    cfg = VllmV1Config(max_num_seqs=8, max_num_batched_tokens=budget, reserve_full_prompt=reserve)
+    cfg = VllmV1Config(max_num_seqs=8, max_num_batched_tokens=budget, reserve_full_prompt=reserve,
+                       async_scheduling=False)       # the fast path is the synchronous loop's
     server, checked = _run(specs, cfg, num_blocks, fast=True, check=True, contents=contents)
     assert server.state.kv.caching
     _, fast = _run(specs, cfg, num_blocks, fast=True, contents=contents)
@@ -102,7 +104,9 @@ def test_check_mode_really_checks_steps(kind) -> None:
     # policy that never stretches while requests wait (lmdeploy) gets its requests spaced out.
     gap_s = 0.001 if CASES[kind].stretches_while_waiting else 0.05
     specs = [(gap_s * i, 40 + 7 * i, 30 + i % 9) for i in range(24)]
-    cfg = POLICIES[kind][0](**CASES[kind].small)
+    # The fast path is the synchronous loop's: a policy's async scheduling, if it has one, is off.
+    sync = {"async_scheduling": False} if "async_scheduling" in {f.name for f in fields(POLICIES[kind][0])} else {}
+    cfg = POLICIES[kind][0](**CASES[kind].small, **sync)
     server, _ = _run(specs, cfg, 400, fast=True, check=True)
     assert server.num_stretch_steps_checked > 0.3 * len(server.log), (server.num_stretch_steps_checked,
                                                                       len(server.log))
@@ -132,7 +136,8 @@ class HeldAdmissions(VllmV1Policy):
 
 def test_a_declaration_that_lies_is_caught() -> None:
     specs = [(0.0, 50, 400)] + [(0.0015 + 0.013 * i, 30, 5) for i in range(8)]
-    policy = HeldAdmissions(VllmV1Config(max_num_seqs=16, max_num_batched_tokens=256), PolicyContext(512))
+    policy = HeldAdmissions(VllmV1Config(max_num_seqs=16, max_num_batched_tokens=256, async_scheduling=False),
+                            PolicyContext(512))
     _, stepped = _run(specs, None, 400, fast=False, policy=policy)
     _, fast = _run(specs, None, 400, fast=True, policy=policy)
     assert fast != stepped                    # the lie changes results: why the flag must be checked

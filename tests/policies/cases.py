@@ -62,9 +62,10 @@ CASES: dict[str, PolicyCase] = {
                           {"max_num_seqs": 4, "max_num_batched_tokens": 64},
                           {"max_num_seqs": st.integers(1, 8), "max_num_batched_tokens": st.integers(8, 600),
                            "long_prefill_token_threshold": st.sampled_from([0, 16, 100]),
-                           "watermark": st.sampled_from([0.0, 0.05])},
+                           "watermark": st.sampled_from([0.0, 0.05]), "async_scheduling": st.booleans()},
                           {"max_num_batched_tokens": 4096},
-                          tight={"max_num_batched_tokens": 256, "max_num_seqs": 64}),
+                          # (the fast path is the synchronous loop's: async scheduling steps every step)
+                          tight={"max_num_batched_tokens": 256, "max_num_seqs": 64, "async_scheduling": False}),
     # max_num_tokens 8192, max_batch_size 2048 (any device); GUARANTEED_NO_EVICT never preempts
     "tensorrt_llm": PolicyCase((8192, 2048, False), False,
                                {"max_batch_size": 4, "max_num_tokens": 64, "enable_chunked_prefill": True},

@@ -41,7 +41,7 @@ class Held(VllmV1Policy):
     where admission opens (nothing is scheduled there), so its numbers are wrong unchecked."""
 
     def __init__(self, config: HeldConfig, context) -> None:
-        super().__init__(VllmV1Config(enable_prefix_caching=False), context)
+        super().__init__(VllmV1Config(enable_prefix_caching=False, async_scheduling=False), context)
         self.held = config
 
     def knobs(self):

@@ -202,7 +202,8 @@ def _batches(profile, sents, knobs):
 
     env = simpy.Environment()
     policy = VllmV1Policy(VllmV1Config(max_num_seqs=knobs.max_num_seqs,
-                                       max_num_batched_tokens=knobs.max_num_batched_tokens),
+                                       max_num_batched_tokens=knobs.max_num_batched_tokens,
+                                       async_scheduling=False),      # the simulated server is synchronous
                           PolicyContext(knobs.max_model_len))
     server = Server(env, policy, SchedulerState(BlockManager(1 << 14, 16), knobs.max_model_len), Recorder())
     reqs = [Request(i, s.offset_s, s.prompt_tokens, s.max_tokens) for i, s in enumerate(sents)]
