@@ -254,8 +254,8 @@ class Server:
         flight (``state.pending``); with nothing in flight a chosen step starts at once and the
         next is chosen at the same instant. Steps that end before the next event run on a local
         clock, as in ``_serve``; no decode stretches."""
-        env, state, policy, executor, log = self.env, self.state, self.policy, self.executor, self.log
-        on_step, on_finish = self.on_step, self.on_finish
+        env, state, policy, executor = self.env, self.state, self.policy, self.executor
+        on_finish = self.on_finish
         if on_finish is not None:
             state.finished_ids = []
         now_s = env.now
