@@ -673,9 +673,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, help="only the first N requests")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--async-scheduling", action="store_true",
-                   help="vLLM's side is its AsyncScheduler driven through a batch queue of 2 (vLLM 0.32's "
-                        "default engine loop) instead of the synchronous Scheduler; batchsim's side stays "
-                        "synchronous, so this shows where async scheduling first changes a decision")
+                   help="both sides schedule asynchronously: vLLM's AsyncScheduler driven through a batch "
+                        "queue of 2 (vLLM 0.32's default engine loop) and batchsim's vllm_v1 with "
+                        "async_scheduling, batch for batch")
+    p.add_argument("--sync-batchsim", action="store_true",
+                   help="with --async-scheduling: batchsim's side stays synchronous, to show where async "
+                        "scheduling first changes a decision")
     p.add_argument("--eos-stops", action="store_true",
                    help="every request stops on EOS at its output length (a request without max_tokens) "
                         "instead of by length; changes vLLM's async side only")
@@ -689,14 +692,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        diff, num_steps = first_difference(case, async_scheduling=args.async_scheduling)
+        if args.async_scheduling and not args.sync_batchsim:
+            diff, num_steps = first_difference_async(case)
+        else:
+            diff, num_steps = first_difference(case, async_scheduling=args.async_scheduling)
     except ModuleNotFoundError as exc:
         print(f"error: the comparison runs vLLM's own scheduler, which needs {exc.name}: pip install -e "
               f"'.[calibrate,test,vllm]' (the README's Tests section)", file=sys.stderr)
         return 2
     print(f"{len(case.prompts)} requests, max_num_seqs {case.max_num_seqs}, max_num_batched_tokens "
           f"{case.max_num_batched_tokens}, {case.num_blocks} blocks x {case.block_size}"
-          + (", vLLM's side async (batch queue of 2)" if args.async_scheduling else ""))
+          + ("" if not args.async_scheduling else ", vLLM's side async (batch queue of 2)" if args.sync_batchsim
+             else ", both sides async (batch queue of 2)"))
     if diff is None:
         print(f"identical decisions in all {num_steps} steps")
         return 0
