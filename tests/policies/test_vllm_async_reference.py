@@ -208,3 +208,19 @@ def test_queue_holds_two_batches() -> None:
     assert ref.tick() == [] and len(ref.queue) == 1
     completed = ref.tick()
     assert [k for k, _ in completed] == [0] and len(ref.queue) == 1 and ref.queue[0][0] == 1
+
+
+def test_command_line_compares_both_sides_async(capsys) -> None:
+    # 60 requests of the bundled prefix-repetition workload on a 400-block pool: batchsim's
+    # vllm_v1 with async scheduling decides as vLLM's AsyncScheduler in every batch (exit 0);
+    # kept synchronous (--sync-batchsim), it differs (exit 1), first where a request is admitted
+    # a batch earlier than the async loop admits it.
+    from calibrate.serving.vllm_diff import main
+    from conftest import ROOT
+    args = [str(ROOT / "workloads" / "prefix_repetition.yaml"), "--num-requests", "60",
+            "--set", "server.num_blocks=400", "--set", "server.max_model_len=4096", "--async-scheduling"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "both sides async" in out and "identical decisions in all" in out
+    assert main([*args, "--sync-batchsim"]) == 1
+    assert "first difference after" in capsys.readouterr().out
