@@ -114,7 +114,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         remove_if_empty(run_dir)
         raise
     meta = result.meta
-    title = (f"{cfg.name}: policy {cfg.policy.kind}, profile {meta['profile_name']} "
+    # A loop the policy chose by default says so (vLLM 0.32's async scheduling, on where vLLM turns it on).
+    loop = " (async scheduling)" if (meta.get("policy_knobs") or {}).get("async_scheduling") else ""
+    title = (f"{cfg.name}: policy {cfg.policy.kind}{loop}, profile {meta['profile_name']} "
              f"({result.summary['profile_source']}), {meta['num_blocks']:,} KV blocks x "
              f"{meta['kv_block_size']} tokens")
     print(format_summary(result.summary, title, load=offered_load(result.request_source, meta["config"]["arrivals"]),
