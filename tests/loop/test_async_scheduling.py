@@ -74,3 +74,41 @@ def test_sync_timeline_by_hand() -> None:
     assert _steps(server) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1), (20.0, 2, 4, 1), (30.0, 1, 0, 1)]
     assert (r0.first_token_s, r0.finished_s) == pytest.approx((0.010, 0.030))
     assert (r1.first_token_s, r1.finished_s) == pytest.approx((0.030, 0.040))
+
+
+# ---- the SimPy loop against the engine calls of the differential harness -------------------------
+# calibrate.serving.vllm_diff.AsyncBatchsimSide drives the policy through vLLM's own engine calls
+# (and is checked batch for batch against vLLM's AsyncScheduler); the SimPy loop must choose the
+# same batches in the same order. With every request there at the start, arrival timing plays no
+# part (the timeline test above pins it), so the two sequences of batches must be equal.
+@pytest.mark.parametrize("seed", range(40))
+def test_the_simpy_loop_chooses_the_harness_batches(seed: int) -> None:
+    pytest.importorskip("vllm")          # the harness's module imports vLLM's side lazily, its cases need it
+    from dataclasses import replace
+
+    from calibrate.serving.vllm_diff import AsyncBatchsimSide
+    from policies.vllm_v1 import VllmV1Policy
+    from sim.core.policy import PolicyContext
+    from sim.core.state import SchedulerState
+    from test_vllm_v1_differential import async_case, random_case, random_prefix_case
+
+    case = async_case((random_case if seed % 2 else random_prefix_case)(seed), seed)
+    case = replace(case, arrival_steps=(0,) * len(case.prompts))
+    side = AsyncBatchsimSide(case)
+    for i, (p, o) in enumerate(zip(case.prompts, case.outputs)):
+        side.add(i, p, o)
+    want = []
+    while not (side.done and not side.busy):
+        want += [[tuple(it) for it in step.items] for _, step in side.tick() if step.items]
+    env = simpy.Environment()
+    policy = VllmV1Policy(side.policy.config, PolicyContext(case.max_model_len))
+    pool = type(side.state.kv)(case.num_blocks - policy.num_reserved_blocks, case.block_size)
+    got = []
+    server = Server(env, policy, SchedulerState(pool, case.max_model_len), SimExecutor(STEP),
+                    on_step=lambda start, batch, result: got.append([tuple(it[:3]) for it in batch.items]))
+    eos = case.eos_stops or (False,) * len(case.prompts)
+    reqs = [Request(i, 0.0, p, case.max_model_len - p if e else o, content=case.contents[i] if case.contents else None)
+            for i, (p, o, e) in enumerate(zip(case.prompts, case.outputs, eos))]
+    env.process(feed(env, [server], reqs, list(case.outputs)))
+    env.run()
+    assert got == want
