@@ -154,7 +154,7 @@ class VllmV1Policy(PolicyBase):
         # vLLM 0.32: VllmConfig turns async scheduling on unless something incompatible is asked
         # (nothing batchsim models is), and the CPU platform turns it off (CpuPlatform).
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else not context.device.lower().startswith("cpu"))
+                                 else not (context.cpu or context.device.lower().startswith("cpu")))
         if self.async_scheduling:
             self.pipelined = True            # rule 7 of the module doc
             self.decode_stretch = False

@@ -129,7 +129,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if result.summary.get("num_out_of_range_lookups"):
         print(f"note: {result.summary['num_out_of_range_lookups']:,} cost lookups fell outside the "
               f"profile's measured grid and were extrapolated")
-    if "fast_path_steps_checked" in meta:
+    if "fast_path_steps_checked" in meta and loop:
+        print(f"check       policy {cfg.policy.kind}{loop}: no fast path to check (the pipelined loop steps "
+              f"every iteration)")
+    elif "fast_path_steps_checked" in meta:
         print(f"check       policy {cfg.policy.kind}: {meta['fast_path_steps_checked']:,} of "
               f"{result.summary['num_steps']:,} steps were the fast path's, each stepped and found as planned")
     files = ["requests.csv", "steps.csv", "tokens.npz", "meta.json", "vllm_bench.json"]

@@ -225,6 +225,23 @@ def sim_prefix_counts(result: RunResult) -> tuple[int, int]:
     return int(cols["prompt_tokens"][admitted].sum()), 0
 
 
+def replay_tokens(cfg: WorkloadConfig, specs: RequestSpecs, max_model_len: int) -> np.ndarray:
+    """The output tokens the replay asks for, request by request (max_tokens = min_tokens =
+    this): the true output, within the client's max_tokens. Under a policy that cuts max_tokens
+    to the context as vLLM's server does (``clamps_max_tokens``: vllm_v1, SchedulerState's
+    clamp_max_tokens), also within what the context leaves, except for a request that the
+    server and the simulation both refuse (a prompt of max_model_len or more, a max_tokens
+    above it), which goes out as it is (the server would refuse min_tokens above its cut)."""
+    caps = np.asarray([r.max_output_tokens for r in make_requests(cfg, specs, max_model_len)], dtype=np.int64)
+    out_tokens = np.minimum(np.asarray(specs.output_tokens, dtype=np.int64), caps)
+    from policies import POLICIES
+    if not POLICIES[cfg.policy.kind][1].clamps_max_tokens:
+        return out_tokens
+    prompts = np.asarray(specs.prompt_tokens, dtype=np.int64)
+    cut = (prompts < max_model_len) & (caps <= max_model_len)
+    return np.where(cut, np.minimum(out_tokens, max_model_len - prompts), out_tokens)
+
+
 def measure_server(cfg: WorkloadConfig, url: str, info: Any, vocab_size: int, max_model_len: int,
                    *, progress: bool = False, specs: RequestSpecs | None = None,
                    think_time_s: float | None = None, salt: int | None = None) -> Measurement:
@@ -256,12 +273,7 @@ def measure_server(cfg: WorkloadConfig, url: str, info: Any, vocab_size: int, ma
     if cap and think > 0 and not any(follows):
         raise ConfigError(f"{cfg.source}: field 'arrivals.think_time_s': a live replay has no think time "
                           f"(vllm bench serve sends as soon as a slot frees); remove it to validate")
-    caps = [r.max_output_tokens for r in make_requests(cfg, specs, max_model_len)]
-    # vLLM's server cuts a max_tokens that the context cannot hold to what it leaves (the simulated
-    # vllm_v1 does the same: SchedulerState's clamp_max_tokens); the replay asks for exactly that
-    # many tokens (min_tokens = max_tokens, which the server would refuse above its cut).
-    room = np.maximum(1, max_model_len - np.asarray(specs.prompt_tokens, dtype=np.int64))
-    out_tokens = np.minimum(np.minimum(specs.output_tokens, caps), room)
+    out_tokens = replay_tokens(cfg, specs, max_model_len)
     schedule = [(float(t), [] if follows[i] else plan.prompt(i), int(o))
                 for i, (t, o) in enumerate(zip(specs.arrival_s, out_tokens))]
 

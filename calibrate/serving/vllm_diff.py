@@ -32,6 +32,7 @@ import dataclasses
 import json
 import sys
 import tempfile
+from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -269,7 +270,6 @@ class AsyncVllmReference(VllmReference):
 
     def __init__(self, case: Case) -> None:
         super().__init__(case)
-        from collections import deque
         # In flight, newest first (EngineCore's batch_queue): [index, SchedulerOutput,
         # ModelRunnerOutput, Step, the base (None until a later schedule call)].
         self.queue: Any = deque()
@@ -441,7 +441,6 @@ class AsyncBatchsimSide(BatchsimSide):
         super().__init__(case)
         self.policy = VllmV1Policy(dataclasses.replace(self.policy.config, async_scheduling=True),
                                    PolicyContext(case.max_model_len))
-        from collections import deque
         self.queue: Any = deque()      # newest first: [index, Batch, Step]
         self.num_steps = 0
         self._told = True              # no finished request left to report
@@ -683,6 +682,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="every request stops on EOS at its output length (a request without max_tokens) "
                         "instead of by length; changes vLLM's async side only")
     args = p.parse_args(argv)
+    if args.sync_batchsim and not args.async_scheduling:
+        p.error("--sync-batchsim compares against vLLM's async scheduler: give --async-scheduling too")
     from sim.run.config import ConfigError
     try:
         case = case_from_workload(args.workload, args.step_ms, args.num_requests, args.set)

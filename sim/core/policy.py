@@ -33,6 +33,10 @@ class PolicyContext:
     memory_bytes_per_gpu: int = 0                              # 0: unknown
     world_size: int = 1                                        # tensor-parallel ranks
     engine: Mapping[str, Any] = field(default_factory=dict)    # the measured server's knobs (Profile.engine)
+    # The device is a CPU: a device named so, or a profile batchsim measured on a CPU (named by
+    # its CPU model, "AMD EPYC", with provenance.device "cpu"). vLLM's CPU platform runs
+    # synchronously (vllm_v1's async_scheduling).
+    cpu: bool = False
 
 
 class KvMemory(NamedTuple):

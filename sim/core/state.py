@@ -97,20 +97,19 @@ class SchedulerState:
                 req.max_output_tokens = self.max_model_len - req.num_prompt_tokens
                 total = self.max_model_len
                 self.num_clamped += 1
-        if reason is not None:
-            pass
-        elif total > self.max_model_len:
-            reason = "context"
-        elif self.max_prompt_tokens is not None and req.num_prompt_tokens > self.max_prompt_tokens:
-            reason = "prompt_limit"
-        elif (self.kv.num_blocks_for(req.num_prompt_tokens) > self.kv.num_blocks - self.kv.watermark_blocks
-              if self.refuse_by_prompt else self.kv.num_blocks_for(total) > self.kv.num_blocks):
-            reason = "kv_pool"
-        else:
-            self.requests[req.req_id] = req
-            self._true_output[req.req_id] = min(true_output_tokens, req.max_output_tokens)
-            self.waiting.append(req)
-            return True
+        if reason is None:
+            if total > self.max_model_len:
+                reason = "context"
+            elif self.max_prompt_tokens is not None and req.num_prompt_tokens > self.max_prompt_tokens:
+                reason = "prompt_limit"
+            elif (self.kv.num_blocks_for(req.num_prompt_tokens) > self.kv.num_blocks - self.kv.watermark_blocks
+                  if self.refuse_by_prompt else self.kv.num_blocks_for(total) > self.kv.num_blocks):
+                reason = "kv_pool"
+            else:
+                self.requests[req.req_id] = req
+                self._true_output[req.req_id] = min(true_output_tokens, req.max_output_tokens)
+                self.waiting.append(req)
+                return True
         req.status = Status.REJECTED
         req.reject_reason = reason
         req.finished_s = now_s
@@ -118,14 +117,22 @@ class SchedulerState:
         self.records.add(req, min(true_output_tokens, req.max_output_tokens))
         return False
 
-    def prefill_items(self, batch: Batch) -> int:
+    def prefill_items(self, batch: Batch, ahead: Batch | None = None) -> int:
         """The one-token items of ``batch`` that are prefill chunks (of a request in
         ``prefilling``: the last token of a budget, a prompt found cached but its last token,
-        the end of a recompute), which ``Batch`` counts as decodes: it sees no request."""
+        the end of a recompute), which ``Batch`` counts as decodes: it sees no request.
+        ``ahead``: the batch in flight when ``batch`` was chosen (a pipelined loop), whose item
+        for a request may complete its prompt: then the request decodes in ``batch``."""
         prefilling = self.prefilling
         if not prefilling or not batch.decode_seqs:
             return 0
-        return sum(1 for it in batch.items if it[1] == 1 and it[3] == 0 and it[0] in prefilling)
+        short = [it[0] for it in batch.items if it[1] == 1 and it[3] == 0 and it[0] in prefilling]
+        if short and ahead is not None and ahead.items:
+            requests = self.requests
+            completes = {it[0] for it in ahead.items if it[0] in requests and it[2] + it[1]
+                         == requests[it[0]].num_prompt_tokens + requests[it[0]].num_output_tokens}
+            return sum(1 for rid in short if rid not in completes)
+        return len(short)
 
     def take_finished_ids(self) -> list[int]:
         """The ids of the requests finished since the last call, in finish

@@ -299,8 +299,11 @@ class Server:
                 guard.check(state, now_s, decision)
             elif guard.count:
                 guard.reset()
+            # The queues and KV the step is chosen with, and its one-token prefill items, counted now:
+            # a request the next choice preempts leaves ``prefilling`` before this step ends.
+            row = (len(state.waiting), len(state.running), state.kv.num_used_blocks,
+                   state.prefill_items(decision, state.pending[-1] if state.pending else None))
             state.pending.append(decision)
-            row = (len(state.waiting), len(state.running), state.kv.num_used_blocks)
             result = executor.execute(decision, state)
             if running is None:
                 running = (decision, now_s, result, row)      # starts now; the next is chosen now too
@@ -310,14 +313,11 @@ class Server:
 
     def _end_pipelined(self, running):
         """Wait for the running step's end, log and commit it; return its end."""
-        batch, start_s, result, (num_waiting, num_running, kv_used) = running
+        batch, start_s, result, (num_waiting, num_running, kv_used, prefill_items) = running
         end_s = start_s + result.duration_s
         if not (self.coalesce and end_s < self.env.peek()):   # else nothing can happen before its end
             yield self.env.timeout(end_s - self.env.now)
             end_s = self.env.now
-        # Its one-token prefill items, with the steps before it committed (a request whose prompt
-        # ends in the step before is decoding in this one, though it had not caught up when chosen).
-        prefill_items = self.state.prefill_items(batch)
         self.log.record(start_s, batch, result, num_waiting, num_running, kv_used, prefill_items)
         self.state.commit_pipelined(batch, end_s)
         if self.on_step is not None:

@@ -248,8 +248,9 @@ def policy_context(max_model_len: int, profile: Profile | None = None) -> Policy
     profile the device is unknown."""
     if profile is None:
         return PolicyContext(max_model_len)
+    cpu = profile.device.lower().startswith("cpu") or (profile.provenance or {}).get("device") == "cpu"
     return PolicyContext(max_model_len, profile.device, profile.memory_bytes_per_gpu, profile.tensor_parallel,
-                         profile.engine)
+                         profile.engine, cpu=cpu)
 
 
 def build_policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile | None = None) -> Policy:
@@ -397,9 +398,11 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
         if policy is None or k:
             policy = build_policy(cfg, max_model_len, profile)
         if live and policy.pipelined:
-            raise ConfigError(f"{cfg.source}: field 'policy.async_scheduling': the live engine runs one step at a "
-                              f"time and cannot choose a step while another runs; set policy.async_scheduling: "
-                              f"false to run it live")
+            said = "is true" if getattr(cfg.policy, "async_scheduling", None) else (
+                f"is unset, which on this profile's device ({profile.device}, not a CPU) means on, as in vLLM")
+            raise ConfigError(f"{cfg.source}: field 'policy.async_scheduling' {said}; the live engine runs one step "
+                              f"at a time and cannot choose a step while another runs: set "
+                              f"policy.async_scheduling: false to run it live")
         usable = num_blocks - policy.num_reserved_blocks    # vLLM v1's null block
         state = SchedulerState(policy.kv_pool_class(usable, block_size_of(cfg, policy), cfg.server.watermark),
                                max_model_len, policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt,

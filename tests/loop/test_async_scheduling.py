@@ -112,3 +112,41 @@ def test_the_simpy_loop_chooses_the_harness_batches(seed: int) -> None:
     env.process(feed(env, [server], reqs, list(case.outputs)))
     env.run()
     assert got == want
+
+
+def test_a_one_token_prompt_item_is_prefill_unless_the_batch_ahead_completes_the_prompt() -> None:
+    # steps.csv's prefill count of a pipelined step is taken when the step is chosen, beside the
+    # batch in flight: r0 (prompt 5) is admitted with a 4-token chunk in flight; the batch chosen
+    # after gives r0 its 5th prompt token, a prefill item. Had the batch in flight held the whole
+    # prompt, the one-token item after it would be a decode.
+    from sim.core.batch import Batch, BatchItem
+    from conftest import add, make_state
+    state = make_state(num_blocks=100, block_size=4)
+    r = add(state, 0, 5, 4)
+    state.admit(r, 0.0)
+    assert state.prefill_items(Batch((BatchItem(0, 1, 4),)), Batch((BatchItem(0, 4, 0),))) == 1
+    assert state.prefill_items(Batch((BatchItem(0, 1, 5),)), Batch((BatchItem(0, 5, 0),))) == 0
+
+
+def test_a_prefill_item_whose_request_the_next_choice_preempts_stays_prefill() -> None:
+    # Found in review (a random search): 3 slots, 16-token budget, long-prefill threshold 3, 10
+    # blocks of 4. A batch [(r2, 3 @ 15), (r3, 1 @ 15)] gives r3 the 16th and last token of its
+    # prompt; the choice made while it runs preempts r3, which leaves SchedulerState.prefilling
+    # before the batch ends. Counted when the batch ended, r3's token was logged as a decode; it
+    # is a prefill token: 4 prefill tokens, 0 decodes, 2 prefill sequences.
+    from conftest import linear_profile
+    specs = [(0.01, 8, 4, 2), (0.01, 23, 4, 1), (0.02, 27, 4, 3), (0.03, 16, 2, 2), (0.04, 5, 12, 1),
+             (0.05, 17, 4, 4), (0.06, 17, 6, 1), (0.07, 28, 6, 5)]
+    env = simpy.Environment()
+    policy = make_policy(VllmV1Config(max_num_seqs=3, max_num_batched_tokens=16, long_prefill_token_threshold=3,
+                                      enable_prefix_caching=False, async_scheduling=True), 256)
+    batches = []
+    server = Server(env, policy, policy_state(policy, 10, 4, 256), SimExecutor(linear_profile(0, 0.01, 0, 0)),
+                    on_step=lambda start, batch, result: batches.append([tuple(it[:3]) for it in batch.items]))
+    reqs = [Request(i, a, p, m) for i, (a, p, m, _) in enumerate(specs)]
+    env.process(feed(env, [server], reqs, [o for *_, o in specs]))
+    env.run()
+    rows = [row for *_, ints in server.log.chunks() for row in ints.reshape(-1, 8)]
+    (j,) = [k for k, b in enumerate(batches) if b == [(2, 3, 15), (3, 1, 15)]]
+    assert reqs[3].num_preemptions == 1
+    assert list(rows[j][:5]) == [2, 4, 0, 0, 2]

@@ -104,3 +104,45 @@ def test_vllm_v1_runs_a_cut_request_to_the_context() -> None:
     assert server.state.num_clamped == 1 and server.state.num_rejected == 0
     assert reqs[0].max_output_tokens == 4 and reqs[0].num_output_tokens == 4
     assert len(records) == 1
+
+
+def test_the_replay_asks_for_what_the_simulation_serves() -> None:
+    # max_model_len 512, max_tokens 600 ("max_tokens: 600"), outputs 600 each: under vllm_v1 (it cuts
+    # max_tokens as vLLM's server does) prompt 10 + max_tokens 600 is refused by both (600 > 512),
+    # so the replay sends it as it is (600: the server refuses it); under the cut max_tokens 100
+    # with prompt 450: 450 + 100 > 512 -> cut to 62; prompt 512 leaves no room: both refuse, sent
+    # as it is (100). Under sarathi (the refusal rule) nothing is cut: min(output, max_tokens).
+    from calibrate.serving.validate_server import replay_tokens
+    from sim.run.config import workload_from_dict
+    from workloads.generate import RequestSpecs
+
+    def cfg(kind: str, max_tokens: int):
+        return workload_from_dict({"name": "r", "num_requests": 3, "arrivals": {"kind": "poisson", "rate": 1.0},
+                                   "lengths": {"kind": "fixed", "prompt_tokens": 10, "output_tokens": 600},
+                                   "max_tokens": max_tokens, "policy": {"kind": kind},
+                                   "server": {"max_model_len": 512}})
+
+    specs = RequestSpecs(np.array([0.0, 1.0, 2.0]), np.array([10, 450, 512]), np.array([600, 600, 600]))
+    assert replay_tokens(cfg("vllm_v1", 600), specs, 512).tolist() == [600, 600, 600]
+    assert replay_tokens(cfg("vllm_v1", 100), specs, 512).tolist() == [100, 62, 100]
+    assert replay_tokens(cfg("sarathi", 100), specs, 512).tolist() == [100, 100, 100]
+
+
+def test_a_cpu_measured_profile_schedules_synchronously() -> None:
+    # calibrate/profiles/cpu/tiny-llama/float32.yaml names its device by the CPU model ("AMD
+    # EPYC"), provenance.device "cpu": vLLM's CPU platform runs synchronously, and so does vllm_v1
+    # on it (unset async_scheduling); an H100 preset's device is a GPU: async.
+    from sim.cost.profile import load_profile
+    from sim.run.config import workload_from_dict
+    from sim.run.runner import build_policy
+    from conftest import ROOT
+
+    cpu = load_profile(ROOT / "calibrate" / "profiles" / "cpu" / "tiny-llama" / "float32.yaml")
+    cfg = workload_from_dict({"name": "c", "num_requests": 2, "arrivals": {"kind": "poisson", "rate": 1.0},
+                              "lengths": {"kind": "fixed", "prompt_tokens": 16, "output_tokens": 4},
+                              "policy": {"kind": "vllm_v1"}, "server": {"max_model_len": 512}})
+    assert cpu.device == "AMD EPYC"
+    assert not build_policy(cfg, 512, cpu).async_scheduling
+    from sim.run.runner import build_profile
+    gpu_cfg = workload_from_dict({**cfg.raw, "profile": {"model": "llama-3.1-8b", "gpu": "h100-sxm"}})
+    assert build_policy(gpu_cfg, 512, build_profile(gpu_cfg)).async_scheduling
