@@ -224,12 +224,15 @@ def _plan(server: Host, batch: Batch, changed: bool, now_s: float, horizon_s: fl
     block_size = kv.block_size
     true_output = state.true_output_tokens
     running_status = Status.RUNNING
+    in_prefill = state.prefilling
     for r in running:
         computed = r.num_computed_tokens
         if r.status == running_status:
             outputs = r.num_output_tokens
             uncomputed = r.num_prompt_tokens + outputs - computed
-            if uncomputed != 1 or outputs < 1:          # not caught up (outputs 0: a last prompt token)
+            # Not caught up (outputs 0: a last prompt token; in ``prefilling``: the last token
+            # of a recompute, a prefill item the step log counts apart from the decodes).
+            if uncomputed != 1 or outputs < 1 or r.req_id in in_prefill:
                 if chunked and prefilling is None and uncomputed > 1:
                     prefilling = r
                     continue

@@ -159,3 +159,17 @@ def test_a_cached_resume_that_looks_like_a_decode_is_no_evidence() -> None:
     _, got = _run(specs, cfg, 64, fast=True, check=True)      # raised StretchMismatch before
     _, stepped = _run(specs, cfg, 64, fast=False)
     assert got == stepped
+
+
+def test_the_end_of_a_recompute_is_no_decode_to_stretch() -> None:
+    # Found by the property test above: TensorRT-LLM under MAX_UTILIZATION pauses a request, which
+    # later recomputes and ends its recompute with one token: a prefill item for the step log
+    # (SchedulerState.prefilling), though it looks like a decode (one token, context = known - 1).
+    # The fast path planned it as a decode row; it must step it.
+    from policies.tensorrt_llm import TensorRtLlmConfig
+    cfg = TensorRtLlmConfig(max_batch_size=3, max_num_tokens=16, tokens_per_block=8, enable_chunked_prefill=True,
+                            capacity_scheduler_policy="MAX_UTILIZATION", context_chunking_policy="EQUAL_PROGRESS")
+    specs = _specs([(0.0, 213, 29), (0.0, 230, 29), (0.0, 107, 15)])
+    _, got = _run(specs, cfg, 78, fast=True, check=True)      # raised StretchMismatch before
+    _, stepped = _run(specs, cfg, 78, fast=False)
+    assert got == stepped
