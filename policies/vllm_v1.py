@@ -76,9 +76,9 @@ from policies.vllm import check_budget
 from sim.core.batch import Batch, BatchItem, Idle
 from sim.core.policy import EngineKnob, PolicyContext, PrefixSwitch
 from sim.core.prefix import PrefixCachePool
-from sim.core.request import Status
 
 if TYPE_CHECKING:
+    from sim.core.request import Request
     from sim.core.state import SchedulerState
 
 GIB = 1024**3
@@ -202,24 +202,38 @@ class VllmV1Policy(PolicyBase):
                 if caching and not (computed + 1) % block_size:
                     kv.cache(r, computed + 1)          # the token completes its block
                 continue
-            if 0 < threshold < n:
-                n = threshold
-            n = min(n, budget)       # >= 1: a running request always has a token to compute
-            while not kv.can_allocate(r, computed + n):
-                victim = running[-1]
-                state.preempt(victim)
-                preempted = True
-                if victim is r:
-                    break
-            if r.status != Status.RUNNING:
+            n, evicted = self._schedule_running(state, r, computed, n, threshold, budget, items)
+            preempted = preempted or evicted
+            if not n:
                 break
-            kv.allocate(r, computed + n)
-            items.append(BatchItem(r.req_id, n, computed))
             budget -= n
             i += 1
         if not preempted:
             self._admit(state, now_s, budget, threshold, items)
         return Batch(tuple(items)) if items else Idle()
+
+    @staticmethod
+    def _schedule_running(state: SchedulerState, r: Request, computed: int, n: int, threshold: int, budget: int,
+                          items: list[BatchItem]) -> tuple[int, bool]:
+        """Step 2's general path for running ``r`` (``computed`` tokens, the step in flight's
+        included, ``n`` to compute): capped by the threshold and the budget (>= 1: a running
+        request always has a token to compute), its blocks allocated (which registers the full
+        blocks among the tokens it knows), the last running request preempted while they do not
+        fit. (tokens scheduled, 0 if ``r`` itself was preempted; whether anyone was)."""
+        if 0 < threshold < n:
+            n = threshold
+        n = min(n, budget)
+        kv, running = state.kv, state.running
+        preempted = False
+        while not kv.can_allocate(r, computed + n):
+            victim = running[-1]
+            state.preempt(victim)
+            preempted = True
+            if victim is r:
+                return 0, True
+        kv.allocate(r, computed + n)
+        items.append(BatchItem(r.req_id, n, computed))
+        return n, preempted
 
     def _admit(self, state: SchedulerState, now_s: float, budget: int, threshold: int,
                items: list[BatchItem]) -> None:
@@ -293,19 +307,10 @@ class VllmV1Policy(PolicyBase):
                 n = 1
             else:
                 n = known - computed
-            if 0 < threshold < n:
-                n = threshold
-            n = min(n, budget)
-            while not kv.can_allocate(r, computed + n):
-                victim = running[-1]
-                state.preempt(victim)
-                preempted = True
-                if victim is r:
-                    break
-            if r.status != Status.RUNNING:
+            n, evicted = self._schedule_running(state, r, computed, n, threshold, budget, items)
+            preempted = preempted or evicted
+            if not n:
                 break
-            kv.allocate(r, computed + n)   # registers the full blocks among the tokens it knows
-            items.append(BatchItem(r.req_id, n, computed))
             budget -= n
             i += 1
         if not preempted:

@@ -192,7 +192,11 @@ class VllmReference:
             tid = ids[where] = 10 + len(ids)
         return tid
 
-    def step(self) -> Step:
+    def _schedule_call(self) -> tuple[Any, Any, Step]:
+        """One ``schedule()`` call: (its SchedulerOutput, the fake model output fixed now, as a
+        model runner's would be: one token for every request whose prefill is then complete, the
+        token of output position ``num_computed_tokens - num_prompt_tokens``, and the step record
+        of its items and preemptions)."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         self._preempted = []
@@ -204,18 +208,26 @@ class VllmReference:
             req = self.requests[int(rid)]
             n = out.num_scheduled_tokens[rid]
             step.items.append((int(rid), n, req.num_computed_tokens - n))
-            caught_up = req.num_computed_tokens >= req.num_tokens
-            sampled.append([self._token((self._out_keys[int(rid)], req.num_output_tokens))] if caught_up else [])
+            where = (self._out_keys[int(rid)], req.num_computed_tokens - req.num_prompt_tokens)
+            sampled.append([] if req.is_prefill_chunk else [self._token(where)])
         output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                    sampled_token_ids=sampled)
-        self.scheduler.update_from_output(out, output)
-        step.finished = sorted(int(rid) for rid in req_ids if self.requests[int(rid)].is_finished())
+        return out, output, step
+
+    def _pool(self) -> tuple[int, int, int]:
+        """(blocks in use, blocks holding a hash, free blocks holding a hash); no hashes without caching."""
         pool = self.scheduler.kv_cache_manager.block_pool
-        step.kv_used_blocks = self.num_blocks - 1 - pool.get_num_free_blocks()
-        if self.case.enable_prefix_caching:
-            step.cached_blocks = sum(1 for b in pool.blocks if b.block_hash is not None)
-            step.cached_free_blocks = sum(1 for b in pool.free_block_queue.get_all_free_blocks()
-                                          if b.block_hash is not None)
+        used = self.num_blocks - 1 - pool.get_num_free_blocks()
+        if not self.case.enable_prefix_caching:
+            return used, 0, 0
+        return (used, sum(1 for b in pool.blocks if b.block_hash is not None),
+                sum(1 for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None))
+
+    def step(self) -> Step:
+        out, output, step = self._schedule_call()
+        self.scheduler.update_from_output(out, output)
+        step.finished = sorted(int(rid) for rid in out.num_scheduled_tokens if self.requests[int(rid)].is_finished())
+        step.kv_used_blocks, step.cached_blocks, step.cached_free_blocks = self._pool()
         return step
 
     @property
@@ -275,14 +287,6 @@ class AsyncVllmReference(VllmReference):
         self.queue: Any = deque()
         self.num_steps = 0
 
-    def _pool(self) -> tuple[int, int, int]:
-        pool = self.scheduler.kv_cache_manager.block_pool
-        used = self.num_blocks - 1 - pool.get_num_free_blocks()
-        if not self.case.enable_prefix_caching:
-            return used, 0, 0
-        return (used, sum(1 for b in pool.blocks if b.block_hash is not None),
-                sum(1 for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None))
-
     def _base(self) -> tuple[int, int, dict[int, tuple[list[tuple[int, bool]], int]]]:
         """(blocks in use, free blocks holding a hash, each request's blocks (id, holds a
         hash) and computed tokens)."""
@@ -298,23 +302,9 @@ class AsyncVllmReference(VllmReference):
 
     def _schedule(self, k: int) -> bool:
         """Schedule batch ``k`` into the queue; whether it runs tokens."""
-        from vllm.v1.outputs import ModelRunnerOutput
-
         if self.queue and self.queue[0][4] is None:   # batch k-1 is processed after this call
             self.queue[0][4] = self._base()
-        self._preempted = []
-        out = self.scheduler.schedule()
-        step = Step(preempted=list(self._preempted))
-        req_ids = list(out.num_scheduled_tokens)
-        sampled: list[list[int]] = []
-        for rid in req_ids:
-            req = self.requests[int(rid)]
-            n = out.num_scheduled_tokens[rid]
-            step.items.append((int(rid), n, req.num_computed_tokens - n))
-            where = (self._out_keys[int(rid)], req.num_computed_tokens - req.num_prompt_tokens)
-            sampled.append([] if req.is_prefill_chunk else [self._token(where)])
-        output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                   sampled_token_ids=sampled)
+        out, output, step = self._schedule_call()
         self.queue.appendleft([k, out, output, step, None])
         return out.total_num_scheduled_tokens > 0
 
@@ -399,11 +389,23 @@ class BatchsimSide:
 
     def add(self, req_id: int, prompt_tokens: int, max_tokens: int) -> None:
         req = Request(req_id=req_id, arrival_s=self.now_s, num_prompt_tokens=prompt_tokens,
-                      max_output_tokens=max_tokens,
+                      max_output_tokens=self._max_tokens(req_id, prompt_tokens, max_tokens),
                       content=self.case.contents[req_id] if self.case.contents else None)
         if not self.state.add_arrival(req, max_tokens, self.now_s):
             raise ValueError(f"request {req_id} (prompt {prompt_tokens}, max_tokens {max_tokens}) "
                              f"is rejected by batchsim: it can never fit this case")
+
+    def _max_tokens(self, req_id: int, prompt_tokens: int, max_tokens: int) -> int:
+        """The request's max_tokens: its output length (a synchronous scheduler cannot tell an
+        EOS stop from a length stop, so both are length stops here)."""
+        return max_tokens
+
+    def _pool(self) -> tuple[int, int, int]:
+        """(blocks in use, blocks holding a hash, free blocks holding a hash)."""
+        kv = self.state.kv
+        if not kv.caching:
+            return kv.num_used_blocks, 0, 0
+        return kv.num_used_blocks, kv.num_cached_blocks, kv.num_cached_free_blocks
 
     def step(self) -> Step:
         self._preempted = []
@@ -417,10 +419,7 @@ class BatchsimSide:
         live = self.state.requests                 # done requests have left it
         step.finished = sorted(it.req_id for it in items
                                if it.req_id not in live or live[it.req_id].status == Status.FINISHED)
-        kv = self.state.kv
-        step.kv_used_blocks = kv.num_used_blocks
-        if kv.caching:
-            step.cached_blocks, step.cached_free_blocks = kv.num_cached_blocks, kv.num_cached_free_blocks
+        step.kv_used_blocks, step.cached_blocks, step.cached_free_blocks = self._pool()
         return step
 
     @property
@@ -445,20 +444,11 @@ class AsyncBatchsimSide(BatchsimSide):
         self.num_steps = 0
         self._told = True              # no finished request left to report
 
-    def add(self, req_id: int, prompt_tokens: int, max_tokens: int) -> None:
+    def _max_tokens(self, req_id: int, prompt_tokens: int, max_tokens: int) -> int:
+        """An EOS stop asks for what the context leaves, as vLLM's side does; the true output
+        (``add``'s ``max_tokens``) ends it."""
         eos = bool(self.case.eos_stops and self.case.eos_stops[req_id])
-        req = Request(req_id=req_id, arrival_s=self.now_s, num_prompt_tokens=prompt_tokens,
-                      max_output_tokens=self.case.max_model_len - prompt_tokens if eos else max_tokens,
-                      content=self.case.contents[req_id] if self.case.contents else None)
-        if not self.state.add_arrival(req, max_tokens, self.now_s):
-            raise ValueError(f"request {req_id} (prompt {prompt_tokens}, max_tokens {max_tokens}) "
-                             f"is rejected by batchsim: it can never fit this case")
-
-    def _pool(self) -> tuple[int, int, int]:
-        kv = self.state.kv
-        if not kv.caching:
-            return kv.num_used_blocks, 0, 0
-        return kv.num_used_blocks, kv.num_cached_blocks, kv.num_cached_free_blocks
+        return self.case.max_model_len - prompt_tokens if eos else max_tokens
 
     def _schedule(self, k: int) -> bool:
         self._preempted = []

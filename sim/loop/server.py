@@ -164,6 +164,41 @@ class Server:
         return sum(r.num_prompt_tokens + r.max_output_tokens - r.num_computed_tokens
                    for q in (self.state.waiting, self.state.running) for r in q)
 
+    def _idle(self, decision: Idle, now_s: float, guard: ProgressGuard):
+        """The policy chose to wait (a SimPy process fragment: use with ``yield from``): catch
+        SimPy up to ``now_s`` if the loop ran ahead on its local clock, else wait for an arrival
+        (or the policy's deadline). Returns the time to schedule at, or None when the run is done."""
+        env, state = self.env, self.state
+        if now_s > env.now:
+            yield env.timeout(now_s - env.now)       # catch SimPy up first (now_s stays exact: env.now
+            return now_s                             # after the timeout may be an ulp off)
+        if state.done:
+            return None
+        if state.waiting or state.running:
+            guard.check(state, now_s, decision)
+        elif guard.count:
+            guard.reset()
+        self._wake = env.event()
+        if decision.wake_at_s is not None:
+            yield env.any_of([self._wake, env.timeout(max(0.0, decision.wake_at_s - env.now))])
+        else:
+            yield self._wake
+        self._wake = None
+        return env.now
+
+    def _not_a_batch(self, decision: object, now_s: float) -> PolicyError:
+        return PolicyError(f"policy {type(self.policy).__name__} returned {decision!r} at t={now_s:.9g} s: "
+                           f"schedule() returns a Batch or an Idle")
+
+    def _no_progress(self, decision: Batch, now_s: float, guard: ProgressGuard) -> None:
+        """A batch that computes nothing (only padding): refused if empty, else counted by the guard."""
+        state = self.state
+        if not decision.items:
+            raise PolicyError(f"policy {type(self.policy).__name__} returned an empty Batch at t={now_s:.9g} s "
+                              f"({len(state.waiting)} waiting, {len(state.running)} running): "
+                              f"a Batch holds work; return Idle when nothing can run")
+        guard.check(state, now_s, decision)
+
     def _serve(self):  # SimPy process
         env, state, policy, executor, log = self.env, self.state, self.policy, self.executor, self.log
         on_step, on_finish = self.on_step, self.on_finish
@@ -181,39 +216,20 @@ class Server:
                    and type(executor) is SimExecutor and policy.decode_stretch)
         now_s = env.now
         guard = ProgressGuard(policy)
-        name = type(policy).__name__
         while True:
             num_preempted, num_admitted = state.num_preemptions, state.num_admissions
             decision = policy.schedule(state, now_s)
             if on_finish is not None and state.finished_ids:
                 on_finish(now_s, state.take_finished_ids())                # cut short (SchedulerState.cut_short)
             if type(decision) is Idle:
-                if now_s > env.now:
-                    yield env.timeout(now_s - env.now)       # catch SimPy up first
-                    continue
-                if state.done:
+                now_s = yield from self._idle(decision, now_s, guard)
+                if now_s is None:
                     return
-                if state.waiting or state.running:
-                    guard.check(state, now_s, decision)
-                elif guard.count:
-                    guard.reset()
-                self._wake = env.event()
-                if decision.wake_at_s is not None:
-                    yield env.any_of([self._wake, env.timeout(max(0.0, decision.wake_at_s - env.now))])
-                else:
-                    yield self._wake
-                self._wake = None
-                now_s = env.now
                 continue
             if type(decision) is not Batch and not isinstance(decision, Batch):
-                raise PolicyError(f"policy {name} returned {decision!r} at t={now_s:.9g} s: schedule() returns "
-                                  f"a Batch or an Idle")
+                raise self._not_a_batch(decision, now_s)
             if decision.num_tokens == decision.num_pad_tokens:         # nothing computed: no progress
-                if not decision.items:
-                    raise PolicyError(f"policy {name} returned an empty Batch at t={now_s:.9g} s "
-                                      f"({len(state.waiting)} waiting, {len(state.running)} running): "
-                                      f"a Batch holds work; return Idle when nothing can run")
-                guard.check(state, now_s, decision)
+                self._no_progress(decision, now_s, guard)
             elif guard.count:
                 guard.reset()
             start_s = now_s
@@ -260,7 +276,6 @@ class Server:
             state.finished_ids = []
         now_s = env.now
         guard = ProgressGuard(policy)
-        name = type(policy).__name__
         running = None            # (batch, start_s, result, log row) of the step on the GPU
         while True:
             decision = policy.schedule(state, now_s)
@@ -271,32 +286,14 @@ class Server:
                     now_s = yield from self._end_pipelined(running)
                     running = None
                     continue
-                if now_s > env.now:
-                    yield env.timeout(now_s - env.now)       # catch SimPy up first
-                    continue
-                if state.done:
+                now_s = yield from self._idle(decision, now_s, guard)
+                if now_s is None:
                     return
-                if state.waiting or state.running:
-                    guard.check(state, now_s, decision)
-                elif guard.count:
-                    guard.reset()
-                self._wake = env.event()
-                if decision.wake_at_s is not None:
-                    yield env.any_of([self._wake, env.timeout(max(0.0, decision.wake_at_s - env.now))])
-                else:
-                    yield self._wake
-                self._wake = None
-                now_s = env.now
                 continue
             if not isinstance(decision, Batch):
-                raise PolicyError(f"policy {name} returned {decision!r} at t={now_s:.9g} s: schedule() returns "
-                                  f"a Batch or an Idle")
+                raise self._not_a_batch(decision, now_s)
             if decision.num_tokens == decision.num_pad_tokens:
-                if not decision.items:
-                    raise PolicyError(f"policy {name} returned an empty Batch at t={now_s:.9g} s "
-                                      f"({len(state.waiting)} waiting, {len(state.running)} running): "
-                                      f"a Batch holds work; return Idle when nothing can run")
-                guard.check(state, now_s, decision)
+                self._no_progress(decision, now_s, guard)
             elif guard.count:
                 guard.reset()
             # The queues and KV the step is chosen with, and its one-token prefill items, counted now:
