@@ -17,6 +17,7 @@ import warnings
 from typing import Any
 
 from policies import POLICIES
+from sim.core.speculative import parse_speculative
 from sim.base.strict import MAX_COUNT, MAX_SPAN_S, ConfigError, _positive, build, did_you_mean
 
 # Every knob of some policy: one of another policy's is set aside with a warning, one of none is a typo.
@@ -165,6 +166,8 @@ def policy_config(data: Any, src: str) -> Any:
                       stacklevel=3)
     cfg = build(POLICIES[kind][0], {k: v for k, v in knobs.items() if k not in foreign}, "policy", src)
     _check_knobs(cfg, src)
+    if getattr(cfg, "speculative", None) is not None:
+        parse_speculative(cfg.speculative, src)         # its fields, in the user's spelling
     unread = {k: why for k, why in POLICIES[kind][1].unread_knobs(cfg).items() if knobs.get(k) is not None}
     for k, why in unread.items():
         warnings.warn(f"{src}: policy.{k} is ignored by policy {kind} {why}", stacklevel=3)

@@ -76,6 +76,7 @@ from policies.vllm import check_budget
 from sim.core.batch import Batch, BatchItem, Idle
 from sim.core.policy import EngineKnob, PolicyContext, PrefixSwitch
 from sim.core.prefix import PrefixCachePool
+from sim.core.speculative import parse_speculative
 
 if TYPE_CHECKING:
     from sim.core.request import Request
@@ -102,6 +103,10 @@ class VllmV1Config:
     async_scheduling: bool | None = knob(None, "choose each step while the one before it runs, as vLLM's "
                                                 "AsyncScheduler does (rule 7 of the module doc); unset: as vLLM "
                                                 "0.32 decides it, on except on a CPU, whose platform turns it off")
+    speculative: dict[str, Any] | None = knob(None, "speculative decoding (rule 8 of the module doc): {method: "
+                                                    "eagle | eagle3 | mtp | ngram, num_speculative_tokens, "
+                                                    "acceptance_length or acceptance_rates}; unset: none "
+                                                    "(num_speculative_tokens 0)")
 
 
 def engine_defaults(context: PolicyContext) -> tuple[int, int]:
@@ -155,6 +160,24 @@ class VllmV1Policy(PolicyBase):
         # (nothing batchsim models is), and the CPU platform turns it off (CpuPlatform).
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else not (context.cpu or context.device.lower().startswith("cpu")))
+        self.speculative = (parse_speculative(config.speculative, "the workload")
+                            if config.speculative is not None else None)
+        if self.speculative is not None and not self.speculative.num_speculative_tokens:
+            self.speculative = None          # k = 0: no speculation (a sweep's baseline)
+        if self.speculative is not None:
+            self.decode_stretch = False      # drafts and acceptance draws: every step is its own
+            method = self.speculative.method
+            if config.async_scheduling is None and method == "ngram":
+                self.async_scheduling = False    # vLLM: "Async scheduling not supported with ngram-based"
+            elif config.async_scheduling and method == "ngram":
+                raise ValueError("async_scheduling true with speculative.method ngram: vLLM 0.32 refuses it "
+                                 "(its async scheduling takes EAGLE/MTP/draft-model speculation only)")
+            elif self.async_scheduling:
+                said = "is true" if config.async_scheduling else "is unset, which on a GPU means on, as in vLLM"
+                raise ValueError(f"async_scheduling {said}; speculative decoding under async scheduling "
+                                 f"(vLLM's default for {method} on a GPU) is not modelled yet: set "
+                                 f"policy.async_scheduling: false (vLLM's --no-async-scheduling) to simulate "
+                                 f"{method} with the synchronous scheduler")
         if self.async_scheduling:
             self.pipelined = True            # rule 7 of the module doc
             self.decode_stretch = False
@@ -174,11 +197,14 @@ class VllmV1Policy(PolicyBase):
 
     def knobs(self) -> dict[str, Any]:
         return config_knobs(self.config, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.token_budget,
-                            async_scheduling=self.async_scheduling)
+                            async_scheduling=self.async_scheduling,
+                            speculative=self.config.speculative or {"num_speculative_tokens": 0})
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         if self.pipelined:
             return self._schedule_async(state, now_s)
+        if self.speculative is not None:
+            return self._schedule_speculative(state, now_s)
         kv = state.kv
         running = state.running
         budget = self.token_budget
@@ -316,3 +342,112 @@ class VllmV1Policy(PolicyBase):
         if not preempted:
             self._admit(state, now_s, budget, threshold, items)
         return Batch(tuple(items)) if items else Idle()
+
+    def _schedule_speculative(self, state: SchedulerState, now_s: float) -> Batch | Idle:
+        """Rule 8 of the module doc: ``schedule`` with drafts (``state.speculation``)."""
+        spec = state.speculation
+        if spec is None:
+            raise RuntimeError("vllm_v1 with speculative decoding needs state.speculation (sim.run.runner sets it)")
+        kv = state.kv
+        running = state.running
+        budget = self.token_budget
+        threshold = self.config.long_prefill_token_threshold
+        if len(running) + len(state.waiting) <= 1:
+            threshold = 0
+        max_model_len = self.max_model_len
+        lookahead = self.speculative.lookahead
+        drafts = spec.drafts
+        prefilling = state.prefilling
+        verify: dict[int, int] = {}
+        items: list[BatchItem] = []
+        preempted = prefill_scheduled = False
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            computed = r.num_computed_tokens
+            known = r.num_prompt_tokens + r.num_output_tokens
+            d = drafts.get(r.req_id, 0)
+            n = known + d - computed
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, budget, max_model_len - computed - 1)     # the sampled token's position fits
+            if n <= 0:
+                i += 1
+                continue
+            slots = computed + n
+            extra = min(slots + lookahead, max_model_len) - slots
+            victim = None
+            while not kv.can_allocate(r, slots + extra):
+                victim = running[-1]
+                state.preempt(victim)
+                preempted = True
+                if victim is r:
+                    break
+            if victim is r:
+                break
+            kv.allocate(r, slots, extra)
+            items.append(BatchItem(r.req_id, n, computed))
+            prefill_scheduled = prefill_scheduled or r.req_id in prefilling
+            if d:
+                if slots > known:
+                    verify[r.req_id] = slots - known
+                del drafts[r.req_id]                 # vLLM clears spec_token_ids once scheduled
+            budget -= n
+            i += 1
+        if not preempted:
+            self._admit_speculative(state, now_s, budget, threshold, items, verify,
+                                    len(items) > 0, prefill_scheduled)
+        return Batch(tuple(items), verify or None) if items else Idle()
+
+    def _admit_speculative(self, state: SchedulerState, now_s: float, budget: int, threshold: int,
+                           items: list[BatchItem], verify: dict[int, int], scheduled_running: bool,
+                           prefill_scheduled: bool) -> None:
+        """Step 3 with drafts: EAGLE/MTP's prefix hit one block shorter, the lookahead slots
+        allocated, a one-token request padded to 1 + k (rule 8)."""
+        kv = state.kv
+        spec = self.speculative
+        k = spec.num_speculative_tokens
+        padded = state.speculation.padded
+        waiting, running = state.waiting, state.running
+        watermark_blocks = int(self.config.watermark * (kv.num_blocks + self.num_reserved_blocks))
+        caching = kv.caching
+        block_size = kv.block_size
+        max_model_len = self.max_model_len
+        while budget > 0 and waiting and len(running) < self.max_num_seqs:
+            r = waiting[0]
+            known = r.num_prompt_tokens + r.num_output_tokens
+            hit = kv.lookup(r) if caching else ()
+            if hit and spec.drops_eagle_block:
+                hit = hit[:-1]
+            hit_tokens = len(hit) * block_size
+            extra = kv.num_evictable(hit) - len(hit) if hit else 0
+            n = known - hit_tokens
+            pad = False
+            if n == 1 and not prefill_scheduled and (scheduled_running or hit_tokens > 0):
+                if hit_tokens + 1 + k + 1 <= max_model_len:
+                    if 1 + k > budget:
+                        break                        # vLLM: rather not schedule than schedule unpadded
+                    n = 1 + k
+                    pad = True
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, budget)
+            free = kv.num_free_blocks - (watermark_blocks if running else 0)
+            if self.config.reserve_full_prompt:
+                if kv.num_blocks_for(min(known, max_model_len)) + extra > free:
+                    break
+            slots = hit_tokens + n
+            ahead = min(slots + spec.lookahead, max_model_len) - slots
+            if kv.num_blocks_for(slots + ahead) + extra > free:
+                break
+            if hit:
+                kv.touch(r, hit)
+            kv.allocate(r, slots, ahead)
+            if caching:
+                kv.record_lookup(r, hit_tokens)
+            state.admit(r, now_s, hit_tokens)
+            items.append(BatchItem(r.req_id, n, hit_tokens))
+            if pad and n > 1:
+                verify[r.req_id] = n - 1
+                padded.add(r.req_id)
+            budget -= n

@@ -78,6 +78,15 @@ def format_summary(summary: dict[str, Any], title: str = "", *, load: Any = None
         lines.append(f"prefix cache  hit rate {100 * s['prefix_cache_hit_rate']:.1f}% "
                      f"({s['prefix_cache_hits']:,} of {s['prefix_cache_queries']:,} prompt tokens)   "
                      f"evicted blocks {s['prefix_cache_evicted_blocks']:,}")
+    if "spec_decode_num_drafts" in s:
+        spec = s["speculative"]
+        rate = s["spec_decode_acceptance_rate"]
+        length = s["spec_decode_mean_acceptance_length"]
+        lines.append(f"speculative {spec['method']} k={spec['num_speculative_tokens']}   acceptance rate "
+                     f"{100 * rate:.1f}%   mean acceptance length {length:.2f}" if rate is not None else
+                     f"speculative {spec['method']} k={spec['num_speculative_tokens']}   no drafts verified")
+        lines[-1] += (f"   ({s['spec_decode_num_accepted_tokens']:,} of {s['spec_decode_num_draft_tokens']:,} draft "
+                      f"tokens in {s['spec_decode_num_drafts']:,} verify steps)")
     return "\n".join(lines)
 
 

@@ -43,6 +43,7 @@ from policies.vllm_v1 import VllmV1Config, VllmV1Policy
 from sim.core.kv import BlockManager
 from sim.core.prefix import PrefixCachePool, own_content
 from sim.core.request import Request, Status
+from sim.core.speculative import Speculation
 from sim.core.state import SchedulerState
 
 
@@ -71,6 +72,17 @@ class Case:
     # None for all: by length (ignore_eos, max_tokens = outputs[i]). batchsim's side is the same
     # either way: a request runs to its output length.
     eos_stops: tuple[bool, ...] | None = None
+    # Speculative decoding (synchronous scheduler only): k drafts per request that sampled, as
+    # ``spec_method`` (vLLM's "ngram": no lookahead; "eagle": k lookahead slots and the prefix
+    # hit one block shorter) reserves and looks up; each verify step accepts ``fixed_acceptance``.
+    num_speculative_tokens: int = 0
+    spec_method: str = "ngram"
+
+
+def fixed_acceptance(req_id: int, num_output_tokens: int, num_drafts: int) -> int:
+    """The drafts a verify step accepts in a differential case: a function of the request and
+    how many output tokens it has (both sides know them), from 0 to ``num_drafts``."""
+    return (req_id * 7919 + num_output_tokens * 104729 + (req_id * num_output_tokens) % 13) % (num_drafts + 1)
 
 
 @dataclass
@@ -123,7 +135,19 @@ class VllmReference:
         model = ModelConfig(model=_config_dir(), dtype="float32", seed=0, skip_tokenizer_init=True,
                             max_model_len=case.max_model_len)
         cache = CacheConfig(block_size=case.block_size, enable_prefix_caching=case.enable_prefix_caching)
-        config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache)
+        spec_config = parallel = None
+        if case.num_speculative_tokens:
+            from vllm.config import ParallelConfig, SpeculativeConfig
+            parallel = ParallelConfig()
+            spec_config = SpeculativeConfig(method="ngram", num_speculative_tokens=case.num_speculative_tokens,
+                                            prompt_lookup_max=3, prompt_lookup_min=1, target_model_config=model,
+                                            target_parallel_config=parallel)
+            # EAGLE's scheduler-side rules (lookahead slots, the prefix hit's dropped block) read
+            # only the method; its draft model is the model runner's, which does not run here.
+            spec_config.method = case.spec_method
+        config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache,
+                            **({"speculative_config": spec_config, "parallel_config": parallel}
+                               if spec_config is not None else {}))
         spec = FullAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         kv = KVCacheConfig(num_blocks=case.num_blocks, kv_cache_tensors=[],
                            kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
@@ -204,12 +228,20 @@ class VllmReference:
         step = Step(preempted=list(self._preempted))
         req_ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
+        spec = out.scheduled_spec_decode_tokens
         for rid in req_ids:
             req = self.requests[int(rid)]
             n = out.num_scheduled_tokens[rid]
             step.items.append((int(rid), n, req.num_computed_tokens - n))
-            where = (self._out_keys[int(rid)], req.num_computed_tokens - req.num_prompt_tokens)
-            sampled.append([] if req.is_prefill_chunk else [self._token(where)])
+            d = len(spec.get(rid, ()))
+            pos = req.num_computed_tokens - d - req.num_prompt_tokens
+            if req.is_prefill_chunk:
+                sampled.append([])
+                continue
+            a = 0
+            if d:        # vLLM's placeholder drafts (-1, a padded new decode) are never accepted
+                a = 0 if spec[rid][0] == -1 else fixed_acceptance(int(rid), req.num_output_tokens, d)
+            sampled.append([self._token((self._out_keys[int(rid)], pos + j)) for j in range(a + 1)])
         output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                    sampled_token_ids=sampled)
         return out, output, step
@@ -226,6 +258,18 @@ class VllmReference:
     def step(self) -> Step:
         out, output, step = self._schedule_call()
         self.scheduler.update_from_output(out, output)
+        if self.case.num_speculative_tokens:
+            # The proposer's drafts for every request the step ran (the scheduler drops those of
+            # prefill chunks and finished requests): k tokens, the request's true next ones.
+            from vllm.v1.outputs import DraftTokenIds
+            ids = list(out.num_scheduled_tokens)
+            drafts = []
+            for rid in ids:
+                req = self.requests[int(rid)]
+                pos = req.num_output_tokens
+                drafts.append([self._token((self._out_keys[int(rid)], pos + j))
+                               for j in range(self.case.num_speculative_tokens)])
+            self.scheduler.update_draft_token_ids(DraftTokenIds(ids, drafts))
         step.finished = sorted(int(rid) for rid in out.num_scheduled_tokens if self.requests[int(rid)].is_finished())
         step.kv_used_blocks, step.cached_blocks, step.cached_free_blocks = self._pool()
         return step
@@ -371,12 +415,17 @@ class BatchsimSide:
         config = VllmV1Config(max_num_seqs=case.max_num_seqs, max_num_batched_tokens=case.max_num_batched_tokens,
                               long_prefill_token_threshold=case.long_prefill_token_threshold,
                               watermark=case.watermark, reserve_full_prompt=case.reserve_full_prompt,
-                              enable_prefix_caching=case.enable_prefix_caching, async_scheduling=False)
+                              enable_prefix_caching=case.enable_prefix_caching, async_scheduling=False,
+                              speculative=({"method": case.spec_method, "acceptance_length": 1.0,
+                                            "num_speculative_tokens": case.num_speculative_tokens}
+                                           if case.num_speculative_tokens else None))
         self.policy = VllmV1Policy(config, PolicyContext(case.max_model_len))
         pool = PrefixCachePool if case.enable_prefix_caching else BlockManager
         kv = pool(case.num_blocks - self.policy.num_reserved_blocks, case.block_size)
         self.case = case
         self.state = SchedulerState(kv, case.max_model_len)
+        if case.num_speculative_tokens:
+            self.state.speculation = Speculation(self.policy.speculative, accept=fixed_acceptance)
         self._preempted: list[int] = []
         inner = self.state.preempt
 

@@ -40,7 +40,7 @@ class Batch:
     """
 
     __slots__ = ("items", "num_tokens", "num_prefill_tokens", "num_prefill_seqs", "num_decode_tokens",
-                 "num_pad_tokens", "decode_seqs", "decode_context", "prefill_chunks")
+                 "num_pad_tokens", "decode_seqs", "decode_context", "prefill_chunks", "drafts", "num_spec_tokens")
 
     items: tuple[BatchItem, ...]
     num_tokens: int                  # through the token-parallel layers, padding included
@@ -51,17 +51,30 @@ class Batch:
     decode_seqs: int                 # one-token items, padded ones included
     decode_context: int              # sum of their context_len (a padded static group: rows x padded length)
     prefill_chunks: tuple[tuple[int, int], ...]  # (tokens incl. pad, context_len) per chunk
+    # Speculative decoding: {request id: drafts verified} for the items that verify drafts (an
+    # item of 1 + d tokens: its next token and d drafts; None: no item does). Such an item is a
+    # decode of the step log (num_decode_tokens counts its 1 + d tokens, num_spec_tokens its d)
+    # and costs what a chunk of 1 + d queries over its context costs: it is in prefill_chunks,
+    # after the prompt chunks, and not in num_prefill_seqs.
+    drafts: dict[int, int] | None
+    num_spec_tokens: int
 
-    def __init__(self, items: tuple[BatchItem, ...]) -> None:
+    def __init__(self, items: tuple[BatchItem, ...], drafts: dict[int, int] | None = None) -> None:
         num_tokens = num_prefill = num_decode = num_pad = decode_seqs = decode_context = 0
         chunks = []
+        verify = []
+        num_spec = 0
         for it in items:
             n = it.num_new_tokens
             pad = it.num_pad_tokens
             total = n + pad
             num_tokens += total
             num_pad += pad
-            if total == 1:
+            if drafts is not None and it.req_id in drafts:
+                verify.append((total, it.context_len))
+                num_decode += n
+                num_spec += drafts[it.req_id]
+            elif total == 1:
                 decode_seqs += 1
                 decode_context += it.context_len
                 num_decode += n
@@ -76,7 +89,9 @@ class Batch:
         self.num_pad_tokens = num_pad
         self.decode_seqs = decode_seqs
         self.decode_context = decode_context
-        self.prefill_chunks = tuple(chunks)
+        self.prefill_chunks = tuple(chunks + verify) if verify else tuple(chunks)
+        self.drafts = drafts or None
+        self.num_spec_tokens = num_spec
 
     @classmethod
     def of_decodes(cls, decodes: list[BatchItem], decode_context: int,
@@ -93,6 +108,8 @@ class Batch:
             batch.num_tokens = batch.num_prefill_tokens = batch.num_prefill_seqs = 0
             batch.num_decode_tokens = batch.num_pad_tokens = batch.decode_seqs = batch.decode_context = 0
             batch.prefill_chunks = ()
+            batch.drafts = None
+            batch.num_spec_tokens = 0
         batch.num_tokens += n
         batch.num_decode_tokens += n
         batch.decode_seqs += n

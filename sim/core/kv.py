@@ -117,12 +117,13 @@ class BlockManager(KVPool):
         reserve = self.watermark_blocks if use_watermark else 0
         return missing <= len(self._free_ids) + self.num_blocks - self._next_fresh - reserve
 
-    def allocate(self, req: Request, num_tokens: int) -> None:
-        """Grow ``req``'s block table to hold ``num_tokens`` tokens.
+    def allocate(self, req: Request, num_tokens: int, lookahead: int = 0) -> None:
+        """Grow ``req``'s block table to hold ``num_tokens`` tokens, plus ``lookahead`` slots
+        for speculative drafts.
 
         Raises RuntimeError if the pool is short: callers check can_allocate first.
         """
-        missing = -(-num_tokens // self.block_size) - len(req.block_ids)
+        missing = -(-(num_tokens + lookahead) // self.block_size) - len(req.block_ids)
         if missing <= 0:
             return
         if missing > self.num_free_blocks:

@@ -218,19 +218,23 @@ class PrefixCachePool(CachingPool):
         if not later:
             del self._dups[h]
 
-    def allocate(self, req: Request, num_tokens: int) -> None:
-        """Grow ``req``'s blocks to hold ``num_tokens`` tokens and register the
-        full blocks among the tokens it knows (vLLM's ``allocate_slots`` then
-        ``cache_blocks``). Raises RuntimeError if the pool is short."""
+    def allocate(self, req: Request, num_tokens: int, lookahead: int = 0) -> None:
+        """Grow ``req``'s blocks to hold ``num_tokens`` tokens, plus ``lookahead`` slots for
+        speculative drafts, and register the full blocks among the first ``num_tokens`` that
+        it knows (vLLM's ``allocate_slots`` then ``cache_blocks``). Raises RuntimeError if the
+        pool is short."""
+        self._grow(req, num_tokens + lookahead)
+        known = req.num_prompt_tokens + req.num_output_tokens
+        if (num_tokens if num_tokens < known else known) // self.block_size > req.num_hashed_blocks:
+            self.cache(req, min(num_tokens, known))
+
+    def _grow(self, req: Request, num_tokens: int) -> None:
         missing = -(-num_tokens // self.block_size) - len(req.block_ids)
         if missing > 0:
             if missing > self.num_free_blocks:
                 raise RuntimeError(f"KV pool exhausted: request {req.req_id} needs {missing} blocks, "
                                    f"{self.num_free_blocks} free (policy must call can_allocate first)")
             self._take(missing, req.block_ids)
-        known = req.num_prompt_tokens + req.num_output_tokens
-        if (num_tokens if num_tokens < known else known) // self.block_size > req.num_hashed_blocks:
-            self.cache(req, min(num_tokens, known))
 
     def append_block(self, req: Request) -> bool:
         if not self.num_free_blocks:

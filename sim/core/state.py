@@ -17,6 +17,7 @@ from sim.core.batch import Batch
 from sim.core.kv import BlockManager
 from sim.core.logs import TokenLog
 from sim.core.request import Request, RequestRecords, Status
+from sim.core.speculative import Speculation
 
 
 class SchedulerState:
@@ -52,6 +53,9 @@ class SchedulerState:
         # A pipelined loop (a policy's ``pipelined``: vLLM's async scheduling): the batches chosen
         # whose outputs are not yet committed, oldest first; ``commit_pipelined`` takes the oldest.
         self.pending: deque[Batch] = deque()
+        # Speculative decoding (sim.core.speculative; the policy's ``speculative``, set by the
+        # runner): each request's drafts for its next step, the acceptance draws, the counters.
+        self.speculation: Speculation | None = None
         self.num_steps = 0                  # steps committed, a stretch's included (a policy's own clock)
         self._true_output: dict[int, int] = {}
         # The true output length of each request in flight, for the simulator's own
@@ -180,6 +184,8 @@ class SchedulerState:
         self.kv.free(req)
         self.running.remove(req)
         self.prefilling.discard(req.req_id)
+        if self.speculation is not None:
+            self.speculation.drafts.pop(req.req_id, None)      # vLLM clears its spec_token_ids
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = Status.PREEMPTED
@@ -221,6 +227,8 @@ class SchedulerState:
         with all its output tokens finishes and frees its blocks (for a static
         group: when the whole group is done).
         """
+        if self.speculation is not None:
+            return self._commit_speculative(batch, now_s)
         self.num_steps += 1
         requests = self.requests
         true_output = self._true_output
@@ -260,6 +268,62 @@ class SchedulerState:
         if finished:
             for r in finished:
                 self._finish(r, now_s)
+
+    def _commit_speculative(self, batch: Batch, now_s: float) -> None:
+        """``commit`` with speculative decoding (vLLM's ``Scheduler.update_from_output`` with
+        drafts). An item that verifies d drafts (``batch.drafts``) computed the request's next
+        token and the d drafts: the step accepts a of them (``Speculation.accepted``), the
+        request samples a + 1 tokens (the accepted drafts and the bonus token; fewer if its
+        output ends among them, as vLLM's stop check trims them) and its computed tokens roll
+        back by the d - a rejected; their KV slots stay allocated, as in vLLM. An item padded with
+        vLLM's placeholder drafts (``Speculation.padded``) accepts none. Every request that
+        sampled and still runs gets k drafts for its next step."""
+        spec = self.speculation
+        k = spec.k
+        drafts_next = spec.drafts
+        self.num_steps += 1
+        requests = self.requests
+        true_output = self._true_output
+        tok_ids = self.tokens.ids
+        num_logged = len(tok_ids)
+        prefilling = self.prefilling
+        verified = batch.drafts or {}
+        padded = spec.padded
+        finished: list[Request] = []
+        for req_id, n, context_len, _pad in batch.items:
+            if n == 0:
+                continue
+            r = requests[req_id]
+            if context_len != r.num_computed_tokens:
+                raise RuntimeError(f"batch item for request {req_id} has context_len {context_len}, "
+                                   f"but {r.num_computed_tokens} tokens are computed")
+            known = r.num_prompt_tokens + r.num_output_tokens
+            d = verified.get(req_id, 0)
+            computed = context_len + n
+            if computed - d > known or (d and computed != known + d):
+                raise RuntimeError(f"request {req_id} computed past its known tokens and drafts")
+            if computed < known:
+                r.num_computed_tokens = computed
+                continue
+            a = spec.accepted(req_id, r.num_output_tokens, d, padded=req_id in padded) if d else 0
+            r.num_computed_tokens = known + a
+            new = min(a + 1, true_output[req_id] - r.num_output_tokens)
+            r.num_output_tokens += new
+            tok_ids.extend([req_id] * new)
+            prefilling.discard(req_id)
+            if r.first_token_s is None:
+                r.first_token_s = now_s
+            if r.num_output_tokens >= true_output[req_id]:
+                r.last_token_s = now_s
+                finished.append(r)
+            else:
+                drafts_next[req_id] = k
+        padded.clear()
+        if len(tok_ids) > num_logged:
+            self.tokens.end_step(now_s, len(tok_ids) - num_logged)
+        for r in finished:
+            drafts_next.pop(r.req_id, None)
+            self._finish(r, now_s)
 
     def commit_pipelined(self, batch: Batch, now_s: float) -> None:
         """``commit`` of the oldest of ``pending`` (``batch``), whose outputs come back while the

@@ -139,18 +139,48 @@ class Profile:
             elif hit[1]:
                 self.linear.num_out_of_range += 1
             t += hit[0]
-        if self.lm_head is not None:
-            t += self._lm_head_s(batch.num_prefill_seqs + batch.decode_seqs, True)
-        if batch.prefill_chunks:
+        chunks = batch.prefill_chunks          # prompt chunks, then speculative verify items (Batch.drafts)
+        if self.lm_head is not None:           # logits: one row per sequence sampled, one per draft verified
+            t += self._lm_head_s(len(chunks) + batch.decode_seqs + batch.num_spec_tokens, True)
+        if chunks:
             attn_prefill = self.attn_prefill
-            for chunk, context in batch.prefill_chunks:
+            for chunk, context in chunks:
                 t += attn_prefill(chunk, context)
-            if self.prefill_shared_s and batch.num_prefill_seqs > 1:
-                t -= (batch.num_prefill_seqs - 1) * self.prefill_shared_s
+            if self.prefill_shared_s and len(chunks) > 1:
+                t -= (len(chunks) - 1) * self.prefill_shared_s
         if batch.decode_seqs:
             n = batch.decode_seqs
             t += self.attn_decode(n, batch.decode_context / n if self.decode_per_seq else batch.decode_context)
         return t
+
+    def proposer_s(self, spec: Any, num_seqs: int, num_tokens: int, context: int) -> float:
+        """The speculative proposer's time in a step where ``num_seqs`` sequences sampled (each
+        gets ``spec.num_speculative_tokens`` drafts for the next step), ``num_tokens`` tokens of
+        theirs went through the target model and ``context`` is their summed context.
+
+        EAGLE/EAGLE-3/MTP (``spec.on_device``): k forward passes of ``spec.draft_layers``
+        transformer layers, priced as that share of the target's layers (the token-parallel
+        layers less the LM head, and decode attention over the same contexts), each with the
+        target's LM head over the sequences (EAGLE and MTP heads share it); the first pass takes
+        the step's tokens of those sequences, as vLLM's padded drafter batch does, the others
+        one token per sequence. The LM head is the profile's own curve where it has one (kernel
+        profiles), else its share of ``linear`` by weights (vocab x hidden of the matmul
+        weights one token uses). n-gram: host time per sequence (``spec.ngram_host_s_per_seq``)."""
+        if not num_seqs:
+            return 0.0
+        k = spec.num_speculative_tokens
+        if not spec.on_device:
+            return num_seqs * spec.ngram_host_s_per_seq
+        m = self.model
+        share = spec.draft_layers / m.num_layers
+        head = m.vocab_size * m.hidden_size       # the LM head's weights; the input embedding is a lookup
+        matmul = m.num_active_params - (0 if m.tie_word_embeddings else head)
+        head_share = 0.0 if self.lm_head is not None else head / matmul
+        def body(tokens: int) -> float:
+            return share * ((1.0 - head_share) * self.linear(tokens)
+                            + self.attn_decode(num_seqs, context / num_seqs if self.decode_per_seq else context))
+        head = (self.lm_head(num_seqs) if self.lm_head is not None else head_share * self.linear(num_seqs))
+        return body(max(num_tokens, num_seqs)) + (k - 1) * body(num_seqs) + k * head
 
     def decode_stretch_s(self, num_seqs: int, context: int, growth: int, start_s: float, horizon_s: float,
                          max_steps: int, pre_s: Sequence[float] | None = None

@@ -50,7 +50,23 @@ class SimExecutor:
 
     def execute(self, batch: Batch, state: SchedulerState) -> StepResult:
         t = self.profile.step_time_s(batch)
+        if state.speculation is not None:
+            t += proposer_time_s(self.profile, batch, state)
         return StepResult(duration_s=t, predicted_s=t)
+
+
+def proposer_time_s(profile: Profile, batch: Batch, state: SchedulerState) -> float:
+    """The speculative proposer's time after ``batch`` (``Profile.proposer_s``): it drafts for
+    every request the step samples for (its item reaches the request's known tokens)."""
+    requests = state.requests
+    seqs = tokens = context = 0
+    for req_id, n, ctx, _pad in batch.items:
+        r = requests.get(req_id)
+        if r is not None and n and ctx + n >= r.num_prompt_tokens + r.num_output_tokens:
+            seqs += 1
+            tokens += n
+            context += ctx + n
+    return profile.proposer_s(state.speculation.spec, seqs, tokens, context)
 
 
 CACHE_SAMPLE_S = 0.25         # the prefix cache time line's sampling interval (simulated seconds)

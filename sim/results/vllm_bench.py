@@ -230,7 +230,8 @@ def per_request_itls_s(requests: pd.DataFrame, tokens: pd.DataFrame) -> list[lis
     req_ids = requests["req_id"].to_numpy()
     lo, hi = np.searchsorted(ids, req_ids, "left"), np.searchsorted(ids, req_ids, "right")
     ok = (requests["status"] == "finished").to_numpy()
-    return [np.diff(times[a:b]).tolist() if good else [] for a, b, good in zip(lo, hi, ok)]
+    # one gap per streamed chunk: a step's tokens (speculative decoding's) arrive together
+    return [[g for g in np.diff(times[a:b]).tolist() if g] if good else [] for a, b, good in zip(lo, hi, ok)]
 
 
 def detailed_arrays(requests: pd.DataFrame, tokens: pd.DataFrame) -> dict[str, list[Any]]:
@@ -313,6 +314,8 @@ def bench_result(run: RunResult, percentiles: Sequence[float], *, detailed: bool
         trim_heap()                        # its series and sorted copies, before the next one's
     if "prefix_cache_hit_rate" in s:        # batchsim's own: vLLM's benchmark reads it from /metrics
         out.update({k: s[k] for k in ("prefix_cache_hit_rate", "prefix_cache_queries", "prefix_cache_hits")})
+    if "spec_decode_num_drafts" in s:       # vLLM's /metrics counters (vllm:spec_decode_*), as its bench reads them
+        out.update({k: s[k] for k in s if k.startswith("spec_decode_")})
     out.update(policy=(cfg.get("policy") or {}).get("kind"), policy_knobs=meta.get("policy_knobs"),
                num_replicas=meta.get("num_replicas", 1), router=meta.get("router"), simulated=True)
     trim_heap()                            # the series' columns and sorted copies

@@ -26,6 +26,7 @@ from sim.core.batch import Batch, StepResult
 from sim.core.logs import StepLog, TokenLog
 from sim.core.policy import KvMemory, Policy, PolicyContext, PolicyError
 from sim.core.request import REJECT_REASONS, Request
+from sim.core.speculative import Speculation
 from sim.core.state import SchedulerState
 from sim.cost.profile import DEFAULT_ACTIVATION_TOKENS, FORMAT_VERSION, Profile, ProfileError, load_profile
 from sim.loop.feed import ROUTERS, ClientPool, SessionFeed, feed, feed_capped
@@ -269,6 +270,25 @@ def build_policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile | Non
         raise ConfigError(f"{cfg.source}: field 'policy': {exc}") from None
 
 
+def speculative_summary(runs: Sequence[Speculation | None]) -> dict[str, Any]:
+    """vLLM's spec-decode counters summed over the replicas (``Speculation.summary``), as
+    ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens`` and
+    ``..._num_accepted_tokens_per_pos`` name them, with the acceptance rate (accepted / draft
+    tokens) and mean acceptance length (1 + accepted / drafts) they give; {} without drafts."""
+    runs = [r for r in runs if r is not None]
+    if not runs:
+        return {}
+    drafts = sum(r.num_drafts for r in runs)
+    draft_tokens = sum(r.num_draft_tokens for r in runs)
+    accepted = sum(r.num_accepted_tokens for r in runs)
+    per_pos = [sum(r.accepted_per_pos[i] for r in runs) for i in range(runs[0].k)]
+    return {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": draft_tokens,
+            "spec_decode_num_accepted_tokens": accepted, "spec_decode_num_accepted_tokens_per_pos": per_pos,
+            "spec_decode_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "speculative": runs[0].spec.to_dict()}
+
+
 def async_scheduling_of(cfg: WorkloadConfig) -> bool | None:
     """Whether vLLM's async scheduling is on, as the workload says it: ``policy.async_scheduling``
     if given, else what an explicit ``profile.engine`` names (vllm-v1: the synchronous loop;
@@ -407,6 +427,12 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
         state = SchedulerState(policy.kv_pool_class(usable, block_size_of(cfg, policy), cfg.server.watermark),
                                max_model_len, policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt,
                                clamp_max_tokens=policy.clamps_max_tokens)
+        spec = getattr(policy, "speculative", None)
+        if spec is not None:
+            if live:
+                raise ConfigError(f"{cfg.source}: field 'policy.speculative': the live engine has no proposer "
+                                  f"and cannot verify drafts; remove policy.speculative to run it live")
+            state.speculation = Speculation(spec, np.random.default_rng([cfg.seed, k]))
         server = Server(env, policy, state, executor, replica=k, coalesce=not live, check_stretch=check_stretch)
         server.on_step = on_step(server) if on_step is not None else None
         servers.append(server)
@@ -732,6 +758,7 @@ def collect(cfg: WorkloadConfig, servers: list[Server], num_requests: int, num_b
     summary["policy"] = cfg.policy.kind
     summary["failed_by_reason"] = table.failed_by_reason()
     summary.update(prefix_cache_summary([s.state.kv for s in servers]))
+    summary.update(speculative_summary([s.state.speculation for s in servers]))
     if len(servers) > 1:
         # grouped once: O(requests), not O(replicas x requests)
         order = np.argsort(table.cols["replica"], kind="stable")

@@ -162,6 +162,59 @@ def test_async_scheduling_with_prefix_caching_identical_decisions(seed: int) -> 
     assert diff is None, f"seed {seed}: {case}\nfirst difference after {num_records - 1} batches\n{diff}"
 
 
+SPEC_CASES = int(os.environ.get("BATCHSIM_DIFF_SPEC_CASES", "200"))
+
+
+def speculative_case(case: Case, seed: int) -> Case:
+    """``case`` with speculative decoding: k of 1 to 7 drafts, vLLM's n-gram or EAGLE rules
+    (EAGLE: k lookahead slots per allocation, the prefix hit one block shorter), and a pool
+    with room for the longest request's drafts and lookahead (a pool that fits a request but
+    not its verify slots stalls vLLM itself: nothing can run)."""
+    rng = random.Random(30_000_000 + seed)
+    k = rng.choice([1, 2, 3, 4, 5, 7])
+    return replace(case, num_speculative_tokens=k, spec_method=rng.choice(["ngram", "eagle"]),
+                   num_blocks=case.num_blocks + -(-(k + 2) // case.block_size))
+
+
+@pytest.mark.parametrize("seed", range(SEED0, SEED0 + SPEC_CASES))
+def test_speculative_identical_decisions(seed: int) -> None:
+    """vllm_v1 with speculative decoding against vLLM's Scheduler given the same drafts (k per
+    request that sampled, through ``update_draft_token_ids``) and the same accepted counts
+    (``fixed_acceptance``): budgets of 1 + d tokens, drafts cut by the budget and the context,
+    lookahead slots, rollback of rejected drafts, new decodes padded to 1 + k."""
+    case = speculative_case(random_case(seed), seed)
+    diff, num_steps = first_difference(case)
+    assert diff is None, f"seed {seed}: {case}\nfirst difference after {num_steps - 1} steps\n{diff}"
+
+
+@pytest.mark.parametrize("seed", range(SEED0, SEED0 + SPEC_CASES))
+def test_speculative_with_prefix_caching_identical_decisions(seed: int) -> None:
+    case = speculative_case(random_prefix_case(seed), seed)
+    diff, num_steps = first_difference(case)
+    assert diff is None, f"seed {seed}: {case}\nfirst difference after {num_steps - 1} steps\n{diff}"
+
+
+def test_speculative_by_hand() -> None:
+    """The speculative harness cannot pass vacuously. Block size 4, k = 2 (n-gram), r0: prompt
+    8, output 6. fixed_acceptance(0, out, 2) = (out x 104729) % 3, and 104729 % 3 = 2 (digit
+    sum 23), so it accepts 2 at out = 1 and 4 (2 x 1 % 3, 2 x 4 % 3 = 8 % 3).
+    Step 0: the prompt (8 @ 0): token 1, 2 drafts. Step 1: 9 known + 2 drafts - 8 computed =
+    3 tokens @ 8; 2 accepted: 3 tokens (out 4), computed 9 + 2 = 11. Step 2: 12 + 2 - 11 = 3 @
+    11; 2 accepted, but 2 more tokens end the output (out 6): finished, the third trimmed."""
+    from calibrate.serving.vllm_diff import BatchsimSide, fixed_acceptance
+    assert [fixed_acceptance(0, out, 2) for out in (1, 4)] == [2, 2]
+    case = Case(prompts=(8,), outputs=(6,), arrival_steps=(0,), max_num_seqs=4, max_num_batched_tokens=64,
+                max_model_len=64, num_blocks=40, block_size=4, num_speculative_tokens=2)
+    ours = BatchsimSide(case)
+    ours.add(0, 8, 6)
+    records = [ours.step() for _ in range(3)]
+    assert [r.items for r in records] == [[(0, 8, 0)], [(0, 3, 8)], [(0, 3, 11)]]
+    assert [r.finished for r in records] == [[], [], [0]]
+    assert ours.done
+    diff, num_steps = first_difference(case)
+    assert diff is None and num_steps == 3, str(diff)
+
+
 def test_async_eos_stop_by_hand() -> None:
     """The async harness cannot pass vacuously: block size 4, r0 (prompt 4, stops on EOS after
     3 tokens, max_tokens 60) at step 0, r1 (prompt 4, 2 tokens by length) at step 1.
