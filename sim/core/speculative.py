@@ -170,9 +170,11 @@ def parse_speculative(data: Any, src: str, where: str = "policy.speculative") ->
                            float(host) if method == "ngram" else 0.0)
 
 
-# vLLM 0.32's NgramProposer (numba, one thread) on this project's CPU, per request with drafts:
-# benchmarks/bench_ngram_proposer.py measures it.
-NGRAM_HOST_S_PER_SEQ = 20e-6
+# vLLM 0.32's NgramProposer (numba, one thread) on this project's CPU, per request it drafts for:
+# benchmarks/bench_ngram_proposer.py measured 5-6 us at 512-2,048 tokens of context and 42 us at
+# 8,192 (it scans the request's tokens); 10 us is the typical chat context's. Per-request, so a
+# long-context workload should set ngram_host_s_per_seq from that benchmark.
+NGRAM_HOST_S_PER_SEQ = 10e-6
 
 
 class Speculation:
