@@ -1,7 +1,7 @@
 """vLLM v1 (the engine of today's vLLM): one token budget, running requests first.
 
 The rules of ``vllm.v1.core.sched.scheduler.Scheduler.schedule`` in vLLM
-0.32.0 with FCFS, prefix caching on or off, no speculative decoding, no KV
+0.32.0 with FCFS, prefix caching on or off, speculative decoding on or off, no KV
 connector (``tests/policies/test_vllm_v1_differential.py`` checks them step by step
 against that class):
 
@@ -62,8 +62,31 @@ against that class):
    async_scheduling_of). The timing is not overlapped: a step still costs its
    forward pass plus its host time, the async host terms with kernel profiles.
 
-Not modelled: async scheduling's host-time overlap, priorities, speculative
-decoding, KV connectors, multimodal inputs.
+8. ``speculative`` (``sim.core.speculative``: vLLM's ``SpeculativeConfig`` with the
+   methods eagle, eagle3, mtp, ngram; the synchronous scheduler only;
+   ``tests/policies/test_vllm_v1_differential.py`` drives vLLM's ``Scheduler`` with drafts
+   through ``update_draft_token_ids`` and checks it step by step). Every request that
+   sampled gets k drafts (``Speculation.drafts``, vLLM's ``spec_token_ids``); a running
+   request then schedules ``num_tokens + drafts - num_computed_tokens`` (1 + k for a
+   decode), capped by the threshold, the budget and ``max_model_len - computed - 1``, and a
+   request that gets no token this step keeps its drafts; a scheduled one's are cleared.
+   Every allocation reserves ``num_lookahead_tokens`` more slots (EAGLE/MTP: k; n-gram: 0)
+   within max_model_len, while blocks are registered in the prefix cache over known tokens
+   only. With EAGLE/MTP a prefix hit drops its last block (their drafter needs its hidden
+   states). A waiting request with one token to compute (a prompt found cached but its
+   last token), in a step whose running requests hold no prefill and where a running
+   request was scheduled or it has a hit, is padded to 1 + k tokens with placeholder drafts
+   (never accepted; vLLM's uniform decode batch), and if 1 + k exceeds the budget left,
+   admission stops. A verify step accepts a of its d drafts (the acceptance model); the
+   request gets a + 1 tokens (fewer where its output ends) and its computed tokens roll
+   back by d - a; the rejected slots stay allocated. Under async scheduling (vLLM's default
+   with EAGLE/MTP on a GPU) speculation is not modelled: the config is refused with the
+   fix (``async_scheduling: false``); n-gram turns async scheduling off, as vLLM does.
+
+Not modelled: async scheduling's host-time overlap, priorities, speculative decoding
+under async scheduling, a draft model (its own KV and forward), tree attention, dynamic
+speculation length (``num_speculative_tokens_per_batch_size``), multi-module MTP's
+prefill lookahead, KV connectors, multimodal inputs.
 """
 
 from __future__ import annotations
