@@ -183,3 +183,22 @@ def test_run_reports_vllm_spec_decode_counters(tmp_path) -> None:
     # less what a request's last verify step accepted past its end (at most k = 3 a request).
     past_end = s["spec_decode_num_accepted_tokens"] + s["spec_decode_num_drafts"] - (s["total_output_tokens"] - 60)
     assert s["completed"] == 60 and 0 <= past_end <= 3 * 60
+
+
+def test_the_bundled_sweep_varies_k_from_0_to_5() -> None:
+    """workloads/sweep_speculative.yaml: 6 values of k x 3 rates, each variant a valid policy
+    whose k drafts take the first k of the per-position rates (k = 0: no speculation)."""
+    from reports.experiments.spec import expand, parse_sweep
+    tasks = expand(parse_sweep(WORKLOADS / "sweep_speculative.yaml", out=None))
+    assert len(tasks) == 18
+    ks = sorted({t.raw["policy"]["speculative"]["num_speculative_tokens"] for t in tasks})
+    assert ks == [0, 1, 2, 3, 4, 5]
+    for t in tasks:
+        cfg = policy_config(t.raw["policy"], "sweep")
+        policy = make_policy(cfg, PolicyContext(8192, "h100-sxm", 80 << 30))
+        k = t.raw["policy"]["speculative"]["num_speculative_tokens"]
+        if k == 0:
+            assert policy.speculative is None
+        else:
+            # rates 0.80, 0.62, 0.48, 0.37, 0.28: mean length 1 + the first k of them
+            assert policy.speculative.acceptance_length == pytest.approx(1 + sum([0.80, 0.62, 0.48, 0.37, 0.28][:k]))
