@@ -161,6 +161,12 @@ def policy_config(data: Any, src: str) -> Any:
     # aside with a warning, so one file or sweep can switch policy.kind; a
     # knob of no policy at all is a typo and an error.
     foreign = sorted(k for k in knobs if k not in own and k in ALL_POLICY_KNOBS)
+    spec = knobs.get("speculative")
+    if "speculative" in foreign and spec is not None and spec != {"num_speculative_tokens": 0}:
+        # Not set aside: speculation changes every decode, and ignoring it would mislead.
+        having = ", ".join(k for k in POLICIES if "speculative" in _own_knobs(k))
+        raise ConfigError(f"{src}: field 'policy.speculative': speculative decoding is modelled for policy.kind "
+                          f"{having}, not {kind}; remove it or set policy.kind")
     if foreign:
         warnings.warn(f"{src}: policy.{', policy.'.join(foreign)} not used by policy {kind} (ignored)",
                       stacklevel=3)

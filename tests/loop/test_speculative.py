@@ -202,3 +202,11 @@ def test_the_bundled_sweep_varies_k_from_0_to_5() -> None:
         else:
             # rates 0.80, 0.62, 0.48, 0.37, 0.28: mean length 1 + the first k of them
             assert policy.speculative.acceptance_length == pytest.approx(1 + sum([0.80, 0.62, 0.48, 0.37, 0.28][:k]))
+
+
+def test_speculation_on_another_policy_is_refused_not_ignored() -> None:
+    # A knob of another policy is set aside with a warning; speculation would change every
+    # decode, so it is an error naming the policies that model it.
+    spec = {"method": "eagle", "num_speculative_tokens": 2, "acceptance_length": 2}
+    with pytest.raises(ConfigError, match="w.yaml: field 'policy.speculative': .*vllm_v1, not sglang"):
+        policy_config({"kind": "sglang", "speculative": spec}, "w.yaml")
