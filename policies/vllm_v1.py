@@ -80,11 +80,16 @@ against that class):
    admission stops. A verify step accepts a of its d drafts (the acceptance model); the
    request gets a + 1 tokens (fewer where its output ends) and its computed tokens roll
    back by d - a; the rejected slots stay allocated. Under async scheduling (vLLM's default
-   with EAGLE/MTP on a GPU) speculation is not modelled: the config is refused with the
-   fix (``async_scheduling: false``); n-gram turns async scheduling off, as vLLM does.
+   with EAGLE/MTP on a GPU; n-gram turns it off, as vLLM does, and refuses it when asked)
+   the drafts are ``AsyncScheduler``'s placeholders: a scheduled request that will sample
+   holds k of them for its next step, its step in flight 1 + d output placeholders, so the
+   next step schedules ``num_tokens + drafts + placeholders - computed`` (1 + k) as if the
+   step in flight accepted everything, and its output then rolls the rejected ones back
+   (``SchedulerState._commit_pipelined_speculative``; checked against ``AsyncScheduler``
+   in the same differential test).
 
-Not modelled: async scheduling's host-time overlap, priorities, speculative decoding
-under async scheduling, a draft model (its own KV and forward), tree attention, dynamic
+Not modelled: async scheduling's host-time overlap, priorities, a draft model (its own
+KV and forward), tree attention, dynamic
 speculation length (``num_speculative_tokens_per_batch_size``), multi-module MTP's
 prefill lookahead, KV connectors, multimodal inputs.
 """
@@ -195,12 +200,6 @@ class VllmV1Policy(PolicyBase):
             elif config.async_scheduling and method == "ngram":
                 raise ValueError("async_scheduling true with speculative.method ngram: vLLM 0.32 refuses it "
                                  "(its async scheduling takes EAGLE/MTP/draft-model speculation only)")
-            elif self.async_scheduling:
-                said = "is true" if config.async_scheduling else "is unset, which on a GPU means on, as in vLLM"
-                raise ValueError(f"async_scheduling {said}; speculative decoding under async scheduling "
-                                 f"(vLLM's default for {method} on a GPU) is not modelled yet: set "
-                                 f"policy.async_scheduling: false (vLLM's --no-async-scheduling) to simulate "
-                                 f"{method} with the synchronous scheduler")
         if self.async_scheduling:
             self.pipelined = True            # rule 7 of the module doc
             self.decode_stretch = False
@@ -225,6 +224,8 @@ class VllmV1Policy(PolicyBase):
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         if self.pipelined:
+            if self.speculative is not None:
+                return self._schedule_async_speculative(state, now_s)
             return self._schedule_async(state, now_s)
         if self.speculative is not None:
             return self._schedule_speculative(state, now_s)
@@ -474,3 +475,89 @@ class VllmV1Policy(PolicyBase):
                 verify[r.req_id] = n - 1
                 padded.add(r.req_id)
             budget -= n
+
+    def _schedule_async_speculative(self, state: SchedulerState, now_s: float) -> Batch | Idle:
+        """Rule 8 under rule 7: ``AsyncScheduler`` with drafts. A scheduled request that will
+        sample holds k placeholder drafts for its next step (``Speculation.drafts``) and its
+        step in flight 1 + d placeholders; the next step schedules ``num_tokens + drafts +
+        placeholders - computed`` (1 + k for a decode), the step in flight's tokens counted
+        as computed as if every draft were accepted (its output rolls them back)."""
+        spec_state = state.speculation
+        if spec_state is None:
+            raise RuntimeError("vllm_v1 with speculative decoding needs state.speculation (sim.run.runner sets it)")
+        k = self.speculative.num_speculative_tokens
+        kv = state.kv
+        running = state.running
+        budget = self.token_budget
+        threshold = self.config.long_prefill_token_threshold
+        if len(running) + len(state.waiting) <= 1:
+            threshold = 0
+        max_model_len = self.max_model_len
+        lookahead = self.speculative.lookahead
+        ahead_batch = state.pending[-1] if state.pending else None
+        flight = {it[0]: it[1] for it in ahead_batch.items} if ahead_batch is not None else {}
+        flight_drafts = (ahead_batch.drafts or {}) if ahead_batch is not None else {}
+        drafts = spec_state.drafts
+        prefilling = state.prefilling
+        verify: dict[int, int] = {}
+        items: list[BatchItem] = []
+        sampling: list[int] = []
+        preempted = prefill_scheduled = False
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            rid = r.req_id
+            ahead = flight.get(rid, 0)
+            computed = r.num_computed_tokens + ahead
+            known = r.num_prompt_tokens + r.num_output_tokens
+            d_in = flight_drafts.get(rid, 0)
+            placeholders = 1 + d_in if ahead and computed - d_in >= known else 0   # its step in flight samples
+            if placeholders and computed + 2 - placeholders >= r.num_prompt_tokens + r.max_output_tokens:
+                i += 1           # the step in flight yields its last token by length
+                continue
+            s = drafts.get(rid, 0)
+            n = known + s + placeholders - computed
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, budget, max_model_len - computed - 1)
+            if n <= 0:
+                i += 1
+                continue
+            slots = computed + n
+            extra = min(slots + lookahead, max_model_len) - slots
+            victim = None
+            while not kv.can_allocate(r, slots + extra):
+                victim = running[-1]
+                state.preempt(victim)
+                preempted = True
+                if victim is r:
+                    break
+            if victim is r:
+                break
+            kv.allocate(r, slots, extra)
+            items.append(BatchItem(rid, n, computed))
+            prefill_scheduled = prefill_scheduled or (rid in prefilling and not placeholders)
+            if s:
+                if slots > known + placeholders:
+                    verify[rid] = slots - known - placeholders
+                del drafts[rid]
+            if slots >= known + placeholders:
+                sampling.append(rid)
+            budget -= n
+            i += 1
+        if not preempted:
+            first = len(items)
+            self._admit_speculative(state, now_s, budget, threshold, items, verify, len(items) > 0,
+                                    prefill_scheduled)
+            requests = state.requests
+            sampling += [it[0] for it in items[first:]
+                         if it[1] + it[2] >= requests[it[0]].num_prompt_tokens + requests[it[0]].num_output_tokens]
+        for rid in sampling:
+            drafts[rid] = k          # AsyncScheduler: placeholder drafts for the next step
+        if not items:
+            spec_state.padded.clear()
+            return Idle()
+        batch = Batch(tuple(items), verify or None)
+        spec_state.sampling[id(batch)] = (frozenset(sampling), frozenset(spec_state.padded))
+        spec_state.padded.clear()    # kept with the batch: the one in flight commits first
+        return batch

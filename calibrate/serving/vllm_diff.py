@@ -216,6 +216,43 @@ class VllmReference:
             tid = ids[where] = 10 + len(ids)
         return tid
 
+    def _deferred_schedule_call(self) -> tuple[Any, Any, Step]:
+        """``_schedule_call`` for async scheduling with drafts: the fake output is made when the
+        batch's output is processed (a function returned in its place), since the tokens a
+        verify step samples sit after the accepted ones of the step before it, known only then:
+        for every request whose item then samples (fixed at schedule time, as the model runner
+        sees it), ``fixed_acceptance`` of its d drafts plus one, the true tokens from its
+        current output length on; placeholders of a padded new decode are never accepted."""
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import RequestStatus
+        waiting = {rid for rid, r in self.requests.items()
+                   if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)}
+        self._preempted = []
+        out = self.scheduler.schedule()
+        step = Step(preempted=list(self._preempted))
+        req_ids = list(out.num_scheduled_tokens)
+        spec = out.scheduled_spec_decode_tokens
+        plan = []
+        for rid in req_ids:
+            req = self.requests[int(rid)]
+            n = out.num_scheduled_tokens[rid]
+            step.items.append((int(rid), n, req.num_computed_tokens - n))
+            plan.append((rid, req.is_prefill_chunk, len(spec.get(rid, ())), int(rid) in waiting))
+
+        def output() -> Any:
+            sampled = []
+            for rid, is_chunk, d, padded in plan:
+                req = self.requests[int(rid)]
+                if is_chunk:
+                    sampled.append([])
+                    continue
+                a = fixed_acceptance(int(rid), req.num_output_tokens, d) if d and not padded else 0
+                pos = req.num_output_tokens
+                sampled.append([self._token((self._out_keys[int(rid)], pos + j)) for j in range(a + 1)])
+            return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                     sampled_token_ids=sampled)
+        return out, output, step
+
     def _schedule_call(self) -> tuple[Any, Any, Step]:
         """One ``schedule()`` call: (its SchedulerOutput, the fake model output fixed now, as a
         model runner's would be: one token for every request whose prefill is then complete, the
@@ -348,7 +385,8 @@ class AsyncVllmReference(VllmReference):
         """Schedule batch ``k`` into the queue; whether it runs tokens."""
         if self.queue and self.queue[0][4] is None:   # batch k-1 is processed after this call
             self.queue[0][4] = self._base()
-        out, output, step = self._schedule_call()
+        out, output, step = (self._deferred_schedule_call() if self.case.num_speculative_tokens
+                             else self._schedule_call())
         self.queue.appendleft([k, out, output, step, None])
         return out.total_num_scheduled_tokens > 0
 
@@ -357,7 +395,7 @@ class AsyncVllmReference(VllmReference):
         k, out, output, step, base = self.queue.pop()
         used, free_cached, holders = base if base is not None else self._base()
         unfinished = [rid for rid, r in self.requests.items() if not r.is_finished()]
-        self.scheduler.update_from_output(out, output)
+        self.scheduler.update_from_output(out, output() if callable(output) else output)
         step.finished = sorted(rid for rid in unfinished if self.requests[rid].is_finished())
         if self.raw_pool:
             step.kv_used_blocks, step.cached_blocks, step.cached_free_blocks = self._pool()

@@ -193,6 +193,10 @@ class Speculation:
         # Requests of the step being chosen whose drafts are vLLM's placeholders (a new decode
         # padded to 1 + k tokens): they accept none. Cleared at the step's commit.
         self.padded: set[int] = set()
+        # Under async scheduling, per pending batch (by id): the requests it samples for, as
+        # chosen (a preempted request's stale output is delivered if its item sampled), and
+        # those padded with placeholder drafts.
+        self.sampling: dict[int, tuple[frozenset[int], frozenset[int]]] = {}
         self._rng = rng if rng is not None else np.random.default_rng(0)
         self._accept = accept
         self._draws = np.empty((0, self.k))

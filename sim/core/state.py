@@ -339,6 +339,8 @@ class SchedulerState:
         """
         if not self.pending or self.pending[0] is not batch:
             raise RuntimeError("commit_pipelined: the batch is not the oldest pending one")
+        if self.speculation is not None:
+            return self._commit_pipelined_speculative(batch, now_s)
         self.pending.popleft()
         self.num_steps += 1
         requests = self.requests
@@ -402,6 +404,73 @@ class SchedulerState:
         if len(tok_ids) > num_logged:
             self.tokens.end_step(now_s, len(tok_ids) - num_logged)
         for r in finished:
+            self._finish(r, now_s)
+
+    def _commit_pipelined_speculative(self, batch: Batch, now_s: float) -> None:
+        """``commit_pipelined`` with drafts (``AsyncScheduler.update_from_output``): a request's
+        item that samples accepts a of its d drafts and gets a + 1 tokens; its computed tokens
+        roll back by the d - a rejected, whatever its step in flight assumed (the model runner
+        places that step's tokens after the accepted ones). A preempted request's stale
+        output is still delivered, without the rollback; a finished one's is thrown away. A
+        request that sampled registers the full blocks of its known tokens in the prefix
+        cache, less the step in flight's placeholders."""
+        self.pending.popleft()
+        self.num_steps += 1
+        spec = self.speculation
+        sampled_for, padded = spec.sampling.pop(id(batch), (frozenset(), frozenset()))
+        requests = self.requests
+        true_output = self._true_output
+        tok_ids = self.tokens.ids
+        num_logged = len(tok_ids)
+        prefilling = self.prefilling
+        kv = self.kv
+        later = self.pending[0] if self.pending else None
+        later_items = {it[0]: it[1] for it in later.items} if later is not None else {}
+        later_drafts = (later.drafts or {}) if later is not None else {}
+        verified = batch.drafts or {}
+        finished: list[Request] = []
+        running = Status.RUNNING
+        for req_id, n, _context, _pad in batch.items:
+            if n == 0:
+                continue
+            r = requests.get(req_id)
+            if r is None:
+                continue                                   # finished a step earlier: thrown away
+            d = verified.get(req_id, 0)
+            if r.status != running:                        # preempted since: a stale output
+                if req_id in sampled_for:
+                    a = spec.accepted(req_id, r.num_output_tokens, d, padded=req_id in padded) if d else 0
+                    new = min(a + 1, true_output[req_id] - r.num_output_tokens)
+                    for _ in range(new):
+                        self._sample(r, req_id, now_s)
+                    if r.num_output_tokens >= true_output[req_id]:
+                        r.last_token_s = now_s
+                        self._finish_waiting(r, now_s)
+                continue
+            if req_id not in sampled_for:                  # a prefill chunk
+                r.num_computed_tokens += n
+                continue
+            a = spec.accepted(req_id, r.num_output_tokens, d, padded=req_id in padded) if d else 0
+            r.num_computed_tokens += n - (d - a)
+            new = min(a + 1, true_output[req_id] - r.num_output_tokens)
+            for _ in range(new):
+                self._sample(r, req_id, now_s)
+            prefilling.discard(req_id)
+            if kv.caching:
+                m = later_items.get(req_id, 0)
+                known = r.num_prompt_tokens + r.num_output_tokens
+                ahead = r.num_computed_tokens + m
+                d_l = later_drafts.get(req_id, 0)
+                placeholders = 1 + d_l if m and ahead - d_l >= known else 0
+                # vLLM counts the tokens its stop check trimmed as placeholders still
+                kv.cache(r, min(ahead - placeholders - (a + 1 - new), known))
+            if r.num_output_tokens >= true_output[req_id]:
+                r.last_token_s = now_s
+                finished.append(r)
+        if len(tok_ids) > num_logged:
+            self.tokens.end_step(now_s, len(tok_ids) - num_logged)
+        for r in finished:
+            spec.drafts.pop(r.req_id, None)
             self._finish(r, now_s)
 
     def _sample(self, r: Request, req_id: int, now_s: float) -> None:

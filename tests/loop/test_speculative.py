@@ -154,12 +154,12 @@ def test_bad_speculative_config_names_its_field(spec, field) -> None:
 
 
 def test_async_scheduling_with_speculation() -> None:
-    # On a GPU vLLM 0.32 runs EAGLE under async scheduling, which batchsim does not model with
-    # drafts: unset or true is refused with the fix; n-gram turns it off as vLLM does.
+    # On a GPU vLLM 0.32 runs EAGLE under async scheduling (unset: on); n-gram turns it off
+    # and refuses it when asked for.
     gpu = PolicyContext(1024, "h100-sxm", 80 << 30)
     eagle = {"method": "eagle", "num_speculative_tokens": 2, "acceptance_length": 2}
-    with pytest.raises(ValueError, match="async_scheduling: false"):
-        make_policy(VllmV1Config(speculative=eagle), gpu)
+    assert make_policy(VllmV1Config(speculative=eagle), gpu).async_scheduling
+    assert not make_policy(VllmV1Config(speculative=eagle), PolicyContext(1024, "cpu")).async_scheduling
     assert not make_policy(VllmV1Config(speculative=NGRAM), gpu).async_scheduling
     with pytest.raises(ValueError, match="refuses it"):
         make_policy(VllmV1Config(speculative=NGRAM, async_scheduling=True), gpu)
@@ -210,3 +210,32 @@ def test_speculation_on_another_policy_is_refused_not_ignored() -> None:
     spec = {"method": "eagle", "num_speculative_tokens": 2, "acceptance_length": 2}
     with pytest.raises(ConfigError, match="w.yaml: field 'policy.speculative': .*vllm_v1, not sglang"):
         policy_config({"kind": "sglang", "speculative": spec}, "w.yaml")
+
+
+def test_async_verify_timeline_by_hand() -> None:
+    # Async scheduling (the pipelined loop), EAGLE k = 2, every step 10 ms (the proposer is
+    # free on this profile: no per-token cost), each verify step accepting 1. r0: prompt 4,
+    # output 5.
+    # t=0:  S1 = the prompt (4 @ 0); S2 chosen at once with S1 in flight: 4 computed + 1
+    #       placeholder, 2 placeholder drafts: 4 + 2 + 1 - 4 = 3 tokens @ 4 (2 drafts).
+    # t=10: S1's token 1. S3 chosen with S2 in flight (3 tokens: 7 computed, 1 + 2
+    #       placeholders): 5 + 2 + 3 - 7 = 3 @ 7.
+    # t=20: S2 accepts 1: tokens 2, 3; computed 4 + 3 - 1 = 6. S4: 7 + 2 + 3 - 9 = 3 @ 9.
+    # t=30: S3 accepts 1: tokens 4, 5 (its last): r0 finishes; S4 runs on, thrown away, to 40.
+    env = simpy.Environment()
+    step = linear_profile(per_token_s=0.0, overhead_s=0.010, decode_per_ctx_s=0.0, prefill_per_ctx_s=0.0)
+    policy = make_policy(VllmV1Config(max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False,
+                                      async_scheduling=True, speculative={"method": "eagle", "num_speculative_tokens": 2,
+                                                                          "acceptance_length": 2.0}), 1024)
+    state = policy_state(policy, 100, 4, 1024)
+    state.speculation = Speculation(policy.speculative, accept=lambda rid, out, d: 1)
+    server = Server(env, policy, state, SimExecutor(step))
+    r = Request(0, 0.0, 4, 5)
+    env.process(feed(env, [server], [r], [5]))
+    env.run()
+    ids, times = state.tokens.arrays()
+    assert np.allclose(times * 1e3, [10, 20, 20, 30, 30])
+    assert r.finished_s * 1e3 == pytest.approx(30)
+    starts = [round(t * 1e3, 6) for chunk, *_ in server.log.chunks() for t in chunk]
+    assert starts == [0, 10, 20, 30]
+    assert env.now * 1e3 == pytest.approx(40)          # S4's slot ran to its end

@@ -194,6 +194,19 @@ def test_speculative_with_prefix_caching_identical_decisions(seed: int) -> None:
     assert diff is None, f"seed {seed}: {case}\nfirst difference after {num_steps - 1} steps\n{diff}"
 
 
+@pytest.mark.parametrize("seed", range(SEED0, SEED0 + SPEC_CASES // 2))
+def test_speculative_async_identical_decisions(seed: int) -> None:
+    """vllm_v1 with EAGLE drafts under async scheduling against vLLM's AsyncScheduler (vLLM's
+    default for EAGLE/MTP on a GPU): placeholder drafts, verify steps chosen while the one
+    before runs, rejected drafts rolled back when the output comes in; about half the
+    requests stopping on EOS, random and prefix-caching cases."""
+    for maker in (random_case, random_prefix_case):
+        case = replace(speculative_case(async_case(maker(seed), seed), seed), spec_method="eagle")
+        diff, num_records = first_difference_async(case)
+        assert diff is None, (f"seed {seed} ({maker.__name__}): {case}\nfirst difference after "
+                              f"{num_records - 1} batches\n{diff}")
+
+
 def test_speculative_by_hand() -> None:
     """The speculative harness cannot pass vacuously. Block size 4, k = 2 (n-gram), r0: prompt
     8, output 6. fixed_acceptance(0, out, 2) = (out x 104729) % 3, and 104729 % 3 = 2 (digit
