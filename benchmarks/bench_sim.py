@@ -15,7 +15,7 @@ run s`` is the real command in a fresh process, its files written.
     python benchmarks/bench_sim.py [--policies vllm,sarathi,vllm_v1-sync] [--no-scaling]
 
 (every registered policy unless --policies names some; ``vllm_v1-sync``: vllm_v1 without async
-scheduling).
+scheduling; ``vllm_v1-spec`` and ``vllm_v1-sync-spec``: with EAGLE-3 speculative decoding, k = 3).
 
 Figures are measured in this run; the machine may be shared and noisy: the
 process CPU seconds (cpu s) beside the wall seconds show how much of the
@@ -43,10 +43,20 @@ def overrides(policy: str) -> dict[str, object]:
     """The workload fields of a policy name: a kind, or ``vllm_v1-sync`` (vllm_v1 with
     ``async_scheduling: false``: the synchronous loop and its fast path; vllm_v1 alone runs
     async on the trace's GPU, as vLLM 0.32 does)."""
-    kind, _, variant = policy.partition("-")
-    if variant and variant != "sync":
-        sys.exit(f"--policies: {policy!r}: the only variant is KIND-sync")
-    return {"policy.kind": kind, **({"policy.async_scheduling": False} if variant else {})}
+    kind, *variants = policy.split("-")
+    if any(v not in ("sync", "spec") for v in variants):
+        sys.exit(f"--policies: {policy!r}: the variants are KIND-sync, KIND-spec and KIND-sync-spec")
+    out: dict[str, object] = {"policy.kind": kind}
+    if "sync" in variants:
+        out["policy.async_scheduling"] = False
+    if "spec" in variants:
+        out["policy.speculative"] = SPEC
+    return out
+
+
+# ``KIND-spec``: EAGLE-3 with 3 drafts and vLLM-like per-position acceptance (every step verifies
+# and draws: no fast path).
+SPEC = {"method": "eagle3", "num_speculative_tokens": 3, "acceptance_rates": [0.8, 0.62, 0.48]}
 
 
 def one_run(policy: str, repeat: int) -> dict:
@@ -117,7 +127,7 @@ def in_child(policy: str, repeat: int, fast_path: bool = True) -> dict:
 def sim_run_child(policy: str) -> Child:
     """The real command, files and all, in a fresh process: ``sim run`` of the trace."""
     with tempfile.TemporaryDirectory(prefix="bench_sim_") as tmp:
-        sets = [a for k, v in overrides(policy).items() for a in ("--set", f"{k}={str(v).lower()}")]
+        sets = [a for k, v in overrides(policy).items() for a in ("--set", f"{k}={json.dumps(v) if isinstance(v, dict) else str(v).lower()}")]
         child = run_child([sys.executable, "-m", "sim.cli", "run", str(WORKLOAD), *sets,
                            "--out", str(Path(tmp) / "run"), "--quiet"])
     if child.returncode != 0:

@@ -53,16 +53,17 @@ class Batch:
     prefill_chunks: tuple[tuple[int, int], ...]  # (tokens incl. pad, context_len) per chunk
     # Speculative decoding: {request id: drafts verified} for the items that verify drafts (an
     # item of 1 + d tokens: its next token and d drafts; None: no item does). Such an item is a
-    # decode of the step log (num_decode_tokens counts its 1 + d tokens, num_spec_tokens its d)
-    # and costs what a chunk of 1 + d queries over its context costs: it is in prefill_chunks,
-    # after the prompt chunks, and not in num_prefill_seqs.
+    # decode (decode_seqs, decode_context; num_decode_tokens counts its 1 + d tokens,
+    # num_spec_tokens its d): its 1 + d tokens go through the token-parallel layers and the LM
+    # head, and its attention is its decode's, one pass over its KV (decode attention is
+    # memory-bound: the d more queries ride along; a profile measured from outside keeps the
+    # decode step's fixed cost there, which pricing it as a prefill chunk would drop).
     drafts: dict[int, int] | None
     num_spec_tokens: int
 
     def __init__(self, items: tuple[BatchItem, ...], drafts: dict[int, int] | None = None) -> None:
         num_tokens = num_prefill = num_decode = num_pad = decode_seqs = decode_context = 0
         chunks = []
-        verify = []
         num_spec = 0
         for it in items:
             n = it.num_new_tokens
@@ -71,7 +72,8 @@ class Batch:
             num_tokens += total
             num_pad += pad
             if drafts is not None and it.req_id in drafts:
-                verify.append((total, it.context_len))
+                decode_seqs += 1
+                decode_context += it.context_len
                 num_decode += n
                 num_spec += drafts[it.req_id]
             elif total == 1:
@@ -89,7 +91,7 @@ class Batch:
         self.num_pad_tokens = num_pad
         self.decode_seqs = decode_seqs
         self.decode_context = decode_context
-        self.prefill_chunks = tuple(chunks + verify) if verify else tuple(chunks)
+        self.prefill_chunks = tuple(chunks)
         self.drafts = drafts or None
         self.num_spec_tokens = num_spec
 

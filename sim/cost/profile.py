@@ -139,15 +139,14 @@ class Profile:
             elif hit[1]:
                 self.linear.num_out_of_range += 1
             t += hit[0]
-        chunks = batch.prefill_chunks          # prompt chunks, then speculative verify items (Batch.drafts)
         if self.lm_head is not None:           # logits: one row per sequence sampled, one per draft verified
-            t += self._lm_head_s(len(chunks) + batch.decode_seqs + batch.num_spec_tokens, True)
-        if chunks:
+            t += self._lm_head_s(batch.num_prefill_seqs + batch.decode_seqs + batch.num_spec_tokens, True)
+        if batch.prefill_chunks:
             attn_prefill = self.attn_prefill
-            for chunk, context in chunks:
+            for chunk, context in batch.prefill_chunks:
                 t += attn_prefill(chunk, context)
-            if self.prefill_shared_s and len(chunks) > 1:
-                t -= (len(chunks) - 1) * self.prefill_shared_s
+            if self.prefill_shared_s and batch.num_prefill_seqs > 1:
+                t -= (batch.num_prefill_seqs - 1) * self.prefill_shared_s
         if batch.decode_seqs:
             n = batch.decode_seqs
             t += self.attn_decode(n, batch.decode_context / n if self.decode_per_seq else batch.decode_context)

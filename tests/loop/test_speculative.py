@@ -91,15 +91,16 @@ def test_eagle_reserves_lookahead_slots() -> None:
         assert rows[:2, 7].tolist() == blocks, spec["method"]
 
 
-def test_verify_item_costs_a_chunk_of_its_queries() -> None:
-    # Batch of a verify item (1 + 3 drafts at context 100) and a plain decode: 5 tokens through
-    # the linear layers; the verify item is attention over 4 queries (a chunk), not 4 decodes.
+def test_verify_item_costs_its_tokens_and_one_decode_attention() -> None:
+    # Batch of a verify item (1 + 3 drafts at context 100) and a plain decode at context 50: 5
+    # tokens through the linear layers; the verify item's attention is its decode's (one pass
+    # over its 100 tokens of KV), not a 4-query prefill chunk's nor 4 decodes'.
     profile = linear_profile(per_token_s=1e-4, overhead_s=1e-3, decode_per_ctx_s=1e-6, prefill_per_ctx_s=1e-8)
     batch = Batch((BatchItem(0, 4, 100), BatchItem(1, 1, 50)), drafts={0: 3})
     assert (batch.num_decode_tokens, batch.num_prefill_tokens, batch.num_spec_tokens) == (5, 0, 3)
-    assert batch.prefill_chunks == ((4, 100),) and batch.decode_seqs == 1
-    # 1 ms + 5 x 0.1 ms + attn_prefill(4, 100) = 4 x 100 x 1e-8 s + attn_decode(1, 50) = 50 x 1e-6 s
-    assert profile.step_time_s(batch) == pytest.approx(1e-3 + 5e-4 + 4e-6 + 5e-5)
+    assert batch.prefill_chunks == () and (batch.decode_seqs, batch.decode_context) == (2, 150)
+    # 1 ms + 5 x 0.1 ms + attn_decode over 100 + 50 tokens of context = 150 x 1e-6 s
+    assert profile.step_time_s(batch) == pytest.approx(1e-3 + 5e-4 + 1.5e-4)
 
 
 def test_eagle_proposer_cost_by_hand() -> None:
