@@ -168,14 +168,20 @@ def print_case(title: str, plain, spec, sims: dict[str, dict], acc: dict) -> dic
         rng = f"{ls[key][1]:.4g}..{ls[key][2]:.4g}"
         print(f"  {label:<18}{a:>11.4g}{sp[key]:>9.4g}{err(sp[key], a):>+7.1f}%  |{b:>11.4g}{rng:>16}"
               f"{ss[key]:>9.4g}{err(ss[key], b):>+7.1f}%{ss_step[key]:>10.4g}{err(ss_step[key], b):>+7.1f}%")
-    live_rate = acc["acceptance_rate"]
-    print(f"  acceptance: live {live_rate:.3f} (mean length {acc['mean_acceptance_length']:.2f}, per position "
-          + ", ".join(f"{r:.3f}" for r in acc["rates"]) + f"; {acc['num_drafts']} drafts in {acc['decode_steps']} "
-          f"decode steps: {100 * acc['drafted_share']:.0f}% drafted)")
+    runs = len(spec.measurements)
+    print(f"  acceptance (vLLM's counters: rate = accepted / draft tokens, length = 1 + accepted / drafts, "
+          f"per position = accepted there / drafts; counts per run)")
+    print(f"    live      rate {acc['acceptance_rate']:.3f}, length {acc['mean_acceptance_length']:.2f}, per position "
+          + ", ".join(f"{r:.3f}" for r in acc["rates"]) + f"; {acc['num_drafts'] / runs:.0f} drafts of "
+          f"{acc['num_draft_tokens'] / max(acc['num_drafts'], 1):.2f} tokens in {acc['decode_steps'] / runs:.0f} "
+          f"decode steps ({100 * acc['drafted_share']:.0f}% drafted), {acc['num_accepted_tokens'] / runs:.0f} accepted")
     for name, s in sims.items():
-        print(f"              {name:<8} {s['spec_decode_acceptance_rate']:.3f} (mean length "
-              f"{s['spec_decode_mean_acceptance_length']:.2f}, {s['spec_decode_num_drafts']} drafts, "
-              f"{s['spec_decode_num_accepted_tokens']} accepted; live {acc['num_accepted_tokens']})")
+        d = s["spec_decode_num_drafts"]
+        print(f"    {name:<9} rate {s['spec_decode_acceptance_rate']:.3f}, length "
+              f"{s['spec_decode_mean_acceptance_length']:.2f}, per position "
+              + ", ".join(f"{x / d:.3f}" for x in s["spec_decode_num_accepted_tokens_per_pos"])
+              + f"; {d} drafts of {s['spec_decode_num_draft_tokens'] / d:.2f} tokens, "
+              f"{s['spec_decode_num_accepted_tokens']} accepted")
     speed = {}
     for key, label, sign in SPEEDUP:
         live = (ls[key][0] / lp[key][0]) ** sign
