@@ -344,7 +344,8 @@ def delivery_notes(run: RunResult) -> list[str]:
     notes = []
     if (bundled := int(((req["num_chunks"] < req["output_tokens"]) & (req["status"] == "finished")).sum())):
         notes.append(f"note: {bundled} requests received several tokens in one streamed chunk; ITL counts "
-                     f"chunks, as vllm bench serve does, the simulator one gap per token")
+                     f"chunks, as vllm bench serve does, and so does the simulator (a step's tokens are one "
+                     f"chunk: speculative decoding's accepted drafts)")
     gaps = itl_s(run.tokens)
     share = float((gaps < BURST_GAP_S).mean()) if len(gaps) else 0.0
     if share >= 0.05:
