@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sim.base.strict import ConfigError
+from sim.base.strict import ConfigError, did_you_mean
 
 # vLLM 0.32's methods (SpeculativeConfig.method) that batchsim models, and how each one's
 # proposer runs and reserves KV (vllm/config/vllm.py num_lookahead_tokens,
@@ -109,7 +109,8 @@ def parse_speculative(data: Any, src: str, where: str = "policy.speculative") ->
                "ngram_host_s_per_seq")
     for key in data:
         if key not in allowed:
-            raise ConfigError(f"{src}: unknown field '{where}.{key}'; allowed: {', '.join(allowed)}")
+            raise ConfigError(f"{src}: unknown field '{where}.{key}'" + did_you_mean(key, list(allowed))
+                              + f"; allowed: {', '.join(allowed)}")
     if (data.get("num_speculative_tokens") == 0 and set(data) <= {"num_speculative_tokens", "method"}
             and data.get("method") in (None, *METHODS)):
         return SpeculativeSpec(data.get("method") or "ngram", 0, (), 1.0)   # k = 0 alone: no speculation
