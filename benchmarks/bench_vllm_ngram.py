@@ -21,11 +21,12 @@ num_speculative_tokens: 3, acceptance_rates}``, the rates measured over the
 same live runs from the server's ``/metrics`` (``vllm:spec_decode_*``, growth
 over the replays): so acceptance matches by construction, up to the
 simulation's draws. vLLM counts a draft only where the proposer found a match
-(a request's step without one verifies no drafts), batchsim drafts every
-step, so two simulations are printed: ``sim`` with vLLM's per-draft rates
-(``accepted_per_pos / num_drafts``) and ``sim/step`` with the rates per decode
-step (``accepted_per_pos / decode steps``, decode steps = output tokens after
-the first - accepted tokens), which gives the measured tokens per step.
+(a request's step without one verifies no drafts), so two simulations are
+printed: ``sim`` with vLLM's per-draft rates (``accepted_per_pos /
+num_drafts``) and drafts every step, and ``sim/match`` with the same rates and
+``ngram_match_rate``, the measured share of decode steps with drafts
+(``num_drafts / decode steps``, decode steps = output tokens after the first -
+accepted tokens).
 
     python benchmarks/bench_vllm_ngram.py              # capacity + 50% load, 2 runs each (~10 min on 2 cores)
     python benchmarks/bench_vllm_ngram.py --quick      # capacity + 50% load, 1 run each, 40 requests
@@ -153,12 +154,12 @@ def live_rows(v) -> dict[str, tuple[float, float, float]]:
 def print_case(title: str, plain, spec, sims: dict[str, dict], acc: dict) -> dict:
     """The case's table: live plain / speculative (median, range over runs), and the simulations."""
     lp, ls = live_rows(plain), live_rows(spec)
-    sp, ss, ss_step = plain.sim.summary, sims["sim"], sims["sim/step"]
+    sp, ss, ss_step = plain.sim.summary, sims["sim"], sims["sim/match"]
     print(f"\n{title}  [{len(spec.measurements)} live runs per server; load avg "
           + ", ".join(f"{m.load['before_1_5_15min'][0]:.1f}->{m.load['after_1_5_15min'][0]:.1f}"
                       for m in plain.measurements + spec.measurements) + "]")
     print(f"  {'':<18}{'plain live':>11}{'sim':>9}{'err':>8}  |{'ngram live':>11}{'range':>16}"
-          f"{'sim':>9}{'err':>8}{'sim/step':>10}{'err':>8}")
+          f"{'sim':>9}{'err':>8}{'sim/match':>10}{'err':>8}")
 
     def err(s, live):
         return (s - live) / live * 100 if s is not None and live else float("nan")
@@ -187,7 +188,7 @@ def print_case(title: str, plain, spec, sims: dict[str, dict], acc: dict) -> dic
         live = (ls[key][0] / lp[key][0]) ** sign
         speed[label] = (live, (ss[key] / sp[key]) ** sign, (ss_step[key] / sp[key]) ** sign)
     print("  speed-up (ngram vs plain): " + "; ".join(
-        f"{label} live {x[0]:.2f}x, sim {x[1]:.2f}x, sim/step {x[2]:.2f}x" for label, x in speed.items()))
+        f"{label} live {x[0]:.2f}x, sim {x[1]:.2f}x, sim/match {x[2]:.2f}x" for label, x in speed.items()))
     return speed
 
 
@@ -265,8 +266,9 @@ def main() -> int:
         specs, acc = results["ngram"][rate]["specs"], results["ngram"][rate]["acc"]
         sims = {"sim": simulate(spec, specs, {"method": "ngram", "num_speculative_tokens": k,
                                               "acceptance_rates": acc["rates"]}).summary,
-                "sim/step": simulate(spec, specs, {"method": "ngram", "num_speculative_tokens": k,
-                                                   "acceptance_rates": acc["step_rates"]}).summary}
+                "sim/match": simulate(spec, specs, {"method": "ngram", "num_speculative_tokens": k,
+                                                    "acceptance_rates": acc["rates"],
+                                                    "ngram_match_rate": min(1.0, acc["drafted_share"])}).summary}
         title = ("every request at once" if rate is None else f"Poisson {rate:.2f} req/s") + \
                 f", {len(specs)} requests"
         speed = print_case(title, plain, spec, sims, acc)

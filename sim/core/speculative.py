@@ -60,6 +60,7 @@ class SpeculativeSpec:
     acceptance_length: float             # the mean tokens per verify step of k drafts, bonus included
     draft_layers: int = 1                # EAGLE/MTP: the proposer's transformer layers
     ngram_host_s_per_seq: float = 0.0    # n-gram: host time per request drafted for
+    ngram_match_rate: float = 1.0        # n-gram: the share of a request's steps its proposer drafts for
 
     @property
     def lookahead(self) -> int:
@@ -79,7 +80,7 @@ class SpeculativeSpec:
                 "acceptance_length": self.acceptance_length,
                 "acceptance_rates": [float(v) for v in np.cumprod(self.conditional)],
                 **({"draft_layers": self.draft_layers} if self.on_device else
-                   {"ngram_host_s_per_seq": self.ngram_host_s_per_seq})}
+                   {"ngram_host_s_per_seq": self.ngram_host_s_per_seq, "ngram_match_rate": self.ngram_match_rate})}
 
 
 def geometric_rate(k: int, length: float) -> float:
@@ -106,7 +107,7 @@ def parse_speculative(data: Any, src: str, where: str = "policy.speculative") ->
         raise ConfigError(f"{src}: field '{where}' must be a mapping (method, num_speculative_tokens, "
                           f"acceptance_length or acceptance_rates), got {data!r}")
     allowed = ("method", "num_speculative_tokens", "acceptance_length", "acceptance_rates", "draft_layers",
-               "ngram_host_s_per_seq")
+               "ngram_host_s_per_seq", "ngram_match_rate")
     for key in data:
         if key not in allowed:
             raise ConfigError(f"{src}: unknown field '{where}.{key}'" + did_you_mean(key, list(allowed))
@@ -167,8 +168,15 @@ def parse_speculative(data: Any, src: str, where: str = "policy.speculative") ->
                           f"to 1, got {host!r}")
     if "ngram_host_s_per_seq" in data and method != "ngram":
         raise ConfigError(f"{src}: field '{where}.ngram_host_s_per_seq' applies to method ngram only")
+    match = data.get("ngram_match_rate", 1.0)
+    if not isinstance(match, (int, float)) or isinstance(match, bool) or not 0 < match <= 1:
+        raise ConfigError(f"{src}: field '{where}.ngram_match_rate' must be a number in (0, 1] (the share of "
+                          f"decode steps whose n-gram lookup finds a match: vllm:spec_decode_num_drafts over "
+                          f"the decode steps), got {match!r}")
+    if "ngram_match_rate" in data and method != "ngram":
+        raise ConfigError(f"{src}: field '{where}.ngram_match_rate' applies to method ngram only")
     return SpeculativeSpec(method, k, tuple(float(c) for c in conditional), float(length), layers,
-                           float(host) if method == "ngram" else 0.0)
+                           float(host) if method == "ngram" else 0.0, float(match))
 
 
 # vLLM 0.32's NgramProposer (numba, one thread) on this project's CPU, per request it drafts for:
@@ -199,6 +207,7 @@ class Speculation:
         # those padded with placeholder drafts.
         self.sampling: dict[int, tuple[frozenset[int], frozenset[int]]] = {}
         self._rng = rng if rng is not None else np.random.default_rng(0)
+        self._match_rng = np.random.default_rng(self._rng.integers(2**63))   # its own stream: same acceptances
         self._accept = accept
         self._draws = np.empty((0, self.k))
         self._next = 0
@@ -206,6 +215,15 @@ class Speculation:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k
+
+    def num_new_drafts(self) -> int:
+        """The drafts a request that sampled gets for its next step: k, or with n-gram's
+        ``ngram_match_rate`` below 1, k with that probability and else none (its lookup found
+        no match: vLLM's proposer then drafts nothing and the step is a plain decode)."""
+        rate = self.spec.ngram_match_rate
+        if rate >= 1.0:
+            return self.k
+        return self.k if self._match_rng.random() < rate else 0
 
     def accepted(self, req_id: int, num_output_tokens: int, num_drafts: int, padded: bool = False) -> int:
         """How many of ``num_drafts`` drafts a verify step accepts (0 for vLLM's padding

@@ -280,6 +280,7 @@ class SchedulerState:
         sampled and still runs gets k drafts for its next step."""
         spec = self.speculation
         k = spec.k
+        full = spec.spec.ngram_match_rate >= 1.0
         drafts_next = spec.drafts
         self.num_steps += 1
         requests = self.requests
@@ -317,7 +318,7 @@ class SchedulerState:
                 r.last_token_s = now_s
                 finished.append(r)
             else:
-                drafts_next[req_id] = k
+                drafts_next[req_id] = k if full else spec.num_new_drafts()
         padded.clear()
         if len(tok_ids) > num_logged:
             self.tokens.end_step(now_s, len(tok_ids) - num_logged)

@@ -240,3 +240,18 @@ def test_async_verify_timeline_by_hand() -> None:
     starts = [round(t * 1e3, 6) for chunk, *_ in server.log.chunks() for t in chunk]
     assert starts == [0, 10, 20, 30]
     assert env.now * 1e3 == pytest.approx(40)          # S4's slot ran to its end
+
+
+def test_ngram_match_rate_drafts_that_share_of_steps() -> None:
+    """n-gram with ngram_match_rate 0.5: a request that sampled gets k drafts in half its steps
+    (its lookup found a match) and none in the others (a plain decode, no verify counted).
+    One request of 1,001 output tokens, k = 2, every draft rejected: 1,000 decode steps after
+    the first, about 500 of them verifying (binomial std ~16: 80 is 5 of them)."""
+    server, (r,) = _run([(0.0, 8, 1001)], {**NGRAM, "ngram_match_rate": 0.5}, accept=lambda rid, out, d: 0,
+                        num_blocks=400)
+    spec = server.state.speculation
+    assert r.num_output_tokens == 1001 and abs(spec.num_drafts - 500) < 80
+    assert spec.num_draft_tokens == 2 * spec.num_drafts
+    with pytest.raises(ConfigError, match="ngram_match_rate' applies to method ngram only"):
+        parse_speculative({"method": "eagle", "num_speculative_tokens": 2, "acceptance_length": 2,
+                           "ngram_match_rate": 0.5}, "w.yaml")
