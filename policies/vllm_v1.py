@@ -59,11 +59,19 @@ against that class):
    known (``SchedulerState.commit_pipelined``). Unset, it is on as in vLLM
    0.32 (``VllmConfig``), except on a CPU (``CpuPlatform`` turns it off) or
    where ``profile.engine`` names the synchronous loop (sim.run.runner.
-   async_scheduling_of). The timing is not overlapped: a step still costs its
-   forward pass plus its host time, the async host terms with kernel profiles.
+   async_scheduling_of). The timing overlaps as vLLM's batch queue does
+   (sim.loop.server.pipelined_start_s): a step's host work (the update of the
+   output two steps back, scheduling, input preparation: ``Profile.host_s``)
+   runs while the step before it is on the device, so a step starts at
+   max(end of the one before, its choice + its host work) and a steady stream
+   runs at max(host, device) a step. Which of a profile's terms are host work:
+   a synchronous engine's (the analytic presets' vllm-v0 and vllm-v1); terms
+   measured or fitted on async runs (the presets' vllm-v1-async, the kernel
+   profiles' async host terms) are what vLLM's overlap left unhidden and stay
+   on the device's path; measured profiles separate none.
 
-Not modelled: async scheduling's host-time overlap, priorities, speculative
-decoding, KV connectors, multimodal inputs.
+Not modelled: priorities, speculative decoding, KV connectors, multimodal
+inputs.
 """
 
 from __future__ import annotations

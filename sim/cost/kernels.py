@@ -21,7 +21,11 @@ int64 indices: ``SAMPLER_BYTES_PER_LOGIT`` a logit), whose peak the KV pool lose
 exceeds the forward pass's (gpt-oss-120b at 1,024 sequences: 3.1 GiB of an H100). What kernels do not measure, the engine's host time per step and
 per sequence and the API server's per request, is ``HostTerms`` (fitted per engine on
 public serving runs: ``benchmarks/public_serving.py``), added on top; the provenance says
-which part is measured and which fitted.
+which part is measured and which fitted. A synchronous loop's terms are the profile's host
+part (``Profile.host_s``), which the pipelined loop of async scheduling runs beside the
+forward pass before (sim.loop.server.pipelined_start_s); vLLM's async terms, fitted as an
+addition on async runs, are what their overlap left unhidden and stay on the device's path
+(``HostTerms.overlapped``).
 
 Tables are built once per (wheel version, GPU, engine, version, model, TP, EP, precisions,
 grid format) and kept in a user cache folder (``cache_dir``), never per run.
