@@ -4,7 +4,10 @@ Every step costs 10 ms (a profile with only a per-step overhead). vLLM's
 AsyncScheduler chooses a step while the one before it runs, counting that
 step's tokens as computed and its sampled tokens as placeholders; outputs,
 finishes and frees of a step are seen when it ends, after the next step was
-chosen.
+chosen. With no host part separated (the first timelines) the whole 10 ms is
+the device's and steps run back to back; with one (``Profile.host_step_s``,
+the last timelines) a step's host work runs beside the device's step before
+it (sim.loop.server.pipelined_start_s).
 """
 
 from __future__ import annotations
