@@ -82,6 +82,7 @@ def main() -> int:
         for engine, (x, n) in fitted.items():
             print(f"fitted {engine} on {n} training rows: " + ", ".join(f"{k}={v:.4g}" for k, v in x.items()))
             terms[engine] = HostTerms(engine, source=f"fitted on {n} public serving runs of the training models",
+                                      overlapped=HOST_TERMS[engine].overlapped if engine in HOST_TERMS else False,
                                       **x)
         if "vllm" in fitted:
             for engine in terms:

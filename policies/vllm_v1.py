@@ -59,11 +59,19 @@ against that class):
    known (``SchedulerState.commit_pipelined``). Unset, it is on as in vLLM
    0.32 (``VllmConfig``), except on a CPU (``CpuPlatform`` turns it off) or
    where ``profile.engine`` names the synchronous loop (sim.run.runner.
-   async_scheduling_of). The timing is not overlapped: a step still costs its
-   forward pass plus its host time, the async host terms with kernel profiles.
+   async_scheduling_of). The timing overlaps as vLLM's batch queue does
+   (sim.loop.server.pipelined_start_s): a step's host work (the update of the
+   output two steps back, scheduling, input preparation: ``Profile.host_s``)
+   runs while the step before it is on the device, so a step starts at
+   max(end of the one before, its choice + its host work) and a steady stream
+   runs at max(host, device) a step. Which of a profile's terms are host work:
+   a synchronous engine's (the analytic presets' vllm-v0 and vllm-v1); terms
+   measured or fitted on async runs (the presets' vllm-v1-async, the kernel
+   profiles' async host terms) are what vLLM's overlap left unhidden and stay
+   on the device's path; measured profiles separate none.
 
 8. ``speculative`` (``sim.core.speculative``: vLLM's ``SpeculativeConfig`` with the
-   methods eagle, eagle3, mtp, ngram; the synchronous scheduler only;
+   methods eagle, eagle3, mtp, ngram;
    ``tests/policies/test_vllm_v1_differential.py`` drives vLLM's ``Scheduler`` with drafts
    through ``update_draft_token_ids`` and checks it step by step). Every request that
    sampled gets k drafts (``Speculation.drafts``, vLLM's ``spec_token_ids``); a running
@@ -88,7 +96,7 @@ against that class):
    (``SchedulerState._commit_pipelined_speculative``; checked against ``AsyncScheduler``
    in the same differential test).
 
-Not modelled: async scheduling's host-time overlap, priorities, a draft model (its own
+Not modelled: priorities, a draft model (its own
 KV and forward), tree attention, dynamic
 speculation length (``num_speculative_tokens_per_batch_size``), multi-module MTP's
 prefill lookahead, KV connectors, multimodal inputs.

@@ -145,7 +145,11 @@ class StepResult(NamedTuple):
     duration_s: the step's time on the clock that drives the run (predicted
         in simulation, measured wall time live).
     predicted_s: the cost model's prediction for the same batch, if known.
-    device_s: device-side time (CUDA events) when measured live.
+    device_s: device-side time: measured live (CUDA events); in simulation the
+        part of ``duration_s`` that is not the engine's host work, where the
+        profile separates it (``Profile.host_s``), else None. A pipelined loop
+        runs the rest, ``duration_s - device_s``, beside the step before it
+        (sim.loop.server.pipelined_start_s); a synchronous one adds it.
     """
 
     duration_s: float

@@ -15,7 +15,11 @@ Besides its share of the math (``sim.cost.roofline``), every step on ``t`` GPUs 
 - the engine's host work: per step (schedule, prepare inputs, sample, process
   outputs), an extra per step when ``t > 1`` (the step's inputs sent to the
   worker processes), and per scheduled sequence (its block table, sampling
-  and output objects). The engine generation sets these (``ENGINES``).
+  and output objects). The engine generation sets these (``ENGINES``). A
+  synchronous loop's terms are host work that a pipelined loop runs beside the
+  forward pass before (``Profile.host_s``: the step costs the larger of the two
+  there, sim.loop.server.pipelined_start_s); an async loop's (``overlapped``)
+  are what its overlap left between two forward passes, on the device's path.
 
 ``TpStepCosts`` evaluates them for one (model, GPU, t, dtype, engine), and
 ``sim.cost.roofline.Roofline`` adds them to its sharded math; their knobs are
@@ -50,6 +54,10 @@ class EngineOverhead:
     tp_step_s: float       # extra per step when tensor_parallel > 1
     per_seq_s: float       # per sequence scheduled in the step (prefill chunk or decode)
     source: str
+    # True: measured on an async loop, so the terms are the gap its overlap leaves between two
+    # forward passes (charged on the device's path, never hidden again); False: a synchronous
+    # loop's host work, which a pipelined loop hides behind the forward pass (Profile.host_s).
+    overlapped: bool = False
 
 
 ENGINES: dict[str, EngineOverhead] = {
@@ -72,7 +80,8 @@ ENGINES: dict[str, EngineOverhead] = {
     "vllm-v1-async": EngineOverhead(
         "vllm-v1-async", step_s=0.2e-3, tp_step_s=0.05e-3, per_seq_s=1e-6,
         source="not fitted here: a 150-300 us gap between decodes at batch 256 with scheduling overlapped "
-               "(vllm-project/vllm#10634, #11133; async scheduling landed in #19970, full overlap in #23569)"),
+               "(vllm-project/vllm#10634, #11133; async scheduling landed in #19970, full overlap in #23569)",
+        overlapped=True),
 }
 DEFAULT_ENGINE = "vllm-v0"
 

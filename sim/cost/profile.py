@@ -33,6 +33,18 @@ File format history (``FORMAT_VERSION``):
       (where its table was measured; absent: the whole grid), ``curves.attn_decode.
       per_seq`` (true: its second axis is the decodes' mean context; absent: their sum) and
       ``memory.sampler_bytes_per_seq`` (vLLM's sampler warm-up per sequence; absent: 0).
+      Then ``curves.host_step_s`` and ``curves.host_per_seq_s``: the engine's host work inside
+      ``overhead_s`` and inside each sequence's attention term (``Profile.host_s``; absent: 0,
+      no host part separated).
+
+The host part (``host_s``): what of a step is the engine's host (CPU) work, per step and
+per sequence scheduled, as the profile's engine terms state it (sim.cost.collectives's
+synchronous engines, sim.cost.kernels's synchronous host terms); the rest is the device's.
+A synchronous loop pays both one after the other (``step_time_s``); a pipelined loop runs a
+step's host work beside the device's step before it (sim.loop.server.pipelined_start_s).
+Profiles measured as a whole (``sim calibrate``, a server's probe traffic: the step period
+the engine showed) and terms fitted on an async loop (what its overlap left unhidden) have
+no host part separated: all of the step is on the device's path.
 """
 
 from __future__ import annotations
@@ -114,6 +126,10 @@ class Profile:
     # Kernel profiles: attn_decode's second axis is the decodes' mean context (summed context /
     # decodes), the axis the tables measure generation attention on, not their summed context.
     decode_per_seq: bool = False
+    # The engine's host work inside overhead_s (host_step_s <= overhead_s) and inside each prefill
+    # chunk's and each decode's attention term (host_per_seq_s): ``host_s``. 0: none separated.
+    host_step_s: float = 0.0
+    host_per_seq_s: float = 0.0
     # Not an init field: dataclasses.replace(profile, linear=...) must start a
     # fresh memo, not reuse the old curve's costs.
     _linear_memo: dict[int, tuple[float, bool]] = field(default_factory=dict, init=False, repr=False,
@@ -180,6 +196,12 @@ class Profile:
                             + self.attn_decode(num_seqs, context / num_seqs if self.decode_per_seq else context))
         head = (self.lm_head(num_seqs) if self.lm_head is not None else head_share * self.linear(num_seqs))
         return body(max(num_tokens, num_seqs)) + (k - 1) * body(num_seqs) + k * head
+
+    def host_s(self, batch: Batch) -> float:
+        """The engine's host (CPU) seconds inside ``step_time_s(batch)``: ``host_step_s`` plus
+        ``host_per_seq_s`` per sequence scheduled (prefill chunks and decodes); the rest is the
+        device's. 0.0 when the profile separates no host part."""
+        return self.host_step_s + self.host_per_seq_s * (batch.num_prefill_seqs + batch.decode_seqs)
 
     def decode_stretch_s(self, num_seqs: int, context: int, growth: int, start_s: float, horizon_s: float,
                          max_steps: int, pre_s: Sequence[float] | None = None
@@ -438,6 +460,8 @@ class Profile:
                                 **({"per_seq": True} if self.decode_per_seq else {})},
                 **({"lm_head": self.lm_head.to_dict("seqs")} if self.lm_head is not None else {}),
                 **({"prefill_shared_s": self.prefill_shared_s} if self.prefill_shared_s else {}),
+                **({"host_step_s": self.host_step_s} if self.host_step_s else {}),
+                **({"host_per_seq_s": self.host_per_seq_s} if self.host_per_seq_s else {}),
             },
             "efficiency": self.efficiency,
             "engine": self.engine,
@@ -677,6 +701,9 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
                               measured_max=_measured_max(lm, "curves.lm_head", source))
         prefill_shared_s = _finite(c.get("prefill_shared_s", 0.0), "curves.prefill_shared_s", source,
                                    maximum=MAX_SECONDS)
+        host_step_s = _finite(c.get("host_step_s", 0.0), "curves.host_step_s", source, maximum=MAX_SECONDS)
+        host_per_seq_s = _finite(c.get("host_per_seq_s", 0.0), "curves.host_per_seq_s", source,
+                                 maximum=MAX_SECONDS)
         prof = Profile(
             name=str(data.get("name", Path(source).stem)),
             model=model,
@@ -705,6 +732,8 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
                                 measured=_measured_range(dec, "curves.attn_decode", source)),
             lm_head=lm_head,
             prefill_shared_s=prefill_shared_s,
+            host_step_s=host_step_s,
+            host_per_seq_s=host_per_seq_s,
             decode_per_seq=_flag(dec.get("per_seq", False), "curves.attn_decode.per_seq", source),
             provenance=_mapping(data, "provenance", source),
             fit_error=_fit_error(data, source),
@@ -722,6 +751,9 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
         raise ProfileError(f"{source}: memory.kv_bytes_per_token and memory.memory_bytes_per_gpu must be > 0")
     if prof.overhead_s < 0:
         raise ProfileError(f"{source}: curves.overhead_s must be >= 0, got {prof.overhead_s}")
+    if prof.host_step_s > prof.overhead_s:
+        raise ProfileError(f"{source}: curves.host_step_s ({prof.host_step_s}) is part of curves.overhead_s "
+                           f"({prof.overhead_s}) and cannot exceed it")
     return prof
 
 

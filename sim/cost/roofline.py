@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from sim.cost.collectives import DEFAULT_ENGINE, EngineOverhead, TpStepCosts
+from sim.cost.collectives import DEFAULT_ENGINE, ENGINES, EngineOverhead, TpStepCosts
 from sim.cost.curves import Curve1D, Curve2D
 from sim.cost.efficiency import MATMUL_FLOPS_FIT, Efficiency  # noqa: F401 (re-exported)
 from sim.cost.moe import linear_split
@@ -176,6 +176,8 @@ class Roofline:
         self.tp_costs = TpStepCosts(model, gpu, t, db, host, eff.layer_fixed_s, eff.interconnect,
                                     expert_parallel=expert_parallel)
         self.overhead_s = self.tp_costs.fixed_step_s
+        known = ENGINES.get(eff.engine)
+        self.host_overlapped = known is not None and known.overlapped
         # Attention: QK^T and PV are 2 matmuls of 2 flops per (query, key, head, head_dim),
         # split into the full-attention layers and the sliding-window ones.
         n_sliding = model.num_sliding_layers
@@ -373,6 +375,9 @@ def analytic_profile(model: ModelShape, gpu: GpuSpec, tensor_parallel: int = 1,
         weight_bytes=rf.weight_bytes, activation_bytes_per_gpu=rf.activation_bytes_per_gpu(0),
         activation_bytes_per_token_per_gpu=rf.activation_bytes_per_gpu(1) - rf.activation_bytes_per_gpu(0),
         kv_bytes_per_token=rf.kv_bytes_per_token, kv_bytes_per_seq=rf.kv_bytes_per_seq, overhead_s=rf.overhead_s,
+        # The engine's terms as host work (Profile.host_s), unless they were measured on an async
+        # loop: then they are the gap its overlap leaves, on the device's path (EngineOverhead.overlapped).
+        **({} if rf.host_overlapped else {"host_step_s": rf.overhead_s, "host_per_seq_s": rf.tp_costs.per_seq_s}),
         linear=Curve1D(lin_x.tolist(), rf.linear_s(lin_x).tolist(), name="curves.linear"),
         attn_prefill=curve2d(pre_c, pre_p, rf.attn_prefill_s, "curves.attn_prefill"),
         attn_decode=curve2d(dec_n, dec_c, rf.attn_decode_s, "curves.attn_decode"),

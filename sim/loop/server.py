@@ -43,15 +43,19 @@ class Executor(Protocol):
 
 
 class SimExecutor:
-    """Simulation: the step takes what the profile predicts."""
+    """Simulation: the step takes what the profile predicts; where the profile separates the
+    engine's host work (``Profile.host_s``), ``device_s`` is the rest of it."""
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
+        self._split = bool(profile.host_step_s or profile.host_per_seq_s)
 
     def execute(self, batch: Batch, state: SchedulerState) -> StepResult:
         t = self.profile.step_time_s(batch)
         if state.speculation is not None:
             t += proposer_time_s(self.profile, batch, state)
+        if self._split:
+            return StepResult(t, t, max(0.0, t - self.profile.host_s(batch)))
         return StepResult(duration_s=t, predicted_s=t)
 
 
@@ -67,6 +71,35 @@ def proposer_time_s(profile: Profile, batch: Batch, state: SchedulerState) -> fl
             tokens += n
             context += ctx + n
     return profile.proposer_s(state.speculation.spec, seqs, tokens, context)
+
+
+def pipelined_start_s(device_free_s: float | None, chosen_s: float, host_s: float) -> float:
+    """The overlap rule of the pipelined loop: when a step starts on the device.
+
+    vLLM 0.32's async scheduling (``EngineCore.step_with_batch_queue``, a batch queue of two,
+    ``AsyncScheduler``) runs one engine-core thread that, per step, schedules step N+1,
+    prepares its inputs and launches it (``execute_model`` / ``sample_tokens`` with
+    ``non_block=True``: the GPU queues the kernels behind step N's), then blocks on step N's
+    sampled tokens (``AsyncGPUModelRunnerOutput.get_output``: a non-blocking device-to-host
+    copy on its own stream, waited for by event) and runs ``update_from_output`` of N. Step
+    N+1's input tokens are N's samples, scattered on the GPU (``prev_sampled_token_ids``): no
+    host round trip between the two forward passes. So the thread chooses step N+1 at
+    ``chosen_s`` (step N-1's output committed, ``SchedulerState.commit_pipelined``), spends
+    ``host_s`` on it (the profile's host work of a step: that update, the scheduling and the
+    input preparation; ``Profile.host_s``), and the device starts it when both it has ended
+    step N (``device_free_s``; None: idle) and the host is done:
+
+        start(N+1) = max(end(N), chosen(N+1) + host(N+1))
+
+    so a steady stream of steps runs at max(device, host) a step, not their sum. The thread
+    then commits step N's output and chooses N+2 at start(N+1) (it is done with N+1 and N has
+    ended). Off the critical path: all of the host work above while the device is busy, and
+    the API server's output processing (detokenizing, streaming: another process; charged per
+    request by the profile's request overhead). On it: only the device's own work, the
+    profile's step less its host part (kernels, and what terms fitted on async runs left
+    unhidden), and the host work whenever it exceeds the device's step."""
+    ready_s = chosen_s + host_s
+    return ready_s if device_free_s is None or ready_s > device_free_s else device_free_s
 
 
 CACHE_SAMPLE_S = 0.25         # the prefix cache time line's sampling interval (simulated seconds)
@@ -283,23 +316,26 @@ class Server:
         ``pipelined``: vLLM's async scheduling, ``EngineCore.step_with_batch_queue`` with a queue
         of two). At each step's end its outputs are committed (``SchedulerState.commit_pipelined``),
         the step chosen during it starts, and the policy chooses the next one, with that one in
-        flight (``state.pending``); with nothing in flight a chosen step starts at once and the
-        next is chosen at the same instant. Steps that end before the next event run on a local
-        clock, as in ``_serve``; no decode stretches."""
+        flight (``state.pending``); with nothing in flight a chosen step starts once its host
+        work is done and the next is chosen then. When a step starts, and so when the one before
+        it is committed, is the overlap rule (``pipelined_start_s``): the host work of a step
+        (``StepResult.duration_s - device_s``) runs beside the device's step before it. The step
+        log's rows are the device's: start and device seconds. Steps that end before the next
+        event run on a local clock, as in ``_serve``; no decode stretches."""
         env, state, policy, executor = self.env, self.state, self.policy, self.executor
         on_finish = self.on_finish
         if on_finish is not None:
             state.finished_ids = []
         now_s = env.now
         guard = ProgressGuard(policy)
-        running = None            # (batch, start_s, result, log row) of the step on the GPU
+        running = None            # (batch, start_s, end_s, result, log row) of the step on the device
         while True:
             decision = policy.schedule(state, now_s)
             if on_finish is not None and state.finished_ids:
                 on_finish(now_s, state.take_finished_ids())
             if type(decision) is Idle:
                 if running is not None:            # nothing to queue: let the running step end
-                    now_s = yield from self._end_pipelined(running)
+                    now_s = yield from self._end_pipelined(running, running[2])
                     running = None
                     continue
                 now_s = yield from self._idle(decision, now_s, guard)
@@ -318,19 +354,32 @@ class Server:
                    state.prefill_items(decision, state.pending[-1] if state.pending else None))
             state.pending.append(decision)
             result = executor.execute(decision, state)
-            if running is None:
-                running = (decision, now_s, result, row)      # starts now; the next is chosen now too
-                continue
-            now_s = yield from self._end_pipelined(running)
-            running = (decision, now_s, result, row)
+            # The profile's host part of the step (0 where it separates none: the step as before).
+            device_s = result.duration_s if result.device_s is None else result.device_s
+            start_s = pipelined_start_s(None if running is None else running[2], now_s,
+                                        result.duration_s - device_s)
+            if running is not None:                # the one before ends, its output is committed
+                now_s = yield from self._end_pipelined(running, start_s)
+            elif start_s > now_s:                  # the host prepares it, the device idle
+                now_s = yield from self._wait_until(start_s)
+            if device_s != result.duration_s:      # the log's row: the device's start and seconds
+                result = result._replace(duration_s=device_s, predicted_s=device_s)
+            running = (decision, now_s, now_s + device_s, result, row)   # starts now; the next is chosen now
 
-    def _end_pipelined(self, running):
-        """Wait for the running step's end, log and commit it; return its end."""
-        batch, start_s, result, (num_waiting, num_running, kv_used, prefill_items) = running
-        end_s = start_s + result.duration_s
-        if not (self.coalesce and end_s < self.env.peek()):   # else nothing can happen before its end
-            yield self.env.timeout(end_s - self.env.now)
-            end_s = self.env.now
+    def _wait_until(self, t_s: float):
+        """Move the clock to ``t_s`` (a SimPy process fragment): on the local clock when
+        nothing can happen before it, else by a timeout; returns the time reached."""
+        if not (self.coalesce and t_s < self.env.peek()):
+            yield self.env.timeout(t_s - self.env.now)
+            return self.env.now
+        return t_s
+
+    def _end_pipelined(self, running, at_s: float):
+        """Wait until ``at_s`` (the running step's end, or later where the host is still busy
+        with the step after it: ``pipelined_start_s``), log and commit the step then; return
+        that time."""
+        batch, start_s, _, result, (num_waiting, num_running, kv_used, prefill_items) = running
+        end_s = yield from self._wait_until(at_s)
         self.log.record(start_s, batch, result, num_waiting, num_running, kv_used, prefill_items)
         self.state.commit_pipelined(batch, end_s)
         if self.on_step is not None:

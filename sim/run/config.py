@@ -51,7 +51,9 @@ class ProfileConfig:
     # The serving engine generation whose host work the analytic preset charges
     # (sim.cost.collectives.ENGINES: vllm-v0 fitted on public runs; vllm-v1, vllm-v1-async). With
     # kernels on vLLM's tables, vllm-v1-async picks vLLM's async host terms, anything else its
-    # synchronous loop's (sim.cost.kernels.host_terms).
+    # synchronous loop's (sim.cost.kernels.host_terms). A synchronous loop's terms are host work
+    # that async scheduling's pipelined loop overlaps with the forward pass (Profile.host_s);
+    # async terms are what the overlap left unhidden, charged on the device's path.
     engine: str = "vllm-v0"
     path: str | None = None              # a profile file; overrides model/gpu
     # Step costs from measured CUDA kernel tables (sim.cost.kernels): "aiconfigurator" (the

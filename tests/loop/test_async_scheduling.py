@@ -4,7 +4,10 @@ Every step costs 10 ms (a profile with only a per-step overhead). vLLM's
 AsyncScheduler chooses a step while the one before it runs, counting that
 step's tokens as computed and its sampled tokens as placeholders; outputs,
 finishes and frees of a step are seen when it ends, after the next step was
-chosen.
+chosen. With no host part separated (the first timelines) the whole 10 ms is
+the device's and steps run back to back; with one (``Profile.host_step_s``,
+the last timelines) a step's host work runs beside the device's step before
+it (sim.loop.server.pipelined_start_s).
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ from sim.core.request import Request
 STEP = linear_profile(per_token_s=0.0, overhead_s=0.010, decode_per_ctx_s=0.0, prefill_per_ctx_s=0.0)
 
 
-def _run(specs, async_scheduling: bool):
+def _run(specs, async_scheduling: bool, step=STEP):
     """(arrival_s, prompt, max_tokens, true output) per request; (server, requests)."""
     env = simpy.Environment()
     policy = make_policy(VllmV1Config(max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False,
                                       async_scheduling=async_scheduling), 1024)
-    server = Server(env, policy, policy_state(policy, 100, 4, 1024), SimExecutor(STEP))
+    server = Server(env, policy, policy_state(policy, 100, 4, 1024), SimExecutor(step))
     reqs = [Request(i, a, p, m) for i, (a, p, m, _) in enumerate(specs)]
     env.process(feed(env, [server], reqs, [o for *_, o in specs]))
     env.run()
@@ -150,3 +153,72 @@ def test_a_prefill_item_whose_request_the_next_choice_preempts_stays_prefill() -
     (j,) = [k for k, b in enumerate(batches) if b == [(2, 3, 15), (3, 1, 15)]]
     assert reqs[3].num_preemptions == 1
     assert list(rows[j][:5]) == [2, 4, 0, 0, 2]
+
+
+# ---- the overlap rule: a step's host work runs beside the device's step before it ----------------
+# The same 10 ms steps, now with a host part (Profile.host_step_s): sim.loop.server.pipelined_start_s,
+# start(N+1) = max(end(N), chosen(N+1) + host(N+1)); step N+1 is chosen when N-1 is committed, at
+# start(N), so a steady stream runs at max(host, device) a step. The decisions are the same as in
+# test_async_timeline_by_hand (r1, arriving at 15 ms, is first seen by S4's choice in both).
+def _run_split(specs, host_s: float, async_scheduling: bool = True):
+    from dataclasses import replace
+    return _run(specs, async_scheduling, replace(STEP, host_step_s=host_s))
+
+
+def _durations_ms(server) -> list[float]:
+    return [round(d * 1000, 6) for _, ds, _, _ in server.log.chunks() for d in ds]
+
+
+def test_async_timeline_host_longer_than_device() -> None:
+    # host 6 ms, device 10 - 6 = 4 ms: each step waits for its host work, period 6 ms.
+    # t=0:  S1 (r0's prompt) chosen; its host work 0-6, device 6-10. S2 chosen at 6: (r0, 1 @ 4).
+    # t=6:  S2's host work 6-12; start = max(end S1 10, 12) = 12. At 12 S1 is committed (r0's
+    #       token 1), S2 runs 12-16, S3 chosen: (r0, 1 @ 5); host 12-18.
+    # t=18: start S3 = max(16, 18) = 18; S2 committed (token 2); S3 18-22; S4 chosen at 18 with
+    #       r1 (arrived at 15): (r0, 1 @ 6) + r1's prompt 4; host 18-24.
+    # t=24: start S4 = max(22, 24) = 24; S3 committed: r0's 3rd token, EOS, r0 finishes at 24.
+    #       S4 24-28; S5 chosen: (r1, 1 @ 4); host 24-30.
+    # t=30: start S5 = max(28, 30) = 30; S4 committed: r1's token 1. S5 30-34. Nothing to choose
+    #       (r1's token in flight is its last): S5 ends at 34, r1's token 2, finished.
+    # Against the sum (10 ms a step, test_async_timeline_by_hand): r1 finishes at 34, not 50 ms.
+    server, (r0, r1) = _run_split(SPECS, host_s=0.006)
+    assert _steps(server) == [(6.0, 1, 4, 0), (12.0, 1, 0, 1), (18.0, 1, 0, 1), (24.0, 2, 4, 1), (30.0, 1, 0, 1)]
+    assert _durations_ms(server) == [4.0] * 5                # the log's rows: the device's seconds
+    assert (r0.first_token_s, r0.finished_s, r0.num_output_tokens) == pytest.approx((0.012, 0.024, 3))
+    assert (r1.first_token_s, r1.finished_s, r1.num_output_tokens) == pytest.approx((0.030, 0.034, 2))
+    assert server.state.done and not server.state.pending
+
+
+def test_async_timeline_device_longer_than_host() -> None:
+    # host 3 ms, device 7 ms: the host work hides behind the device's step before, period 7 ms.
+    # t=0:  S1 host 0-3, device 3-10. S2 chosen at 3, host 3-6; start = max(10, 6) = 10.
+    # t=10: S1 committed (r0's token 1); S2 10-17; S3 chosen, host 10-13; start max(17, 13) = 17.
+    # t=17: S2 committed (token 2); S3 17-24; S4 chosen with r1 (arrived at 15): (r0, 1 @ 6) +
+    #       r1's prompt; host 17-20; start max(24, 20) = 24.
+    # t=24: S3 committed: r0's 3rd token, finished. S4 24-31; S5 (r1, 1 @ 4) chosen, host 24-27.
+    # t=31: S4 committed: r1's token 1; S5 31-38; at 38 r1's token 2, finished.
+    # Only the first step, with nothing in flight, pays its host work before its forward pass.
+    server, (r0, r1) = _run_split(SPECS, host_s=0.003)
+    assert _steps(server) == [(3.0, 1, 4, 0), (10.0, 1, 0, 1), (17.0, 1, 0, 1), (24.0, 2, 4, 1), (31.0, 1, 0, 1)]
+    assert _durations_ms(server) == [7.0] * 5
+    assert (r0.first_token_s, r0.finished_s) == pytest.approx((0.010, 0.024))
+    assert (r1.first_token_s, r1.finished_s) == pytest.approx((0.031, 0.038))
+
+
+def test_a_host_part_leaves_the_synchronous_loop_as_it_was() -> None:
+    # The synchronous loop pays host and device one after the other: the same 10 ms steps,
+    # whatever part of them is host work (test_sync_timeline_by_hand's timeline).
+    plain, plain_reqs = _run(SPECS, async_scheduling=False)
+    split, split_reqs = _run_split(SPECS, host_s=0.006, async_scheduling=False)
+    assert _steps(split) == _steps(plain) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1), (20.0, 2, 4, 1), (30.0, 1, 0, 1)]
+    assert _durations_ms(split) == _durations_ms(plain) == [10.0] * 4
+    assert [(r.first_token_s, r.finished_s) for r in split_reqs] == [(r.first_token_s, r.finished_s)
+                                                                    for r in plain_reqs]
+
+
+def test_the_overlap_rule() -> None:
+    from sim.loop.server import pipelined_start_s
+    assert pipelined_start_s(None, 0.5, 0.25) == 0.75     # nothing on the device: once the host is done
+    assert pipelined_start_s(2.0, 0.5, 0.25) == 2.0       # device busy until 2: 0.5 + 0.25 hidden under it
+    assert pipelined_start_s(0.625, 0.5, 0.25) == 0.75    # host longer: the device waits 0.125
+    assert pipelined_start_s(2.0, 0.5, 0.0) == 2.0        # no host part: back to back, as before
