@@ -2,7 +2,10 @@
 
 The rules of SGLang 0.5.23 (the PyPI wheel), from ``sglang/srt/managers/
 scheduler.py`` (``get_next_batch_to_run``, ``_get_new_batch_prefill_raw``,
-``update_running_batch``), ``schedule_policy.py`` (``SchedulePolicy``,
+``update_running_batch``; with the overlap loop ``event_loop_overlap``,
+``_reqs_finishing_inflight``, ``is_disable_overlap_for_batch``),
+``scheduler_components/batch_result_processor.py`` (``process_batch_result_prefill``,
+``process_batch_result_decode``), ``schedule_policy.py`` (``SchedulePolicy``,
 ``PrefillAdder``, ``CLIP_MAX_NEW_TOKENS``), ``schedule_batch.py``
 (``retract_decode``, ``check_decode_mem``, ``release_req``),
 ``scheduler_components/new_token_ratio_tracker.py``, ``environ.py`` (the
@@ -52,9 +55,38 @@ by GPU memory) and ``mem_cache/kv_cache_configurator.py`` (``resolve_max_num_req
    A request that cannot decode even alone (the chunked request holds the
    rest of the pool) is aborted by SGLang; here it ends cut short.
 
-Not modelled: the overlap scheduler's one-step lag, priorities and priority
-preemption, hierarchical (host) cache, speculative decoding, PP and DP
-attention, LoRA, grammar, the error an aborted request returns.
+7. ``enable_overlap`` (SGLang's default: ``disable_overlap_schedule`` false in
+   ``arg_groups/fields/schedule.py``; the server args turn it off for PP,
+   MPS without MLX, diffusion LLMs and speculative decoding on a CPU, none of
+   them modelled, so it stays on on a CPU too): ``Scheduler.event_loop_overlap``.
+   Each batch is chosen while the one before it runs (``pipelined``:
+   sim.loop.server), and that one's results are processed after the new one
+   is launched (``process_batch_result``, ``SchedulerState.commit_overlap``).
+   The pass sees the batch in flight as SGLang does: its requests' tokens count
+   for pages and contexts (``kv_committed_len``), and a prefill in flight is
+   already merged into the running batch, so it decodes next with a
+   placeholder. A request whose token in flight is its last by max_tokens is
+   left out of the decode (``_reqs_finishing_inflight``, in
+   ``update_running_batch`` and the mixed chunk); if the others then lack a
+   page, nothing decodes this pass and nobody is retracted (the results in
+   flight free that request). Admission and retraction count the outputs whose
+   results are in. One that stops on EOS is not known to: it runs one more
+   token, thrown away, and its release keeps that item's KV (its tokens up to
+   there enter the tree). A retracted request's token in flight is dropped
+   (``is_retracted``). The chunk in flight is checkpointed when the next
+   batch is chosen (``stash_chunked_request``), a completed prefill when its
+   results are in. ``new_token_ratio`` goes back to its start only with
+   nothing in flight (``on_idle``). ``SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP``
+   (``is_disable_overlap_for_batch``, off by default) changes when results
+   are processed, not what is chosen. A step still costs its forward pass plus
+   its host time: the CPU work the overlap hides is not taken off.
+   ``tests/policies/test_sglang_overlap_differential.py`` runs SGLang's own
+   ``event_loop_overlap``, ``update_running_batch`` and
+   ``_reqs_finishing_inflight`` against this.
+
+Not modelled: the host time the overlap scheduler hides, priorities and
+priority preemption, hierarchical (host) cache, speculative decoding, PP and
+DP attention, LoRA, grammar, the error an aborted request returns.
 """
 
 from __future__ import annotations
