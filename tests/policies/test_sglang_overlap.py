@@ -223,3 +223,20 @@ def test_the_ratio_resets_only_when_nothing_is_in_flight():
     assert isinstance(policy.schedule(state, 0.0), Idle) and policy.new_token_ratio == 0.5
     state.pending.clear()
     assert isinstance(policy.schedule(state, 1.0), Idle) and policy.new_token_ratio == 0.7
+
+
+@pytest.mark.parametrize("given", [{}, {"enable_overlap": True}])
+def test_a_live_run_refuses_the_overlap_loop_and_names_its_knob(given):
+    # the live engine runs one step at a time: it cannot choose a batch while another runs
+    from sim.base.strict import ConfigError
+    from sim.run.config import workload_from_dict
+    from sim.run.runner import build_profile, drive
+    cfg = workload_from_dict({"name": "live", "seed": 0, "num_requests": 2,
+                              "arrivals": {"kind": "poisson", "rate": 1.0},
+                              "lengths": {"kind": "fixed", "prompt_tokens": 8, "output_tokens": 4},
+                              "policy": {"kind": "sglang", **given},
+                              "profile": {"model": "llama-2-7b", "gpu": "a100-80gb"}})
+    said = "is true" if given else "is unset, which means on"
+    with pytest.raises(ConfigError, match=rf"field 'policy.enable_overlap' {said}.*set policy.enable_overlap: "
+                                          r"false to run it live"):
+        drive(cfg, build_profile(cfg), 1000, 1024, simpy.Environment(), SimExecutor(STEP), live=True)
