@@ -69,6 +69,8 @@ class PolicyBase:
     decode_stretch = False                  # step every iteration
     chunk_stretch = False
     pipelined = False                       # a step is chosen after the one before it committed
+    overlap_loop = False                    # with pipelined: vLLM's commit (commit_pipelined), not SGLang's
+    pipelined_knob: str | None = None       # the config knob that turns the pipelined loop off
     kv_pool_class: type = BlockManager
     block_size: int | None = None           # server.block_size
     kv_memory: KvMemory | None = None       # vLLM's rule: server.gpu_memory_utilization

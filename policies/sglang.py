@@ -2,7 +2,10 @@
 
 The rules of SGLang 0.5.23 (the PyPI wheel), from ``sglang/srt/managers/
 scheduler.py`` (``get_next_batch_to_run``, ``_get_new_batch_prefill_raw``,
-``update_running_batch``), ``schedule_policy.py`` (``SchedulePolicy``,
+``update_running_batch``; with the overlap loop ``event_loop_overlap``,
+``_reqs_finishing_inflight``, ``is_disable_overlap_for_batch``),
+``scheduler_components/batch_result_processor.py`` (``process_batch_result_prefill``,
+``process_batch_result_decode``), ``schedule_policy.py`` (``SchedulePolicy``,
 ``PrefillAdder``, ``CLIP_MAX_NEW_TOKENS``), ``schedule_batch.py``
 (``retract_decode``, ``check_decode_mem``, ``release_req``),
 ``scheduler_components/new_token_ratio_tracker.py``, ``environ.py`` (the
@@ -52,9 +55,40 @@ by GPU memory) and ``mem_cache/kv_cache_configurator.py`` (``resolve_max_num_req
    A request that cannot decode even alone (the chunked request holds the
    rest of the pool) is aborted by SGLang; here it ends cut short.
 
-Not modelled: the overlap scheduler's one-step lag, priorities and priority
-preemption, hierarchical (host) cache, speculative decoding, PP and DP
-attention, LoRA, grammar, the error an aborted request returns.
+7. ``enable_overlap`` (SGLang's default: ``disable_overlap_schedule`` false in
+   ``arg_groups/fields/schedule.py``; the server args turn it off for PP,
+   MPS without MLX, diffusion LLMs and speculative decoding on a CPU, none of
+   them modelled, so it stays on on a CPU too): ``Scheduler.event_loop_overlap``.
+   Each batch is chosen while the one before it runs (``pipelined``:
+   sim.loop.server), and that one's results are processed after the new one
+   is launched (``process_batch_result``, ``SchedulerState.commit_overlap``).
+   The pass sees the batch in flight as SGLang does: its requests' tokens count
+   for pages and contexts (``kv_committed_len``), and a prefill in flight is
+   already merged into the running batch, so it decodes next with a
+   placeholder. A request whose token in flight is its last by max_tokens is
+   left out of the decode (``_reqs_finishing_inflight``, in
+   ``update_running_batch`` and the mixed chunk); if the others then lack a
+   page, nothing decodes this pass and nobody is retracted (the results in
+   flight free that request). Admission and retraction count the outputs whose
+   results are in. One that stops on EOS is not known to: it runs one more
+   token, thrown away, and its release keeps that item's KV (its tokens up to
+   there enter the tree). A retracted request's token in flight is dropped
+   (``is_retracted``). The chunk in flight is checkpointed when the next
+   batch is chosen (``stash_chunked_request``), a completed prefill when its
+   results are in. ``new_token_ratio`` goes back to its start only with
+   nothing in flight (``on_idle``). ``SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP``
+   (``is_disable_overlap_for_batch``, off by default) changes when results
+   are processed, not what is chosen. The timing is the pipelined loop's
+   (sim.loop.server.pipelined_start_s): a step's host work (the profile's
+   host part, ``Profile.host_s``: scheduling and result processing) runs
+   beside the device's step before it, which is what the overlap scheduler
+   is for.
+   ``tests/policies/test_sglang_overlap_differential.py`` runs SGLang's own
+   ``event_loop_overlap``, ``update_running_batch`` and
+   ``_reqs_finishing_inflight`` against this.
+
+Not modelled: priorities and priority preemption, hierarchical (host) cache, speculative decoding, PP and
+DP attention, LoRA, grammar, the error an aborted request returns.
 """
 
 from __future__ import annotations
@@ -100,6 +134,9 @@ class SglangConfig:
                                                    "(memory - reserve) / memory by GPU memory (0.95 unknown)")
     ignore_eos: bool = knob(False, "clients send ignore_eos (SGLang's benchmarks do unless --disable-ignore-eos): "
                                    "reservations take max_tokens in full (ratio 1)")
+    enable_overlap: bool = knob(True, "SGLang's overlap loop: each batch is chosen while the one before it "
+                                      "runs, its results seen a step later (rule 7 of the module doc); default "
+                                      "on, as SGLang 0.5.23 (disable_overlap_schedule false, on a CPU too)")
 
 
 class SglangPolicy(PolicyBase):
@@ -114,6 +151,7 @@ class SglangPolicy(PolicyBase):
     decode_stretch = True
     # (num_reserved_blocks 0: SGLang's padded slot 0 lies outside the pool's size)
     prefix_switch = PrefixSwitch("disable_radix_cache", on=False)
+    pipelined_knob = "enable_overlap"
     server_knobs = {
         "block_size": EngineKnob("page_size", "SGLang's --page-size, its KV page in tokens"),
         "gpu_memory_utilization": EngineKnob("mem_fraction_static", "SGLang's --mem-fraction-static, the share "
@@ -153,6 +191,14 @@ class SglangPolicy(PolicyBase):
         self._num_refresh_calls = 0                # fcfs's LRU refresh counter
         self._num_steps = 0                        # state.num_steps once our last step commits
         self._waiting: Any = ()                    # the queue we last saw
+        if config.enable_overlap:                  # rule 7 of the module doc
+            self.pipelined = self.overlap_loop = True
+            self.decode_stretch = False
+        # Overlap: the prefills chosen that completed their prompts, (request, tokens), checkpointed
+        # once their batch's results are in; the chunked request's chunk in flight, checkpointed
+        # (stashed) when the next batch is chosen.
+        self._completing: list[tuple[Request, int]] = []
+        self._stash: tuple[Request, int] | None = None
 
     @staticmethod
     def unread_knobs(config: SglangConfig) -> dict[str, str]:
@@ -193,29 +239,58 @@ class SglangPolicy(PolicyBase):
             self.max_num_seqs = max(1, min(max(min(int(tokens / state.max_model_len * 512), 4096), 2048),
                                            tokens // 2))
             self._pool_rule = False
-        for _ in range(state.num_steps - self._num_steps):     # decode steps a stretch ran without us
-            if self.new_token_ratio <= self.min_ratio:
-                break
-            self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
         self._waiting = state.waiting
-        for r in self._prefilled:                  # the last prefill's results: its tokens enter the tree
-            if r.status == Status.RUNNING:
-                kv.checkpoint(r, r.num_computed_tokens)
-        self._prefilled = []
+        if self.pipelined:
+            flight = self._overlap_results(state)
+        else:
+            flight = {}
+            for _ in range(state.num_steps - self._num_steps):     # decode steps a stretch ran without us
+                if self.new_token_ratio <= self.min_ratio:
+                    break
+                self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
+            for r in self._prefilled:              # the last prefill's results: its tokens enter the tree
+                if r.status == Status.RUNNING:
+                    kv.checkpoint(r, r.num_computed_tokens)
+            self._prefilled = []
         running = [r for r in state.running if r is not self.chunked]
         if len(state.running) < self._num_running or not running:
             self.batch_is_full = False             # a request left
-        if not state.running and not state.waiting:
+        if not state.running and not state.waiting and not state.pending:
             self.new_token_ratio = self.init_ratio      # on_idle: the scheduler is fully idle
-        items = self._prefill(state, now_s, running)
+        items = self._prefill(state, now_s, running, flight)
         if items is None:
-            items = self._decode(state, running, now_s)
+            items = self._decode(state, running, now_s, flight)
         self._num_running = len(state.running)
         self._num_steps = state.num_steps + bool(items)
         return batch_or_idle(items)
 
+    def _overlap_results(self, state: SchedulerState) -> dict[int, int]:
+        """Rule 7's bookkeeping at the start of a pass: the prefills whose results came in since are
+        checkpointed (``process_batch_result_prefill``), then the chunk in flight is stashed
+        (``get_next_batch_to_run``). Returns the batch in flight's tokens by request id."""
+        kv = state.kv
+        if self._completing:
+            left = []
+            for r, end in self._completing:
+                if r.status != Status.RUNNING:
+                    continue                       # finished (released into the tree) or retracted
+                if r.num_computed_tokens >= end:
+                    kv.checkpoint(r, end)
+                else:
+                    left.append((r, end))          # its batch is still in flight
+            self._completing = left
+        if self._stash is not None:
+            r, end = self._stash
+            self._stash = None
+            if r.status == Status.RUNNING:
+                kv.checkpoint(r, end)
+        if not state.pending:
+            return {}
+        return {it[0]: it[1] for it in state.pending[-1].items}
+
     # ---- prefill ----------------------------------------------------------------------------------
-    def _prefill(self, state: SchedulerState, now_s: float, running: list[Request]) -> list[BatchItem] | None:
+    def _prefill(self, state: SchedulerState, now_s: float, running: list[Request],
+                 flight: dict[int, int]) -> list[BatchItem] | None:
         kv, waiting = state.kv, state.waiting
         if (self.batch_is_full or not waiting) and self.chunked is None:
             return None
@@ -228,7 +303,8 @@ class SglangPolicy(PolicyBase):
         adder = PrefillAdder(kv, running, self.new_token_ratio, self.config.max_prefill_tokens, self.chunk_size,
                              mixed, self.config.ignore_eos)
         if self.chunked is not None:
-            self.chunked = adder.add_chunked_req(self.chunked)
+            r = self.chunked
+            self.chunked = adder.add_chunked_req(r, r.num_computed_tokens + flight.get(r.req_id, 0))
         for r in list(waiting):
             if adder.budget_state() == OTHER:
                 break
@@ -262,38 +338,79 @@ class SglangPolicy(PolicyBase):
         kv.evict(need * kv.block_size)
         for it in items:
             kv.allocate(state.requests[it.req_id], it.context_len + it.num_new_tokens)
-        self._prefilled = [r for r, *_ in adder.admitted]
-        if mixed and self._decode_fits(kv, running):
-            items += self._decode_items(kv, running)
+        if self.pipelined:
+            for it in items:
+                r = state.requests[it.req_id]
+                if r is self.chunked:
+                    self._stash = (r, it.context_len + it.num_new_tokens)
+                else:
+                    self._completing.append((r, it.context_len + it.num_new_tokens))
+        else:
+            self._prefilled = [r for r, *_ in adder.admitted]
+        if mixed:
+            if flight:                             # _reqs_finishing_inflight leave the mixed decodes
+                decoding = [r for r in running if not self._finishes_inflight(r, flight)]
+                if len(decoding) < len(running):
+                    self.batch_is_full = False
+            else:
+                decoding = running
+            if decoding and self._decode_fits(kv, decoding, flight):
+                items += self._decode_items(kv, decoding, flight)
         return items
 
     # ---- decode -----------------------------------------------------------------------------------
-    def _decode_fits(self, kv: RadixCachePool, reqs: list[Request]) -> bool:
-        """check_decode_mem: a page for each request whose next token starts one, after evicting."""
-        need = sum(1 for r in reqs if not r.num_computed_tokens % kv.block_size) * kv.block_size
+    @staticmethod
+    def _finishes_inflight(r: Request, flight: dict[int, int]) -> bool:
+        """``_reqs_finishing_inflight``: the batch in flight holds ``r`` and the token it samples
+        is ``r``'s last by max_tokens (``next_output_finishes_by_length``, on the outputs whose
+        results are in)."""
+        return r.req_id in flight and r.num_output_tokens + 1 >= r.max_output_tokens
+
+    @staticmethod
+    def _decode_fits(kv: RadixCachePool, reqs: list[Request], flight: dict[int, int]) -> bool:
+        """check_decode_mem: a page for each request whose next token starts one, after evicting
+        (its tokens counted with those of the batch in flight: ``kv_committed_len``)."""
+        bs = kv.block_size
+        if flight:
+            get = flight.get
+            need = sum(1 for r in reqs if not (r.num_computed_tokens + get(r.req_id, 0)) % bs) * bs
+        else:
+            need = sum(1 for r in reqs if not r.num_computed_tokens % bs) * bs
         kv.evict(need)
         return kv.num_free_tokens >= need
 
     @staticmethod
-    def _decode_items(kv: RadixCachePool, reqs: list[Request]) -> list[BatchItem]:
+    def _decode_items(kv: RadixCachePool, reqs: list[Request], flight: dict[int, int]) -> list[BatchItem]:
         items = []
+        get = flight.get
         for r in reqs:
-            computed = r.num_computed_tokens
+            computed = r.num_computed_tokens + get(r.req_id, 0)    # after the batch in flight's token
             kv.allocate(r, computed + 1)
             items.append(BatchItem(r.req_id, 1, computed))
         return items
 
-    def _decode(self, state: SchedulerState, running: list[Request], now_s: float) -> list[BatchItem]:
+    def _decode(self, state: SchedulerState, running: list[Request], now_s: float,
+                flight: dict[int, int]) -> list[BatchItem]:
+        if flight:                                 # update_running_batch's finishing-in-flight filter
+            finishing = [r for r in running if self._finishes_inflight(r, flight)]
+            if finishing:
+                running = [r for r in running if r not in finishing]
+                self.batch_is_full = False         # the batch shrank
+        else:
+            finishing = []
         if not running:
             return []
         kv = state.kv
-        if self._decode_fits(kv, running):
+        if self._decode_fits(kv, running, flight):
             self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
-            return self._decode_items(kv, running)
+            return self._decode_items(kv, running, flight)
+        if finishing:
+            # the results in flight free the finishing requests' KV: no decode this pass, no retraction
+            return []
         # retract_decode: keep-order, most preferred first; the last is retracted first
         keep = sorted(running, key=lambda r: (r.num_output_tokens, -r.num_prompt_tokens), reverse=True)
         first = True
-        while first or not self._decode_fits(kv, keep):
+        while first or not self._decode_fits(kv, keep, flight):
             if len(keep) == 1:
                 break
             first = False
@@ -302,7 +419,7 @@ class SglangPolicy(PolicyBase):
             kv.evict(len(keep) * RETRACT_DECODE_STEPS)
             state.waiting.popleft()                 # preempt queued it at the front; SGLang appends it
             state.waiting.append(r)
-        if len(keep) == 1 and not self._decode_fits(kv, keep):
+        if len(keep) == 1 and not self._decode_fits(kv, keep, flight):
             # even alone it does not fit (the chunked request holds the rest): SGLang aborts it; here
             # it ends with the tokens it has (cut short)
             last = keep.pop()
@@ -312,4 +429,4 @@ class SglangPolicy(PolicyBase):
         max_tokens = sum(r.max_output_tokens for r in keep)
         self.new_token_ratio = min(1.0, (outputs + RETRACT_DECODE_STEPS * len(keep)) / (max_tokens + 1))
         self.batch_is_full = False
-        return self._decode_items(kv, keep)
+        return self._decode_items(kv, keep, flight)

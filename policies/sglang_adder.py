@@ -82,12 +82,14 @@ class PrefillAdder:
         if self.rem_chunk is not None:
             self.rem_chunk -= extend_tokens
 
-    def add_chunked_req(self, req: Request) -> Request | None:
-        """The next chunk of the request in progress; returns it while chunks remain."""
+    def add_chunked_req(self, req: Request, prefix: int | None = None) -> Request | None:
+        """The next chunk of the request in progress, after its ``prefix`` tokens (default: those
+        computed; an overlap loop counts the chunk in flight too); returns it while chunks remain."""
         rem = min(self.rem_chunk, int(self.remaining_total))
         if rem <= 0:
             rem = self.rem_chunk              # it must make progress to give its KV back
-        prefix = req.num_computed_tokens
+        if prefix is None:
+            prefix = req.num_computed_tokens
         todo = req.num_prompt_tokens + req.num_output_tokens - prefix
         truncated = todo > rem
         n = min(todo, rem)

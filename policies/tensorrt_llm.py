@@ -63,7 +63,12 @@ enum read (three policies) does not offer, and reuse-aware token budgets
 Not modelled: partial block reuse (``enable_partial_reuse``, on by default:
 a cached block matching only a prefix of a new block's tokens is reused or
 copied, so a hit may end inside a block), KV offloading to host, the
-overlap scheduler's one-step lag, pipeline parallel's two-step lookahead,
+overlap scheduler (on by default: ``llmapi/llm_args.py``'s
+``disable_overlap_scheduler`` is false; ``py_executor.py``'s
+``_executor_loop_overlap`` chooses a step while the one before it runs and
+processes that one's results, finishes and frees after launching the next;
+this policy is its synchronous ``_executor_loop``: see docs/policies.md),
+pipeline parallel's two-step lookahead,
 the active list's arrival order where it differs from running-then-waiting
 (a request the skip rule passed over keeps its place ahead of those admitted
 past it: under MAX_UTILIZATION it may then pause them; a paused request is

@@ -183,6 +183,7 @@ class VllmV1Policy(PolicyBase):
     clamps_max_tokens = True                 # rule 6 of the module doc
     prefix_switch = PrefixSwitch("enable_prefix_caching")
     always_chunks = True                     # chunked prefill: any prompt that fits the context
+    pipelined_knob = "async_scheduling"
 
     def __init__(self, config: VllmV1Config, context: PolicyContext) -> None:
         """Knobs left unset come from the server a profile was measured on

@@ -123,8 +123,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         remove_if_empty(run_dir)
         raise
     meta = result.meta
-    # A loop the policy chose by default says so (vLLM 0.32's async scheduling, on where vLLM turns it on).
-    loop = " (async scheduling)" if (meta.get("policy_knobs") or {}).get("async_scheduling") else ""
+    # A loop the policy chose by default says so (vLLM 0.32's async scheduling, on where vLLM turns it on;
+    # SGLang's overlap schedule).
+    knobs = meta.get("policy_knobs") or {}
+    loop = (" (async scheduling)" if knobs.get("async_scheduling") else
+            " (overlap schedule)" if knobs.get("enable_overlap") else "")
     title = (f"{cfg.name}: policy {cfg.policy.kind}{loop}, profile {meta['profile_name']} "
              f"({result.summary['profile_source']}), {meta['num_blocks']:,} KV blocks x "
              f"{meta['kv_block_size']} tokens")

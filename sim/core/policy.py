@@ -178,6 +178,9 @@ class Policy(Protocol):
     pipelined: bool                # True: schedule() chooses a step while the one before it runs and sees it
     #                                in ``state.pending`` (vLLM's async scheduling; sim.loop.server's
     #                                _serve_pipelined, SchedulerState.commit_pipelined); no fast path
+    overlap_loop: bool             # with pipelined: SGLang's overlap loop, whose outputs are committed by
+    #                                SchedulerState.commit_overlap (a retracted request's output dropped)
+    pipelined_knob: str | None     # the knob of the config that turns the pipelined loop off (live runs)
     kv_pool_class: type            # the KV pool each replica gets, a sim.core.kv.KVPool: BlockManager, a
     #                                caching pool (sim.core.prefix, sim.core.radix: its ``caching`` says so)
     block_size: int | None         # the engine's KV page in tokens where the policy has it as a knob (SGLang's

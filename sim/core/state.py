@@ -474,6 +474,65 @@ class SchedulerState:
             spec.drafts.pop(r.req_id, None)
             self._finish(r, now_s)
 
+    def commit_overlap(self, batch: Batch, now_s: float) -> None:
+        """``commit`` of the oldest of ``pending`` (``batch``) in an overlap loop (a policy's
+        ``overlap_loop``: SGLang's ``event_loop_overlap``, whose ``process_batch_result`` runs
+        after the next batch was launched).
+
+        Beside ``commit``: an item of a request that finished since the batch was chosen (it
+        stopped on EOS, which the scheduler could not know) was computed and is thrown away; an
+        item of a request retracted since is thrown away too (SGLang skips a retracted request's
+        output, ``is_retracted``; the recompute samples that token again); a request that
+        finishes while the batch after this one holds an item of it (its wasted token) gives
+        back the KV of that item too, and its tokens up to there enter the prefix cache (SGLang's
+        ``release_kv_cache`` keeps ``kv_committed_len``, which counts what that batch allocated).
+        """
+        pending = self.pending
+        if not pending or pending[0] is not batch:
+            raise RuntimeError("commit_overlap: the batch is not the oldest pending one")
+        pending.popleft()
+        self.num_steps += 1
+        requests = self.requests
+        true_output = self._true_output
+        tok_ids = self.tokens.ids
+        tok_ids_append = tok_ids.append
+        num_logged = len(tok_ids)
+        prefilling = self.prefilling
+        finished: list[Request] = []
+        running = Status.RUNNING
+        for req_id, n, context_len, _pad in batch.items:
+            if n == 0:
+                continue
+            r = requests.get(req_id)
+            if r is None or r.status != running:
+                continue                                   # finished or retracted since: thrown away
+            if context_len != r.num_computed_tokens:
+                raise RuntimeError(f"batch item for request {req_id} has context_len {context_len}, "
+                                   f"but {r.num_computed_tokens} tokens are computed")
+            computed = context_len + n
+            r.num_computed_tokens = computed
+            known = r.num_prompt_tokens + r.num_output_tokens
+            if computed < known:
+                continue
+            if computed > known:
+                raise RuntimeError(f"request {req_id} computed past its known tokens")
+            r.num_output_tokens += 1
+            tok_ids_append(req_id)
+            if prefilling and req_id in prefilling:
+                prefilling.discard(req_id)
+            if r.first_token_s is None:
+                r.first_token_s = now_s
+            if r.num_output_tokens >= true_output[req_id]:
+                r.last_token_s = now_s
+                finished.append(r)
+        if len(tok_ids) > num_logged:
+            self.tokens.end_step(now_s, len(tok_ids) - num_logged)
+        if finished:
+            later = {it[0]: it[1] for it in pending[0].items} if pending else {}
+            for r in finished:
+                r.num_computed_tokens += later.get(r.req_id, 0)   # its wasted item's KV (kv_committed_len)
+                self._finish(r, now_s)
+
     def _sample(self, r: Request, req_id: int, now_s: float) -> None:
         r.num_output_tokens += 1
         self.tokens.ids.append(req_id)

@@ -185,6 +185,10 @@ class Server:
         # one sample per CACHE_SAMPLE_S of simulated time (a million requests stay a few MB).
         self.cache_samples = array("d") if state.kv.caching else None
         self._next_sample_s = 0.0
+        # A pipelined loop's commit: vLLM's async scheduling, or SGLang's overlap loop (the policy's
+        # ``overlap_loop``), whose results drop what a request retracted since sampled.
+        self._commit_pipelined = state.commit_overlap if getattr(policy, "overlap_loop", False) \
+            else state.commit_pipelined
         self.process = env.process(self._serve_pipelined() if getattr(policy, "pipelined", False)
                                    else self._serve())
 
@@ -314,7 +318,8 @@ class Server:
     def _serve_pipelined(self):  # SimPy process
         """The loop of a policy that schedules a step while the one before it runs (its
         ``pipelined``: vLLM's async scheduling, ``EngineCore.step_with_batch_queue`` with a queue
-        of two). At each step's end its outputs are committed (``SchedulerState.commit_pipelined``),
+        of two; SGLang's ``event_loop_overlap``, its ``overlap_loop``). At each step's end its
+        outputs are committed (``SchedulerState.commit_pipelined``, or ``commit_overlap``),
         the step chosen during it starts, and the policy chooses the next one, with that one in
         flight (``state.pending``); with nothing in flight a chosen step starts once its host
         work is done and the next is chosen then. When a step starts, and so when the one before
@@ -381,7 +386,7 @@ class Server:
         batch, start_s, _, result, (num_waiting, num_running, kv_used, prefill_items) = running
         end_s = yield from self._wait_until(at_s)
         self.log.record(start_s, batch, result, num_waiting, num_running, kv_used, prefill_items)
-        self.state.commit_pipelined(batch, end_s)
+        self._commit_pipelined(batch, end_s)
         if self.on_step is not None:
             self.on_step(start_s, batch, result)
         if self.on_finish is not None and self.state.finished_ids:

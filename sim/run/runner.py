@@ -418,11 +418,16 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
         if policy is None or k:
             policy = build_policy(cfg, max_model_len, profile)
         if live and policy.pipelined:
-            said = "is true" if getattr(cfg.policy, "async_scheduling", None) else (
-                f"is unset, which on this profile's device ({profile.device}, not a CPU) means on, as in vLLM")
-            raise ConfigError(f"{cfg.source}: field 'policy.async_scheduling' {said}; the live engine runs one step "
+            knob_name = policy.pipelined_knob
+            if knob_name == "async_scheduling":
+                said = "is true" if getattr(cfg.policy, "async_scheduling", None) else (
+                    f"is unset, which on this profile's device ({profile.device}, not a CPU) means on, as in vLLM")
+            else:
+                given = cfg.raw.get("policy") if isinstance(cfg.raw.get("policy"), dict) else {}
+                said = "is true" if knob_name in given else "is unset, which means on, as in the engine it follows"
+            raise ConfigError(f"{cfg.source}: field 'policy.{knob_name}' {said}; the live engine runs one step "
                               f"at a time and cannot choose a step while another runs: set "
-                              f"policy.async_scheduling: false to run it live")
+                              f"policy.{knob_name}: false to run it live")
         usable = num_blocks - policy.num_reserved_blocks    # vLLM v1's null block
         state = SchedulerState(policy.kv_pool_class(usable, block_size_of(cfg, policy), cfg.server.watermark),
                                max_model_len, policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt,

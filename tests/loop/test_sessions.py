@@ -13,7 +13,6 @@ all of them but the answer's last token, whose KV no step computes.
 
 from __future__ import annotations
 
-import dataclasses
 
 from pathlib import Path
 from typing import Any
@@ -202,19 +201,17 @@ def test_sessions_open_across_closed_within(num_replicas: int) -> None:
 
 
 # ---- the fast path on sessions ---------------------------------------------------------------------
-def knob_names(kind: str) -> set[str]:
-    from policies import POLICIES
-    return {f.name for f in dataclasses.fields(POLICIES[kind][0])}
-
-
 # 30 of the example's sessions include the trace's longest (past 128K tokens), refused turn by turn:
 # the refusal path is stepped through too.
 @pytest.mark.filterwarnings("ignore:.*requests were rejected")
 @pytest.mark.parametrize("policy", [k for k in KINDS if k != "static"])      # static refuses sessions
 def test_fast_path_and_check_mode_on_sessions(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     path = WORKLOADS / "multi_turn.yaml"
-    # The fast path is the synchronous loop's (an async-scheduling policy steps every iteration).
-    sync = {"async_scheduling": False} if "async_scheduling" in knob_names(policy) else {}
+    # The fast path is the synchronous loop's (a pipelined loop, vLLM's async scheduling or SGLang's
+    # overlap, steps every iteration).
+    from policies import POLICIES
+    knob_name = POLICIES[policy][1].pipelined_knob
+    sync = {knob_name: False} if knob_name else {}
     data = {**load_yaml_mapping(path), "policy": {"kind": policy, **sync}}
     data["sessions"] = {**data["sessions"], "num_sessions": 30}
     make = lambda: workload_from_dict(data, str(path), path.parent)    # noqa: E731

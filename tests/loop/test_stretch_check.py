@@ -11,7 +11,6 @@ Idle is stopped (tests/loop/test_guards.py).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import fields
 
 import pytest
 from cases import CASES, KINDS
@@ -104,8 +103,10 @@ def test_check_mode_really_checks_steps(kind) -> None:
     # policy that never stretches while requests wait (lmdeploy) gets its requests spaced out.
     gap_s = 0.001 if CASES[kind].stretches_while_waiting else 0.05
     specs = [(gap_s * i, 40 + 7 * i, 30 + i % 9) for i in range(24)]
-    # The fast path is the synchronous loop's: a policy's async scheduling, if it has one, is off.
-    sync = {"async_scheduling": False} if "async_scheduling" in {f.name for f in fields(POLICIES[kind][0])} else {}
+    # The fast path is the synchronous loop's: a policy's pipelined loop (vLLM's async scheduling,
+    # SGLang's overlap), if it has one, is off.
+    knob_name = POLICIES[kind][1].pipelined_knob
+    sync = {knob_name: False} if knob_name else {}
     cfg = POLICIES[kind][0](**CASES[kind].small, **sync)
     server, _ = _run(specs, cfg, 400, fast=True, check=True)
     assert server.num_stretch_steps_checked > 0.3 * len(server.log), (server.num_stretch_steps_checked,

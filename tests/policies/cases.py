@@ -101,8 +101,10 @@ CASES: dict[str, PolicyCase] = {
                           "schedule_conservativeness": st.sampled_from([0.3, 1.0, 3.0]),
                           "enable_mixed_chunk": st.booleans(),
                           "disable_radix_cache": st.booleans(),
-                          "page_size": st.sampled_from([1, 4, 16])},
-                         {"chunked_prefill_size": 4096}),
+                          "page_size": st.sampled_from([1, 4, 16]), "enable_overlap": st.booleans()},
+                         {"chunked_prefill_size": 4096},
+                         # (the fast path is the synchronous loop's: the overlap loop steps every step)
+                         tight={"enable_overlap": False}),
 }
 
 KINDS: tuple[str, ...] = tuple(CASES)

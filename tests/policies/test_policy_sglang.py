@@ -21,6 +21,8 @@ GIB = 1024**3
 
 
 def make(num_tokens: int = 10_000, page: int = 1, max_model_len: int = 4096, **knobs):
+    # step() commits each batch before the next is chosen: the synchronous loop (event_loop_normal)
+    knobs.setdefault("enable_overlap", False)
     policy = SglangPolicy(SglangConfig(page_size=page, **knobs), PolicyContext(max_model_len))
     return SchedulerState(RadixCachePool(num_tokens // page, page), max_model_len), policy
 
@@ -234,11 +236,13 @@ def test_knobs_are_checked():
     assert off.chunk_size is None and off.kv_pool_class is TokenPool and not off.kv_pool_class.caching
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_shared_prefixes_conserve_pages_and_release_every_lock(seed):
+def test_random_shared_prefixes_conserve_pages_and_release_every_lock(seed, overlap):
     """Random requests sharing prefixes on a tight radix pool, stepped with the fast path checked
-    (check_stretch): pages are conserved after every step (free + tree + requests' own = pool),
-    every computed token has a page, and at the end nothing is held and every node is evictable."""
+    (check_stretch; the overlap loop has none): pages are conserved after every step (free + tree
+    + requests' own = pool), every computed token has a page, and at the end nothing is held and
+    every node is evictable."""
     import random
 
     import simpy
@@ -251,7 +255,7 @@ def test_random_shared_prefixes_conserve_pages_and_release_every_lock(seed):
     page = rng.choice([1, 1, 4])
     knobs = rng.choice([{}, {"schedule_policy": "lpm"}, {"enable_mixed_chunk": True, "chunked_prefill_size": 32},
                         {"chunked_prefill_size": 16, "max_running_requests": 3}])
-    policy = SglangPolicy(SglangConfig(page_size=page, **knobs), PolicyContext(512))
+    policy = SglangPolicy(SglangConfig(page_size=page, enable_overlap=overlap, **knobs), PolicyContext(512))
     pool = RadixCachePool(600 // page, page)
     state = SchedulerState(pool, 512)
 
@@ -305,7 +309,8 @@ def test_fast_path_identical_on_the_mooncake_trace_with_evictions():
     from sim.run.config import load_workload
     path = Path(__file__).resolve().parents[2] / "workloads" / "sglang_prefix.yaml"
     summary = _stepped_and_fast(lambda: load_workload(path, {"num_requests": 250, "server.num_blocks": 60_000,
-                                                             "server.max_model_len": 48_000}))
+                                                             "server.max_model_len": 48_000,
+                                                             "policy.enable_overlap": False}))
     assert summary["prefix_cache_hits"] > 0 and summary["prefix_cache_evicted_blocks"] > 0
 
 
@@ -316,7 +321,7 @@ def test_fast_path_identical_under_memory_pressure_with_retractions(page):
     data = {"name": "tight", "seed": 3, "num_requests": 120,
             "arrivals": {"kind": "gamma", "rate": 40.0, "cv": 2.0},
             "lengths": {"kind": "uniform", "prompt_min": 16, "prompt_max": 300, "output_min": 20, "output_max": 400},
-            "policy": {"kind": "sglang", "page_size": page, "chunked_prefill_size": 256},
+            "policy": {"kind": "sglang", "page_size": page, "chunked_prefill_size": 256, "enable_overlap": False},
             "server": {"num_blocks": 1920 // page, "max_model_len": 1024},
             "profile": {"model": "llama-2-7b", "gpu": "a100-80gb"}}
     summary = _stepped_and_fast(lambda: workload_from_dict(data))
