@@ -391,6 +391,8 @@ class VllmV1Policy(PolicyBase):
         lookahead = self.speculative.lookahead
         drafts = spec.drafts
         prefilling = state.prefilling
+        block_size = kv.block_size
+        caching = kv.caching
         verify: dict[int, int] = {}
         items: list[BatchItem] = []
         preempted = prefill_scheduled = False
@@ -409,16 +411,20 @@ class VllmV1Policy(PolicyBase):
                 continue
             slots = computed + n
             extra = min(slots + lookahead, max_model_len) - slots
-            victim = None
-            while not kv.can_allocate(r, slots + extra):
-                victim = running[-1]
-                state.preempt(victim)
-                preempted = True
+            if slots + extra <= len(r.block_ids) * block_size:       # the hot path: room in its blocks
+                if caching and min(slots, known) // block_size > r.num_hashed_blocks:
+                    kv.cache(r, min(slots, known))                    # as allocate would
+            else:
+                victim = None
+                while not kv.can_allocate(r, slots + extra):
+                    victim = running[-1]
+                    state.preempt(victim)
+                    preempted = True
+                    if victim is r:
+                        break
                 if victim is r:
                     break
-            if victim is r:
-                break
-            kv.allocate(r, slots, extra)
+                kv.allocate(r, slots, extra)
             items.append(BatchItem(r.req_id, n, computed))
             prefill_scheduled = prefill_scheduled or r.req_id in prefilling
             if d:
@@ -508,6 +514,8 @@ class VllmV1Policy(PolicyBase):
         flight_drafts = (ahead_batch.drafts or {}) if ahead_batch is not None else {}
         drafts = spec_state.drafts
         prefilling = state.prefilling
+        block_size = kv.block_size
+        caching = kv.caching
         verify: dict[int, int] = {}
         items: list[BatchItem] = []
         sampling: list[int] = []
@@ -534,16 +542,20 @@ class VllmV1Policy(PolicyBase):
                 continue
             slots = computed + n
             extra = min(slots + lookahead, max_model_len) - slots
-            victim = None
-            while not kv.can_allocate(r, slots + extra):
-                victim = running[-1]
-                state.preempt(victim)
-                preempted = True
+            if slots + extra <= len(r.block_ids) * block_size:       # the hot path: room in its blocks
+                if caching and min(slots, known) // block_size > r.num_hashed_blocks:
+                    kv.cache(r, min(slots, known))                    # as allocate would
+            else:
+                victim = None
+                while not kv.can_allocate(r, slots + extra):
+                    victim = running[-1]
+                    state.preempt(victim)
+                    preempted = True
+                    if victim is r:
+                        break
                 if victim is r:
                     break
-            if victim is r:
-                break
-            kv.allocate(r, slots, extra)
+                kv.allocate(r, slots, extra)
             items.append(BatchItem(rid, n, computed))
             prefill_scheduled = prefill_scheduled or (rid in prefilling and not placeholders)
             if s:
