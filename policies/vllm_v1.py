@@ -232,12 +232,10 @@ class VllmV1Policy(PolicyBase):
                             speculative=self.config.speculative or {"num_speculative_tokens": 0})
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
-        if self.pipelined:
-            if self.speculative is not None:
-                return self._schedule_async_speculative(state, now_s)
-            return self._schedule_async(state, now_s)
         if self.speculative is not None:
             return self._schedule_speculative(state, now_s)
+        if self.pipelined:
+            return self._schedule_async(state, now_s)
         kv = state.kv
         running = state.running
         budget = self.token_budget
@@ -377,10 +375,17 @@ class VllmV1Policy(PolicyBase):
         return Batch(tuple(items)) if items else Idle()
 
     def _schedule_speculative(self, state: SchedulerState, now_s: float) -> Batch | Idle:
-        """Rule 8 of the module doc: ``schedule`` with drafts (``state.speculation``)."""
-        spec = state.speculation
-        if spec is None:
+        """Rule 8 of the module doc: ``schedule`` with drafts (``state.speculation``), and under
+        rule 7 ``AsyncScheduler``'s: a request whose step in flight (``state.pending``, empty
+        in the synchronous loop) will sample holds 1 + d output placeholders, and the next
+        step schedules ``num_tokens + drafts + placeholders - computed`` (1 + k for a decode),
+        the step in flight's tokens counted as computed as if every draft were accepted (its
+        output rolls them back). Synchronously the drafts are the proposer's, set at commit;
+        asynchronously k placeholder drafts are set here for every request that will sample."""
+        spec_state = state.speculation
+        if spec_state is None:
             raise RuntimeError("vllm_v1 with speculative decoding needs state.speculation (sim.run.runner sets it)")
+        pipelined = self.pipelined
         kv = state.kv
         running = state.running
         budget = self.token_budget
@@ -389,20 +394,34 @@ class VllmV1Policy(PolicyBase):
             threshold = 0
         max_model_len = self.max_model_len
         lookahead = self.speculative.lookahead
-        drafts = spec.drafts
+        ahead_batch = state.pending[-1] if state.pending else None
+        flight = {it[0]: it[1] for it in ahead_batch.items} if ahead_batch is not None else {}
+        flight_drafts = (ahead_batch.drafts or {}) if ahead_batch is not None else {}
+        drafts = spec_state.drafts
         prefilling = state.prefilling
         block_size = kv.block_size
         caching = kv.caching
         verify: dict[int, int] = {}
         items: list[BatchItem] = []
+        sampling: list[int] = []
         preempted = prefill_scheduled = False
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
-            computed = r.num_computed_tokens
+            rid = r.req_id
+            ahead = flight.get(rid, 0)
+            computed = r.num_computed_tokens + ahead
             known = r.num_prompt_tokens + r.num_output_tokens
-            d = drafts.get(r.req_id, 0)
-            n = known + d - computed
+            placeholders = 0
+            if ahead:
+                d_in = flight_drafts.get(rid, 0)
+                if computed - d_in >= known:                   # its step in flight samples
+                    placeholders = 1 + d_in
+                    if computed + 2 - placeholders >= r.num_prompt_tokens + r.max_output_tokens:
+                        i += 1           # the step in flight yields its last token by length
+                        continue
+            s = drafts.get(rid, 0)
+            n = known + s + placeholders - computed
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget, max_model_len - computed - 1)     # the sampled token's position fits
@@ -425,18 +444,36 @@ class VllmV1Policy(PolicyBase):
                 if victim is r:
                     break
                 kv.allocate(r, slots, extra)
-            items.append(BatchItem(r.req_id, n, computed))
-            prefill_scheduled = prefill_scheduled or r.req_id in prefilling
-            if d:
-                if slots > known:
-                    verify[r.req_id] = slots - known
-                del drafts[r.req_id]                 # vLLM clears spec_token_ids once scheduled
+            items.append(BatchItem(rid, n, computed))
+            prefill_scheduled = prefill_scheduled or (rid in prefilling and not placeholders)
+            if s:
+                if slots > known + placeholders:
+                    verify[rid] = slots - known - placeholders
+                del drafts[rid]                      # vLLM clears spec_token_ids once scheduled
+            if pipelined and slots >= known + placeholders:
+                sampling.append(rid)
             budget -= n
             i += 1
         if not preempted:
-            self._admit_speculative(state, now_s, budget, threshold, items, verify,
-                                    len(items) > 0, prefill_scheduled)
-        return Batch(tuple(items), verify or None) if items else Idle()
+            first = len(items)
+            self._admit_speculative(state, now_s, budget, threshold, items, verify, len(items) > 0,
+                                    prefill_scheduled)
+            if pipelined:
+                requests = state.requests
+                sampling += [it[0] for it in items[first:] if it[1] + it[2] >= requests[it[0]].num_prompt_tokens
+                             + requests[it[0]].num_output_tokens]
+        if not pipelined:
+            return Batch(tuple(items), verify or None) if items else Idle()
+        k = self.speculative.num_speculative_tokens
+        for rid in sampling:
+            drafts[rid] = k          # AsyncScheduler: placeholder drafts for the next step
+        if not items:
+            spec_state.padded.clear()
+            return Idle()
+        batch = Batch(tuple(items), verify or None)
+        spec_state.sampling[id(batch)] = (frozenset(sampling), frozenset(spec_state.padded))
+        spec_state.padded.clear()    # kept with the batch: the one in flight commits first
+        return batch
 
     def _admit_speculative(self, state: SchedulerState, now_s: float, budget: int, threshold: int,
                            items: list[BatchItem], verify: dict[int, int], scheduled_running: bool,
@@ -490,95 +527,3 @@ class VllmV1Policy(PolicyBase):
                 verify[r.req_id] = n - 1
                 padded.add(r.req_id)
             budget -= n
-
-    def _schedule_async_speculative(self, state: SchedulerState, now_s: float) -> Batch | Idle:
-        """Rule 8 under rule 7: ``AsyncScheduler`` with drafts. A scheduled request that will
-        sample holds k placeholder drafts for its next step (``Speculation.drafts``) and its
-        step in flight 1 + d placeholders; the next step schedules ``num_tokens + drafts +
-        placeholders - computed`` (1 + k for a decode), the step in flight's tokens counted
-        as computed as if every draft were accepted (its output rolls them back)."""
-        spec_state = state.speculation
-        if spec_state is None:
-            raise RuntimeError("vllm_v1 with speculative decoding needs state.speculation (sim.run.runner sets it)")
-        k = self.speculative.num_speculative_tokens
-        kv = state.kv
-        running = state.running
-        budget = self.token_budget
-        threshold = self.config.long_prefill_token_threshold
-        if len(running) + len(state.waiting) <= 1:
-            threshold = 0
-        max_model_len = self.max_model_len
-        lookahead = self.speculative.lookahead
-        ahead_batch = state.pending[-1] if state.pending else None
-        flight = {it[0]: it[1] for it in ahead_batch.items} if ahead_batch is not None else {}
-        flight_drafts = (ahead_batch.drafts or {}) if ahead_batch is not None else {}
-        drafts = spec_state.drafts
-        prefilling = state.prefilling
-        block_size = kv.block_size
-        caching = kv.caching
-        verify: dict[int, int] = {}
-        items: list[BatchItem] = []
-        sampling: list[int] = []
-        preempted = prefill_scheduled = False
-        i = 0
-        while i < len(running) and budget > 0:
-            r = running[i]
-            rid = r.req_id
-            ahead = flight.get(rid, 0)
-            computed = r.num_computed_tokens + ahead
-            known = r.num_prompt_tokens + r.num_output_tokens
-            d_in = flight_drafts.get(rid, 0)
-            placeholders = 1 + d_in if ahead and computed - d_in >= known else 0   # its step in flight samples
-            if placeholders and computed + 2 - placeholders >= r.num_prompt_tokens + r.max_output_tokens:
-                i += 1           # the step in flight yields its last token by length
-                continue
-            s = drafts.get(rid, 0)
-            n = known + s + placeholders - computed
-            if 0 < threshold < n:
-                n = threshold
-            n = min(n, budget, max_model_len - computed - 1)
-            if n <= 0:
-                i += 1
-                continue
-            slots = computed + n
-            extra = min(slots + lookahead, max_model_len) - slots
-            if slots + extra <= len(r.block_ids) * block_size:       # the hot path: room in its blocks
-                if caching and min(slots, known) // block_size > r.num_hashed_blocks:
-                    kv.cache(r, min(slots, known))                    # as allocate would
-            else:
-                victim = None
-                while not kv.can_allocate(r, slots + extra):
-                    victim = running[-1]
-                    state.preempt(victim)
-                    preempted = True
-                    if victim is r:
-                        break
-                if victim is r:
-                    break
-                kv.allocate(r, slots, extra)
-            items.append(BatchItem(rid, n, computed))
-            prefill_scheduled = prefill_scheduled or (rid in prefilling and not placeholders)
-            if s:
-                if slots > known + placeholders:
-                    verify[rid] = slots - known - placeholders
-                del drafts[rid]
-            if slots >= known + placeholders:
-                sampling.append(rid)
-            budget -= n
-            i += 1
-        if not preempted:
-            first = len(items)
-            self._admit_speculative(state, now_s, budget, threshold, items, verify, len(items) > 0,
-                                    prefill_scheduled)
-            requests = state.requests
-            sampling += [it[0] for it in items[first:]
-                         if it[1] + it[2] >= requests[it[0]].num_prompt_tokens + requests[it[0]].num_output_tokens]
-        for rid in sampling:
-            drafts[rid] = k          # AsyncScheduler: placeholder drafts for the next step
-        if not items:
-            spec_state.padded.clear()
-            return Idle()
-        batch = Batch(tuple(items), verify or None)
-        spec_state.sampling[id(batch)] = (frozenset(sampling), frozenset(spec_state.padded))
-        spec_state.padded.clear()    # kept with the batch: the one in flight commits first
-        return batch

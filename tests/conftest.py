@@ -90,6 +90,16 @@ def simulate(specs: Sequence[tuple[float, int, int]], policy_cfg, profile: Profi
     return server, reqs
 
 
+def step_rows(server) -> list[tuple[float, int, int, int]]:
+    """(start ms, batch size, prefill tokens, decode tokens) of every step a server logged."""
+    rows = []
+    for t, _, _, ints in server.log.chunks():
+        for j, start in enumerate(t):
+            row = ints.reshape(-1, 8)[j]
+            rows.append((round(start * 1000, 6), int(row[0]), int(row[1]), int(row[2])))
+    return rows
+
+
 @pytest.fixture
 def profile() -> Profile:
     return linear_profile()

@@ -216,13 +216,15 @@ class VllmReference:
             tid = ids[where] = 10 + len(ids)
         return tid
 
-    def _deferred_schedule_call(self) -> tuple[Any, Any, Step]:
-        """``_schedule_call`` for async scheduling with drafts: the fake output is made when the
-        batch's output is processed (a function returned in its place), since the tokens a
-        verify step samples sit after the accepted ones of the step before it, known only then:
-        for every request whose item then samples (fixed at schedule time, as the model runner
-        sees it), ``fixed_acceptance`` of its d drafts plus one, the true tokens from its
-        current output length on; placeholders of a padded new decode are never accepted."""
+    def _schedule_call(self) -> tuple[Any, Any, Step]:
+        """One ``schedule()`` call: (its SchedulerOutput, a function making the fake model
+        output, and the step record of its items and preemptions). The output is made when the
+        batch's output is processed, since under async scheduling the tokens a verify step
+        samples sit after the accepted ones of the step before it, known only then; what it
+        holds is fixed at schedule time, as the model runner sees it: for every request whose
+        item then completes its prefill, ``fixed_acceptance`` of its d drafts plus one token
+        (one without drafts), the true tokens from its output length at processing on;
+        placeholder drafts of a padded new decode are never accepted."""
         from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.request import RequestStatus
         waiting = {rid for rid, r in self.requests.items()
@@ -253,36 +255,6 @@ class VllmReference:
                                      sampled_token_ids=sampled)
         return out, output, step
 
-    def _schedule_call(self) -> tuple[Any, Any, Step]:
-        """One ``schedule()`` call: (its SchedulerOutput, the fake model output fixed now, as a
-        model runner's would be: one token for every request whose prefill is then complete, the
-        token of output position ``num_computed_tokens - num_prompt_tokens``, and the step record
-        of its items and preemptions)."""
-        from vllm.v1.outputs import ModelRunnerOutput
-
-        self._preempted = []
-        out = self.scheduler.schedule()
-        step = Step(preempted=list(self._preempted))
-        req_ids = list(out.num_scheduled_tokens)
-        sampled: list[list[int]] = []
-        spec = out.scheduled_spec_decode_tokens
-        for rid in req_ids:
-            req = self.requests[int(rid)]
-            n = out.num_scheduled_tokens[rid]
-            step.items.append((int(rid), n, req.num_computed_tokens - n))
-            d = len(spec.get(rid, ()))
-            pos = req.num_computed_tokens - d - req.num_prompt_tokens
-            if req.is_prefill_chunk:
-                sampled.append([])
-                continue
-            a = 0
-            if d:        # vLLM's placeholder drafts (-1, a padded new decode) are never accepted
-                a = 0 if spec[rid][0] == -1 else fixed_acceptance(int(rid), req.num_output_tokens, d)
-            sampled.append([self._token((self._out_keys[int(rid)], pos + j)) for j in range(a + 1)])
-        output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                   sampled_token_ids=sampled)
-        return out, output, step
-
     def _pool(self) -> tuple[int, int, int]:
         """(blocks in use, blocks holding a hash, free blocks holding a hash); no hashes without caching."""
         pool = self.scheduler.kv_cache_manager.block_pool
@@ -294,7 +266,7 @@ class VllmReference:
 
     def step(self) -> Step:
         out, output, step = self._schedule_call()
-        self.scheduler.update_from_output(out, output)
+        self.scheduler.update_from_output(out, output())
         if self.case.num_speculative_tokens:
             # The proposer's drafts for every request the step ran (the scheduler drops those of
             # prefill chunks and finished requests): k tokens, the request's true next ones.
@@ -329,9 +301,9 @@ class AsyncVllmReference(VllmReference):
     scheduler sees batch k's finishes, frees and sampled tokens one batch late, and counts the
     tokens in flight as output placeholders.
 
-    The fake output of a batch is fixed when it is scheduled, as a model runner's would be:
-    one token for every request whose prefill is then complete, the token of output position
-    ``num_computed_tokens - num_prompt_tokens`` (the EOS id where the case says so).
+    The fake output of a batch is ``_schedule_call``'s: which requests sample is fixed when it
+    is scheduled, as a model runner's would be; the tokens are the true ones from each
+    request's output length when the output is processed (the EOS id where the case says so).
 
     **A step record** is one batch, i.e. one ``schedule()`` call, step k being the k-th:
     the arrivals of step k are handed to the scheduler just before it (the engine drains its
@@ -385,8 +357,7 @@ class AsyncVllmReference(VllmReference):
         """Schedule batch ``k`` into the queue; whether it runs tokens."""
         if self.queue and self.queue[0][4] is None:   # batch k-1 is processed after this call
             self.queue[0][4] = self._base()
-        out, output, step = (self._deferred_schedule_call() if self.case.num_speculative_tokens
-                             else self._schedule_call())
+        out, output, step = self._schedule_call()
         self.queue.appendleft([k, out, output, step, None])
         return out.total_num_scheduled_tokens > 0
 
@@ -395,7 +366,7 @@ class AsyncVllmReference(VllmReference):
         k, out, output, step, base = self.queue.pop()
         used, free_cached, holders = base if base is not None else self._base()
         unfinished = [rid for rid, r in self.requests.items() if not r.is_finished()]
-        self.scheduler.update_from_output(out, output() if callable(output) else output)
+        self.scheduler.update_from_output(out, output())
         step.finished = sorted(rid for rid in unfinished if self.requests[rid].is_finished())
         if self.raw_pool:
             step.kv_used_blocks, step.cached_blocks, step.cached_free_blocks = self._pool()

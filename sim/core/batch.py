@@ -65,18 +65,25 @@ class Batch:
         num_tokens = num_prefill = num_decode = num_pad = decode_seqs = decode_context = 0
         chunks = []
         num_spec = 0
-        for it in items:
+        plain = items
+        if drafts:                        # verify items: decodes of 1 + d tokens (see ``drafts``)
+            plain = [it for it in items if it.req_id not in drafts]
+            for it in items:
+                d = drafts.get(it.req_id)
+                if d is not None:
+                    num_tokens += it.num_new_tokens + it.num_pad_tokens
+                    num_pad += it.num_pad_tokens
+                    decode_seqs += 1
+                    decode_context += it.context_len
+                    num_decode += it.num_new_tokens
+                    num_spec += d
+        for it in plain:
             n = it.num_new_tokens
             pad = it.num_pad_tokens
             total = n + pad
             num_tokens += total
             num_pad += pad
-            if drafts is not None and it.req_id in drafts:
-                decode_seqs += 1
-                decode_context += it.context_len
-                num_decode += n
-                num_spec += drafts[it.req_id]
-            elif total == 1:
+            if total == 1:
                 decode_seqs += 1
                 decode_context += it.context_len
                 num_decode += n

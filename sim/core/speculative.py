@@ -21,7 +21,7 @@ stream per replica), so a run is reproducible and two runs of different seeds di
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -251,9 +251,17 @@ class Speculation:
 
     def summary(self) -> dict[str, Any]:
         """The counters, with vLLM's derived acceptance rate and mean acceptance length."""
-        n = self.num_drafts
-        return {"num_drafts": n, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens,
-                "num_accepted_tokens_per_pos": list(self.accepted_per_pos),
-                "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None,
-                "mean_acceptance_length": 1 + self.num_accepted_tokens / n if n else None}
+        return Speculation.totals([self])
+
+    @staticmethod
+    def totals(runs: Sequence[Speculation]) -> dict[str, Any]:
+        """``summary`` of the counters summed over ``runs`` (replicas of one run): the
+        acceptance rate is accepted / draft tokens, the mean acceptance length 1 + accepted /
+        drafts, as vLLM derives them."""
+        drafts = sum(r.num_drafts for r in runs)
+        draft_tokens = sum(r.num_draft_tokens for r in runs)
+        accepted = sum(r.num_accepted_tokens for r in runs)
+        return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+                "num_accepted_tokens_per_pos": [sum(pos) for pos in zip(*(r.accepted_per_pos for r in runs))],
+                "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+                "mean_acceptance_length": 1 + accepted / drafts if drafts else None}

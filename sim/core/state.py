@@ -308,12 +308,8 @@ class SchedulerState:
                 continue
             a = spec.accepted(req_id, r.num_output_tokens, d, padded=req_id in padded) if d else 0
             r.num_computed_tokens = known + a
-            new = min(a + 1, true_output[req_id] - r.num_output_tokens)
-            r.num_output_tokens += new
-            tok_ids.extend([req_id] * new)
+            self._deliver(r, req_id, a, now_s)
             prefilling.discard(req_id)
-            if r.first_token_s is None:
-                r.first_token_s = now_s
             if r.num_output_tokens >= true_output[req_id]:
                 r.last_token_s = now_s
                 finished.append(r)
@@ -441,9 +437,7 @@ class SchedulerState:
             if r.status != running:                        # preempted since: a stale output
                 if req_id in sampled_for:
                     a = spec.accepted(req_id, r.num_output_tokens, d, padded=req_id in padded) if d else 0
-                    new = min(a + 1, true_output[req_id] - r.num_output_tokens)
-                    for _ in range(new):
-                        self._sample(r, req_id, now_s)
+                    self._deliver(r, req_id, a, now_s)
                     if r.num_output_tokens >= true_output[req_id]:
                         r.last_token_s = now_s
                         self._finish_waiting(r, now_s)
@@ -453,9 +447,7 @@ class SchedulerState:
                 continue
             a = spec.accepted(req_id, r.num_output_tokens, d, padded=req_id in padded) if d else 0
             r.num_computed_tokens += n - (d - a)
-            new = min(a + 1, true_output[req_id] - r.num_output_tokens)
-            for _ in range(new):
-                self._sample(r, req_id, now_s)
+            new = self._deliver(r, req_id, a, now_s)
             prefilling.discard(req_id)
             if kv.caching:
                 m = later_items.get(req_id, 0)
@@ -532,6 +524,16 @@ class SchedulerState:
             for r in finished:
                 r.num_computed_tokens += later.get(r.req_id, 0)   # its wasted item's KV (kv_committed_len)
                 self._finish(r, now_s)
+
+    def _deliver(self, r: Request, req_id: int, accepted: int, now_s: float) -> int:
+        """A verify step's tokens for ``r``: its ``accepted`` drafts and the bonus token, fewer
+        where its output ends among them (vLLM's stop check trims the rest); how many."""
+        new = min(accepted + 1, self._true_output[req_id] - r.num_output_tokens)
+        r.num_output_tokens += new
+        self.tokens.ids.extend([req_id] * new)
+        if r.first_token_s is None:
+            r.first_token_s = now_s
+        return new
 
     def _sample(self, r: Request, req_id: int, now_s: float) -> None:
         r.num_output_tokens += 1

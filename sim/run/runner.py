@@ -271,21 +271,14 @@ def build_policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile | Non
 
 
 def speculative_summary(runs: Sequence[Speculation | None]) -> dict[str, Any]:
-    """vLLM's spec-decode counters summed over the replicas (``Speculation.summary``), as
+    """vLLM's spec-decode counters summed over the replicas (``Speculation.totals``), as
     ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens`` and
     ``..._num_accepted_tokens_per_pos`` name them, with the acceptance rate (accepted / draft
     tokens) and mean acceptance length (1 + accepted / drafts) they give; {} without drafts."""
     runs = [r for r in runs if r is not None]
     if not runs:
         return {}
-    drafts = sum(r.num_drafts for r in runs)
-    draft_tokens = sum(r.num_draft_tokens for r in runs)
-    accepted = sum(r.num_accepted_tokens for r in runs)
-    per_pos = [sum(r.accepted_per_pos[i] for r in runs) for i in range(runs[0].k)]
-    return {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": draft_tokens,
-            "spec_decode_num_accepted_tokens": accepted, "spec_decode_num_accepted_tokens_per_pos": per_pos,
-            "spec_decode_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-            "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+    return {**{f"spec_decode_{k}": v for k, v in Speculation.totals(runs).items()},
             "speculative": runs[0].spec.to_dict()}
 
 

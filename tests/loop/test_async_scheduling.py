@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import simpy
 
-from conftest import linear_profile, policy_state
+from conftest import linear_profile, policy_state, step_rows
 from policies import make_policy
 from policies.vllm_v1 import VllmV1Config
 from sim.loop.feed import feed
@@ -37,16 +37,6 @@ def _run(specs, async_scheduling: bool, step=STEP):
     return server, reqs
 
 
-def _steps(server) -> list[tuple[float, int, int, int]]:
-    """(start ms, batch size, prefill tokens, decode tokens) of every step."""
-    rows = []
-    for t, _, _, ints in server.log.chunks():
-        for j, start in enumerate(t):
-            row = ints.reshape(-1, 8)[j]
-            rows.append((round(start * 1000, 6), int(row[0]), int(row[1]), int(row[2])))
-    return rows
-
-
 # r0: t=0, prompt 4, max_tokens 10, stops on EOS after 3 tokens (the scheduler cannot know);
 # r1: t=15 ms, prompt 4, max_tokens 2 (a length stop, known in advance).
 SPECS = [(0.0, 4, 10, 3), (0.015, 4, 2, 2)]
@@ -63,7 +53,7 @@ def test_async_timeline_by_hand() -> None:
     #       placeholder = prompt + max_tokens - 1: its token in flight is its last, passed over.
     # t=50: r1's token 2, finished.
     server, (r0, r1) = _run(SPECS, async_scheduling=True)
-    assert _steps(server) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1), (20.0, 1, 0, 1), (30.0, 2, 4, 1), (40.0, 1, 0, 1)]
+    assert step_rows(server) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1), (20.0, 1, 0, 1), (30.0, 2, 4, 1), (40.0, 1, 0, 1)]
     assert (r0.first_token_s, r0.finished_s, r0.num_output_tokens) == pytest.approx((0.010, 0.030, 3))
     assert (r1.first_token_s, r1.finished_s, r1.num_output_tokens) == pytest.approx((0.040, 0.050, 2))
     assert server.state.done and not server.state.pending
@@ -74,7 +64,7 @@ def test_sync_timeline_by_hand() -> None:
     # joins: S3 20-30 = r0's decode (its 3rd and last token) + r1's prompt (its 1st token);
     # S4 30-40 r1's last token. r1: TTFT 15 ms against 25 ms under async scheduling.
     server, (r0, r1) = _run(SPECS, async_scheduling=False)
-    assert _steps(server) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1), (20.0, 2, 4, 1), (30.0, 1, 0, 1)]
+    assert step_rows(server) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1), (20.0, 2, 4, 1), (30.0, 1, 0, 1)]
     assert (r0.first_token_s, r0.finished_s) == pytest.approx((0.010, 0.030))
     assert (r1.first_token_s, r1.finished_s) == pytest.approx((0.030, 0.040))
 
@@ -182,7 +172,7 @@ def test_async_timeline_host_longer_than_device() -> None:
     #       (r1's token in flight is its last): S5 ends at 34, r1's token 2, finished.
     # Against the sum (10 ms a step, test_async_timeline_by_hand): r1 finishes at 34, not 50 ms.
     server, (r0, r1) = _run_split(SPECS, host_s=0.006)
-    assert _steps(server) == [(6.0, 1, 4, 0), (12.0, 1, 0, 1), (18.0, 1, 0, 1), (24.0, 2, 4, 1), (30.0, 1, 0, 1)]
+    assert step_rows(server) == [(6.0, 1, 4, 0), (12.0, 1, 0, 1), (18.0, 1, 0, 1), (24.0, 2, 4, 1), (30.0, 1, 0, 1)]
     assert _durations_ms(server) == [4.0] * 5                # the log's rows: the device's seconds
     assert (r0.first_token_s, r0.finished_s, r0.num_output_tokens) == pytest.approx((0.012, 0.024, 3))
     assert (r1.first_token_s, r1.finished_s, r1.num_output_tokens) == pytest.approx((0.030, 0.034, 2))
@@ -199,7 +189,7 @@ def test_async_timeline_device_longer_than_host() -> None:
     # t=31: S4 committed: r1's token 1; S5 31-38; at 38 r1's token 2, finished.
     # Only the first step, with nothing in flight, pays its host work before its forward pass.
     server, (r0, r1) = _run_split(SPECS, host_s=0.003)
-    assert _steps(server) == [(3.0, 1, 4, 0), (10.0, 1, 0, 1), (17.0, 1, 0, 1), (24.0, 2, 4, 1), (31.0, 1, 0, 1)]
+    assert step_rows(server) == [(3.0, 1, 4, 0), (10.0, 1, 0, 1), (17.0, 1, 0, 1), (24.0, 2, 4, 1), (31.0, 1, 0, 1)]
     assert _durations_ms(server) == [7.0] * 5
     assert (r0.first_token_s, r0.finished_s) == pytest.approx((0.010, 0.024))
     assert (r1.first_token_s, r1.finished_s) == pytest.approx((0.031, 0.038))
@@ -210,7 +200,7 @@ def test_a_host_part_leaves_the_synchronous_loop_as_it_was() -> None:
     # whatever part of them is host work (test_sync_timeline_by_hand's timeline).
     plain, plain_reqs = _run(SPECS, async_scheduling=False)
     split, split_reqs = _run_split(SPECS, host_s=0.006, async_scheduling=False)
-    assert _steps(split) == _steps(plain) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1), (20.0, 2, 4, 1), (30.0, 1, 0, 1)]
+    assert step_rows(split) == step_rows(plain) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1), (20.0, 2, 4, 1), (30.0, 1, 0, 1)]
     assert _durations_ms(split) == _durations_ms(plain) == [10.0] * 4
     assert [(r.first_token_s, r.finished_s) for r in split_reqs] == [(r.first_token_s, r.finished_s)
                                                                     for r in plain_reqs]

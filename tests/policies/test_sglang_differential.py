@@ -15,6 +15,7 @@ counter, so stamps never tie, as batchsim's operation clock does not.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -77,22 +78,41 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-@pytest.fixture(scope="module")
-def sgl():
+@contextlib.contextmanager
+def sglang_importable():
+    """SGLang importable with the packages of ``UNUSED`` that are missing stubbed, and SGLang's
+    runtime context published for a CPU tokenizer; the stubs are gone afterwards (they must not
+    outlive these tests: matplotlib, for one, reads IPython.version_info when it finds an
+    IPython module loaded)."""
     missing = {m for m in UNUSED if importlib.util.find_spec(m) is None}
     if "torchvision" in missing:          # transformers must decide before a stub appears
         import transformers  # noqa: F401
         from transformers import AutoImageProcessor, AutoProcessor   # noqa: F401
     finder = _StubFinder(missing)
     sys.meta_path.append(finder)
+    try:
+        from sglang.srt.runtime_context import publish, reset_context
+        from sglang.srt.server_args import ServerArgs
+        reset_context()
+        publish(ServerArgs(model_path="dummy", device="cpu"), role="tokenizer")
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n.split(".")[0] in missing]:
+            del sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def sgl():
+    with sglang_importable():
+        yield _sgl()
+
+
+def _sgl() -> types.SimpleNamespace:
     import sglang.srt.mem_cache.radix_cache as rc
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder as SglAdder
     from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
-    from sglang.srt.runtime_context import publish, reset_context
-    from sglang.srt.server_args import ServerArgs
-    reset_context()
-    publish(ServerArgs(model_path="dummy", device="cpu"), role="tokenizer")
     clock = [0.0]
 
     def monotonic():
@@ -120,14 +140,9 @@ def sgl():
         def free(self, idx):
             pass
 
-    yield types.SimpleNamespace(rc=rc, Adder=SglAdder, Result=AddReqResult, Allocator=Allocator,
-                                EvictParams=EvictParams, InsertParams=InsertParams,
-                                MatchPrefixParams=MatchPrefixParams)
-    # The stubs must not outlive these tests: matplotlib, for one, reads IPython.version_info
-    # when it finds an IPython module loaded.
-    sys.meta_path.remove(finder)
-    for name in [n for n in sys.modules if n.split(".")[0] in missing]:
-        del sys.modules[name]
+    return types.SimpleNamespace(rc=rc, Adder=SglAdder, Result=AddReqResult, Allocator=Allocator,
+                                 EvictParams=EvictParams, InsertParams=InsertParams,
+                                 MatchPrefixParams=MatchPrefixParams)
 
 
 def ids_of(runs) -> array:

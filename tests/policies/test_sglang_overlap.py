@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import simpy
 
-from conftest import linear_profile, policy_state
+from conftest import linear_profile, policy_state, step_rows
 from policies import make_policy
 from policies.sglang import SglangConfig
 from sim.core.batch import Batch, BatchItem, Idle
@@ -40,16 +40,6 @@ def _run(specs, overlap: bool, num_tokens: int = 100):
     return server, reqs
 
 
-def _steps(server) -> list[tuple[float, int, int, int]]:
-    """(start ms, batch size, prefill tokens, decode tokens) of every step."""
-    rows = []
-    for t, _, _, ints in server.log.chunks():
-        for j, start in enumerate(t):
-            row = ints.reshape(-1, 8)[j]
-            rows.append((round(start * 1000, 6), int(row[0]), int(row[1]), int(row[2])))
-    return rows
-
-
 def test_the_knob_defaults_on_and_turns_the_pipelined_loop_on():
     on, off = _policy(), _policy(enable_overlap=False)
     assert on.config.enable_overlap and on.pipelined and on.overlap_loop and not on.decode_stretch
@@ -74,7 +64,7 @@ def test_overlap_timeline_by_hand():
     #       by length (1 + 1 >= 2: _reqs_finishing_inflight): left out, nothing else: idle.
     # t=50: r1's token 2, finished.
     server, (r0, r1) = _run(SPECS, overlap=True)
-    assert _steps(server) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1), (20.0, 1, 0, 1), (30.0, 1, 4, 0), (40.0, 1, 0, 1)]
+    assert step_rows(server) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1), (20.0, 1, 0, 1), (30.0, 1, 4, 0), (40.0, 1, 0, 1)]
     assert (r0.first_token_s, r0.finished_s, r0.num_output_tokens) == pytest.approx((0.010, 0.030, 3))
     assert (r1.first_token_s, r1.finished_s, r1.num_output_tokens) == pytest.approx((0.040, 0.050, 2))
     assert r1.first_scheduled_s == pytest.approx(0.020)   # chosen while B3 ran
@@ -87,7 +77,7 @@ def test_sync_timeline_by_hand():
     # decodes both: r0's token 3 (EOS) and r1's token 2 (its last). r0 ends 10 ms later than with
     # the overlap loop (40 against 30), r1 10 ms earlier (40 against 50).
     server, (r0, r1) = _run(SPECS, overlap=False)
-    assert _steps(server) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1), (20.0, 1, 4, 0), (30.0, 2, 0, 2)]
+    assert step_rows(server) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1), (20.0, 1, 4, 0), (30.0, 2, 0, 2)]
     assert (r0.first_token_s, r0.finished_s) == pytest.approx((0.010, 0.040))
     assert (r1.first_token_s, r1.finished_s) == pytest.approx((0.030, 0.040))
 
@@ -99,12 +89,12 @@ def test_an_eos_stop_runs_one_wasted_decode_whose_kv_enters_the_tree():
     # kv_committed_len = 4 + 2 = 6 tokens (B3 allocated the KV of token 2): the tree holds 6,
     # against 5 (prompt + outputs - 1) in the synchronous loop, which runs no third step.
     server, (r0,) = _run([(0.0, 4, 10, 2)], overlap=True)
-    assert _steps(server) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1), (20.0, 1, 0, 1)]
+    assert step_rows(server) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1), (20.0, 1, 0, 1)]
     assert (r0.finished_s, r0.num_output_tokens) == pytest.approx((0.020, 2))
     kv = server.state.kv
     assert kv.tree.total_tokens == 6 and kv.num_used_blocks == 0 and not kv._held
     sync, (s0,) = _run([(0.0, 4, 10, 2)], overlap=False)
-    assert _steps(sync) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1)]
+    assert step_rows(sync) == [(0.0, 1, 4, 0), (10.0, 1, 0, 1)]
     assert sync.state.kv.tree.total_tokens == 5 and s0.finished_s == pytest.approx(0.020)
 
 

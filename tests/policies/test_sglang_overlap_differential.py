@@ -59,32 +59,20 @@ from sim.core.request import Request, Status  # noqa: E402
 from sim.core.state import SchedulerState  # noqa: E402
 from sim.loop.feed import feed  # noqa: E402
 from sim.loop.server import Server, SimExecutor  # noqa: E402
-from test_sglang_differential import UNUSED, _StubFinder  # noqa: E402
+from test_sglang_differential import sglang_importable  # noqa: E402
 
 NUM_CASES = 300
 
 
 @pytest.fixture(scope="module")
 def sgl():
-    missing = {m for m in UNUSED if importlib.util.find_spec(m) is None}
-    if "torchvision" in missing:          # transformers must decide before a stub appears
-        import transformers  # noqa: F401
-        from transformers import AutoImageProcessor, AutoProcessor   # noqa: F401
-    finder = _StubFinder(missing)
-    sys.meta_path.append(finder)
-    import sglang.srt.managers.scheduler as sch
-    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-    from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
-    from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
-    from sglang.srt.runtime_context import publish, reset_context
-    from sglang.srt.server_args import ServerArgs
-    reset_context()
-    publish(ServerArgs(model_path="dummy", device="cpu"), role="tokenizer")
-    yield types.SimpleNamespace(sch=sch, Scheduler=sch.Scheduler, Req=Req, ScheduleBatch=ScheduleBatch,
-                                Tracker=NewTokenRatioTracker, Allocator=BaseTokenToKVPoolAllocator)
-    sys.meta_path.remove(finder)
-    for name in [n for n in sys.modules if n.split(".")[0] in missing]:
-        del sys.modules[name]
+    with sglang_importable():
+        import sglang.srt.managers.scheduler as sch
+        from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+        from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
+        from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+        yield types.SimpleNamespace(sch=sch, Scheduler=sch.Scheduler, Req=Req, ScheduleBatch=ScheduleBatch,
+                                    Tracker=NewTokenRatioTracker, Allocator=BaseTokenToKVPoolAllocator)
 
 
 class _TheirReq:
