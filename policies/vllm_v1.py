@@ -1,8 +1,8 @@
 """vLLM v1 (the engine of today's vLLM): one token budget, running requests first.
 
 The rules of ``vllm.v1.core.sched.scheduler.Scheduler.schedule`` in vLLM
-0.32.0 with FCFS, prefix caching on or off, speculative decoding on or off, no KV
-connector (``tests/policies/test_vllm_v1_differential.py`` checks them step by step
+0.32.0 with FCFS, prefix caching on or off, speculative decoding on or off, with or without
+a P/D KV connector (rule 9) (``tests/policies/test_vllm_v1_differential.py`` checks them step by step
 against that class):
 
 1. ``long_prefill_token_threshold`` caps a request's tokens in a step, but
@@ -96,10 +96,28 @@ against that class):
    (``SchedulerState._commit_pipelined_speculative``; checked against ``AsyncScheduler``
    in the same differential test).
 
+9. A decode instance of disaggregated serving (``state.remote``: ``sim.loop.handoff``), as
+   vLLM 0.32's ``Scheduler`` runs a KV connector that loads asynchronously (NixlConnector's
+   scheduler side: ``get_num_new_matched_tokens``, ``update_state_after_alloc``). Admission
+   first drains ``kv_holding_waiting`` (``remote.holding``), then the waiting queue. A held
+   request whose KV is still on its way is passed over (it keeps its place); one whose
+   transfer ended (``finished_recving``) is promoted: its blocks are registered in the prefix
+   cache, its last prompt token is set back to be computed again, and it is scheduled as a
+   request with computed tokens (its missing blocks and the watermark checked, no lookup). A
+   waiting request whose prompt another instance computed (``remote_kv``) looks up its local
+   prefix, and the rest of its prompt is to come over the link: if its whole sequence fits
+   the free pool less the watermark (``scheduler_reserve_full_isl``) and less the blocks the
+   running prefills still need (``_inflight_prefill_reserved_blocks``), its blocks are
+   allocated (registered only once loaded), it takes no budget, moves to the held queue as
+   WAITING_FOR_REMOTE_KVS and its transfer may start (``remote.on_alloc``); else admission
+   stops. The held requests passed over go back in front, in order. A request preempted
+   after its KV came recomputes locally (the connector asks for a load only once).
+
 Not modelled: priorities, a draft model (its own
 KV and forward), tree attention, dynamic
 speculation length (``num_speculative_tokens_per_batch_size``), multi-module MTP's
-prefill lookahead, KV connectors, multimodal inputs.
+prefill lookahead, KV connectors other than rule 9's (a connector's failed loads, offloading
+connectors), multimodal inputs.
 """
 
 from __future__ import annotations
@@ -295,6 +313,8 @@ class VllmV1Policy(PolicyBase):
     def _admit(self, state: SchedulerState, now_s: float, budget: int, threshold: int,
                items: list[BatchItem]) -> None:
         """Step 3 of the module doc: FCFS admission, stopping at the first misfit."""
+        if state.remote is not None:
+            return self._admit_remote(state, now_s, budget, threshold, items)
         kv = state.kv
         waiting, running = state.waiting, state.running
         # vLLM: int(watermark x num_gpu_blocks), the null block included
@@ -327,6 +347,102 @@ class VllmV1Policy(PolicyBase):
             state.admit(r, now_s, hit_tokens)
             items.append(BatchItem(r.req_id, n, hit_tokens))
             budget -= n
+
+    def _admit_remote(self, state: SchedulerState, now_s: float, budget: int, threshold: int,
+                      items: list[BatchItem]) -> None:
+        """Step 3 on a decode instance of disaggregated serving (rule 9 of the module doc):
+        ``kv_holding_waiting`` first, then the waiting queue, a remote prefill's blocks
+        allocated without budget while its KV is pulled."""
+        kv = state.kv
+        waiting, running, remote = state.waiting, state.running, state.remote
+        holding, loading, received = remote.holding, remote.loading, remote.received
+        watermark_blocks = int(self.config.watermark * (kv.num_blocks + self.num_reserved_blocks))
+        caching = kv.caching
+        block_size = kv.block_size
+        max_len = self.max_model_len
+        skipped: list[Request] = []
+        while budget > 0 and len(running) < self.max_num_seqs:
+            if holding:
+                r = holding[0]
+                if r.req_id in loading:
+                    if r.req_id not in received:
+                        skipped.append(holding.popleft())        # its KV is still on its way
+                        continue
+                    # _update_waiting_for_remote_kv: the blocks are registered now; a whole
+                    # prompt's KV computes its last token again, to sample from it.
+                    received.discard(r.req_id)
+                    loading.discard(r.req_id)
+                    if caching:
+                        kv.cache(r, r.num_computed_tokens)
+                    if r.num_computed_tokens == r.num_prompt_tokens + r.num_output_tokens:
+                        state.rewind_remote(r, r.num_computed_tokens - 1)
+                computed = r.num_computed_tokens
+                n = r.num_prompt_tokens + r.num_output_tokens - computed
+                if 0 < threshold < n:
+                    n = threshold
+                n = min(n, budget)
+                free = kv.num_free_blocks - (watermark_blocks if running else 0)
+                full = max(0, kv.num_blocks_for(min(r.num_prompt_tokens + r.num_output_tokens, max_len))
+                           - len(r.block_ids))
+                if self.config.reserve_full_prompt and full > free:
+                    break
+                if max(0, kv.num_blocks_for(computed + n) - len(r.block_ids)) > free:
+                    break
+                kv.allocate(r, computed + n)
+                state.admit_remote(r, now_s)
+                items.append(BatchItem(r.req_id, n, computed))
+                budget -= n
+                continue
+            if not waiting:
+                break
+            r = waiting[0]
+            known = r.num_prompt_tokens + r.num_output_tokens
+            hit = kv.lookup(r) if caching else ()
+            hit_tokens = len(hit) * block_size
+            extra = kv.num_evictable(hit) - len(hit) if hit else 0
+            free = kv.num_free_blocks - (watermark_blocks if running else 0)
+            if not r.remote_kv:                       # a request of its own (or recomputing)
+                n = known - hit_tokens
+                if 0 < threshold < n:
+                    n = threshold
+                n = min(n, budget)
+                if self.config.reserve_full_prompt and kv.num_blocks_for(min(known, max_len)) + extra > free:
+                    break
+                if kv.num_blocks_for(hit_tokens + n) + extra > free:
+                    break
+                if hit:
+                    kv.touch(r, hit)
+                kv.allocate(r, hit_tokens + n)
+                if caching:
+                    kv.record_lookup(r, hit_tokens)
+                state.admit(r, now_s, hit_tokens)
+                items.append(BatchItem(r.req_id, n, hit_tokens))
+                budget -= n
+                continue
+            # NixlConnector.get_num_new_matched_tokens: the prompt beyond the local hit comes over
+            # the link, loaded asynchronously; its blocks are taken now, without budget, if they
+            # fit what the in-flight prefills still need (_inflight_prefill_reserved_blocks).
+            remote_tokens = r.num_prompt_tokens - hit_tokens
+            if self.config.reserve_full_prompt and kv.num_blocks_for(min(known, max_len)) + extra > free:
+                break
+            reserved = 0
+            prefilling = state.prefilling
+            for q in running:
+                if q.req_id in prefilling:
+                    reserved += max(0, kv.num_blocks_for(min(q.num_prompt_tokens + q.num_output_tokens, max_len))
+                                    - len(q.block_ids))
+            if kv.num_blocks_for(known) + extra > free - reserved:
+                break
+            if hit:
+                kv.touch(r, hit)
+            kv.reserve(r, known)                      # delay_cache_blocks: registered when loaded
+            if caching:
+                kv.record_lookup(r, hit_tokens)
+            state.park_remote(r)
+            skipped.append(r)
+            remote.on_alloc(r, remote_tokens, now_s)
+        if skipped:
+            holding.extendleft(reversed(skipped))
 
     def _schedule_async(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         """Rule 7 of the module doc: ``schedule`` with the step in flight (``state.pending``)

@@ -109,16 +109,34 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.seed is not None:
         overrides["seed"] = args.seed
     cfg = load_workload(args.workload, overrides)
+    if cfg.disaggregation is not None:
+        for flag, given in (("--replicas", args.replicas != 1), ("--router", args.router != "round_robin"),
+                            ("--check", args.check)):
+            if given:
+                raise ConfigError(f"{args.workload}: {flag} with a 'disaggregation' section: each pool sets its "
+                                  f"own replicas and router (disaggregation.prefill / .decode)"
+                                  if flag != "--check" else
+                                  f"{args.workload}: --check with a 'disaggregation' section: the decode pool "
+                                  f"steps every iteration (no fast path to check)")
     run_dir = prepare_run_dir(args.out, Path("runs") / cfg.name, overwrite=args.overwrite)   # before the work
     out, taken = run_dir.path, run_dir.taken
     try:
         # steps.csv and tokens.npz are written by a second process while the run goes on (sim.results.runfiles)
-        with RunFilesProcess(out) as files:
-            result = run_workload(cfg, num_replicas=args.replicas, router=args.router, progress=not args.quiet,
-                                  strict=args.strict, files=files, check_stretch=args.check)
+        if cfg.disaggregation is not None:
+            from sim.run.disagg import run_disaggregated
+            result = run_disaggregated(cfg, progress=not args.quiet, strict=args.strict)
             traced = first_steps(result.steps) if args.trace else None
             write_run(result, out, bench=bench_result(result, percentiles, detailed=args.save_detailed),
-                      trace=trace_chunks(traced) if traced is not None else None, files=files)
+                      trace=trace_chunks(traced) if traced is not None else None)
+            from reports.presentation.pd_figure import write_phases_figure
+            write_phases_figure(result, out / "pd_phases.png")
+        else:
+            with RunFilesProcess(out) as files:
+                result = run_workload(cfg, num_replicas=args.replicas, router=args.router, progress=not args.quiet,
+                                      strict=args.strict, files=files, check_stretch=args.check)
+                traced = first_steps(result.steps) if args.trace else None
+                write_run(result, out, bench=bench_result(result, percentiles, detailed=args.save_detailed),
+                          trace=trace_chunks(traced) if traced is not None else None, files=files)
     except BaseException:
         remove_if_empty(run_dir)
         raise
@@ -131,8 +149,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     title = (f"{cfg.name}: policy {cfg.policy.kind}{loop}, profile {meta['profile_name']} "
              f"({result.summary['profile_source']}), {meta['num_blocks']:,} KV blocks x "
              f"{meta['kv_block_size']} tokens")
-    print(format_summary(result.summary, title, load=offered_load(result.request_source, meta["config"]["arrivals"]),
-                         num_replicas=meta["num_replicas"], router=meta["router"]))
+    pd_ = result.summary.get("disaggregation")
+    if pd_ is not None:
+        title = (f"{cfg.name}: disaggregated, {pd_['prefill']['replicas']} prefill x "
+                 f"{meta['profile_name_prefill']} ({cfg.disaggregation.prefill.cfg.policy.kind}) -> "
+                 f"{pd_['decode']['replicas']} decode x {meta['profile_name']} (vllm_v1{loop}), "
+                 f"{meta['num_blocks_prefill']:,} / {meta['num_blocks']:,} KV blocks")
+        print(format_summary(result.summary, title,
+                             load=offered_load(result.request_source, meta["config"]["arrivals"])))
+        print(format_pd(pd_))
+    else:
+        print(format_summary(result.summary, title,
+                             load=offered_load(result.request_source, meta["config"]["arrivals"]),
+                             num_replicas=meta["num_replicas"], router=meta["router"]))
     trust = result.summary.get("profile_trust") or {}
     if trust:
         err = trust.get("error_pct")
@@ -152,6 +181,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         files.append("trace.json")
     if result.prefix_cache is not None:
         files.append("prefix_cache.csv")
+    if result.pd_timeline is not None:
+        files += ["pd_timeline.csv", "pd_phases.png"]
     print(f"wrote {out}/ ({', '.join(files + ['summary.json'])}): simulated in {meta['wall_s']:.2f} s, "
           f"{time.perf_counter() - STARTED_S:.2f} s in all")
     if taken is not None:
@@ -165,6 +196,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         for path in regenerate(out):
             print(f"wrote {path}")
     return 0
+
+
+def format_pd(pd_: dict[str, Any]) -> str:
+    """The terminal's lines for a disaggregated run: where each request's TTFT went, the link."""
+    link = pd_["link"]
+    lines = [f"link        {link['kind'] or 'custom'}: {link['bandwidth_gbps']:g} Gb/s per GPU each way, "
+             f"{link['latency_us']:g} us; {pd_['num_transfers']:,} transfers, "
+             f"{pd_['transfer_bytes'] / 2**30:,.2f} GiB, {pd_['num_transfer_timeouts']} timed out"]
+    names = (("prefill_queue_s", "prefill queue"), ("prefill_s", "prefill"), ("transfer_wait_s", "decode admit"),
+             ("transfer_s", "transfer"), ("decode_queue_s", "decode queue"), ("decode_first_step_s", "first step"))
+    lines.append("TTFT parts  " + " | ".join(
+        f"{label} {v['p50_ms']:.1f}/{v['p99_ms']:.1f}" for key, label in names
+        if (v := pd_["phases"][key])["p50_ms"] is not None) + " ms (p50/p99)")
+    held = pd_["prefill_kv_held_peak_blocks"]
+    if held:
+        lines.append(f"prefill KV  held for transfer: peak {max(held.values()):,} of {pd_['prefill_kv_blocks']:,} "
+                     f"blocks on one instance")
+    return "\n".join(lines)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

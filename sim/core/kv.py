@@ -141,6 +141,11 @@ class BlockManager(KVPool):
             self._next_fresh = fresh + missing - reused
             req.block_ids.extend(range(fresh, self._next_fresh))
 
+    def reserve(self, req: Request, num_tokens: int) -> None:
+        """Grow ``req``'s blocks to hold ``num_tokens`` tokens without registering them in a
+        prefix cache (here: ``allocate``): blocks a KV transfer will fill."""
+        self.allocate(req, num_tokens)
+
     def append_block(self, req: Request) -> bool:
         """Give ``req`` one more block if one is free; False if the pool is dry."""
         if self._free_ids:

@@ -228,6 +228,12 @@ class PrefixCachePool(CachingPool):
         if (num_tokens if num_tokens < known else known) // self.block_size > req.num_hashed_blocks:
             self.cache(req, min(num_tokens, known))
 
+    def reserve(self, req: Request, num_tokens: int) -> None:
+        """Grow ``req``'s blocks to hold ``num_tokens`` tokens, registering none: blocks a KV
+        transfer will fill (vLLM's ``allocate_slots`` with ``delay_cache_blocks``; ``cache``
+        registers them once the KV is in)."""
+        self._grow(req, num_tokens)
+
     def _grow(self, req: Request, num_tokens: int) -> None:
         missing = -(-num_tokens // self.block_size) - len(req.block_ids)
         if missing > 0:

@@ -77,6 +77,10 @@ class Request:
     block_hashes: list[int] | None = None
     num_hashed_blocks: int = 0
     num_cached_tokens: int = 0
+    # Disaggregated serving (sim.loop.handoff): the decode side's copy of a request whose prompt a
+    # prefill instance computed; its KV is pulled over the link instead of computed (vLLM's
+    # kv_transfer_params with do_remote_prefill, cleared once its blocks are allocated).
+    remote_kv: bool = False
 
     @property
     def num_tokens(self) -> int:

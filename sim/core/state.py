@@ -9,7 +9,7 @@ re-implements token accounting.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -18,6 +18,27 @@ from sim.core.kv import BlockManager
 from sim.core.logs import TokenLog
 from sim.core.request import Request, RequestRecords, Status
 from sim.core.speculative import Speculation
+
+
+class RemoteKv:
+    """A decode instance's requests whose prompt KV another instance computed (disaggregated
+    serving, ``sim.loop.handoff``): the scheduler side of vLLM 0.32's KV connector.
+
+    ``holding``: vLLM's ``kv_holding_waiting`` queue, the requests that hold blocks but are
+    not running, in order: those whose KV is on its way (``loading``: WAITING_FOR_REMOTE_KVS)
+    and those it has reached, promoted but not yet scheduled. ``received``: the loading ones
+    whose KV is in (vLLM's ``finished_recving_kv_req_ids``, set by the link when the transfer
+    ends). ``on_alloc(req, num_tokens, now_s)``: called when a request's blocks for the
+    remote tokens are allocated (the connector's ``update_state_after_alloc``); the transfer
+    of ``num_tokens`` tokens may start then."""
+
+    __slots__ = ("holding", "loading", "received", "on_alloc")
+
+    def __init__(self, on_alloc: Callable[[Request, int, float], None]) -> None:
+        self.holding: deque[Request] = deque()
+        self.loading: set[int] = set()
+        self.received: set[int] = set()
+        self.on_alloc = on_alloc
 
 
 class SchedulerState:
@@ -69,6 +90,12 @@ class SchedulerState:
         # The ids of the requests finished (cut short included) since ``take_finished_ids``, for a
         # closed-loop client that waits on them (sim.loop.server.Server.on_finish); None keeps none.
         self.finished_ids: list[int] | None = None
+        # Disaggregated serving (sim.loop.handoff). A prefill instance's finished requests whose
+        # KV waits to be pulled, by id (``held``: their blocks stay taken until ``release_held``;
+        # None: blocks are freed at the finish); a decode instance's requests whose KV comes over
+        # the link (``remote``: vLLM's KV connector, scheduler side).
+        self.held: dict[int, Request] | None = None
+        self.remote: RemoteKv | None = None
 
     # ---- arrivals -----------------------------------------------------------
     def add_arrival(self, req: Request, true_output_tokens: int, now_s: float) -> bool:
@@ -151,12 +178,50 @@ class SchedulerState:
     def fingerprint(self) -> tuple:
         """What a scheduling decision can depend on, in counts: two equal ones at the
         same time mean nothing changed in between (the loop's stall guard)."""
+        remote = self.remote
         return (len(self.waiting), len(self.running), self.num_finished, self.num_rejected, self.num_preemptions,
-                self.all_arrived, self.kv.num_free_blocks)
+                self.all_arrived, self.kv.num_free_blocks,
+                (len(remote.holding), len(remote.received)) if remote is not None else None)
 
     @property
     def done(self) -> bool:
-        return self.all_arrived and not self.waiting and not self.running
+        return (self.all_arrived and not self.waiting and not self.running
+                and (self.remote is None or not self.remote.holding))
+
+    def release_held(self, req_id: int) -> None:
+        """Free the blocks of a finished request held for a KV transfer (``held``)."""
+        self.kv.free(self.held.pop(req_id))
+
+    def admit_remote(self, req: Request, now_s: float) -> None:
+        """Move ``req``, whose KV came over the link, from ``remote.holding`` to the running
+        list (vLLM: a request promoted from WAITING_FOR_REMOTE_KVS, then scheduled)."""
+        holding = self.remote.holding
+        if holding and holding[0] is req:
+            holding.popleft()
+        else:
+            holding.remove(req)
+        req.status = Status.RUNNING
+        if req.first_scheduled_s is None:
+            req.first_scheduled_s = now_s
+        self.running.append(req)
+        self.num_admissions += 1
+        self.prefilling.add(req.req_id)
+
+    def park_remote(self, req: Request) -> None:
+        """Move waiting ``req``, its blocks allocated for a KV transfer, to ``remote.holding``
+        (the caller puts it back in order): vLLM's WAITING_FOR_REMOTE_KVS, its computed tokens
+        all it knows. Its transfer is asked once: a later recompute computes locally."""
+        if self.waiting and self.waiting[0] is req:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
+        req.num_computed_tokens = req.num_prompt_tokens + req.num_output_tokens
+        req.remote_kv = False
+        self.remote.loading.add(req.req_id)
+
+    def rewind_remote(self, req: Request, num_computed_tokens: int) -> None:
+        """A received request's computed tokens set back (its last prompt token recomputed)."""
+        req.num_computed_tokens = num_computed_tokens
 
     # ---- mutators for policies ---------------------------------------------
     def admit(self, req: Request, now_s: float, num_cached_tokens: int = 0) -> None:
@@ -613,9 +678,13 @@ class SchedulerState:
                 del self._group_of[m.req_id]
         else:
             members = [req]
+        held = self.held
         for m in members:
             m.finished_s = now_s
-            self.kv.free(m)
+            if held is None:
+                self.kv.free(m)
+            else:
+                held[m.req_id] = m         # its KV waits to be pulled (release_held)
             self.running.remove(m)
             self.prefilling.discard(m.req_id)
             self.num_finished += 1

@@ -40,7 +40,8 @@ class OutputError(ConfigError):
 
 # What batchsim writes into a run directory: its files and, under figures/, the reports' images.
 RUN_FILES = ("summary.json", "requests.csv", "steps.csv", "tokens.npz", "meta.json", "vllm_bench.json",
-             "trace.json", "report.md", "report.html", "prefix_cache.csv")
+             "trace.json", "report.md", "report.html", "prefix_cache.csv", "pd_timeline.csv",
+             "pd_phases.png")
 FIGURE_SUFFIXES = (".png", ".svg")
 
 
@@ -263,6 +264,8 @@ def write_run(result: RunResult, out_dir: str | Path, *, bench: dict[str, Any] |
             tokens.result()
     if result.prefix_cache is not None:
         _atomic(out / "prefix_cache.csv", lambda p: write_csv_chunks(p, iter((result.prefix_cache,))))
+    if result.pd_timeline is not None:
+        _atomic(out / "pd_timeline.csv", lambda p: write_csv_chunks(p, iter((result.pd_timeline,))))
     meta = dict(result.meta)
     if files is not None and files.peak_rss_mib is not None:
         meta["files_process_peak_rss_mib"] = round(files.peak_rss_mib, 1)    # the second process's own
@@ -292,4 +295,6 @@ def read_run(out_dir: str | Path) -> RunResult:
     )
     if (out / "prefix_cache.csv").is_file():
         result.prefix_cache = pd.read_csv(out / "prefix_cache.csv")
+    if (out / "pd_timeline.csv").is_file():
+        result.pd_timeline = pd.read_csv(out / "pd_timeline.csv")
     return result

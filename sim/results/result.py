@@ -23,18 +23,24 @@ EMPTY_STEPS = (np.empty(0), np.empty(0), np.empty(0), np.empty((0, StepLog.NUM_I
 @dataclass
 class RunLogs:
     """Each replica's step and token logs (``sim.core.logs``), in replica order;
-    ``kv_total_blocks`` is every replica's pool size."""
+    ``kv_total_blocks`` is every replica's pool size, or each one's in replica order (pools of
+    different sizes: a disaggregated run's prefill and decode instances)."""
 
     replicas: list[int]
     steps: list[StepLog]
     tokens: list[TokenLog]
-    kv_total_blocks: int
+    kv_total_blocks: int | list[int]
+
+    def pool_size(self, k: int) -> int:
+        """The KV pool of the k-th replica listed."""
+        total = self.kv_total_blocks
+        return total[k] if isinstance(total, list) else total
 
     def step_frames(self) -> Iterator[pd.DataFrame]:
         """The step table (as steps.csv), chunk by chunk, replica after replica."""
-        for replica, log in zip(self.replicas, self.steps):
+        for k, (replica, log) in enumerate(zip(self.replicas, self.steps)):
             for chunk in log.chunks():
-                yield step_frame(replica, *chunk, kv_total_blocks=self.kv_total_blocks)
+                yield step_frame(replica, *chunk, kv_total_blocks=self.pool_size(k))
 
     def token_chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(req_id, t_s) of the tokens, chunk by chunk, replica after replica."""
@@ -72,6 +78,9 @@ class RunResult:
         # With a prefix cache: its time line, rows (time_s, replica, kv_used_blocks,
         # cached_free_blocks) sampled after steps (sim.loop.server.CACHE_SAMPLE_S); None without.
         self.prefix_cache: pd.DataFrame | None = None
+        # A disaggregated run's time line (sim.run.disagg.pd_timeline): the prefill side's KV held
+        # for transfer and the transfers in flight; None for an aggregated run.
+        self.pd_timeline: pd.DataFrame | None = None
 
     @property
     def requests(self) -> pd.DataFrame:
@@ -98,7 +107,7 @@ class RunResult:
         if self._steps is None:
             assert self.logs is not None, "checked in __init__"
             frames = (list(self.logs.step_frames()) or
-                      [step_frame(0, *EMPTY_STEPS, kv_total_blocks=self.logs.kv_total_blocks)])
+                      [step_frame(0, *EMPTY_STEPS, kv_total_blocks=self.logs.pool_size(0))])
             self._steps = pd.concat(frames, ignore_index=True)
         return self._steps
 

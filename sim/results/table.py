@@ -44,6 +44,9 @@ class RequestTable:
 
     def __init__(self, cols: dict[str, np.ndarray]) -> None:
         self.cols = cols
+        # Columns of a run's own appended after the latencies, by name, in id order (a
+        # disaggregated run's phases: sim.run.disagg).
+        self.extra: dict[str, np.ndarray] = {}
 
     @classmethod
     def from_records(cls, records: Sequence[RequestRecords], replicas: Sequence[int],
@@ -116,7 +119,10 @@ class RequestTable:
                 frame[name] = c[name].astype(np.int64) if name in as64 else c[name].copy()
         if "cached_tokens" in c:
             frame["num_cached_tokens"] = c["cached_tokens"].astype(np.int64)
-        return add_request_metrics(pd.DataFrame(frame, copy=False))
+        out = add_request_metrics(pd.DataFrame(frame, copy=False))
+        for name, values in self.extra.items():
+            out[name] = values[lo:hi]
+        return out
 
     def frames(self, rows: int | None = None) -> Iterator[pd.DataFrame]:
         """The requests table in row chunks (one empty frame for no requests)."""

@@ -113,17 +113,23 @@ class WorkloadConfig:
     # Step every iteration the loop's fast path would skip and check it against the fast path's plan
     # (sim.loop.stretch; ``sim run --check``): for a policy of your own, or knobs the tests do not cover.
     check_fast_path: bool = False
+    # Disaggregated prefill and decode (sim.run.disagg.Disaggregation; None: aggregated).
+    disaggregation: Any = None
     source: str = "<workload>"
     base_dir: str = "."
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = dataclasses.asdict(dataclasses.replace(self, disaggregation=None))
         d.pop("raw")
         if self.sessions is None:                # a run without sessions records its config as before
             d.pop("sessions")
         if not self.check_fast_path:             # so does a run without the check
             d.pop("check_fast_path")
+        if self.disaggregation is None:          # and an aggregated run
+            d.pop("disaggregation")
+        else:
+            d["disaggregation"] = self.disaggregation.to_dict()
         if self.slo is not None:                 # a workload's slo holds goodput thresholds only
             d["slo"] = self.slo.goodput_thresholds()
         return d
@@ -224,7 +230,7 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
         if key not in allowed:
             raise ConfigError(f"{source}: unknown field '{key}'{did_you_mean(key, allowed)}; "
                               f"allowed: {', '.join(allowed)}")
-    top = {k: v for k, v in data.items() if k not in SECTIONS and k != "policy"}
+    top = {k: v for k, v in data.items() if k not in SECTIONS and k not in ("policy", "disaggregation")}
     if "name" in top and not isinstance(top["name"], str):
         raise ConfigError(f"{source}: field 'name' must be a string (or left out: the file's name), "
                           f"got {top['name']!r}")
@@ -299,6 +305,9 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
                           f"file fixes the model and the hardware: keep one of them")
     cfg = dataclasses.replace(cfg, profile=_check_precision(cfg.profile, source))
     _check_kernels(cfg.profile, source, raw_profile)
+    if data.get("disaggregation") is not None:
+        from sim.run.disagg import parse_disaggregation     # (it builds each pool's workload here)
+        cfg = dataclasses.replace(cfg, disaggregation=parse_disaggregation(data, source, str(base_dir)))
     if cfg.slo is not None:
         for name in ("ttft_ms", "tpot_ms", "e2el_ms"):
             _positive(source, f"slo.{name}", getattr(cfg.slo, name))

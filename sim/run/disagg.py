@@ -1,0 +1,365 @@
+"""Disaggregated prefill and decode: a workload's ``disaggregation`` section and its run.
+
+::
+
+    disaggregation:
+      prefill: {replicas: 2, router: prefix_aware, profile: {tensor_parallel: 2}, policy: {...}}
+      decode:  {replicas: 1, router: least_requests, profile: {gpu: h200}, server: {...}}
+      link: {kind: rdma-400g}            # or bandwidth_gbps / latency_us, each GPU's port
+      proxy_ms: 0.0                      # the proxy's hop from a prefill reply to the decode send
+      abort_timeout_s: 480               # KV nobody read is freed (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)
+
+Each pool's ``profile``, ``policy`` and ``server`` are the workload's own with the pool's
+fields over them (a pool's ``policy`` of another ``kind`` replaces the workload's); its
+``replicas`` and ``router`` (``sim.loop.feed.ROUTERS``) are its own. The handoff between them
+is vLLM's (``sim.loop.handoff``), so the decode pool's policy is ``vllm_v1``; the prefill
+pool's may be any. Both pools serve the same model, with the same KV precision.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import simpy
+
+from policies.config import policy_knobs
+from sim.base.heap import trim_heap, tune_heap
+from sim.base.strict import did_you_mean
+from sim.core.logs import TokenLog
+from sim.core.request import REJECT_REASONS
+from sim.core.state import SchedulerState
+from sim.cost.profile import Profile
+from sim.loop.feed import ROUTERS, ClientPool
+from sim.loop.handoff import Handoff, LinkSpec, feed_prefills, feed_prefills_capped
+from sim.loop.server import Server, SimExecutor
+from sim.results.result import RunLogs, RunResult
+from sim.results.table import RequestTable
+from sim.run.config import ConfigError, WorkloadConfig, workload_from_dict
+
+# Each GPU's port, each way: nominal line rates (gigabits per second, as NICs are sold) and a
+# one-way latency before the data flows. What a transfer engine achieves is below line rate:
+# give bandwidth_gbps for the rate measured on your fabric.
+LINK_PRESETS: dict[str, tuple[float, float, str]] = {
+    "nvlink4": (3600.0, 2.0, "NVLink 4 within a node (H100/H200: 900 GB/s both ways = 450 GB/s each way)"),
+    "nvlink5": (7200.0, 2.0, "NVLink 5 within a node or an NVL72 rack (B200/GB200: 1.8 TB/s both ways)"),
+    "rdma-400g": (400.0, 5.0, "a 400G RDMA NIC per GPU (ConnectX-7 NDR InfiniBand or RoCE)"),
+    "rdma-800g": (800.0, 5.0, "an 800G RDMA NIC per GPU (ConnectX-8 XDR)"),
+    "pcie5": (512.0, 3.0, "PCIe 5.0 x16 (64 GB/s each way)"),
+    "tcp-100g": (100.0, 50.0, "TCP over 100G Ethernet"),
+}
+POOL_KEYS = ("replicas", "router", "profile", "policy", "server")
+SECTION_KEYS = ("prefill", "decode", "link", "proxy_ms", "abort_timeout_s")
+LINK_KEYS = ("kind", "bandwidth_gbps", "latency_us")
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    name: str                   # prefill | decode
+    replicas: int
+    router: str
+    cfg: WorkloadConfig         # the workload as this pool runs it
+
+
+@dataclass(frozen=True, slots=True)
+class Disaggregation:
+    prefill: Pool
+    decode: Pool
+    link: LinkSpec
+    link_kind: str | None
+    proxy_s: float
+    abort_timeout_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prefill": {"replicas": self.prefill.replicas, "router": self.prefill.router},
+                "decode": {"replicas": self.decode.replicas, "router": self.decode.router},
+                "link": {"kind": self.link_kind, "bandwidth_gbps": self.link.bandwidth_gbps,
+                         "latency_us": self.link.latency_us},
+                "proxy_ms": self.proxy_s * 1e3, "abort_timeout_s": self.abort_timeout_s}
+
+
+def _number(value: Any, where: str, source: str, *, positive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ConfigError(f"{source}: field '{where}' must be a number, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise ConfigError(f"{source}: field '{where}' must be {'> 0' if positive else '>= 0'}, got {value!r}")
+    return float(value)
+
+
+def _mapping(value: Any, where: str, source: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: field '{where}' must be a mapping, got {value!r}")
+    for key in value:
+        if key not in keys:
+            raise ConfigError(f"{source}: unknown field '{where}.{key}'{did_you_mean(key, list(keys))}; "
+                              f"allowed: {', '.join(keys)}")
+    return value
+
+
+def _pool(data: dict[str, Any], name: str, source: str, base_dir: str) -> Pool:
+    where = f"disaggregation.{name}"
+    raw = _mapping(data["disaggregation"].get(name), where, source, POOL_KEYS)
+    replicas = raw.get("replicas", 1)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ConfigError(f"{source}: field '{where}.replicas' must be an integer >= 1, got {replicas!r}")
+    router = raw.get("router", "round_robin")
+    if router not in ROUTERS:
+        raise ConfigError(f"{source}: field '{where}.router' must be one of {', '.join(ROUTERS)}, got {router!r}"
+                          f"{did_you_mean(router, list(ROUTERS))}")
+    merged = {k: v for k, v in data.items() if k != "disaggregation"}
+    for section in ("profile", "server", "policy"):
+        if section not in raw:
+            continue
+        given = raw[section]
+        if not isinstance(given, dict):
+            raise ConfigError(f"{source}: field '{where}.{section}' must be a mapping, got {given!r}")
+        base = data.get(section) if isinstance(data.get(section), dict) else {}
+        if section == "policy" and "kind" in given and given["kind"] != base.get("kind"):
+            base = {}                            # another policy: none of the workload's knobs apply
+        merged[section] = {**base, **given}
+    cfg = workload_from_dict(merged, f"{source} ({where})", base_dir)
+    return Pool(name, replicas, router, cfg)
+
+
+def parse_disaggregation(data: dict[str, Any], source: str, base_dir: str) -> Disaggregation:
+    """The workload's ``disaggregation`` section, every field checked (file, field, what was
+    expected)."""
+    section = _mapping(data["disaggregation"], "disaggregation", source, SECTION_KEYS)
+    for name in ("prefill", "decode"):
+        if name not in section:
+            raise ConfigError(f"{source}: field 'disaggregation.{name}' is missing: a disaggregated run needs a "
+                              f"prefill pool and a decode pool (each may be {{}} to take the workload's own)")
+    prefill = _pool(data, "prefill", source, base_dir)
+    decode = _pool(data, "decode", source, base_dir)
+    if decode.cfg.policy.kind != "vllm_v1":
+        raise ConfigError(f"{source}: field 'disaggregation.decode.policy.kind' is {decode.cfg.policy.kind}; the "
+                          f"KV handoff modelled is vLLM's (NixlConnector, the decode side pulling), whose decode "
+                          f"side is vllm_v1: set the decode pool's policy kind to vllm_v1")
+    if getattr(decode.cfg.policy, "speculative", None):
+        raise ConfigError(f"{source}: field 'disaggregation.decode.policy.speculative': speculative decoding on "
+                          f"a decode instance with a KV connector is not modelled; remove it")
+    for field in ("model", "dtype", "kv_cache_dtype", "weight_dtype", "path"):
+        a, b = getattr(prefill.cfg.profile, field), getattr(decode.cfg.profile, field)
+        if a != b and field in ("model", "kv_cache_dtype", "path"):
+            raise ConfigError(f"{source}: field 'disaggregation': the prefill pool's profile.{field} ({a!r}) "
+                              f"differs from the decode pool's ({b!r}); both serve the same model with the same "
+                              f"KV layout (converting KV between precisions is not modelled)")
+    if data.get("arrivals", {}).get("kind") == "sessions" if isinstance(data.get("arrivals"), dict) else False:
+        raise ConfigError(f"{source}: field 'arrivals.kind' sessions with disaggregation is not modelled; use "
+                          f"open-loop arrivals or arrivals.max_concurrency")
+    link_raw = _mapping(section.get("link", {"kind": "rdma-400g"}), "disaggregation.link", source, LINK_KEYS)
+    kind = link_raw.get("kind")
+    if kind is not None and kind not in LINK_PRESETS:
+        raise ConfigError(f"{source}: field 'disaggregation.link.kind' must be one of {', '.join(LINK_PRESETS)}, "
+                          f"got {kind!r}{did_you_mean(kind, list(LINK_PRESETS))}")
+    if kind is None and "bandwidth_gbps" not in link_raw:
+        raise ConfigError(f"{source}: field 'disaggregation.link' needs a kind ({', '.join(LINK_PRESETS)}) or a "
+                          f"bandwidth_gbps")
+    bw, lat = (LINK_PRESETS[kind][:2] if kind is not None else (None, 0.0))
+    if "bandwidth_gbps" in link_raw:
+        bw = _number(link_raw["bandwidth_gbps"], "disaggregation.link.bandwidth_gbps", source)
+    if "latency_us" in link_raw:
+        lat = _number(link_raw["latency_us"], "disaggregation.link.latency_us", source, positive=False)
+    proxy_s = _number(section.get("proxy_ms", 0.0), "disaggregation.proxy_ms", source, positive=False) / 1e3
+    timeout = _number(section.get("abort_timeout_s", 480.0), "disaggregation.abort_timeout_s", source)
+    return Disaggregation(prefill, decode, LinkSpec(bw, lat), kind, proxy_s, timeout)
+
+
+# ---- the run -------------------------------------------------------------------------------------
+def _build_pool(pool: Pool, env: simpy.Environment, first_replica: int, decode: bool):
+    from sim.run.runner import block_size_of, build_policy, build_profile, kv_blocks, max_model_len_of, \
+        resolve_server
+    cfg = pool.cfg
+    profile = build_profile(cfg)
+    cfg = resolve_server(cfg, profile)
+    policy = build_policy(cfg, max_model_len_of(cfg, profile), profile)
+    num_blocks, max_model_len = kv_blocks(cfg, profile, policy)
+    executor = SimExecutor(profile)
+    servers = []
+    for k in range(pool.replicas):
+        if k:
+            policy = build_policy(cfg, max_model_len, profile)
+        if decode:
+            policy.decode_stretch = False        # a received transfer may admit at any step
+        usable = num_blocks - policy.num_reserved_blocks
+        state = SchedulerState(policy.kv_pool_class(usable, block_size_of(cfg, policy), cfg.server.watermark),
+                               max_model_len, policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt,
+                               clamp_max_tokens=policy.clamps_max_tokens)
+        servers.append(Server(env, policy, state, executor, replica=first_replica + k))
+    return cfg, profile, servers, num_blocks, max_model_len
+
+
+def run_disaggregated(cfg: WorkloadConfig, *, progress: bool = False, strict: bool = False) -> RunResult:
+    """Simulate ``cfg`` (with its ``disaggregation``) on its prefill and decode pools."""
+    from sim.run.runner import RequestStream, _run_env, profile_trust, request_max_tokens
+    from workloads.generate import generate
+    d: Disaggregation = cfg.disaggregation
+    wall0 = time.perf_counter()
+    tune_heap()
+    env = simpy.Environment()
+    p_cfg, p_profile, p_servers, p_blocks, p_len = _build_pool(d.prefill, env, 0, False)
+    d_cfg, d_profile, d_servers, d_blocks, d_len = _build_pool(d.decode, env, d.prefill.replicas, True)
+    specs = generate(cfg)
+    if len(specs) == 0:
+        raise ConfigError(f"{cfg.source}: the workload has no requests (check num_requests, duration_s, "
+                          f"arrivals.start_s)")
+    n = len(specs)
+    requests = RequestStream(specs, request_max_tokens(d_cfg, specs, d_len))
+    a = cfg.arrivals
+    clients = ClientPool(env, min(a.max_concurrency, n), a.think_time_s) if a.max_concurrency is not None else None
+    handoff = Handoff(env, p_servers, d_servers, (d.prefill.router, d.decode.router), d.link,
+                      d_profile.kv_bytes_per_token, (p_cfg.profile.tensor_parallel, d_cfg.profile.tensor_parallel),
+                      n, proxy_s=d.proxy_s, abort_timeout_s=d.abort_timeout_s, clients=clients)
+    lag_s = float(d_profile.engine.get("request_overhead_s") or 0.0)
+    if clients is None:
+        env.process(feed_prefills(env, handoff, requests, requests.true_outputs(), lag_s))
+    else:
+        env.process(feed_prefills_capped(env, handoff, requests, requests.true_outputs(), clients, lag_s))
+    p_profile.reset_counters()
+    d_profile.reset_counters()
+    loop0 = time.perf_counter()
+    _run_env(env, d_servers, n, progress)
+    loop_s = time.perf_counter() - loop0
+    trim_heap()
+    for s in (*p_servers, *d_servers):
+        left = [*s.state.waiting, *s.state.running, *(s.state.remote.holding if s.state.remote else ())]
+        if left:
+            r = left[0]
+            raise RuntimeError(f"disaggregated run stalled: {len(left)} request(s) unfinished on replica "
+                               f"{s.replica}, first request {r.req_id} ({r.status.name.lower()}, "
+                               f"{r.num_computed_tokens:,} of {r.num_prompt_tokens:,} prompt tokens computed)")
+    result = _collect(cfg, d, handoff, p_servers, d_servers, p_blocks, d_blocks, p_profile, d_profile,
+                      clients.waits_s if clients is not None else None)
+    rejected = result.summary["failed_by_reason"]
+    if rejected:
+        reasons = "; ".join(f"{k} with " + REJECT_REASONS[why].format(max_model_len=d_len, limit=None)
+                            for why, k in sorted(rejected.items()))
+        msg = f"{cfg.source}: {sum(rejected.values())} of {n} requests were rejected ({reasons}); counted as failed"
+        if strict:
+            raise ConfigError(msg + " (--strict)")
+        warnings.warn(msg, stacklevel=2)
+    result.meta.update(wall_s=time.perf_counter() - wall0, loop_s=loop_s, num_blocks=d_blocks,
+                       num_blocks_prefill=p_blocks, max_model_len=d_len, max_model_len_prefill=p_len,
+                       num_replicas=d.prefill.replicas + d.decode.replicas, router=d.decode.router,
+                       num_trace_rows_dropped=specs.num_dropped, profile_trust_prefill=profile_trust(p_profile),
+                       policy_knobs_prefill=policy_knobs(p_cfg.policy, p_servers[0].policy))
+    return result
+
+
+def _phases(h: Handoff, table: RequestTable, p_first_scheduled: np.ndarray) -> dict[str, np.ndarray]:
+    """Each request's time in each phase (seconds; NaN where it never got there)."""
+    arrival = table.cols["arrival_s"]
+    d_sched = table.cols["first_scheduled_s"].astype(np.float64)
+    d_first = table.cols["first_token_s"].astype(np.float64)
+    xfer_end = np.where(np.isnan(h.transfer_end_s), h.decode_sent_s, h.transfer_end_s)
+    return {
+        "prefill_replica": h.prefill_replica,
+        "prefill_queue_s": p_first_scheduled - arrival,
+        "prefill_s": h.prefill_done_s - p_first_scheduled,
+        "transfer_wait_s": np.where(np.isnan(h.transfer_start_s), np.nan, h.transfer_start_s - h.prefill_done_s),
+        "transfer_s": h.transfer_end_s - h.transfer_start_s,
+        "transfer_tokens": h.transfer_tokens,
+        "decode_queue_s": d_sched - xfer_end,
+        "decode_first_step_s": d_first - d_sched,
+    }
+
+
+def _collect(cfg: WorkloadConfig, d: Disaggregation, h: Handoff, p_servers: list[Server], d_servers: list[Server],
+             p_blocks: int, d_blocks: int, p_profile: Profile, d_profile: Profile,
+             client_queue_s) -> RunResult:
+    from sim.run.runner import log_summary, prefix_cache_summary, profile_trust
+    n = h.num_requests
+    # The prefill side's own table (its copies, max_tokens 1): for its queue and prefill times.
+    # (Its records hold every request once: finished, or refused at arrival.)
+    p_table = RequestTable.from_records([s.state.records for s in p_servers], [s.replica for s in p_servers], n,
+                                        prefix_caching=p_servers[0].state.kv.caching)
+    table = RequestTable.from_records([s.state.records for s in d_servers] + [h.failed],
+                                      [s.replica for s in d_servers] + [-1], n,
+                                      prefix_caching=d_servers[0].state.kv.caching)
+    phases = _phases(h, table, p_table.cols["first_scheduled_s"].astype(np.float64))
+    table.extra.update(phases)
+    servers = [*p_servers, *d_servers]
+    empty = TokenLog()
+    logs = RunLogs([s.replica for s in servers], [s.log for s in servers],
+                   [empty for _ in p_servers] + [s.state.tokens for s in d_servers],
+                   [p_blocks] * len(p_servers) + [d_blocks] * len(d_servers))
+    slo = cfg.slo.goodput_thresholds() if cfg.slo else None
+    result = RunResult(table, None, None, {}, {}, logs)
+    summary = log_summary(table, [s.log for s in d_servers], [s.state.tokens for s in d_servers], slo, d_blocks,
+                          result.itl())
+    summary["profile_source"] = d_profile.provenance.get("label") or d_profile.provenance.get("source", "unknown")
+    summary["profile_trust"] = profile_trust(d_profile)
+    summary["policy"] = d.decode.cfg.policy.kind
+    summary["failed_by_reason"] = table.failed_by_reason()
+    summary.update(prefix_cache_summary([s.state.kv for s in d_servers]))
+    prefill = log_summary(p_table, [s.log for s in p_servers], [empty], None, p_blocks)
+    prefill.update(prefix_cache_summary([s.state.kv for s in p_servers]))
+    summary["disaggregation"] = _pd_summary(d, h, phases, table, prefill, p_servers, d_servers, p_blocks)
+    result.summary = summary
+    result.meta = {"config": cfg.to_dict(), "seed": cfg.seed, "profile_name": d_profile.name,
+                   "profile_name_prefill": p_profile.name, "profile_provenance": d_profile.provenance,
+                   "profile_efficiency": d_profile.efficiency, "kv_block_size": d_servers[0].state.kv.block_size,
+                   "policy_knobs": policy_knobs(d.decode.cfg.policy, d_servers[0].policy)}
+    result.client_queue_s = client_queue_s
+    result.prefix_cache = None
+    result.pd_timeline = pd_timeline(h)
+    return result
+
+
+def _stats(values: np.ndarray) -> dict[str, float | None]:
+    v = values[~np.isnan(values)]
+    if not len(v):
+        return {"mean_ms": None, "p50_ms": None, "p99_ms": None}
+    return {"mean_ms": float(v.mean() * 1e3), "p50_ms": float(np.percentile(v, 50) * 1e3),
+            "p99_ms": float(np.percentile(v, 99) * 1e3)}
+
+
+def _pd_summary(d: Disaggregation, h: Handoff, phases: dict[str, np.ndarray], table: RequestTable,
+                prefill: dict[str, Any], p_servers, d_servers, p_blocks: int) -> dict[str, Any]:
+    finished = table.finished
+    makespan = float(np.nanmax(table.cols["finished_s"])) if len(table) else 0.0
+    link = h.link
+    held = h.held_timeline()
+    peak_held = {}
+    for s in p_servers:
+        rows = held[held[:, 1] == s.replica]
+        peak_held[str(s.replica)] = int(rows[:, 2].max()) if len(rows) else 0
+    util = {}
+    for (side, replica), busy in sorted(link.busy_s.items()):
+        cap = link.capacity[(side, replica)]
+        moved = link.bytes_moved.get((side, replica), 0.0)
+        util[f"{'prefill' if side == 'p' else 'decode'}_{replica}"] = {
+            "bytes": int(moved), "busy_share": busy / makespan if makespan else 0.0,
+            "utilisation": moved / (cap * makespan) if makespan else 0.0}
+    return {
+        **d.to_dict(),
+        "num_transfers": int(np.sum(~np.isnan(h.transfer_end_s))),
+        "transfer_bytes": int(np.nansum(h.transfer_tokens * h.kv_bytes_per_token)),
+        "num_transfer_timeouts": h.num_timeouts,
+        "phases": {name: _stats(phases[name][finished]) for name in
+                   ("prefill_queue_s", "prefill_s", "transfer_wait_s", "transfer_s", "decode_queue_s",
+                    "decode_first_step_s")},
+        "prefill_kv_held_peak_blocks": peak_held,
+        "prefill_kv_blocks": p_blocks,
+        "link_usage": util,
+        # The prefill instances' own view: their "TTFT" is the prefill's end (the token dropped).
+        "prefill_pool": {k: prefill.get(k) for k in ("mean_ttft_ms", "p99_ttft_ms", "num_steps", "mean_batch_size",
+                                                     "busy_fraction", "mean_kv_utilization", "peak_kv_utilization",
+                                                     "prefix_cache_hit_rate") if k in prefill},
+    }
+
+
+def pd_timeline(h: Handoff):
+    """pd_timeline.csv: the prefill instances' KV held for transfer, and the transfers in
+    flight, over time."""
+    import pandas as pd
+    held = h.held_timeline()
+    link = h.link_timeline()
+    a = pd.DataFrame({"time_s": held[:, 0], "what": "prefill_kv_held_blocks", "replica": held[:, 1].astype(np.int64),
+                      "value": held[:, 2]})
+    b = pd.DataFrame({"time_s": link[:, 0], "what": "transfers_in_flight", "replica": -1, "value": link[:, 1]})
+    return pd.concat([a, b], ignore_index=True).sort_values(["time_s", "what"], kind="stable", ignore_index=True)
+
