@@ -258,7 +258,7 @@ class VllmV1Policy(PolicyBase):
         running = state.running
         budget = self.token_budget
         threshold = self.config.long_prefill_token_threshold
-        if len(running) + len(state.waiting) <= 1:
+        if len(running) + state.num_waiting <= 1:
             threshold = 0
         items: list[BatchItem] = []
         preempted = False
@@ -451,7 +451,7 @@ class VllmV1Policy(PolicyBase):
         running = state.running
         budget = self.token_budget
         threshold = self.config.long_prefill_token_threshold
-        if len(running) + len(state.waiting) <= 1:
+        if len(running) + state.num_waiting <= 1:
             threshold = 0
         flight = {it[0]: it[1] for it in state.pending[-1].items} if state.pending else {}
         get = flight.get
@@ -506,7 +506,7 @@ class VllmV1Policy(PolicyBase):
         running = state.running
         budget = self.token_budget
         threshold = self.config.long_prefill_token_threshold
-        if len(running) + len(state.waiting) <= 1:
+        if len(running) + state.num_waiting <= 1:
             threshold = 0
         max_model_len = self.max_model_len
         lookahead = self.speculative.lookahead

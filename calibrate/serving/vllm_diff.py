@@ -44,7 +44,7 @@ from sim.core.kv import BlockManager
 from sim.core.prefix import PrefixCachePool, own_content
 from sim.core.request import Request, Status
 from sim.core.speculative import Speculation
-from sim.core.state import SchedulerState
+from sim.core.state import RemoteKv, SchedulerState
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,13 @@ class Case:
     # hit one block shorter) reserves and looks up; each verify step accepts ``fixed_acceptance``.
     num_speculative_tokens: int = 0
     spec_method: str = "ngram"
+    # Disaggregated serving's decode side (synchronous scheduler only; ``calibrate.serving.
+    # vllm_connector``): per request, whether another instance computed its prompt (its KV is
+    # loaded asynchronously through the KV connector, vllm_v1's rule 9), and the steps from the
+    # one whose scheduling allocated its blocks to the one whose output reports the load done
+    # (0: that same step's output). None: no connector.
+    remote: tuple[bool, ...] | None = None
+    recv_steps: tuple[int, ...] | None = None
 
 
 def fixed_acceptance(req_id: int, num_output_tokens: int, num_drafts: int) -> int:
@@ -145,9 +152,21 @@ class VllmReference:
             # EAGLE's scheduler-side rules (lookahead slots, the prefix hit's dropped block) read
             # only the method; its draft model is the model runner's, which does not run here.
             spec_config.method = case.spec_method
-        config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache,
-                            **({"speculative_config": spec_config, "parallel_config": parallel}
-                               if spec_config is not None else {}))
+        extra: dict[str, Any] = ({"speculative_config": spec_config, "parallel_config": parallel}
+                                 if spec_config is not None else {})
+        self.script = None
+        if case.remote is not None:
+            from vllm.config import KVTransferConfig
+            from calibrate.serving import vllm_connector
+            self.script = vllm_connector.ACTIVE = vllm_connector.Script(
+                {str(i) for i, r in enumerate(case.remote) if r})
+            extra["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="ScriptedConnector", kv_role="kv_consumer",
+                kv_connector_module_path="calibrate.serving.vllm_connector")
+            sched.disable_hybrid_kv_cache_manager = True     # one KV group: no hybrid manager
+        self._alloc_step: dict[str, int] = {}
+        self._num_steps = 0
+        config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache, **extra)
         spec = FullAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         kv = KVCacheConfig(num_blocks=case.num_blocks, kv_cache_tensors=[],
                            kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
@@ -251,8 +270,21 @@ class VllmReference:
                 a = fixed_acceptance(int(rid), req.num_output_tokens, d) if d and not padded else 0
                 pos = req.num_output_tokens
                 sampled.append([self._token((self._out_keys[int(rid)], pos + j)) for j in range(a + 1)])
+            kv_out = None
+            if self.script is not None:
+                from vllm.v1.outputs import KVConnectorOutput
+                k = self._num_steps
+                done = {rid for rid, at in self._alloc_step.items()
+                        if at + self.case.recv_steps[int(rid)] == k}
+                for rid in done:
+                    del self._alloc_step[rid]
+                kv_out = KVConnectorOutput(finished_recving=done or None)
             return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                     sampled_token_ids=sampled)
+                                     sampled_token_ids=sampled, kv_connector_output=kv_out)
+        if self.script is not None:
+            for rid in self.script.allocated:
+                self._alloc_step[rid] = self._num_steps
+            self.script.allocated.clear()
         return out, output, step
 
     def _pool(self) -> tuple[int, int, int]:
@@ -281,6 +313,7 @@ class VllmReference:
             self.scheduler.update_draft_token_ids(DraftTokenIds(ids, drafts))
         step.finished = sorted(int(rid) for rid in out.num_scheduled_tokens if self.requests[int(rid)].is_finished())
         step.kv_used_blocks, step.cached_blocks, step.cached_free_blocks = self._pool()
+        self._num_steps += 1
         return step
 
     @property
@@ -444,11 +477,18 @@ class BatchsimSide:
 
         self.state.preempt = record                 # type: ignore[method-assign]
         self.now_s = 0.0
+        self._alloc_step: dict[int, int] = {}
+        self._num_steps = 0
+        if case.remote is not None:
+            def allocated(req: Request, num_tokens: int, now_s: float) -> None:
+                self._alloc_step[req.req_id] = self._num_steps
+            self.state.remote = RemoteKv(allocated)
 
     def add(self, req_id: int, prompt_tokens: int, max_tokens: int) -> None:
         req = Request(req_id=req_id, arrival_s=self.now_s, num_prompt_tokens=prompt_tokens,
                       max_output_tokens=self._max_tokens(req_id, prompt_tokens, max_tokens),
-                      content=self.case.contents[req_id] if self.case.contents else None)
+                      content=self.case.contents[req_id] if self.case.contents else None,
+                      remote_kv=bool(self.case.remote and self.case.remote[req_id]))
         if not self.state.add_arrival(req, max_tokens, self.now_s):
             raise ValueError(f"request {req_id} (prompt {prompt_tokens}, max_tokens {max_tokens}) "
                              f"is rejected by batchsim: it can never fit this case")
@@ -478,11 +518,19 @@ class BatchsimSide:
         step.finished = sorted(it.req_id for it in items
                                if it.req_id not in live or live[it.req_id].status == Status.FINISHED)
         step.kv_used_blocks, step.cached_blocks, step.cached_free_blocks = self._pool()
+        if self.state.remote is not None:          # the loads this step's output reports done
+            k = self._num_steps
+            for rid, at in list(self._alloc_step.items()):
+                if at + self.case.recv_steps[rid] == k:
+                    del self._alloc_step[rid]
+                    self.state.remote.received.add(rid)
+        self._num_steps += 1
         return step
 
     @property
     def done(self) -> bool:
-        return not self.state.waiting and not self.state.running
+        return (not self.state.waiting and not self.state.running
+                and (self.state.remote is None or not self.state.remote.holding))
 
 
 class AsyncBatchsimSide(BatchsimSide):

@@ -188,6 +188,12 @@ class SchedulerState:
         return (self.all_arrived and not self.waiting and not self.running
                 and (self.remote is None or not self.remote.holding))
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to run: the queue, and on a decode instance the held ones (vLLM's
+        ``get_request_counts``: ``waiting`` + ``kv_holding_waiting``)."""
+        return len(self.waiting) + (len(self.remote.holding) if self.remote is not None else 0)
+
     def release_held(self, req_id: int) -> None:
         """Free the blocks of a finished request held for a KV transfer (``held``)."""
         self.kv.free(self.held.pop(req_id))

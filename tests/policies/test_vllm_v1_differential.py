@@ -29,6 +29,7 @@ pytest.importorskip("vllm")
 from calibrate.serving.vllm_diff import Case, first_difference, first_difference_async  # noqa: E402
 
 NUM_CASES = int(os.environ.get("BATCHSIM_DIFF_CASES", "300"))
+PD_CASES = int(os.environ.get("BATCHSIM_DIFF_PD_CASES", "60"))
 SEED0 = int(os.environ.get("BATCHSIM_DIFF_SEED0", "0"))
 
 
@@ -205,6 +206,30 @@ def test_speculative_async_identical_decisions(seed: int) -> None:
         diff, num_records = first_difference_async(case)
         assert diff is None, (f"seed {seed} ({maker.__name__}): {case}\nfirst difference after "
                               f"{num_records - 1} batches\n{diff}")
+
+
+def remote_case(case: Case, seed: int) -> Case:
+    """``case`` on the decode instance of disaggregated serving: about 70% of its requests come
+    with their prompt computed elsewhere (loaded through the KV connector of
+    ``calibrate.serving.vllm_connector``), each load reported done 0 to 5 steps after the step
+    that allocated its blocks."""
+    rng = random.Random(40_000_000 + seed)
+    return replace(case, remote=tuple(rng.random() < 0.7 for _ in case.prompts),
+                   recv_steps=tuple(rng.choice([0, 0, 1, 2, 3, 5]) for _ in case.prompts))
+
+
+@pytest.mark.parametrize("seed", range(SEED0, SEED0 + PD_CASES))
+def test_kv_connector_decode_side_identical_decisions(seed: int) -> None:
+    """vllm_v1's rule 9 against vLLM's Scheduler with a KV connector that loads remote prompts
+    asynchronously (NixlConnector's answers; when each load ends is the case's): the held queue
+    drained first, loads allocated without budget under the in-flight prefills' reserve,
+    promotion with the last prompt token computed again, the blocks registered when loaded;
+    random and prefix-caching cases."""
+    for maker in (random_case, random_prefix_case):
+        case = remote_case(maker(seed), seed)
+        diff, num_steps = first_difference(case)
+        assert diff is None, (f"seed {seed} ({maker.__name__}): {case}\nfirst difference after "
+                              f"{num_steps - 1} steps\n{diff}")
 
 
 def test_speculative_by_hand() -> None:
