@@ -113,7 +113,7 @@ class WorkloadConfig:
     # Step every iteration the loop's fast path would skip and check it against the fast path's plan
     # (sim.loop.stretch; ``sim run --check``): for a policy of your own, or knobs the tests do not cover.
     check_fast_path: bool = False
-    # Disaggregated prefill and decode (sim.run.disagg.Disaggregation; None: aggregated).
+    # Disaggregated prefill and decode (sim.run.pd_config.Disaggregation; None: aggregated).
     disaggregation: Any = None
     source: str = "<workload>"
     base_dir: str = "."
@@ -306,8 +306,10 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
     cfg = dataclasses.replace(cfg, profile=_check_precision(cfg.profile, source))
     _check_kernels(cfg.profile, source, raw_profile)
     if data.get("disaggregation") is not None:
-        from sim.run.disagg import parse_disaggregation     # (it builds each pool's workload here)
-        cfg = dataclasses.replace(cfg, disaggregation=parse_disaggregation(data, source, str(base_dir)))
+        from sim.run.pd_config import parse_disaggregation
+
+        pd = parse_disaggregation(data, source, str(base_dir), workload_from_dict)
+        cfg = dataclasses.replace(cfg, disaggregation=pd)
     if cfg.slo is not None:
         for name in ("ttft_ms", "tpot_ms", "e2el_ms"):
             _positive(source, f"slo.{name}", getattr(cfg.slo, name))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,145 +27,18 @@ import simpy
 
 from policies.config import policy_knobs
 from sim.base.heap import trim_heap, tune_heap
-from sim.base.strict import did_you_mean
 from sim.core.logs import TokenLog
 from sim.core.request import REJECT_REASONS
 from sim.core.state import SchedulerState
 from sim.cost.profile import Profile
-from sim.loop.feed import ROUTERS, ClientPool
-from sim.loop.handoff import Handoff, LinkSpec, feed_prefills, feed_prefills_capped
+from sim.loop.feed import ClientPool
+from sim.loop.handoff import Handoff, feed_prefills, feed_prefills_capped
 from sim.loop.server import Server, SimExecutor
 from sim.results.result import RunLogs, RunResult
 from sim.results.table import RequestTable
-from sim.run.config import ConfigError, WorkloadConfig, workload_from_dict
-
-# Each GPU's port, each way: nominal line rates (gigabits per second, as NICs are sold) and a
-# one-way latency before the data flows. What a transfer engine achieves is below line rate:
-# give bandwidth_gbps for the rate measured on your fabric.
-LINK_PRESETS: dict[str, tuple[float, float, str]] = {
-    "nvlink4": (3600.0, 2.0, "NVLink 4 within a node (H100/H200: 900 GB/s both ways = 450 GB/s each way)"),
-    "nvlink5": (7200.0, 2.0, "NVLink 5 within a node or an NVL72 rack (B200/GB200: 1.8 TB/s both ways)"),
-    "rdma-400g": (400.0, 5.0, "a 400G RDMA NIC per GPU (ConnectX-7 NDR InfiniBand or RoCE)"),
-    "rdma-800g": (800.0, 5.0, "an 800G RDMA NIC per GPU (ConnectX-8 XDR)"),
-    "pcie5": (512.0, 3.0, "PCIe 5.0 x16 (64 GB/s each way)"),
-    "tcp-100g": (100.0, 50.0, "TCP over 100G Ethernet"),
-}
-POOL_KEYS = ("replicas", "router", "profile", "policy", "server")
-SECTION_KEYS = ("prefill", "decode", "link", "proxy_ms", "abort_timeout_s")
-LINK_KEYS = ("kind", "bandwidth_gbps", "latency_us")
-
-
-@dataclass(frozen=True, slots=True)
-class Pool:
-    name: str                   # prefill | decode
-    replicas: int
-    router: str
-    cfg: WorkloadConfig         # the workload as this pool runs it
-
-
-@dataclass(frozen=True, slots=True)
-class Disaggregation:
-    prefill: Pool
-    decode: Pool
-    link: LinkSpec
-    link_kind: str | None
-    proxy_s: float
-    abort_timeout_s: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"prefill": {"replicas": self.prefill.replicas, "router": self.prefill.router},
-                "decode": {"replicas": self.decode.replicas, "router": self.decode.router},
-                "link": {"kind": self.link_kind, "bandwidth_gbps": self.link.bandwidth_gbps,
-                         "latency_us": self.link.latency_us},
-                "proxy_ms": self.proxy_s * 1e3, "abort_timeout_s": self.abort_timeout_s}
-
-
-def _number(value: Any, where: str, source: str, *, positive: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ConfigError(f"{source}: field '{where}' must be a number, got {value!r}")
-    if value < 0 or (positive and value == 0):
-        raise ConfigError(f"{source}: field '{where}' must be {'> 0' if positive else '>= 0'}, got {value!r}")
-    return float(value)
-
-
-def _mapping(value: Any, where: str, source: str, keys: tuple[str, ...]) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{source}: field '{where}' must be a mapping, got {value!r}")
-    for key in value:
-        if key not in keys:
-            raise ConfigError(f"{source}: unknown field '{where}.{key}'{did_you_mean(key, list(keys))}; "
-                              f"allowed: {', '.join(keys)}")
-    return value
-
-
-def _pool(data: dict[str, Any], name: str, source: str, base_dir: str) -> Pool:
-    where = f"disaggregation.{name}"
-    raw = _mapping(data["disaggregation"].get(name), where, source, POOL_KEYS)
-    replicas = raw.get("replicas", 1)
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ConfigError(f"{source}: field '{where}.replicas' must be an integer >= 1, got {replicas!r}")
-    router = raw.get("router", "round_robin")
-    if router not in ROUTERS:
-        raise ConfigError(f"{source}: field '{where}.router' must be one of {', '.join(ROUTERS)}, got {router!r}"
-                          f"{did_you_mean(router, list(ROUTERS))}")
-    merged = {k: v for k, v in data.items() if k != "disaggregation"}
-    for section in ("profile", "server", "policy"):
-        if section not in raw:
-            continue
-        given = raw[section]
-        if not isinstance(given, dict):
-            raise ConfigError(f"{source}: field '{where}.{section}' must be a mapping, got {given!r}")
-        base = data.get(section) if isinstance(data.get(section), dict) else {}
-        if section == "policy" and "kind" in given and given["kind"] != base.get("kind"):
-            base = {}                            # another policy: none of the workload's knobs apply
-        merged[section] = {**base, **given}
-    cfg = workload_from_dict(merged, f"{source} ({where})", base_dir)
-    return Pool(name, replicas, router, cfg)
-
-
-def parse_disaggregation(data: dict[str, Any], source: str, base_dir: str) -> Disaggregation:
-    """The workload's ``disaggregation`` section, every field checked (file, field, what was
-    expected)."""
-    section = _mapping(data["disaggregation"], "disaggregation", source, SECTION_KEYS)
-    for name in ("prefill", "decode"):
-        if name not in section:
-            raise ConfigError(f"{source}: field 'disaggregation.{name}' is missing: a disaggregated run needs a "
-                              f"prefill pool and a decode pool (each may be {{}} to take the workload's own)")
-    prefill = _pool(data, "prefill", source, base_dir)
-    decode = _pool(data, "decode", source, base_dir)
-    if decode.cfg.policy.kind != "vllm_v1":
-        raise ConfigError(f"{source}: field 'disaggregation.decode.policy.kind' is {decode.cfg.policy.kind}; the "
-                          f"KV handoff modelled is vLLM's (NixlConnector, the decode side pulling), whose decode "
-                          f"side is vllm_v1: set the decode pool's policy kind to vllm_v1")
-    if getattr(decode.cfg.policy, "speculative", None):
-        raise ConfigError(f"{source}: field 'disaggregation.decode.policy.speculative': speculative decoding on "
-                          f"a decode instance with a KV connector is not modelled; remove it")
-    for field in ("model", "dtype", "kv_cache_dtype", "weight_dtype", "path"):
-        a, b = getattr(prefill.cfg.profile, field), getattr(decode.cfg.profile, field)
-        if a != b and field in ("model", "kv_cache_dtype", "path"):
-            raise ConfigError(f"{source}: field 'disaggregation': the prefill pool's profile.{field} ({a!r}) "
-                              f"differs from the decode pool's ({b!r}); both serve the same model with the same "
-                              f"KV layout (converting KV between precisions is not modelled)")
-    if data.get("arrivals", {}).get("kind") == "sessions" if isinstance(data.get("arrivals"), dict) else False:
-        raise ConfigError(f"{source}: field 'arrivals.kind' sessions with disaggregation is not modelled; use "
-                          f"open-loop arrivals or arrivals.max_concurrency")
-    link_raw = _mapping(section.get("link", {"kind": "rdma-400g"}), "disaggregation.link", source, LINK_KEYS)
-    kind = link_raw.get("kind")
-    if kind is not None and kind not in LINK_PRESETS:
-        raise ConfigError(f"{source}: field 'disaggregation.link.kind' must be one of {', '.join(LINK_PRESETS)}, "
-                          f"got {kind!r}{did_you_mean(kind, list(LINK_PRESETS))}")
-    if kind is None and "bandwidth_gbps" not in link_raw:
-        raise ConfigError(f"{source}: field 'disaggregation.link' needs a kind ({', '.join(LINK_PRESETS)}) or a "
-                          f"bandwidth_gbps")
-    bw, lat = (LINK_PRESETS[kind][:2] if kind is not None else (None, 0.0))
-    if "bandwidth_gbps" in link_raw:
-        bw = _number(link_raw["bandwidth_gbps"], "disaggregation.link.bandwidth_gbps", source)
-    if "latency_us" in link_raw:
-        lat = _number(link_raw["latency_us"], "disaggregation.link.latency_us", source, positive=False)
-    proxy_s = _number(section.get("proxy_ms", 0.0), "disaggregation.proxy_ms", source, positive=False) / 1e3
-    timeout = _number(section.get("abort_timeout_s", 480.0), "disaggregation.abort_timeout_s", source)
-    return Disaggregation(prefill, decode, LinkSpec(bw, lat), kind, proxy_s, timeout)
-
+from sim.base.strict import ConfigError
+from sim.run.config import WorkloadConfig
+from sim.run.pd_config import Disaggregation, Pool
 
 # ---- the run -------------------------------------------------------------------------------------
 def _build_pool(pool: Pool, env: simpy.Environment, first_replica: int, decode: bool):
