@@ -28,12 +28,18 @@ TABLES = {"vllm": "vllm", "sglang": "sglang", "tensorrt-llm": "trtllm"}
 # "other:b300" is the B300 HGX board (SXM) where a source gives no variant; Hopper unnamed stays out.
 GPU_ASSUMED = {**ps.GPU_ASSUMED, "other:b300": "b300-sxm"}
 # Beside the presets: Hugging Face ids the wheel bundles (kernel profiles take them directly).
-MODELS = {**ps.MODEL_PRESETS_BY_ID, "Qwen/Qwen3-1.7B": "Qwen/Qwen3-1.7B", "Qwen/Qwen3-0.6B": "Qwen/Qwen3-0.6B"}
+# DeepSeek-R1 (multi-head latent attention, priced by the MLA kernel tables): the R1 and R1-0528
+# checkpoints share the shape; the FP4 ones run it with NVFP4 weights (the row's weight_dtype).
+MODELS = {**ps.MODEL_PRESETS_BY_ID, "Qwen/Qwen3-1.7B": "Qwen/Qwen3-1.7B", "Qwen/Qwen3-0.6B": "Qwen/Qwen3-0.6B",
+          "deepseek-ai/DeepSeek-R1": "deepseek-r1", "deepseek-ai/DeepSeek-R1-0528": "deepseek-r1",
+          "nvidia/DeepSeek-R1-0528-FP4-v2": "deepseek-r1", "DeepSeek-R1 FP4": "deepseek-r1",
+          "MiniMaxAI/MiniMax-M2.5": "MiniMaxAI/MiniMax-M2.5"}
+SKIP_MODELS = {k: why for k, why in ps.SKIP_MODELS.items() if k not in ("deepseek-ai", "DeepSeek", "MiniMaxAI")}
 
 
 def load_rows() -> tuple[list[ps.ServingRow], dict[str, int]]:
     """Every engine's replayable rows (vLLM >= 0.10, any SGLang or TensorRT-LLM version)."""
-    return ps.load_rows(engines=tuple(POLICIES), gpu_assumed=GPU_ASSUMED, models=MODELS)
+    return ps.load_rows(engines=tuple(POLICIES), gpu_assumed=GPU_ASSUMED, models=MODELS, skip_models=SKIP_MODELS)
 
 
 def host_of(row: ps.ServingRow, terms: dict[str, HostTerms] | None = None) -> HostTerms:

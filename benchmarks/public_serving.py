@@ -69,6 +69,8 @@ MODEL_PRESETS_BY_ID = {
     "Mistral-24B": "mistral-small-24b",
 }
 MODELS_ASSUMED = frozenset({"Mistral-24B"})
+# NOTE: DeepSeek's multi-head latent attention is priced by the kernel tables (kernel_serving.py
+# replays those rows); the analytic check leaves them out, as it has since before MLA was modelled.
 SKIP_MODELS = {"deepseek-ai": "multi-head latent attention (MLA) is not modelled",
                "Qwen/Qwen3.5": "hybrid linear attention (Gated DeltaNet) is not modelled",
                "google/gemma-4": "Gemma 4's config is not bundled", "nvidia/Gemma-4": "Gemma 4's config is not bundled",
@@ -124,11 +126,12 @@ def _version_ok(version: str) -> bool:
 
 
 def normalise(index: int, r: dict[str, str], engines: tuple[str, ...] = ("vllm",),
-              gpu_assumed: dict[str, str] | None = None, models: dict[str, str] | None = None
-              ) -> tuple[ServingRow | None, str]:
+              gpu_assumed: dict[str, str] | None = None, models: dict[str, str] | None = None,
+              skip_models: dict[str, str] | None = None) -> tuple[ServingRow | None, str]:
     """The row as a replay reads it, or None and why it cannot be replayed. ``engines``: the
     engines replayed (the analytic check: vLLM's only); ``gpu_assumed`` and ``models``: the
-    GPU prefixes and model ids mapped (default ``GPU_ASSUMED``, ``MODEL_PRESETS_BY_ID``)."""
+    GPU prefixes and model ids mapped (default ``GPU_ASSUMED``, ``MODEL_PRESETS_BY_ID``);
+    ``skip_models``: the model-id prefixes left out and why (default ``SKIP_MODELS``)."""
     engine = r["engine"].strip()
     if engine not in engines:
         return None, f"engine {engine} (replayed under {', '.join(POLICY_OF.get(e, e) for e in engines)} only)"
@@ -143,7 +146,8 @@ def normalise(index: int, r: dict[str, str], engines: tuple[str, ...] = ("vllm",
         if gpu is None:
             return None, f"GPU {gpu_raw.split(' ')[0]} has no preset"
     model_id = r["model"].split(" (")[0].strip()
-    skip = next((why for k, why in SKIP_MODELS.items() if model_id.startswith(k)), None)
+    skip = next((why for k, why in (SKIP_MODELS if skip_models is None else skip_models).items()
+                 if model_id.startswith(k)), None)
     if skip:
         return None, skip
     model = (MODEL_PRESETS_BY_ID if models is None else models).get(model_id)
@@ -451,8 +455,8 @@ def group_of(row: ServingRow) -> tuple[str, str, int]:
 def error_rows(rows: list[ServingRow], sims: dict[ServingRow, dict[str, float]],
                group: Callable[[ServingRow], tuple] = group_of,
                describe: Callable[[tuple], dict[str, Any]] | None = None,
-               source: str = "calibrate/profiles/public_serving/measurements.csv (vLLM 0.10-0.25 serving runs)"
-               ) -> list[dict[str, Any]]:
+               source: str = "calibrate/profiles/public_serving/measurements.csv (vLLM 0.10-0.25 serving runs)",
+               held_out: str = HELD_OUT_RULE) -> list[dict[str, Any]]:
     """The trust table: per ``group`` (default: GPU, weight precision, TP), TTFT and TPOT error
     on the held-out models' rows and on every row (empty where a group has no such row);
     ``describe(key)``: the key's columns (default: gpu, weight_dtype, tensor_parallel and the
@@ -466,7 +470,7 @@ def error_rows(rows: list[ServingRow], sims: dict[ServingRow, dict[str, float]],
     for key in sorted(k for k in every if k != "all"):
         h, e = held.get(key, {}), every[key]
         cell = lambda t, fam, what: round(t[fam][what], 1) if fam in t else ""    # noqa: E731
-        out.append({**describe(key), "held_out": HELD_OUT_RULE,
+        out.append({**describe(key), "held_out": held_out,
                     "num_held_out": sum(h[f]["n"] for f in h), "ttft_mae_pct": cell(h, "ttft", "mae"),
                     "ttft_bias_pct": cell(h, "ttft", "bias"), "tpot_mae_pct": cell(h, "tpot", "mae"),
                     "tpot_bias_pct": cell(h, "tpot", "bias"), "num_all": sum(e[f]["n"] for f in e),

@@ -36,7 +36,7 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     "tiny-llama-2l": ModelShape("tiny-llama-2l", 64, 2, 4, 2, 172, 512, 2048),
     "tiny-llama": ModelShape("tiny-llama", 256, 4, 8, 4, 688, 4096, 4096),
     **{name: shape for name, shape in SHAPE_PRESETS.items()
-       if shape.mlp == "swiglu" and not shape.is_moe and not shape.num_sliding_layers},
+       if shape.mlp == "swiglu" and not shape.is_moe and not shape.is_mla and not shape.num_sliding_layers},
 }
 
 
@@ -57,13 +57,17 @@ def get_model_shape(spec: str | Mapping[str, Any] | ModelShape) -> ModelShape:
 
 def check_buildable(shape: ModelShape) -> None:
     """Refuse (ValueError) a shape this Llama-style model cannot be: a 2-matrix
-    (non-SwiGLU) MLP, mixture-of-experts layers, sliding-window attention, or an odd
+    (non-SwiGLU) MLP, mixture-of-experts layers, multi-head latent attention, sliding-window attention, or an odd
     head_dim (RoPE rotates pairs of dimensions). An explicit head_dim is built (q, o:
     heads x head_dim wide; Qwen3's q_norm / k_norm are left out: they cost ~nothing)."""
     if shape.is_moe:
         raise ValueError(f"model {shape.name!r}: num_experts is {shape.num_experts}, but the torch model builds "
                          f"dense MLPs only; mixture-of-experts models are costed by the roofline "
                          f"(sim.cost.roofline), not calibrated here")
+    if shape.is_mla:
+        raise ValueError(f"model {shape.name!r}: kv_lora_rank is {shape.kv_lora_rank} (multi-head latent "
+                         f"attention), but the torch model builds K and V heads only; MLA models are costed by "
+                         f"the roofline (sim.cost.roofline) or the kernel tables, not calibrated here")
     if shape.num_sliding_layers:
         raise ValueError(f"model {shape.name!r}: sliding_window is {shape.sliding_window} on "
                          f"{shape.num_sliding_layers} layers, but the torch model attends to the full "

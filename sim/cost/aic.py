@@ -44,9 +44,16 @@ SYSTEMS = {
 }
 # The wheel's engine names (its "backends") and how batchsim writes them.
 ENGINES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
-# The attention classes of the graphs batchsim composes; any other attention op (MLA, DSA,
-# linear attention, state spaces) is a mechanism batchsim does not model yet.
+# The attention classes of the graphs batchsim composes; any other attention op (DSA, linear
+# attention, state spaces) is a mechanism batchsim does not model yet. Multi-head latent
+# attention comes as one block per phase (``_MLA_BLOCK``: the wheel's measured MLA module, its
+# projections included, with a graph of GEMMs and MLA kernels where the module was not measured).
 _ATTENTION = {"ContextAttention": "prefill", "GenerationAttention": "decode"}
+_MLA_BLOCK = "mla_block"
+# The MLA tables, by the engine's kernels: the whole module (vLLM, TensorRT-LLM), else the
+# attention kernels of the fallback graph (SGLang).
+_MLA_TABLES = {"prefill": ("mla_context_module_perf.parquet", "context_mla_perf.parquet"),
+               "decode": ("mla_generation_module_perf.parquet", "generation_mla_perf.parquet")}
 _UNMODELLED = (("MLA", "multi-head latent attention (MLA)"), ("Dsa", "DeepSeek sparse attention"),
                ("DSA", "DeepSeek sparse attention"), ("Msa", "sparse attention (MSA)"),
                ("Gdn", "linear attention (Gated DeltaNet)"), ("GDN", "linear attention (Gated DeltaNet)"),
@@ -184,7 +191,8 @@ class KernelTables:
 
     def __init__(self, model_path: str, system: str, engine: str, version: str, tensor_parallel: int, *,
                  expert_parallel: bool = False, gemm_quant_mode: str | None = None,
-                 moe_quant_mode: str | None = None, kvcache_quant_mode: str | None = None) -> None:
+                 moe_quant_mode: str | None = None, kvcache_quant_mode: str | None = None,
+                 fmha_quant_mode: str | None = None) -> None:
         import aiconfigurator_core
         from aiconfigurator_core.sdk import perf_database
         from aiconfigurator_core.sdk.config_builders import apply_nextn, build_model_config
@@ -197,7 +205,7 @@ class KernelTables:
             config = build_model_config(
                 tp_size=t, pp_size=1, attention_dp_size=1, moe_tp_size=1 if expert_parallel else t,
                 moe_ep_size=t if expert_parallel else 1, gemm_quant_mode=gemm_quant_mode,
-                moe_quant_mode=moe_quant_mode, kvcache_quant_mode=kvcache_quant_mode)
+                moe_quant_mode=moe_quant_mode, kvcache_quant_mode=kvcache_quant_mode, fmha_quant_mode=fmha_quant_mode)
             apply_nextn(config, 0)
             try:
                 model = get_model(model_path, config, engine)
@@ -210,6 +218,8 @@ class KernelTables:
                                           nextn=0, database=database)
             self.handle = EngineHandle(bytes(aiconfigurator_core.engine_spec_bincode_from_json(spec)))
         self.model, self.database = model, database
+        self.mla = False                          # set by _classify: an MLA model's attention blocks
+        self.tensor_parallel = t
         self.quant_modes = {name: getattr(model.config, f"{name}_quant_mode").name
                             for name in ("gemm", "moe", "kvcache", "fmha", "comm")}
         self._check_gemm_precision()
@@ -235,6 +245,10 @@ class KernelTables:
         for i, op in enumerate(ops):
             kind = type(op).__name__
             name = getattr(op, "_name", "")
+            if kind == "FallbackOp" and name.endswith(_MLA_BLOCK):
+                roles["attention"].append(i)      # MLA: its projections ride with it
+                self.mla = True
+                continue
             for marker, mechanism in _UNMODELLED:
                 if marker in kind:
                     raise KernelsError(f"{self.model_path}: its {phase} graph has {kind} ops: {mechanism} "
@@ -288,6 +302,8 @@ class KernelTables:
 
     def _families(self) -> set[str]:
         used = {"gemm", "context_attention", "generation_attention", "custom_allreduce", "nccl"}
+        if self.mla:
+            used |= {"mla_context_module", "mla_generation_module", "context_mla", "generation_mla", "mla_bmm"}
         if any(type(op).__name__.startswith("MoE") for op in self.model.context_ops):
             used |= {"moe", "moe_a2a"}
         return used
@@ -317,13 +333,20 @@ class KernelTables:
             axes["tokens"] = sorted({m for m in axes.get("tokens", []) if m <= top}
                                     | {int(m) for m in moe["num_tokens"].unique()})
         heads = self._attention_heads()
-        for name, phase in (("context_attention_perf.parquet", "prefill"),
-                            ("generation_attention_perf.parquet", "decode")):
-            table = read(name)
+        phases = (("context_attention_perf.parquet", "prefill"), ("generation_attention_perf.parquet", "decode"))
+        if self.mla:
+            phases = tuple((next((n for n in _MLA_TABLES[phase] if n in tables), ""), phase) for phase in
+                           ("prefill", "decode"))
+        for name, phase in phases:
+            table = read(name) if name else None
             if table is None:
                 continue
             rows = table
-            if heads is not None:
+            if self.mla:
+                # the rows of this model's query heads per GPU (MLA's only head count)
+                local = table[table["num_heads"] == self._mla_heads()]
+                rows = local if len(local) else table
+            elif heads is not None:
                 exact = table[(table["num_heads"] == heads[0]) & (table["num_key_value_heads"] == heads[1])
                               & (table["head_dim"] == heads[2])]
                 rows = exact if len(exact) else table[table["head_dim"] == heads[2]]
@@ -339,6 +362,13 @@ class KernelTables:
     def measured_limits(self) -> dict[str, float]:
         """The largest measured value on each of ``measured_axes``."""
         return {axis: float(max(values)) for axis, values in self.measured_axes().items() if values}
+
+    def _mla_heads(self) -> int:
+        """An MLA model's query heads per GPU, as its MLA module's spec keys them."""
+        import json
+        op = self.model.context_ops[self._context["attention"][0]]
+        primary = next(iter(json.loads(op._spec_json()).values()))["primary"]
+        return int(next(iter(primary.values()))["num_heads"])
 
     def _attention_heads(self) -> tuple[int, int, int] | None:
         """(query heads, KV heads, head_dim) per GPU, as the attention tables key them."""

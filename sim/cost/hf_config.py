@@ -4,8 +4,11 @@ Beyond the dense Llama fields it reads an explicit ``head_dim`` (Qwen3, gpt-oss,
 layers slide (``sliding_layer_count``) and the mixture-of-experts fields (``moe_fields``).
 Qwen3's q_norm / k_norm (implied by model_type qwen3*, no config flag) cost nothing to model
 and are accepted as is. Mechanisms that change the architecture and that batchsim does not
-model (``UNMODELLED_MECHANISMS``: multi-head latent attention, whose KV cache is a latent vector,
-not K and V heads; linear-attention or state-space layers; ...) are refused by name.
+model (``UNMODELLED_MECHANISMS``: sparse attention, linear-attention or state-space layers;
+...) are refused by name. Multi-head latent attention (DeepSeek-V3/R1, Kimi-K2) is read from
+``kv_lora_rank``, ``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim``
+(``ModelShape``'s class doc). A multimodal config's language model (``text_config``: Kimi-K2.5,
+Qwen3.5) is read in its place; its vision tower is left out (``language_model_config``).
 
 Read strictly: a field batchsim reads must have its type (a boolean is true or false, not the
 string "false"; a count a positive integer), an enumerated value is matched case-insensitively or
@@ -45,7 +48,6 @@ _TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_toke
 # What a config's fields say about mechanisms batchsim does not model yet (one line each): the one
 # table, which sim.cost.kernel_models reads too for the configs the kernel tables' wheel bundles.
 UNMODELLED_MECHANISMS = (
-    ("kv_lora_rank", "multi-head latent attention (MLA)"),
     ("index_topk", "DeepSeek sparse attention (DSA)"),
     ("compress_ratios", "compressed sparse attention (DeepSeek-V4)"),
     ("hybrid_override_pattern", "hybrid Mamba2 state-space layers"),
@@ -64,7 +66,23 @@ READ_KEYS = frozenset({k for keys in _HF_FIELDS.values() for k in keys} | set(_E
     "tie_word_embeddings", "rope_theta", "rope_parameters", "sliding_window", "layer_types", "use_sliding_window",
     "max_window_layers", "sliding_window_pattern", "moe_intermediate_size", "shared_expert_intermediate_size",
     "n_shared_experts", "first_k_dense_replace", "mlp_only_layers", "decoder_sparse_step", "quantization_config",
-    "name", "_name_or_path"})
+    "name", "_name_or_path", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"})
+_MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def language_model_config(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """The decoder's config: ``cfg``, or the language model a multimodal config wraps (its
+    ``text_config`` or ``llm_config``, when the outer config has no ``hidden_size``), with a
+    one-line note that the vision tower is left out (None when nothing was unwrapped)."""
+    for key in WRAPPER_KEYS:
+        inner = cfg.get(key)
+        if isinstance(inner, Mapping) and "hidden_size" not in cfg:
+            merged = {**inner, "name": cfg.get("name") or inner.get("name"),
+                      "architectures": cfg.get("architectures") or inner.get("architectures")}
+            if "quantization_config" in cfg and "quantization_config" not in inner:
+                merged["quantization_config"] = cfg["quantization_config"]
+            return merged, f"the language model of {cfg.get('name') or 'the config'} ({key}); its vision tower is left out"
+    return dict(cfg), None
 
 
 def unmodelled_mechanism(cfg: Mapping[str, Any]) -> str | None:
@@ -277,6 +295,7 @@ def model_shape_from_hf(cfg: Mapping[str, Any], name: str | None = None) -> Mode
     mechanism = unmodelled_mechanism(cfg)
     if mechanism is not None:                   # sim.cost.kernel_models says it in the same words
         raise ValueError(f"model {name!r} uses {mechanism}, which batchsim does not model yet")
+    cfg, _ = language_model_config(cfg)
     warn_unknown_keys(cfg, name)
     values: dict[str, int] = {}
     for field_name, keys in _HF_FIELDS.items():
@@ -299,7 +318,8 @@ def model_shape_from_hf(cfg: Mapping[str, Any], name: str | None = None) -> Mode
         rope_theta = rope_parameters.get("rope_theta", 10000.0)
     head_dim = _positive_int(cfg, "head_dim", name) if cfg.get("head_dim") is not None else 0
     window, num_sliding = sliding_layer_count(cfg, values["num_layers"], name)
-    return ModelShape(name=name, num_kv_heads=num_kv_heads, mlp=_mlp_kind(cfg, name),
+    mla = {k: _count(cfg, k, name, 0) or 0 for k in _MLA_KEYS}
+    return ModelShape(name=name, num_kv_heads=num_kv_heads, mlp=_mlp_kind(cfg, name), **mla,
                       tie_word_embeddings=_boolean(cfg, "tie_word_embeddings", name, True),
                       rope_theta=rope_theta, explicit_head_dim=head_dim, sliding_window=window,
                       num_sliding_layers=num_sliding, **moe_fields(cfg, values["num_layers"], name), **values)

@@ -15,7 +15,7 @@ from typing import Any
 
 from sim.cost import aic
 from sim.cost.aic import KernelsError
-from sim.cost.hf_config import WRAPPER_KEYS as _WRAPPERS, unmodelled_mechanism   # the importer's one table
+from sim.cost.hf_config import language_model_config, unmodelled_mechanism   # the importer's own
 
 
 # ---- models -----------------------------------------------------------------------------
@@ -25,7 +25,8 @@ PRESET_IDS = {
     "llama-3.3-70b": "meta-llama/Meta-Llama-3.1-70B", "qwen3-8b": "Qwen/Qwen3-8B", "qwen3-32b": "Qwen/Qwen3-32B",
     "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B", "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B",
     "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1", "gpt-oss-20b": "openai/gpt-oss-20b",
-    "gpt-oss-120b": "openai/gpt-oss-120b",
+    "gpt-oss-120b": "openai/gpt-oss-120b", "deepseek-r1": "deepseek-ai/DeepSeek-R1",
+    "deepseek-v3": "deepseek-ai/DeepSeek-V3", "kimi-k2.5": "moonshotai/Kimi-K2.5",
 }
 # Presets the wheel bundles no config of: the architecture its graph builder reads them as
 # (Mistral's decoder is Llama's; Qwen3 dense adds the QK norms).
@@ -46,19 +47,6 @@ def preset_hf_config(name: str) -> dict[str, Any]:
             "vocab_size": m.vocab_size, "max_position_embeddings": m.max_position_embeddings,
             "head_dim": m.head_dim, "hidden_act": "silu", "tie_word_embeddings": m.tie_word_embeddings,
             "rope_theta": m.rope_theta}
-
-
-def language_model_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
-    """The decoder's config: ``cfg``, or the language model a multimodal config wraps (its
-    ``text_config``), with a note that the vision tower is left out."""
-    for key in _WRAPPERS:
-        inner = cfg.get(key)
-        if isinstance(inner, dict) and "hidden_size" not in cfg:
-            merged = {**inner, "name": cfg.get("name"), "architectures": cfg.get("architectures")}
-            if "quantization_config" in cfg and "quantization_config" not in inner:
-                merged["quantization_config"] = cfg["quantization_config"]
-            return merged, f"the language model of {cfg.get('name')} ({key}); its vision tower is left out"
-    return cfg, None
 
 
 @dataclass(frozen=True)
@@ -118,6 +106,10 @@ def quant_modes(weights: str | None, stated: str | None, scope: str, kv_cache_dt
     if weights is None or weights == stated:
         return modes
     blackwell = generation == "blackwell"
+    if weights == "int4":
+        raise KernelsError("weight_dtype int4 on a checkpoint that does not state it: the kernel tables price INT4 "
+                           "for MoE experts only (int4_wo), as a Kimi-K2 checkpoint states it; give such a "
+                           "checkpoint's config, or use the analytic profile (no kernels) for INT4 everywhere")
     gemm = {"bf16": "bfloat16", "fp16": "bfloat16", "fp8": "fp8",
             "nvfp4": "nvfp4" if blackwell else "w4a16_nvfp4", "mxfp4": None}.get(weights)
     moe = {"bf16": "bfloat16", "fp16": "bfloat16", "fp8": "fp8", "nvfp4": "nvfp4" if blackwell else "nvfp4_wo",

@@ -177,6 +177,11 @@ def build_tables(spec: KernelSpec, model: ResolvedModel, gpu: Any, system: str, 
     rf = Roofline(shape, gpu, spec.tensor_parallel, spec.dtype, precision=precision,
                   expert_parallel=spec.expert_parallel)
     modes = quant_modes(precision.weight_dtype, stated, scope, precision.kv_cache_dtype, gpu.generation)
+    if shape.is_mla:
+        # NOTE: the wheel measured MLA's kernels with bf16 attention math only (its MLA tables'
+        # mla_dtype), while it takes an FP8 checkpoint's attention on SGLang and TensorRT-LLM as
+        # FP8, which those tables lack: MLA's attention is priced at the bf16 kernels measured.
+        modes["fmha_quant_mode"] = "bfloat16"
     tables = aic.KernelTables(model.wheel_path, system, spec.engine, version, spec.tensor_parallel,
                               expert_parallel=spec.expert_parallel, **modes)
     t = spec.tensor_parallel

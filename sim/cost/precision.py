@@ -34,6 +34,9 @@ WEIGHT_BYTES_PER_PARAM: dict[str, float] = {
     "fp8": 1.0,
     "nvfp4": 0.5 + 1 / 16,        # 4 bits + one 1-byte E4M3 scale per 16 values = 0.5625
     "mxfp4": 0.5 + 1 / 32,        # 4 bits + one 1-byte E8M0 scale per 32 values = 0.53125
+    # NOTE: integer 4-bit, weight-only, one bf16 scale per group of 32 (Kimi-K2's compressed-tensors
+    # checkpoints, group_size 32): 0.5 + 2/32 = 0.5625; a group of 128 would be 0.515625 (-8%).
+    "int4": 0.5 + 2 / 32,
 }
 WEIGHT_ALIASES = {"fp4": "nvfp4", "float8": "fp8", "fp8_e4m3": "fp8"}
 WEIGHT_DTYPES = tuple(WEIGHT_BYTES_PER_PARAM) + tuple(WEIGHT_ALIASES)
@@ -43,6 +46,7 @@ QUANTIZED_SCOPES = ("linear", "experts")   # every decoder-layer GEMM | the MoE 
 # The tensor-core class a GEMM of that weight format runs on, where the GPU has it.
 _GEMM_CLASS = {"fp8": "fp8", "nvfp4": "fp4", "mxfp4": "fp4"}
 _WEIGHT_ONLY = {"fp8": "w8a16", "fp4": "w4a16"}     # where the GPU lacks the tensor cores
+_ALWAYS_WEIGHT_ONLY = {"int4": "w4a16"}             # no tensor cores of the format: Marlin/Machete W4A16
 
 
 def weight_dtype_name(value: str) -> str:
@@ -109,6 +113,8 @@ class Precision:
         GPU has that peak (``GpuSpec.peak_flops_fp8`` / ``peak_flops_fp4`` > 0), else the
         weight-only kernels (Marlin W8A16 / W4A16: "w8a16" / "w4a16"), whose math runs at
         the activation dtype's peak; the activation dtype itself for unquantized weights."""
+        if self.weights in _ALWAYS_WEIGHT_ONLY:
+            return _ALWAYS_WEIGHT_ONLY[self.weights]
         cls = _GEMM_CLASS.get(self.weights)
         if cls is None:
             return self.dtype
@@ -128,10 +134,15 @@ def precision_from_hf(cfg: Mapping[str, Any], name: str) -> tuple[str | None, st
     """(weight_dtype, quantized scope) a HF config's ``quantization_config`` states; (None,
     "linear") without one. Understood: ``quant_method: fp8`` (vLLM/HF FP8 checkpoints);
     compressed-tensors whose config groups' weights are ``type: float, num_bits: 8`` (or
-    ``format: float-quantized``); ModelOpt's ``quant_algo: FP8 | NVFP4``; ``quant_method:
+    ``format: float-quantized``), or ``type: int, num_bits: 4`` packed (Kimi-K2's INT4 experts:
+    weight-only, ``gemm_precision`` w4a16); ModelOpt's ``quant_algo: FP8 | NVFP4``; ``quant_method:
     mxfp4`` (gpt-oss: the MoE experts only, attention and the rest stay bf16). Any other
     method is a ValueError naming it (a silent bf16 would double the weights)."""
     q = cfg.get("quantization_config")
+    for key in ("text_config", "llm_config"):        # a multimodal config: its language model's
+        inner = cfg.get(key)
+        if q is None and isinstance(inner, Mapping) and "hidden_size" not in cfg:
+            q = inner.get("quantization_config")
     if q is None:
         return None, "linear"
     if not isinstance(q, Mapping):
@@ -159,8 +170,14 @@ def precision_from_hf(cfg: Mapping[str, Any], name: str) -> tuple[str | None, st
             return "fp8", "linear"
         if fmt == "nvfp4-pack-quantized" or bits == {("float", 4)}:
             return "nvfp4", "linear"
+        if bits == {("int", 4)} and fmt == "pack-quantized":
+            # Kimi-K2's INT4 experts: its ignore list keeps attention, shared experts and the dense
+            # MLP in bf16 (any "self_attn" pattern among the modules left out: the experts only).
+            ignore = [str(i) for i in q.get("ignore") or []]
+            return "int4", "experts" if any("self_attn" in i for i in ignore) else "linear"
         raise ValueError(f"model '{name}': compressed-tensors quantization (format {fmt!r}, weights {sorted(bits)}) "
-                         f"is not supported; batchsim models float 8-bit (FP8) and NVFP4 weights")
+                         f"is not supported; batchsim models float 8-bit (FP8), NVFP4 and INT4 (pack-quantized) "
+                         f"weights")
     raise ValueError(f"model '{name}': quantization_config.quant_method {method!r} is not supported; batchsim "
                      f"models fp8, compressed-tensors FP8/NVFP4, modelopt FP8/NVFP4 and mxfp4 (or drop "
                      f"quantization_config and set profile.weight_dtype)")

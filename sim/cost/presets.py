@@ -268,6 +268,24 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     "gpt-oss-20b": ModelShape("gpt-oss-20b", 2880, 24, 64, 8, 2880, 201088, 131072, rope_theta=150000.0,
                               explicit_head_dim=64, sliding_window=128, num_sliding_layers=12,
                               num_experts=32, num_experts_per_tok=4),
+    # deepseek-ai/DeepSeek-R1 config.json (DeepSeek-V3's shape): 61 layers, the first 3 dense; multi-head
+    # latent attention (128 heads, latent 512 + RoPE key 64, q_lora_rank 1536, nope 128, v 128); 256
+    # experts of 2048 + 1 shared, top 8; FP8 block-scaled weights (MODEL_PRECISIONS). The MTP layer
+    # (num_nextn_predict_layers 1) is not loaded without speculative decoding: not counted.
+    "deepseek-r1": ModelShape("deepseek-r1", 7168, 61, 128, 128, 18432, 129280, 163840, rope_theta=10000.0,
+                              num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
+                              shared_expert_intermediate_size=2048, num_dense_layers=3, kv_lora_rank=512,
+                              q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    "deepseek-v3": ModelShape("deepseek-v3", 7168, 61, 128, 128, 18432, 129280, 163840, rope_theta=10000.0,
+                              num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
+                              shared_expert_intermediate_size=2048, num_dense_layers=3, kv_lora_rank=512,
+                              q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    # moonshotai/Kimi-K2.5 config.json's text_config (DeepSeek-V3's architecture): 64 heads, 384 experts
+    # of 2048 + 1 shared, top 8, the first layer dense, vocabulary 163840; INT4 experts (MODEL_PRECISIONS)
+    "kimi-k2.5": ModelShape("kimi-k2.5", 7168, 61, 64, 64, 18432, 163840, 262144, rope_theta=50000.0,
+                            num_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048,
+                            shared_expert_intermediate_size=2048, num_dense_layers=1, kv_lora_rank=512,
+                            q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
 }
 
 # The weight format a preset's public checkpoint ships in, when not its activation dtype:
@@ -276,6 +294,9 @@ MODEL_PRESETS: dict[str, ModelShape] = {
 MODEL_PRECISIONS: dict[str, tuple[str, str]] = {
     "gpt-oss-120b": ("mxfp4", "experts"),      # quantization_config: quant_method mxfp4, experts only
     "gpt-oss-20b": ("mxfp4", "experts"),
+    "deepseek-r1": ("fp8", "linear"),          # quant_method fp8, 128 x 128 block scales
+    "deepseek-v3": ("fp8", "linear"),
+    "kimi-k2.5": ("int4", "experts"),          # compressed-tensors INT4 (group 32), the routed experts only
 }
 
 # ---- validation error of the analytic presets ------------------------------------

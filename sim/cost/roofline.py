@@ -112,12 +112,12 @@ class Roofline:
             raise ValueError(f"tensor_parallel={t} is more than {model.name}'s {model.num_heads} attention heads "
                              f"(num_heads): tensor parallelism splits the heads across the GPUs; pick a divisor "
                              f"of {model.num_heads}")
-        if model.num_kv_heads < t and t % model.num_kv_heads == 0:
+        if not model.is_mla and model.num_kv_heads < t and t % model.num_kv_heads == 0:
             # NOTE: vLLM replicates KV heads when TP exceeds them (QKVParallelLinear's
             # num_kv_head_replicas): every GPU holds one head's K and V weights and cache, so
             # t heads in all, t / num_kv_heads copies of each.
             model = dataclasses.replace(model, num_kv_heads=t)
-        splits = [("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads)]
+        splits = [("num_heads", model.num_heads)] + ([] if model.is_mla else [("num_kv_heads", model.num_kv_heads)])
         if model.num_layers > model.num_moe_layers:
             splits.append(("intermediate_size", model.intermediate_size))
         if model.is_moe:
@@ -135,6 +135,10 @@ class Roofline:
         self.dtype_bytes = db = DTYPE_BYTES[dtype]
         h, n_layers, inter = model.hidden_size, model.num_layers, model.intermediate_size
         q_dim, kv_dim = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+        if model.is_mla:
+            # the activations' widths: the query heads (nope + rope), the latent and the values
+            q_dim = model.num_heads * (model.qk_nope_head_dim + model.qk_rope_head_dim)
+            kv_dim = model.mla_latent_dim * t / 2 + model.num_heads * model.v_head_dim / 2
         n_mlp_mats = model.num_mlp_matrices
         # fp32 runs at the plain FP32 rate: vLLM leaves PyTorch's float32 matmul precision at
         # "highest" (no TF32 tensor cores), 1/16 (A100) to 1/4 (L40S) of the BF16 rate.
@@ -148,7 +152,11 @@ class Roofline:
         # once, all GEMMs at one rate); quantized weights or routed experts take sim.cost.moe's split.
         self._one_class = not model.is_moe and not precision.is_quantized
         # Matmul weights of all layers (q, o: h x heads*head_dim; k, v: h x kv_dim; MLP) and the LM head, per GPU.
-        self._layer_params = n_layers * (2 * h * q_dim + 2 * h * kv_dim + n_mlp_mats * h * inter) / t
+        # MLA: q_a and kv_a are whole on every rank (ModelShape.attn_replicated_params_per_layer).
+        repl = model.attn_replicated_params_per_layer
+        attn_params = (model.attn_params_per_layer - repl) / t + repl
+        self._layer_params = n_layers * (attn_params + n_mlp_mats * h * inter / t)
+        self._replicated_params = n_layers * repl * (t - 1)    # the copies beyond one, all ranks
         self._lm_head_params = h * model.vocab_size / t
         gemm = precision.gemm_precision(gpu)
         gemm_peak = {"fp8": gpu.peak_flops_fp8, "fp4": gpu.peak_flops_fp4}.get(gemm, peak_flops)
@@ -185,12 +193,45 @@ class Roofline:
         self._window = model.sliding_window
         self._attn_flops_per_pair = 4 * model.num_heads * model.head_dim * n_full / t
         self._attn_flops_per_pair_sliding = 4 * model.num_heads * model.head_dim * n_sliding / t
+        self._decode_flops_per_pair = self._attn_flops_per_pair
+        self._context_up_flops = 0.0
+        self._decode_seq_flops = 0.0
         kv_db = precision.kv_bytes_per_element
         self.kv_bytes_per_token = model.kv_bytes_per_token(kv_db)
         self.kv_bytes_per_seq = model.kv_bytes_per_seq(kv_db)
         # KV traffic per token of context, per GPU: the full layers' and the sliding layers'.
         self._kv_bytes_per_token_gpu = 2 * n_full * model.num_kv_heads * model.head_dim * kv_db / t
         self._kv_bytes_per_token_gpu_sliding = 2 * n_sliding * model.num_kv_heads * model.head_dim * kv_db / t
+        if model.is_mla:
+            self._mla_terms(model, t, kv_db)
+
+    def _mla_terms(self, m: ModelShape, t: int, kv_db: float) -> None:
+        """Multi-head latent attention as vLLM's MLA backends run it, per GPU (H / t heads).
+
+        The cache holds one latent + RoPE key a token and layer on every rank (not split by
+        heads), so each GPU reads all of it: the pool counts t copies (``kv_bytes_per_token``).
+        Prefill runs the un-absorbed form: the chunk's own keys and values come from kv_b in
+        ``linear_s`` (its weights are among the attention parameters); the ``context`` earlier
+        tokens' latents are up-projected again through kv_b (2 kv_lora_rank (nope + v) FLOPs
+        a head and token: vLLM's chunked-context prefill), then attention with query/key heads
+        of nope + rope and value heads of v: 2 (nope + rope + v) FLOPs a head and pair. Decode
+        runs the absorbed form: each head's query is mapped into the latent (W_UK) and its
+        output back (W_UV), the same FLOPs as kv_b's and counted there, and attends over the
+        latent and RoPE key (scores: kv_lora_rank + rope; values: kv_lora_rank): 2 (2
+        kv_lora_rank + rope) FLOPs a head and pair, over latent bytes it reads whole."""
+        heads = m.num_heads / t
+        layers = m.num_layers
+        self.kv_bytes_per_token = m.kv_bytes_per_token(kv_db) * t     # one copy on each rank
+        self._kv_bytes_per_token_gpu = layers * m.mla_latent_dim * kv_db
+        self._kv_bytes_per_token_gpu_sliding = 0.0
+        self._attn_flops_per_pair = 2 * heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * layers
+        self._decode_flops_per_pair = 2 * heads * (2 * m.kv_lora_rank + m.qk_rope_head_dim) * layers
+        self._context_up_flops = 2 * heads * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim) * layers
+        # NOTE: MLA's decode kernels (FlashMLA, FlashInfer's and CUTLASS's MLA) run on tensor cores:
+        # a token's heads share one latent, so the absorbed decode is a (heads x latent) GEMM, not
+        # the per-head CUDA-core loop ATTN_DECODE_FLOPS was fitted on. It takes the prefill
+        # attention rate (Efficiency.attn_flops): an assumption, not fitted.
+        self._s_per_decode_attn_flop = self._s_per_attn_flop
 
     # ---- step-cost terms -------------------------------------------------------
     def linear_s(self, num_tokens: Any) -> Any:
@@ -224,7 +265,7 @@ class Roofline:
         """
         c = np.asarray(chunk, dtype=float)
         p = np.asarray(context, dtype=float)
-        flops = self._attn_flops_per_pair * c * (p + (c + 1) / 2)
+        flops = self._attn_flops_per_pair * c * (p + (c + 1) / 2) + self._context_up_flops * p * (c > 0)
         kv_bytes = (p + 2 * c) * self._kv_bytes_per_token_gpu     # read p + c, write c
         if self._window:
             w = float(self._window)
@@ -241,7 +282,7 @@ class Roofline:
         is at most min(sum x_i, n w)); the curve only sees the total."""
         n = np.asarray(num_seqs, dtype=float)
         keys = np.asarray(context, dtype=float) + n                # each also sees its new token
-        flops = self._attn_flops_per_pair * keys
+        flops = self._decode_flops_per_pair * keys
         kv_bytes = keys * self._kv_bytes_per_token_gpu
         if self._window:
             sliding_keys = np.minimum(keys, n * float(self._window))
@@ -255,9 +296,12 @@ class Roofline:
     @property
     def weight_bytes(self) -> int:
         """All ranks together (sim.cost.moe.weight_bytes: quantized weights at their format's bytes)."""
+        replicated = self._replicated_params * (self.precision.weight_bytes_per_param
+                                                if self.precision.is_quantized and self.precision.quantized == "linear"
+                                                else self.dtype_bytes)
         if self._one_class:
-            return self.model.num_params * self.dtype_bytes
-        return moe_weight_bytes(self.model, self.precision)
+            return int(self.model.num_params * self.dtype_bytes + replicated)
+        return int(round(moe_weight_bytes(self.model, self.precision) + replicated))
 
     def activation_bytes_per_gpu(self, max_num_batched_tokens: int) -> int:
         """Peak activation memory of one forward pass, per GPU (an estimate).

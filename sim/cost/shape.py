@@ -16,7 +16,10 @@ _POSITIVE_INT_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads"
                         "intermediate_size", "vocab_size", "max_position_embeddings")
 # Optional shape facts (0: absent), written to a profile file only when set.
 OPTIONAL_INT_FIELDS = ("explicit_head_dim", "sliding_window", "num_sliding_layers", "num_experts", "num_experts_per_tok",
-                       "moe_intermediate_size", "shared_expert_intermediate_size", "num_dense_layers")
+                       "moe_intermediate_size", "shared_expert_intermediate_size", "num_dense_layers",
+                       "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# Multi-head latent attention's fields (DeepSeek-V2/V3/R1, Kimi-K2): all set together, or none.
+MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +44,17 @@ class ModelShape:
     ``moe_intermediate_size`` (0: ``intermediate_size``, as Mixtral and gpt-oss
     write it), of which each token uses ``num_experts_per_tok``, and always-on
     shared experts of ``shared_expert_intermediate_size`` in all (0: none).
+
+    Multi-head latent attention (``kv_lora_rank`` > 0; DeepSeek-V2/V3/R1, Kimi-K2): a token's
+    keys and values are one compressed latent of ``kv_lora_rank`` plus a shared RoPE key of
+    ``qk_rope_head_dim``, which is all the KV cache holds (``mla_latent_dim`` a layer, the
+    same on every TP rank: vLLM's and SGLang's MLA caches are not split by heads). Per layer
+    the projections are q (``q_lora_rank`` > 0: hidden x q_lora_rank, then q_lora_rank x
+    heads*(nope + rope); else hidden x heads*(nope + rope)), kv_a (hidden x latent), kv_b
+    (kv_lora_rank x heads*(nope + v): the keys' and values' up-projection) and o
+    (heads*v x hidden). q_a and kv_a are replicated on every rank (vLLM's ReplicatedLinear
+    of the fused q_a/kv_a projection): ``attn_replicated_params_per_layer``. ``num_kv_heads``
+    and ``head_dim`` are not read for an MLA model's attention.
     """
 
     name: str
@@ -62,6 +76,11 @@ class ModelShape:
     moe_intermediate_size: int = 0       # 0: intermediate_size
     shared_expert_intermediate_size: int = 0
     num_dense_layers: int = 0            # MoE models: layers with a dense MLP instead
+    kv_lora_rank: int = 0                # MLA (0: none): the KV latent's width
+    q_lora_rank: int = 0                 # MLA: the query's low-rank width (0: a full q projection)
+    qk_nope_head_dim: int = 0            # MLA: a head's query/key width without RoPE
+    qk_rope_head_dim: int = 0            # MLA: the RoPE part of a query/key head (one key shared by the heads)
+    v_head_dim: int = 0                  # MLA: a head's value width
 
     def __post_init__(self) -> None:
         for f in _POSITIVE_INT_FIELDS:
@@ -107,7 +126,26 @@ class ModelShape:
                 raise ValueError(f"model {self.name!r}: num_dense_layers {self.num_dense_layers} leaves no MoE "
                                  f"layer of {self.num_layers}")
 
+        mla = [f for f in MLA_FIELDS if getattr(self, f)]
+        if mla and len(mla) != len(MLA_FIELDS):
+            missing = [f for f in MLA_FIELDS if not getattr(self, f)]
+            raise ValueError(f"model {self.name!r}: multi-head latent attention needs {', '.join(MLA_FIELDS)}; "
+                             f"{', '.join(missing)} missing")
+        if self.q_lora_rank and not mla:
+            raise ValueError(f"model {self.name!r}: q_lora_rank set without kv_lora_rank (multi-head latent attention)")
+        if mla and (self.sliding_window or self.num_sliding_layers):
+            raise ValueError(f"model {self.name!r}: sliding windows with multi-head latent attention are not modelled")
+
     # ---- derived counts ---------------------------------------------------------
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def mla_latent_dim(self) -> int:
+        """What an MLA layer caches per token: the latent and the shared RoPE key (DeepSeek-V3: 512 + 64)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.hidden_size // self.num_heads
@@ -130,9 +168,24 @@ class ModelShape:
 
     @property
     def attn_params_per_layer(self) -> int:
-        """q, o: hidden x heads*head_dim each; k, v: hidden x kv_heads*head_dim each."""
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        """q, o: hidden x heads*head_dim each; k, v: hidden x kv_heads*head_dim each. MLA: q (or
+        q_a and q_b), kv_a, kv_b and o (the class doc)."""
+        h, n = self.hidden_size, self.num_heads
+        if self.is_mla:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = (h * self.q_lora_rank + self.q_lora_rank * n * qk) if self.q_lora_rank else h * n * qk
+            kv_a = h * self.mla_latent_dim
+            kv_b = self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv_a + kv_b + n * self.v_head_dim * h
+        q, kv = n * self.head_dim, self.num_kv_heads * self.head_dim
         return 2 * h * q + 2 * h * kv
+
+    @property
+    def attn_replicated_params_per_layer(self) -> int:
+        """The attention weights every TP rank holds whole: MLA's q_a and kv_a (0 otherwise)."""
+        if not self.is_mla:
+            return 0
+        return self.hidden_size * (self.q_lora_rank + self.mla_latent_dim)
 
     @property
     def params_per_expert(self) -> int:
@@ -179,7 +232,11 @@ class ModelShape:
         return full if full else self.num_layers
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of the pooled layers (``num_kv_pool_layers``): 2 * layers * kv_heads * head_dim * bytes."""
+        """K and V of the pooled layers (``num_kv_pool_layers``): 2 * layers * kv_heads * head_dim * bytes.
+        MLA: layers * (kv_lora_rank + qk_rope_head_dim) * bytes, one copy (each TP rank holds one:
+        ``sim.cost.roofline.Roofline.kv_bytes_per_token`` counts them all)."""
+        if self.is_mla:
+            return self.num_layers * self.mla_latent_dim * dtype_bytes
         return 2 * self.num_kv_pool_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def kv_bytes_per_seq(self, dtype_bytes: int) -> int:

@@ -243,13 +243,18 @@ def test_every_preset_pair_builds_fast() -> None:
     for model in MODEL_PRESETS:
         for gpu in GPU_PRESETS:
             prof = preset_profile(model, gpu)
-            # A checkpoint that ships quantized weights (gpt-oss: mxfp4 experts) says so in the name.
+            # A checkpoint that ships quantized weights (gpt-oss: mxfp4 experts; DeepSeek-R1: FP8; Kimi-K2.5:
+            # INT4 experts) says so in the name.
             shipped = MODEL_PRECISIONS.get(model)
-            label = f"-w_{shipped[0]}-experts" if shipped else ""
+            label = (f"-w_{shipped[0]}" + ("-experts" if shipped[1] == "experts" else "")) if shipped else ""
             assert prof.name == f"{model}@{gpu}-tp1-bf16{label}"
             assert prof.step_time_s(decode_batch(4, 100)) > prof.overhead_s > 0
+            g = GPU_PRESETS[gpu]
+            # the GEMM class: the format's tensor cores where the GPU has them, else weight-only (Marlin)
+            gemm = {"mxfp4": "fp4" if g.peak_flops_fp4 else "w4a16", "fp8": "fp8" if g.peak_flops_fp8 else "w8a16",
+                    "int4": "w4a16"}
             notes = ({"weight_dtype": shipped[0], "quantized": shipped[1],
-                      "gemm_precision": "fp4" if GPU_PRESETS[gpu].peak_flops_fp4 else "w4a16"} if shipped else {})
+                      "gemm_precision": gemm[shipped[0]]} if shipped else {})
             assert prof.provenance == {"source": "analytic-roofline", "gpu": gpu, "model": model,
                                        "tensor_parallel": 1, "dtype": "bf16",
                                        "generator": "sim.cost.roofline", "batchsim_format": FORMAT_VERSION,

@@ -286,7 +286,8 @@ def _cases() -> list[Case]:
             ("layer_types", ["mamba"] * 64, "uses hybrid linear attention"),
             ("layer_types", ["chunked_attention"] * 64, "layers of type 'chunked_attention', which batchsim does not model"),
             ("layer_types", ["full_attention"] * 3, "field 'layer_types' must list one type per layer (64)"),
-            ("kv_lora_rank", 512, "uses multi-head latent attention (MLA), which batchsim does not model yet"),
+            ("kv_lora_rank", 512, "multi-head latent attention needs kv_lora_rank, qk_nope_head_dim, "
+                                  "qk_rope_head_dim, v_head_dim; qk_nope_head_dim, qk_rope_head_dim, v_head_dim missing"),
             ("index_topk", 2048, "uses DeepSeek sparse attention (DSA)"),
             ("hybrid_override_pattern", "M-M*", "uses hybrid Mamba2 state-space layers"),
             ("block_configs", [{}], "uses per-layer heterogeneous blocks (Nemotron NAS)"),
@@ -306,7 +307,9 @@ def _cases() -> list[Case]:
             ("num_experts_per_tok", None, "the routing width is missing"),
             ("moe_intermediate_size", 0, "field 'moe_intermediate_size' must be a positive integer")):
         add(Case(f"hf-moe-{key}-{json.dumps(value)[:24]}", "HF configs", "refused", (words,), on(hf(moe, **{key: value}))))
-    add(Case("hf-wrapped-mla", "HF configs", "refused", ("uses multi-head latent attention (MLA)",),
+    add(Case("hf-wrapped-dsa", "HF configs", "refused", ("uses DeepSeek sparse attention (DSA)",),
+             on({"text_config": hf(q32, index_topk=2048), "architectures": ["X"]})))
+    add(Case("hf-wrapped-partial-mla", "HF configs", "refused", ("qk_nope_head_dim, qk_rope_head_dim, v_head_dim missing",),
              on({"text_config": hf(q32, kv_lora_rank=512), "architectures": ["X"]})))
     for key, wrong in (("num_key_value_heads", "num_key_value_head"), ("num_attention_heads", "num_attention_head"),
                        ("max_position_embeddings", "max_position_embedding"), ("head_dim", "head_dims")):
