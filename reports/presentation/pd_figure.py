@@ -16,6 +16,20 @@ PHASES = (("prefill_queue_s", "prefill queue", "tab:gray"), ("prefill_s", "prefi
           ("transfer_wait_s", "decode admission", "tab:purple"), ("transfer_s", "KV transfer", "tab:red"),
           ("decode_queue_s", "decode queue", "tab:olive"), ("decode_first_step_s", "first decode step", "tab:blue"))
 QUANTILES = (50, 90, 99)
+BINS = 120          # the time line's bins: the most each series reached in each
+
+
+def binned_max(t: np.ndarray, v: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """The largest value a step function (``v[i]`` from ``t[i]`` on, ``t`` sorted) takes in each
+    bin [edges[k], edges[k+1]): the value it enters with and every value set inside."""
+    out = np.zeros(len(edges) - 1)
+    if not len(t):
+        return out
+    entering = np.searchsorted(t, edges[:-1], side="right") - 1       # last change at or before each start
+    out = np.where(entering >= 0, v[np.clip(entering, 0, None)], 0.0)
+    inside = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, len(out) - 1)
+    np.maximum.at(out, inside, v)
+    return out
 
 
 def phases_figure(requests: pd.DataFrame, timeline: pd.DataFrame | None, title: str = ""):
@@ -37,19 +51,25 @@ def phases_figure(requests: pd.DataFrame, timeline: pd.DataFrame | None, title: 
     left.set_xticks(x, [f"p{q}" for q in QUANTILES])
     left.set_ylabel("ms (each phase's own percentile, stacked)")
     left.set_title("TTFT by phase")
-    left.legend(fontsize=7, loc="upper left")
+    left.legend(fontsize=7, loc="upper left", markerscale=0.35)
     if timeline is not None and len(timeline):
+        span = (float(timeline["time_s"].min()), float(timeline["time_s"].max()))
+        edges = np.linspace(span[0], span[1] if span[1] > span[0] else span[0] + 1.0, BINS + 1)
+        mids = (edges[:-1] + edges[1:]) / 2
         held = timeline[timeline["what"] == "prefill_kv_held_blocks"]
         for replica, rows in held.groupby("replica"):
-            right.step(rows["time_s"], rows["value"], where="post", label=f"prefill {replica}: KV blocks held")
+            right.plot(mids, binned_max(rows["time_s"].to_numpy(), rows["value"].to_numpy(), edges), lw=1.2,
+                       label=f"prefill {replica}: KV blocks held (max per {edges[1] - edges[0]:.3g} s)")
         right.set_xlabel("time (s)")
         right.set_ylabel("KV blocks held for transfer")
         flight = timeline[timeline["what"] == "transfers_in_flight"]
         if len(flight):
             twin = right.twinx()
-            twin.step(flight["time_s"], flight["value"], where="post", color="tab:red", alpha=0.5,
-                      label="transfers in flight")
-            twin.set_ylabel("transfers in flight", color="tab:red")
+            twin.plot(mids, binned_max(flight["time_s"].to_numpy(), flight["value"].to_numpy(), edges),
+                      color="tab:red", lw=0.8, alpha=0.6, ls="--", label="transfers in flight (max)")
+            twin.set_ylabel("transfers in flight (max per bin)", color="tab:red")
+            twin.set_ylim(bottom=0)
+        right.set_ylim(bottom=0)
         right.legend(fontsize=7, loc="upper left")
     right.set_title("Prefill side: KV waiting to be pulled")
     if title:

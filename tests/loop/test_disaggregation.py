@@ -172,3 +172,11 @@ def test_the_bundled_example_runs_and_its_phases_add_up_to_ttft(tmp_path) -> Non
     assert np.allclose(parts, done["ttft_s"], rtol=0, atol=1e-9)
     pd_ = result.summary["disaggregation"]
     assert pd_["num_transfers"] == 60 and pd_["num_transfer_timeouts"] == 0
+
+
+def test_the_figures_time_line_keeps_each_bins_peak() -> None:
+    from reports.presentation.pd_figure import binned_max
+    # a step function: 0 from t = 0, 5 from 1.5 s, 2 from 1.7 s, 0 from 3.2 s; bins of 1 s over [0, 4):
+    # [0, 1) only 0; [1, 2) enters at 0 and reaches 5; [2, 3) holds 2; [3, 4) enters at 2, then 0
+    got = binned_max(np.array([0.0, 1.5, 1.7, 3.2]), np.array([0.0, 5.0, 2.0, 0.0]), np.array([0.0, 1, 2, 3, 4]))
+    assert got.tolist() == [0.0, 5.0, 2.0, 2.0]
