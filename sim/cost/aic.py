@@ -50,10 +50,15 @@ ENGINES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
 # projections included, with a graph of GEMMs and MLA kernels where the module was not measured).
 _ATTENTION = {"ContextAttention": "prefill", "GenerationAttention": "decode"}
 _MLA_BLOCK = "mla_block"
+# DeepSeek sparse attention: one measured module per phase (indexer, top-k and sparse MLA,
+# the projections included), keyed by the query heads per GPU as MLA's.
+_DSA_MODULES = {"ContextDSAModule": "prefill", "GenerationDSAModule": "decode"}
 # The MLA tables, by the engine's kernels: the whole module (vLLM, TensorRT-LLM), else the
 # attention kernels of the fallback graph (SGLang).
-_MLA_TABLES = {"prefill": ("mla_context_module_perf.parquet", "context_mla_perf.parquet"),
-               "decode": ("mla_generation_module_perf.parquet", "generation_mla_perf.parquet")}
+_MLA_TABLES = {"prefill": ("dsa_context_module_perf.parquet", "mla_context_module_perf.parquet",
+                           "context_mla_perf.parquet"),
+               "decode": ("dsa_generation_module_perf.parquet", "mla_generation_module_perf.parquet",
+                          "generation_mla_perf.parquet")}
 _UNMODELLED = (("MLA", "multi-head latent attention (MLA)"), ("Dsa", "DeepSeek sparse attention"),
                ("DSA", "DeepSeek sparse attention"), ("Msa", "sparse attention (MSA)"),
                ("Gdn", "linear attention (Gated DeltaNet)"), ("GDN", "linear attention (Gated DeltaNet)"),
@@ -219,6 +224,7 @@ class KernelTables:
             self.handle = EngineHandle(bytes(aiconfigurator_core.engine_spec_bincode_from_json(spec)))
         self.model, self.database = model, database
         self.mla = False                          # set by _classify: an MLA model's attention blocks
+        self.dsa = False                          # ... and DeepSeek sparse attention's modules
         self.tensor_parallel = t
         self.quant_modes = {name: getattr(model.config, f"{name}_quant_mode").name
                             for name in ("gemm", "moe", "kvcache", "fmha", "comm")}
@@ -245,9 +251,10 @@ class KernelTables:
         for i, op in enumerate(ops):
             kind = type(op).__name__
             name = getattr(op, "_name", "")
-            if kind == "FallbackOp" and name.endswith(_MLA_BLOCK):
-                roles["attention"].append(i)      # MLA: its projections ride with it
+            if (kind == "FallbackOp" and name.endswith(_MLA_BLOCK)) or kind in _DSA_MODULES:
+                roles["attention"].append(i)      # MLA / DSA: its projections ride with it
                 self.mla = True
+                self.dsa = self.dsa or kind in _DSA_MODULES
                 continue
             for marker, mechanism in _UNMODELLED:
                 if marker in kind:
@@ -304,6 +311,8 @@ class KernelTables:
         used = {"gemm", "context_attention", "generation_attention", "custom_allreduce", "nccl"}
         if self.mla:
             used |= {"mla_context_module", "mla_generation_module", "context_mla", "generation_mla", "mla_bmm"}
+        if self.dsa:
+            used |= {"dsa_context_module", "dsa_generation_module"}
         if any(type(op).__name__.startswith("MoE") for op in self.model.context_ops):
             used |= {"moe", "moe_a2a"}
         return used
@@ -367,8 +376,10 @@ class KernelTables:
         """An MLA model's query heads per GPU, as its MLA module's spec keys them."""
         import json
         op = self.model.context_ops[self._context["attention"][0]]
-        primary = next(iter(json.loads(op._spec_json()).values()))["primary"]
-        return int(next(iter(primary.values()))["num_heads"])
+        spec = next(iter(json.loads(op._spec_json()).values()))
+        if "primary" in spec:                     # MLA's fallback block: its module's heads
+            spec = next(iter(spec["primary"].values()))
+        return int(spec["num_heads"])
 
     def _attention_heads(self) -> tuple[int, int, int] | None:
         """(query heads, KV heads, head_dim) per GPU, as the attention tables key them."""

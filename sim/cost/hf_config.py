@@ -4,10 +4,11 @@ Beyond the dense Llama fields it reads an explicit ``head_dim`` (Qwen3, gpt-oss,
 layers slide (``sliding_layer_count``) and the mixture-of-experts fields (``moe_fields``).
 Qwen3's q_norm / k_norm (implied by model_type qwen3*, no config flag) cost nothing to model
 and are accepted as is. Mechanisms that change the architecture and that batchsim does not
-model (``UNMODELLED_MECHANISMS``: sparse attention, linear-attention or state-space layers;
-...) are refused by name. Multi-head latent attention (DeepSeek-V3/R1, Kimi-K2) is read from
-``kv_lora_rank``, ``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim``
-(``ModelShape``'s class doc). A multimodal config's language model (``text_config``: Kimi-K2.5,
+model (``UNMODELLED_MECHANISMS``: compressed sparse attention, linear-attention or state-space
+layers; ...) are refused by name. Multi-head latent attention (DeepSeek-V3/R1, Kimi-K2) is read
+from ``kv_lora_rank``, ``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim`` and
+``v_head_dim``, DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) from ``index_topk``,
+``index_head_dim`` and ``index_n_heads`` (``ModelShape``'s class doc). A multimodal config's language model (``text_config``: Kimi-K2.5,
 Qwen3.5) is read in its place; its vision tower is left out (``language_model_config``).
 
 Read strictly: a field batchsim reads must have its type (a boolean is true or false, not the
@@ -48,7 +49,6 @@ _TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_toke
 # What a config's fields say about mechanisms batchsim does not model yet (one line each): the one
 # table, which sim.cost.kernel_models reads too for the configs the kernel tables' wheel bundles.
 UNMODELLED_MECHANISMS = (
-    ("index_topk", "DeepSeek sparse attention (DSA)"),
     ("compress_ratios", "compressed sparse attention (DeepSeek-V4)"),
     ("hybrid_override_pattern", "hybrid Mamba2 state-space layers"),
     ("layers_block_type", "hybrid state-space / linear-attention layers"),
@@ -66,8 +66,10 @@ READ_KEYS = frozenset({k for keys in _HF_FIELDS.values() for k in keys} | set(_E
     "tie_word_embeddings", "rope_theta", "rope_parameters", "sliding_window", "layer_types", "use_sliding_window",
     "max_window_layers", "sliding_window_pattern", "moe_intermediate_size", "shared_expert_intermediate_size",
     "n_shared_experts", "first_k_dense_replace", "mlp_only_layers", "decoder_sparse_step", "quantization_config",
-    "name", "_name_or_path", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"})
-_MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    "name", "_name_or_path", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "index_topk", "index_head_dim", "index_n_heads"})
+_MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_topk",
+             "index_head_dim", "index_n_heads")
 
 
 def language_model_config(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:

@@ -280,6 +280,21 @@ MODEL_PRESETS: dict[str, ModelShape] = {
                               num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
                               shared_expert_intermediate_size=2048, num_dense_layers=3, kv_lora_rank=512,
                               q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    # deepseek-ai/DeepSeek-V3.2 config.json: DeepSeek-V3's shape with DeepSeek sparse attention (an indexer
+    # of 64 heads of 128, each query attending to its top 2,048 keys); FP8 block-scaled weights
+    "deepseek-v3.2": ModelShape("deepseek-v3.2", 7168, 61, 128, 128, 18432, 129280, 163840, rope_theta=10000.0,
+                                num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
+                                shared_expert_intermediate_size=2048, num_dense_layers=3, kv_lora_rank=512,
+                                q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                index_topk=2048, index_head_dim=128, index_n_heads=64),
+    # zai-org/GLM-5 config.json: 78 layers, the first 3 dense, MLA of 64 heads (nope 192, rope 64, v 256,
+    # q_lora_rank 2048) with DeepSeek sparse attention (32 indexer heads of 128, top 2,048), 256 experts of
+    # 2048 + 1 shared, top 8; bf16 weights (zai-org/GLM-5-FP8 is the FP8 checkpoint)
+    "glm-5": ModelShape("glm-5", 6144, 78, 64, 64, 12288, 154880, 202752, rope_theta=1000000.0, explicit_head_dim=64,
+                        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
+                        shared_expert_intermediate_size=2048, num_dense_layers=3, kv_lora_rank=512, q_lora_rank=2048,
+                        qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_topk=2048, index_head_dim=128,
+                        index_n_heads=32),
     # moonshotai/Kimi-K2.5 config.json's text_config (DeepSeek-V3's architecture): 64 heads, 384 experts
     # of 2048 + 1 shared, top 8, the first layer dense, vocabulary 163840; INT4 experts (MODEL_PRECISIONS)
     "kimi-k2.5": ModelShape("kimi-k2.5", 7168, 61, 64, 64, 18432, 163840, 262144, rope_theta=50000.0,
@@ -296,6 +311,7 @@ MODEL_PRECISIONS: dict[str, tuple[str, str]] = {
     "gpt-oss-20b": ("mxfp4", "experts"),
     "deepseek-r1": ("fp8", "linear"),          # quant_method fp8, 128 x 128 block scales
     "deepseek-v3": ("fp8", "linear"),
+    "deepseek-v3.2": ("fp8", "linear"),
     "kimi-k2.5": ("int4", "experts"),          # compressed-tensors INT4 (group 32), the routed experts only
 }
 

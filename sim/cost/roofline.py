@@ -195,7 +195,7 @@ class Roofline:
         self._attn_flops_per_pair_sliding = 4 * model.num_heads * model.head_dim * n_sliding / t
         self._decode_flops_per_pair = self._attn_flops_per_pair
         self._context_up_flops = 0.0
-        self._decode_seq_flops = 0.0
+        self._topk = 0                      # DSA: the keys a query attends to (0: all)
         kv_db = precision.kv_bytes_per_element
         self.kv_bytes_per_token = model.kv_bytes_per_token(kv_db)
         self.kv_bytes_per_seq = model.kv_bytes_per_seq(kv_db)
@@ -222,7 +222,7 @@ class Roofline:
         heads = m.num_heads / t
         layers = m.num_layers
         self.kv_bytes_per_token = m.kv_bytes_per_token(kv_db) * t     # one copy on each rank
-        self._kv_bytes_per_token_gpu = layers * m.mla_latent_dim * kv_db
+        self._kv_bytes_per_token_gpu = layers * (m.mla_bytes_per_token_layer(int(kv_db)) - m.index_bytes_per_token_layer)
         self._kv_bytes_per_token_gpu_sliding = 0.0
         self._attn_flops_per_pair = 2 * heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * layers
         self._decode_flops_per_pair = 2 * heads * (2 * m.kv_lora_rank + m.qk_rope_head_dim) * layers
@@ -232,6 +232,20 @@ class Roofline:
         # the per-head CUDA-core loop ATTN_DECODE_FLOPS was fitted on. It takes the prefill
         # attention rate (Efficiency.attn_flops): an assumption, not fitted.
         self._s_per_decode_attn_flop = self._s_per_attn_flop
+        if m.is_dsa:
+            # DeepSeek sparse attention: vLLM's sparse MLA kernels run the absorbed form in prefill
+            # too (no chunked-context expansion), each query over its index_topk keys only; the
+            # indexer scores every (query, key) pair with its heads (2 index_n_heads x index_head_dim
+            # FLOPs, the same on every rank: its weights are replicated) over its own cached keys.
+            # Its logits are FP8 GEMMs (DeepGEMM's MQA logits): the FP8 peak where the GPU has it,
+            # at the prefill attention's efficiency (an assumption, not fitted).
+            self._topk = m.index_topk
+            fp8_peak = self.gpu.peak_flops_fp8 or (1.0 / self._s_per_attn_flop / self.eff.attn_flops)
+            self._s_per_index_flop = 1.0 / (fp8_peak * self.eff.attn_flops)
+            self._attn_flops_per_pair = self._decode_flops_per_pair
+            self._context_up_flops = 0.0
+            self._index_flops_per_pair = 2 * m.index_n_heads * m.index_head_dim * layers
+            self._index_bytes_per_token_gpu = layers * m.index_bytes_per_token_layer
 
     # ---- step-cost terms -------------------------------------------------------
     def linear_s(self, num_tokens: Any) -> Any:
@@ -265,6 +279,8 @@ class Roofline:
         """
         c = np.asarray(chunk, dtype=float)
         p = np.asarray(context, dtype=float)
+        if self._topk:
+            return self._sparse_prefill_s(c, p)
         flops = self._attn_flops_per_pair * c * (p + (c + 1) / 2) + self._context_up_flops * p * (c > 0)
         kv_bytes = (p + 2 * c) * self._kv_bytes_per_token_gpu     # read p + c, write c
         if self._window:
@@ -282,6 +298,15 @@ class Roofline:
         is at most min(sum x_i, n w)); the curve only sees the total."""
         n = np.asarray(num_seqs, dtype=float)
         keys = np.asarray(context, dtype=float) + n                # each also sees its new token
+        if self._topk:
+            # the indexer reads every key; attention only the top k of each decode: min(keys, n k),
+            # exact for equal contexts and an upper bound otherwise (as a sliding window's)
+            chosen = np.minimum(keys, n * float(self._topk))
+            compute_s = (self._index_flops_per_pair * keys * self._s_per_index_flop
+                         + self._decode_flops_per_pair * chosen * self._s_per_decode_attn_flop)
+            kv_bytes = keys * self._index_bytes_per_token_gpu + chosen * self._kv_bytes_per_token_gpu
+            time_s = overlap_time(compute_s, kv_bytes * self._s_per_kv_byte, self.eff.pipeline_stages)
+            return time_s + n * self.tp_costs.per_seq_s
         flops = self._decode_flops_per_pair * keys
         kv_bytes = keys * self._kv_bytes_per_token_gpu
         if self._window:
@@ -291,6 +316,20 @@ class Roofline:
         time_s = overlap_time(flops * self._s_per_decode_attn_flop, kv_bytes * self._s_per_kv_byte,
                               self.eff.pipeline_stages)
         return time_s + n * self.tp_costs.per_seq_s
+
+    def _sparse_prefill_s(self, c: np.ndarray, p: np.ndarray) -> Any:
+        """DSA's prefill: the indexer over all c (p + (c + 1) / 2) pairs and its keys (read p + c,
+        write c), attention over each query's min(p + i + 1, topk) keys (the sliding-window count
+        with a window of topk) and their latents (read min(p, topk) + c, write c)."""
+        k = float(self._topk)
+        pairs = c * (p + (c + 1) / 2)
+        chosen = sliding_prefill_pairs(c, p, k)
+        compute_s = (self._index_flops_per_pair * pairs * self._s_per_index_flop
+                     + self._attn_flops_per_pair * chosen * self._s_per_attn_flop)
+        kv_bytes = ((p + 2 * c) * self._index_bytes_per_token_gpu
+                    + (np.minimum(p, k) + 2 * c) * self._kv_bytes_per_token_gpu)
+        time_s = overlap_time(compute_s, kv_bytes * self._s_per_kv_byte, self.eff.pipeline_stages)
+        return time_s + self.tp_costs.per_seq_s
 
     # ---- memory -----------------------------------------------------------------
     @property

@@ -17,9 +17,18 @@ _POSITIVE_INT_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads"
 # Optional shape facts (0: absent), written to a profile file only when set.
 OPTIONAL_INT_FIELDS = ("explicit_head_dim", "sliding_window", "num_sliding_layers", "num_experts", "num_experts_per_tok",
                        "moe_intermediate_size", "shared_expert_intermediate_size", "num_dense_layers",
-                       "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+                       "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                       "index_topk", "index_head_dim", "index_n_heads")
 # Multi-head latent attention's fields (DeepSeek-V2/V3/R1, Kimi-K2): all set together, or none.
 MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# DeepSeek sparse attention's indexer (DeepSeek-V3.2, GLM-5), on top of MLA: all set, or none.
+DSA_FIELDS = ("index_topk", "index_head_dim", "index_n_heads")
+# The indexer's keys as vLLM caches them: FP8, plus one fp32 scale per 128 values
+# (DeepseekV32IndexerCache: head_dim + head_dim // 128 * 4 bytes: 132 for 128).
+INDEX_QUANT_BLOCK = 128
+# An FP8 DSA latent as vLLM's sparse MLA kernels store it (fp8_ds_mla): the 512 latent values in
+# FP8, 4 fp32 scales, the 64 RoPE values in bf16: 512 + 16 + 128 = 656 bytes a layer.
+FP8_DS_MLA_BYTES = 656
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +64,12 @@ class ModelShape:
     (heads*v x hidden). q_a and kv_a are replicated on every rank (vLLM's ReplicatedLinear
     of the fused q_a/kv_a projection): ``attn_replicated_params_per_layer``. ``num_kv_heads``
     and ``head_dim`` are not read for an MLA model's attention.
+
+    DeepSeek sparse attention (``index_topk`` > 0, on MLA: DeepSeek-V3.2, GLM-5): a lightning
+    indexer of ``index_n_heads`` heads of ``index_head_dim`` scores every cached token with one
+    cached key per token (FP8, ``INDEX_QUANT_BLOCK`` scales), and each query attends to its
+    ``index_topk`` best keys only. Its weights (wq_b: q_lora_rank x heads*dim, wk: hidden x
+    dim, weights_proj: hidden x heads) are replicated on every rank, as vLLM's Indexer holds them.
     """
 
     name: str
@@ -81,6 +96,9 @@ class ModelShape:
     qk_nope_head_dim: int = 0            # MLA: a head's query/key width without RoPE
     qk_rope_head_dim: int = 0            # MLA: the RoPE part of a query/key head (one key shared by the heads)
     v_head_dim: int = 0                  # MLA: a head's value width
+    index_topk: int = 0                  # DSA (0: dense attention): the keys each query attends to
+    index_head_dim: int = 0              # DSA: the indexer's head width
+    index_n_heads: int = 0               # DSA: the indexer's heads
 
     def __post_init__(self) -> None:
         for f in _POSITIVE_INT_FIELDS:
@@ -133,6 +151,14 @@ class ModelShape:
                              f"{', '.join(missing)} missing")
         if self.q_lora_rank and not mla:
             raise ValueError(f"model {self.name!r}: q_lora_rank set without kv_lora_rank (multi-head latent attention)")
+        dsa = [f for f in DSA_FIELDS if getattr(self, f)]
+        if dsa and len(dsa) != len(DSA_FIELDS):
+            missing = [f for f in DSA_FIELDS if not getattr(self, f)]
+            raise ValueError(f"model {self.name!r}: DeepSeek sparse attention needs {', '.join(DSA_FIELDS)}; "
+                             f"{', '.join(missing)} missing")
+        if dsa and not mla:
+            raise ValueError(f"model {self.name!r}: DeepSeek sparse attention (index_topk) is modelled on multi-head "
+                             f"latent attention only; kv_lora_rank is missing")
         if mla and (self.sliding_window or self.num_sliding_layers):
             raise ValueError(f"model {self.name!r}: sliding windows with multi-head latent attention are not modelled")
 
@@ -140,6 +166,32 @@ class ModelShape:
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def is_dsa(self) -> bool:
+        return self.index_topk > 0
+
+    @property
+    def index_params_per_layer(self) -> int:
+        """The DSA indexer's weights a layer (0 without DSA): wq_b, wk and weights_proj."""
+        if not self.is_dsa:
+            return 0
+        return (self.q_lora_rank * self.index_n_heads * self.index_head_dim + self.hidden_size * self.index_head_dim
+                + self.hidden_size * self.index_n_heads)
+
+    @property
+    def index_bytes_per_token_layer(self) -> int:
+        """The indexer's cached key a token and layer: FP8 values and fp32 scales (132 B for 128)."""
+        if not self.is_dsa:
+            return 0
+        return self.index_head_dim + self.index_head_dim // INDEX_QUANT_BLOCK * 4
+
+    def mla_bytes_per_token_layer(self, dtype_bytes: int) -> int:
+        """An MLA layer's cache a token: the latent and RoPE key (in FP8 with DSA: ``FP8_DS_MLA_BYTES``),
+        plus the DSA indexer's key."""
+        latent = (FP8_DS_MLA_BYTES if self.is_dsa and dtype_bytes == 1 and self.kv_lora_rank == 512
+                  and self.qk_rope_head_dim == 64 else self.mla_latent_dim * dtype_bytes)
+        return latent + self.index_bytes_per_token_layer
 
     @property
     def mla_latent_dim(self) -> int:
@@ -176,7 +228,7 @@ class ModelShape:
             q = (h * self.q_lora_rank + self.q_lora_rank * n * qk) if self.q_lora_rank else h * n * qk
             kv_a = h * self.mla_latent_dim
             kv_b = self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
-            return q + kv_a + kv_b + n * self.v_head_dim * h
+            return q + kv_a + kv_b + n * self.v_head_dim * h + self.index_params_per_layer
         q, kv = n * self.head_dim, self.num_kv_heads * self.head_dim
         return 2 * h * q + 2 * h * kv
 
@@ -185,7 +237,7 @@ class ModelShape:
         """The attention weights every TP rank holds whole: MLA's q_a and kv_a (0 otherwise)."""
         if not self.is_mla:
             return 0
-        return self.hidden_size * (self.q_lora_rank + self.mla_latent_dim)
+        return self.hidden_size * (self.q_lora_rank + self.mla_latent_dim) + self.index_params_per_layer
 
     @property
     def params_per_expert(self) -> int:
@@ -233,10 +285,10 @@ class ModelShape:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of the pooled layers (``num_kv_pool_layers``): 2 * layers * kv_heads * head_dim * bytes.
-        MLA: layers * (kv_lora_rank + qk_rope_head_dim) * bytes, one copy (each TP rank holds one:
-        ``sim.cost.roofline.Roofline.kv_bytes_per_token`` counts them all)."""
+        MLA: layers * (kv_lora_rank + qk_rope_head_dim) * bytes (DSA: ``mla_bytes_per_token_layer``), one
+        copy (each TP rank holds one: ``sim.cost.roofline.Roofline.kv_bytes_per_token`` counts them all)."""
         if self.is_mla:
-            return self.num_layers * self.mla_latent_dim * dtype_bytes
+            return self.num_layers * self.mla_bytes_per_token_layer(dtype_bytes)
         return 2 * self.num_kv_pool_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def kv_bytes_per_seq(self, dtype_bytes: int) -> int:

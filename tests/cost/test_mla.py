@@ -116,6 +116,49 @@ def test_mla_prefill_attends_in_the_unabsorbed_form() -> None:
     assert rf.attn_prefill_s(4096, 8192) == pytest.approx((pairs * 624_640 + up) / 989e12, rel=1e-9)
 
 
+def test_deepseek_v32_and_glm5_sparse_attention_by_hand() -> None:
+    v32 = model_shape_from_hf(config("DeepSeek-V3.2"), "deepseek-v3.2")
+    assert v32 == MODEL_PRESETS["deepseek-v3.2"] and v32.is_dsa
+    # the indexer a layer: wq_b 1536 x 64 x 128 = 12,582,912, wk 7168 x 128 = 917,504, weights_proj 7168 x 64
+    # = 458,752: 13,959,168, whole on every rank, beside DeepSeek-V3's 187,105,280 of MLA
+    assert v32.attn_params_per_layer == 187_105_280 + 12_582_912 + 917_504 + 458_752 == 201_064_448
+    assert v32.attn_replicated_params_per_layer == 15_138_816 + 13_959_168 == 29_097_984
+    # KV a layer: the latent and RoPE key (576 x 2 = 1,152 B; FP8 as vLLM's fp8_ds_mla: 512 + 4 x 4 scales +
+    # 64 x 2 = 656 B) and the indexer's key (128 FP8 + one fp32 scale = 132 B): x 61 layers
+    assert v32.kv_bytes_per_token(2) == 61 * (1152 + 132) == 78_324
+    assert v32.kv_bytes_per_token(1) == 61 * (656 + 132) == 48_068
+    glm = model_shape_from_hf(config("GLM-5"), "glm-5")
+    assert glm == MODEL_PRESETS["glm-5"]
+    # q_a + q_b 6144 x 2048 + 2048 x 64 x (192 + 64) = 46,137,344; kv_a 6144 x 576 = 3,538,944; kv_b
+    # 512 x 64 x (192 + 256) = 14,680,064; o 64 x 256 x 6144 = 100,663,296; indexer 2048 x 32 x 128 +
+    # 6144 x 128 + 6144 x 32 = 9,371,648
+    assert glm.attn_params_per_layer == 46_137_344 + 3_538_944 + 14_680_064 + 100_663_296 + 9_371_648 == 174_391_296
+    assert glm.kv_bytes_per_token(2) == 78 * (1152 + 132) == 100_152
+    # MiniMax-M2.5 is plain GQA: 2 x 62 layers x 8 KV heads x 128 x 2 B
+    mm = model_shape_from_hf(config("MiniMax-M2.5"), "minimax-m2.5")
+    assert mm.kv_bytes_per_token(2) == 2 * 62 * 8 * 128 * 2 == 253_952 and (mm.num_experts, mm.num_experts_per_tok) == (256, 8)
+
+
+def test_sparse_attention_decode_and_prefill_on_the_roofline() -> None:
+    m = MODEL_PRESETS["deepseek-v3.2"]
+    rf = Roofline(m, GPU_PRESETS["h200"], 8, efficiency=ideal())      # 989 TFLOPS bf16, 1,979 FP8, 4.8 TB/s
+    # one decode over 100,000 cached tokens (100,001 keys): the indexer scores all of them, 2 x 64 x 128 x
+    # 61 = 999,424 FP8 FLOPs each (9.9944e10: 50.5 us at 1,979 TFLOPS), reading 132 x 61 = 8,052 B each;
+    # attention takes the top 2,048: 2 x 16 x (2 x 512 + 64) x 61 = 2,123,776 FLOPs (4.4 us) and 1,152 x 61
+    # = 70,272 B each. Bytes: 100,001 x 8,052 + 2,048 x 70,272 = 949,125,108 B, 197.734 us: memory-bound
+    compute = 100_001 * 999_424 / 1979e12 + 2048 * 2_123_776 / 989e12
+    memory = (100_001 * 8_052 + 2048 * 70_272) / 4800e9
+    assert memory > compute
+    assert rf.attn_decode_s(1, 100_000) == pytest.approx(memory, rel=1e-9) == pytest.approx(197.734e-6, rel=1e-5)
+    # dense MLA reads the whole latent: 100,001 x 70,272 B, 1.464 ms (test above): 7.4 times as long
+    # a 4,096-token prompt: the indexer over 4096 x 4097 / 2 = 8,390,656 pairs; attention over each query's
+    # min(i + 1, 2048) keys: 2048 x 2049 / 2 + 2048 x 2048 = 6,292,480 pairs, in the absorbed form
+    compute = 8_390_656 * 999_424 / 1979e12 + 6_292_480 * 2_123_776 / 989e12
+    memory = (2 * 4096 * 8_052 + 2 * 4096 * 70_272) / 4800e9
+    assert compute > memory
+    assert rf.attn_prefill_s(4096, 0) == pytest.approx(compute, rel=1e-9)
+
+
 @pytest.mark.parametrize("fields, words", [
     ({"kv_lora_rank": 512}, "multi-head latent attention needs kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, "
                             "v_head_dim; qk_nope_head_dim, qk_rope_head_dim, v_head_dim missing"),
@@ -196,3 +239,14 @@ def test_the_bundled_deepseek_r1_workload_runs_with_the_latent_pool(tmp_path: Pa
     act = max(p.activation_bytes(8192), 16 * 129_280 * 1024)
     budget = 8 * 143_771 * 2**20 * 0.9 - 8 * act - 679_449_460_736
     assert meta["num_blocks"] == int(budget // 562_176) // 16
+
+
+def test_deepseek_v32_kernel_profile_prices_sparse_attention_from_its_modules(cache: Path) -> None:
+    pytest.importorskip("aiconfigurator_core", reason="the kernels extra (aiconfigurator-core) is not installed")
+    from sim.cost.kernels import HostTerms, KernelSpec, kernel_profile
+    none = HostTerms("none", 0.0, 0.0, 0.0, 0.0, "kernels only")
+    p = kernel_profile(KernelSpec(model="deepseek-v3.2", gpu="h200", engine="vllm", tensor_parallel=8,
+                                  expert_parallel=True), none, cache)
+    assert p.kv_bytes_per_token == 8 * 78_324 and p.model.is_dsa
+    assert {"dsa_context_module_perf.parquet", "dsa_generation_module_perf.parquet"} <= set(p.provenance["tables"])
+    assert p.attn_decode(64, 512) < p.attn_decode(64, 8192)

@@ -288,7 +288,8 @@ def _cases() -> list[Case]:
             ("layer_types", ["full_attention"] * 3, "field 'layer_types' must list one type per layer (64)"),
             ("kv_lora_rank", 512, "multi-head latent attention needs kv_lora_rank, qk_nope_head_dim, "
                                   "qk_rope_head_dim, v_head_dim; qk_nope_head_dim, qk_rope_head_dim, v_head_dim missing"),
-            ("index_topk", 2048, "uses DeepSeek sparse attention (DSA)"),
+            ("index_topk", 2048, "DeepSeek sparse attention needs index_topk, index_head_dim, index_n_heads"),
+            ("compress_ratios", [4, 128], "uses compressed sparse attention (DeepSeek-V4)"),
             ("hybrid_override_pattern", "M-M*", "uses hybrid Mamba2 state-space layers"),
             ("block_configs", [{}], "uses per-layer heterogeneous blocks (Nemotron NAS)"),
             ("interleave_moe_layer_step", 2, "uses interleaved MoE and chunked-attention layers (Llama 4)"),
@@ -307,8 +308,8 @@ def _cases() -> list[Case]:
             ("num_experts_per_tok", None, "the routing width is missing"),
             ("moe_intermediate_size", 0, "field 'moe_intermediate_size' must be a positive integer")):
         add(Case(f"hf-moe-{key}-{json.dumps(value)[:24]}", "HF configs", "refused", (words,), on(hf(moe, **{key: value}))))
-    add(Case("hf-wrapped-dsa", "HF configs", "refused", ("uses DeepSeek sparse attention (DSA)",),
-             on({"text_config": hf(q32, index_topk=2048), "architectures": ["X"]})))
+    add(Case("hf-wrapped-csa", "HF configs", "refused", ("uses compressed sparse attention (DeepSeek-V4)",),
+             on({"text_config": hf(q32, compress_ratios=[4, 128]), "architectures": ["X"]})))
     add(Case("hf-wrapped-partial-mla", "HF configs", "refused", ("qk_nope_head_dim, qk_rope_head_dim, v_head_dim missing",),
              on({"text_config": hf(q32, kv_lora_rank=512), "architectures": ["X"]})))
     for key, wrong in (("num_key_value_heads", "num_key_value_head"), ("num_attention_heads", "num_attention_head"),
