@@ -231,6 +231,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=2000, help="requests per trial run")
     ap.add_argument("--rel-tol", type=float, default=0.02, help="bisection stops at hi / lo - 1 <= this")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slo-scales", default="", help="also the goodputs with both SLOs times each of these "
+                    "factors (comma-separated, e.g. 0.8,0.6): where the crossover lies")
     args = ap.parse_args()
     models = args.models.split(",")
     for m in models:
@@ -279,6 +281,13 @@ def main() -> None:
                     cache[key] = simulate(workload(s, kind, s.slo_rate * gpus[kind], args.num_requests, lengths,
                                                    args.seed), folder)
                 scales[kind] = tightest_scale(distserve_reading(cache[key]), s)
+            for factor in [float(x) for x in args.slo_scales.split(",") if x]:
+                scaled = dataclasses.replace(s, ttft_ms=s.ttft_ms * factor, tpot_ms=s.tpot_ms * factor)
+                c = capacity(scaled, "colocated-vllm", "distserve", args, lengths, folder, cache)[0] / s.colocated_tp
+                d = capacity(scaled, "disaggregated", "distserve", args, lengths, folder, cache)[0] / s.disagg_gpus
+                ratio = f"{d / c:.2f}x" if c > 0 else "vllm meets them at no rate"
+                print(f"  {m} SLOs x {factor:g} ({scaled.ttft_ms / 1e3:g} s / {scaled.tpot_ms / 1e3:g} s): vllm "
+                      f"{c:.3f}, disaggregated {d:.3f} req/s/GPU: {ratio}", flush=True)
             print(flush=True)
             rows.append((s, per_gpu, scales, time.perf_counter() - t0))
     print()
@@ -312,7 +321,8 @@ def main() -> None:
         close = f"{100 * ratio / s.published_slo_ratio:.0f}%" if math.isfinite(ratio) else "-"
         print(f"{s.model + ' ' + s.placement:<40}{s.slo_rate:>10g}{v0:>8.2f}{v1:>8.2f}{dis:>8.2f}{ratio:>7.2f}x"
               f"{s.published_slo_ratio:>10.2f}x{close:>11}")
-    print("(inf: the deployment misses the SLOs for over 10% of the requests at any scale: it cannot carry that rate)")
+    print("(a factor far above 1: the deployment is past its capacity at that rate, and its factor grows with the "
+          "run; inf: over 10% of the requests never finish)")
     print("(wall s: " + ", ".join(f"{s.model} {wall:.0f}" for s, _, _, wall in rows) + ")")
 
 
