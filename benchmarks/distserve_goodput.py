@@ -53,7 +53,7 @@ import math
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -206,23 +206,122 @@ def tightest_scale(requests: pd.DataFrame, s: Setting) -> float:
     return float(need[math.ceil(ATTAINMENT * len(need)) - 1]) if len(need) else math.inf
 
 
-def capacity(s: Setting, kind: str, reading: str, args, lengths: Path, folder: Path,
-             cache: dict, each: bool = False) -> tuple[float, int, str]:
-    """(highest passing rate in req/s, trial runs, find_capacity's note) of one deployment."""
-    from reports.experiments.capacity import SearchSettings, find_capacity
+@dataclass
+class Runs:
+    """The runs of one invocation, each simulated once: the capacity searches, both readings and
+    the rate grids share them."""
 
-    def evaluate(rate: float) -> dict[str, Any]:
+    num_requests: int
+    seed: int
+    rel_tol: float
+    lengths: Path
+    folder: Path
+    cache: dict = field(default_factory=dict)
+
+    def requests(self, s: Setting, kind: str, rate: float) -> pd.DataFrame:
         key = (s.model, kind, round(rate, 9))
-        if key not in cache:                   # both readings of a disaggregated run share its runs
-            cache[key] = simulate(workload(s, kind, rate, args.num_requests, lengths, args.seed), folder)
-        requests = cache[key]
-        return verdict(distserve_reading(requests) if reading == "distserve" else requests, s, each)
+        if key not in self.cache:
+            self.cache[key] = simulate(workload(s, kind, rate, self.num_requests, self.lengths, self.seed),
+                                       self.folder)
+        return self.cache[key]
 
-    gpus = s.disagg_gpus if kind == "disaggregated" else s.colocated_tp
-    settings = SearchSettings(num_requests=args.num_requests, min_rate=0.01, max_rate=200.0,
-                              rel_tol=args.rel_tol, max_runs=16)
-    rate, trials, note = find_capacity(evaluate, settings, start_rate=0.5 * gpus)
-    return rate, len(trials), note
+    def capacity(self, s: Setting, kind: str, reading: str = "distserve",
+                 each: bool = False) -> tuple[float, int, str]:
+        """(highest passing rate in req/s, trial runs, find_capacity's note) of one deployment."""
+        from reports.experiments.capacity import SearchSettings, find_capacity
+
+        def evaluate(rate: float) -> dict[str, Any]:
+            requests = self.requests(s, kind, rate)
+            return verdict(distserve_reading(requests) if reading == "distserve" else requests, s, each)
+
+        settings = SearchSettings(num_requests=self.num_requests, min_rate=0.01, max_rate=200.0,
+                                  rel_tol=self.rel_tol, max_runs=16)
+        rate, trials, note = find_capacity(evaluate, settings, start_rate=0.5 * gpus_of(s, kind))
+        return rate, len(trials), note
+
+
+def gpus_of(s: Setting, kind: str) -> int:
+    return s.disagg_gpus if kind == "disaggregated" else s.colocated_tp
+
+
+COLOCATED = ("colocated-vllm", "colocated-vllm_v1")
+DEPLOYMENTS = (*COLOCATED, "disaggregated")
+
+
+def measure(s: Setting, runs: Runs, slo_scales: list[float]) -> tuple[dict, dict]:
+    """Per-GPU goodputs by (deployment, reading) and tightest SLO scales by deployment of one
+    setting; prints the searches, the attainment curves and the scaled-SLO goodputs as it goes."""
+    found = {}
+    for kind, reading in ((COLOCATED[0], "distserve"), (COLOCATED[1], "distserve"),
+                          ("disaggregated", "distserve"), ("disaggregated", "vllm")):
+        found[(kind, reading)] = runs.capacity(s, kind, reading)
+        rate, num_runs, note = found[(kind, reading)]
+        print(f"  {s.model} {kind:<18} ({reading} reading): {rate:.3f} req/s in {num_runs} runs; {note}", flush=True)
+    per_gpu = {k: found[k][0] / gpus_of(s, k[0]) for k in found}
+    print(f"\n  {s.model}: share of {runs.num_requests} requests within both SLOs at DistServe's per-GPU rates "
+          f"(Figure 8's x axis; DistServe's reading)")
+    print(f"  {'req/s/GPU':<18}" + "".join(f"{r:>8g}" for r in RATE_GRIDS[s.model]))
+    for kind in DEPLOYMENTS:
+        shares = [verdict(distserve_reading(runs.requests(s, kind, r * gpus_of(s, kind))), s)["both_attainment"]
+                  for r in RATE_GRIDS[s.model]]
+        print(f"  {kind:<18}" + "".join(f"{100 * x:>7.1f}%" for x in shares))
+    if s.model == "opt-13b":
+        sim_setting = dataclasses.replace(s, ttft_ms=SIMULATOR_13B["ttft_ms"], tpot_ms=SIMULATOR_13B["tpot_ms"])
+        rate, num_runs, _ = runs.capacity(sim_setting, "disaggregated", each=True)
+        per = rate / s.disagg_gpus
+        print(f"\n  {s.model} disaggregated at DistServe's simulator's SLOs (TTFT 200 ms, TPOT 100 ms, 90% each): "
+              f"{rate:.3f} req/s = {per:.3f} per GPU in {num_runs} runs; DistServe's simulator: "
+              f"{SIMULATOR_13B['per_gpu_rate']:g} per GPU ({100 * per / SIMULATOR_13B['per_gpu_rate']:.0f}%)")
+    scales = {kind: tightest_scale(distserve_reading(runs.requests(s, kind, s.slo_rate * gpus_of(s, kind))), s)
+              for kind in DEPLOYMENTS}
+    for factor in slo_scales:
+        scaled = dataclasses.replace(s, ttft_ms=s.ttft_ms * factor, tpot_ms=s.tpot_ms * factor)
+        c = runs.capacity(scaled, COLOCATED[0])[0] / s.colocated_tp
+        d = runs.capacity(scaled, "disaggregated")[0] / s.disagg_gpus
+        ratio = f"{d / c:.2f}x" if c > 0 else "vllm meets them at no rate"
+        print(f"  {s.model} SLOs x {factor:g} ({scaled.ttft_ms / 1e3:g} s / {scaled.tpot_ms / 1e3:g} s): vllm "
+              f"{c:.3f}, disaggregated {d:.3f} req/s/GPU: {ratio}", flush=True)
+    print(flush=True)
+    return per_gpu, scales
+
+
+def _over(a: float, b: float) -> float:
+    return a / b if b > 0 else math.inf
+
+
+def print_tables(rows: list, num_requests: int) -> None:
+    print()
+    print(f"DistServe's chatbot setting: ShareGPT (prompt + output < 2048), Poisson arrivals, A100-80GB, fp16; "
+          f"goodput = highest rate with >= {100 * ATTAINMENT:g}% of {num_requests} requests within both SLOs, "
+          f"per GPU (req/s/GPU)\n")
+    print(f"{'setting':<40}{'SLO TTFT/TPOT':>15}{'vllm/GPU':>10}{'disagg/GPU':>12}{'ratio':>8}"
+          f"{'DistServe':>11}{'how close':>11}{'| v1/GPU':>10}{'ratio':>7}{'vLLM-P/D read':>15}{'ratio':>7}")
+    for s, g, _, _ in rows:
+        coloc, coloc_v1 = g[(COLOCATED[0], "distserve")], g[(COLOCATED[1], "distserve")]
+        dis, dis_vllm = g[("disaggregated", "distserve")], g[("disaggregated", "vllm")]
+        ratio = _over(dis, coloc)
+        setting = f"{s.model} {s.colocated_tp}x vs {s.placement}"
+        slo = f"{s.ttft_ms / 1e3:g}s/{s.tpot_ms / 1e3:g}s"
+        print(f"{setting:<40}{slo:>15}{coloc:>10.3f}{dis:>12.3f}{ratio:>7.2f}x{s.published_ratio:>10.2f}x"
+              f"{100.0 * ratio / s.published_ratio:>10.0f}%{coloc_v1:>10.3f}{_over(dis, coloc_v1):>6.2f}x"
+              f"{dis_vllm:>15.3f}{_over(dis_vllm, coloc):>6.2f}x")
+    print("\n(vllm: batchsim's vLLM v0 scheduler, DistServe's 2023 baseline; ratio = disagg/GPU over vllm/GPU; how "
+          "close = ratio / DistServe's published ratio; v1: today's vllm_v1 (chunked prefill) colocated, and the "
+          "disaggregated goodput over it; vLLM-P/D read: the disaggregated goodput with TTFT taken at the decode "
+          "instance's first token, as vLLM's P/D proxy streams it)")
+    print(f"\nTighter SLOs (Figure 8 lower): the smallest factor on both SLOs at which {100 * ATTAINMENT:g}% of the "
+          f"requests meet both, at DistServe's per-GPU rate; ratio = vllm's factor over the disaggregated one\n")
+    print(f"{'setting':<40}{'req/s/GPU':>10}{'vllm':>8}{'v1':>8}{'disagg':>8}{'ratio':>8}{'DistServe':>11}"
+          f"{'how close':>11}")
+    for s, _, sc, _ in rows:
+        v0, v1, dis = sc[COLOCATED[0]], sc[COLOCATED[1]], sc["disaggregated"]
+        ratio = _over(v0, dis)
+        close = f"{100 * ratio / s.published_slo_ratio:.0f}%" if math.isfinite(ratio) else "-"
+        print(f"{s.model + ' ' + s.placement:<40}{s.slo_rate:>10g}{v0:>8.2f}{v1:>8.2f}{dis:>8.2f}{ratio:>7.2f}x"
+              f"{s.published_slo_ratio:>10.2f}x{close:>11}")
+    print("(a factor far above 1: the deployment is past its capacity at that rate, and its factor grows with the "
+          "run; inf: over 10% of the requests never finish)")
+    print("(wall s: " + ", ".join(f"{s.model} {wall:.0f}" for s, _, _, wall in rows) + ")")
 
 
 def main() -> None:
@@ -238,92 +337,15 @@ def main() -> None:
     for m in models:
         if m not in SETTINGS:
             ap.error(f"--models: unknown model {m!r}; choose from {', '.join(SETTINGS)}")
+    slo_scales = [float(x) for x in args.slo_scales.split(",") if x]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        lengths = lengths_file(folder)
-        cache: dict = {}
+        runs = Runs(args.num_requests, args.seed, args.rel_tol, lengths_file(Path(tmp)), Path(tmp))
         for m in models:
-            s = SETTINGS[m]
             t0 = time.perf_counter()
-            found = {}
-            for kind, reading in (("colocated-vllm", "distserve"), ("colocated-vllm_v1", "distserve"),
-                                  ("disaggregated", "distserve"), ("disaggregated", "vllm")):
-                found[(kind, reading)] = capacity(s, kind, reading, args, lengths, folder, cache)
-                rate, runs, note = found[(kind, reading)]
-                print(f"  {m} {kind:<18} ({reading} reading): {rate:.3f} req/s in {runs} runs; {note}", flush=True)
-            gpus = {"colocated-vllm": s.colocated_tp, "colocated-vllm_v1": s.colocated_tp,
-                    "disaggregated": s.disagg_gpus}
-            per_gpu = {k: found[k][0] / gpus[k[0]] for k in found}
-            print(f"\n  {m}: share of {args.num_requests} requests within both SLOs at DistServe's per-GPU rates "
-                  f"(Figure 8's x axis; DistServe's reading)")
-            print(f"  {'req/s/GPU':<18}" + "".join(f"{r:>8g}" for r in RATE_GRIDS[m]))
-            for kind in ("colocated-vllm", "colocated-vllm_v1", "disaggregated"):
-                shares = []
-                for r in RATE_GRIDS[m]:
-                    key = (s.model, kind, round(r * gpus[kind], 9))
-                    if key not in cache:
-                        cache[key] = simulate(workload(s, kind, r * gpus[kind], args.num_requests, lengths,
-                                                       args.seed), folder)
-                    shares.append(verdict(distserve_reading(cache[key]), s)["both_attainment"])
-                print(f"  {kind:<18}" + "".join(f"{100 * x:>7.1f}%" for x in shares))
-            if m == "opt-13b":
-                sim_setting = dataclasses.replace(s, ttft_ms=SIMULATOR_13B["ttft_ms"], tpot_ms=SIMULATOR_13B["tpot_ms"])
-                rate, runs, note = capacity(sim_setting, "disaggregated", "distserve", args, lengths, folder, cache,
-                                            each=True)
-                print(f"\n  {m} disaggregated at DistServe's simulator's SLOs (TTFT 200 ms, TPOT 100 ms, 90% each): "
-                      f"{rate:.3f} req/s = {rate / s.disagg_gpus:.3f} per GPU in {runs} runs; DistServe's simulator: "
-                      f"{SIMULATOR_13B['per_gpu_rate']:g} per GPU ({100 * rate / s.disagg_gpus / SIMULATOR_13B['per_gpu_rate']:.0f}%)")
-            scales = {}
-            for kind in ("colocated-vllm", "colocated-vllm_v1", "disaggregated"):
-                key = (s.model, kind, round(s.slo_rate * gpus[kind], 9))
-                if key not in cache:
-                    cache[key] = simulate(workload(s, kind, s.slo_rate * gpus[kind], args.num_requests, lengths,
-                                                   args.seed), folder)
-                scales[kind] = tightest_scale(distserve_reading(cache[key]), s)
-            for factor in [float(x) for x in args.slo_scales.split(",") if x]:
-                scaled = dataclasses.replace(s, ttft_ms=s.ttft_ms * factor, tpot_ms=s.tpot_ms * factor)
-                c = capacity(scaled, "colocated-vllm", "distserve", args, lengths, folder, cache)[0] / s.colocated_tp
-                d = capacity(scaled, "disaggregated", "distserve", args, lengths, folder, cache)[0] / s.disagg_gpus
-                ratio = f"{d / c:.2f}x" if c > 0 else "vllm meets them at no rate"
-                print(f"  {m} SLOs x {factor:g} ({scaled.ttft_ms / 1e3:g} s / {scaled.tpot_ms / 1e3:g} s): vllm "
-                      f"{c:.3f}, disaggregated {d:.3f} req/s/GPU: {ratio}", flush=True)
-            print(flush=True)
-            rows.append((s, per_gpu, scales, time.perf_counter() - t0))
-    print()
-    print(f"DistServe's chatbot setting: ShareGPT (prompt + output < 2048), Poisson arrivals, A100-80GB, fp16; "
-          f"goodput = highest rate with >= {100 * ATTAINMENT:g}% of {args.num_requests} requests within both SLOs, "
-          f"per GPU (req/s/GPU)\n")
-    head = (f"{'setting':<40}{'SLO TTFT/TPOT':>15}{'vllm/GPU':>10}{'disagg/GPU':>12}{'ratio':>8}"
-            f"{'DistServe':>11}{'how close':>11}{'| v1/GPU':>10}{'ratio':>7}{'vLLM-P/D read':>15}{'ratio':>7}")
-    print(head)
-    for s, g, _, wall in rows:
-        coloc, coloc_v1 = g[("colocated-vllm", "distserve")], g[("colocated-vllm_v1", "distserve")]
-        dis, dis_vllm = g[("disaggregated", "distserve")], g[("disaggregated", "vllm")]
-        ratio = dis / coloc if coloc > 0 else math.inf
-        close = 100.0 * ratio / s.published_ratio
-        setting = f"{s.model} {s.colocated_tp}x vs {s.placement}"
-        slo = f"{s.ttft_ms / 1e3:g}s/{s.tpot_ms / 1e3:g}s"
-        print(f"{setting:<40}{slo:>15}{coloc:>10.3f}{dis:>12.3f}{ratio:>7.2f}x{s.published_ratio:>10.2f}x"
-              f"{close:>10.0f}%{coloc_v1:>10.3f}{dis / coloc_v1 if coloc_v1 > 0 else math.inf:>6.2f}x"
-              f"{dis_vllm:>15.3f}{dis_vllm / coloc if coloc > 0 else math.inf:>6.2f}x")
-    print("\n(vllm: batchsim's vLLM v0 scheduler, DistServe's 2023 baseline; ratio = disagg/GPU over vllm/GPU; how "
-          "close = ratio / DistServe's published ratio; v1: today's vllm_v1 (chunked prefill) colocated, and the "
-          "disaggregated goodput over it; vLLM-P/D read: the disaggregated goodput with TTFT taken at the decode "
-          "instance's first token, as vLLM's P/D proxy streams it)")
-    print(f"\nTighter SLOs (Figure 8 lower): the smallest factor on both SLOs at which {100 * ATTAINMENT:g}% of the "
-          f"requests meet both, at DistServe's per-GPU rate; ratio = vllm's factor over the disaggregated one\n")
-    print(f"{'setting':<40}{'req/s/GPU':>10}{'vllm':>8}{'v1':>8}{'disagg':>8}{'ratio':>8}{'DistServe':>11}"
-          f"{'how close':>11}")
-    for s, _, sc, _ in rows:
-        v0, v1, dis = sc["colocated-vllm"], sc["colocated-vllm_v1"], sc["disaggregated"]
-        ratio = v0 / dis if dis > 0 else math.inf
-        close = f"{100 * ratio / s.published_slo_ratio:.0f}%" if math.isfinite(ratio) else "-"
-        print(f"{s.model + ' ' + s.placement:<40}{s.slo_rate:>10g}{v0:>8.2f}{v1:>8.2f}{dis:>8.2f}{ratio:>7.2f}x"
-              f"{s.published_slo_ratio:>10.2f}x{close:>11}")
-    print("(a factor far above 1: the deployment is past its capacity at that rate, and its factor grows with the "
-          "run; inf: over 10% of the requests never finish)")
-    print("(wall s: " + ", ".join(f"{s.model} {wall:.0f}" for s, _, _, wall in rows) + ")")
+            per_gpu, scales = measure(SETTINGS[m], runs, slo_scales)
+            rows.append((SETTINGS[m], per_gpu, scales, time.perf_counter() - t0))
+    print_tables(rows, args.num_requests)
 
 
 if __name__ == "__main__":
