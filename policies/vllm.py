@@ -113,5 +113,9 @@ class VllmPolicy(PolicyBase):
         if plan.items:
             return Batch.of_decodes(plan.items, plan.context)
         # A lone request preempted itself (it outgrew the pool): as vLLM's next step, admit it
-        # again, or cut it short, at once, not when something next arrives.
-        return Idle(now_s) if state.waiting and not state.running else Idle()
+        # again, or cut it short, at once, not when something next arrives. On a prefill instance
+        # whose blocks are held for the decode side to read (state.held), admission waits for a
+        # release instead: the handoff wakes the server when it frees them.
+        if state.waiting and not state.running and not state.held:
+            return Idle(now_s)
+        return Idle()

@@ -14,6 +14,7 @@ import simpy
 
 from conftest import WORKLOADS, linear_profile, policy_state
 from policies import make_policy
+from policies.vllm import VllmConfig
 from policies.vllm_v1 import VllmV1Config
 from sim.base.strict import ConfigError
 from sim.core.request import Request
@@ -25,21 +26,24 @@ PROFILE = linear_profile(per_token_s=1e-4, overhead_s=1e-3, decode_per_ctx_s=0.0
 LINK = LinkSpec(bandwidth_gbps=8.0, latency_us=50.0)
 
 
-def _servers(env, n: int, first: int, num_blocks: int):
+def _servers(env, n: int, first: int, num_blocks: int, v0: bool = False):
     out = []
     for k in range(n):
-        policy = make_policy(VllmV1Config(max_num_seqs=8, max_num_batched_tokens=128, enable_prefix_caching=False,
-                                          async_scheduling=False), 1024)
+        cfg = (VllmConfig(max_num_seqs=8, max_num_batched_tokens=1024) if v0 else
+               VllmV1Config(max_num_seqs=8, max_num_batched_tokens=128, enable_prefix_caching=False,
+                            async_scheduling=False))
+        policy = make_policy(cfg, 1024)
         state = policy_state(policy, num_blocks, 4, 1024)
         out.append(Server(env, policy, state, SimExecutor(PROFILE), replica=first + k))
     return out
 
 
 def _run(specs, *, prefill: int = 1, decode: int = 1, p_blocks: int = 1000, d_blocks: int = 1000,
-         timeout_s: float = 480.0):
-    """(arrival_s, prompt, output) per request; (handoff, prefill servers, decode servers, requests)."""
+         timeout_s: float = 480.0, prefill_v0: bool = False):
+    """(arrival_s, prompt, output) per request; (handoff, prefill servers, decode servers, requests).
+    ``prefill_v0``: the prefill instances run vLLM v0's scheduler (policy vllm) instead."""
     env = simpy.Environment()
-    p = _servers(env, prefill, 0, p_blocks)
+    p = _servers(env, prefill, 0, p_blocks, v0=prefill_v0)
     d = _servers(env, decode, prefill, d_blocks)
     h = Handoff(env, p, d, ("round_robin", "round_robin"), LINK, 1000, (1, 1), len(specs),
                 abort_timeout_s=timeout_s)
@@ -105,6 +109,20 @@ def test_a_full_decode_pool_holds_the_kv_on_the_prefill_side() -> None:
     held = h.held_timeline()
     b_rows = held[held[:, 1] == 1]
     assert b_rows.tolist() == [[pytest.approx(0.011), 1.0, 25.0], [pytest.approx(0.0333), 1.0, 0.0]]
+
+
+def test_a_v0_prefill_instance_full_of_held_kv_waits_for_the_release() -> None:
+    # Prefill instance on vLLM v0's scheduler (whole prompts), 30 blocks of 4 tokens. Requests A and B
+    # at t = 0, prompt 100 (25 blocks each), outputs 20 and 2: A is admitted (25 of 30 blocks); B's 25
+    # do not fit the 5 left. A prefilled at 1 + 0.1 x 100 = 11 ms; its 25 blocks stay held for the
+    # decode side, so B waits with nothing running (it used to spin on Idle(now) until the policy
+    # check stopped the run). The read of A ends at 11 + 0.05 + 0.1 = 11.15 ms, its blocks are freed,
+    # the prefill instance wakes and admits B: prefilled at 11.15 + 11 = 22.15 ms, read by 22.30 ms.
+    h, (p,), (d,), (a, b) = _run([(0.0, 100, 20), (0.0, 100, 2)], p_blocks=30, prefill_v0=True)
+    assert h.prefill_done_s * 1e3 == pytest.approx([11.0, 22.15])
+    assert h.transfer_end_s * 1e3 == pytest.approx([11.15, 22.30])
+    assert a.finished_s is not None and b.finished_s is not None
+    assert p.state.kv.num_used_blocks == 0 and not p.state.held
 
 
 def test_kv_nobody_read_in_time_is_freed_and_computed_again() -> None:
