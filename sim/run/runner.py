@@ -167,6 +167,21 @@ def max_model_len_of(cfg: WorkloadConfig, profile: Profile) -> int:
     return s.max_model_len or context
 
 
+def drafter_share(capacity: int, profile: Profile, spec) -> int:
+    """The KV tokens left when an EAGLE/MTP proposer of d layers is loaded beside the target's L:
+    vLLM loads its weights before the memory profiling run (priced as d / L of the decoder
+    layers' weights, the embedding and LM head shared) and gives its attention layers KV of their
+    own (every token cached in L + d layers instead of L): (capacity x kv - drafter weights) x L /
+    ((L + d) x kv). Unchanged without an on-device proposer."""
+    if spec is None or not spec.on_device or not spec.num_speculative_tokens or capacity <= 0:
+        return capacity
+    m, kv = profile.model, profile.kv_bytes_per_token
+    layers, d = m.num_layers, spec.draft_layers
+    body = profile.weight_bytes * (1.0 - m.embed_params / m.num_params)     # the decoder layers' bytes
+    left = capacity * kv - body * d / layers
+    return max(0, int(left * layers // ((layers + d) * kv)))
+
+
 def kv_blocks(cfg: WorkloadConfig, profile: Profile, policy: Policy | None = None) -> tuple[int, int]:
     """(num_blocks, max_model_len), with vLLM's start-up checks as clear errors
     (``policy``: the run's, built here if not given).
@@ -192,6 +207,7 @@ def kv_blocks(cfg: WorkloadConfig, profile: Profile, policy: Policy | None = Non
         # Sliding-window layers keep up to a window per running request: reserved for every slot.
         capacity = profile.kv_capacity_tokens(rule.fraction, step_tokens, rule.share_of,
                                               max_num_seqs=policy.max_num_seqs)
+        capacity = drafter_share(capacity, profile, getattr(policy, "speculative", None))
         if capacity <= 0:
             report = profile.memory_report(rule.fraction, step_tokens, rule.share_of,
                                            max_num_seqs=policy.max_num_seqs)

@@ -255,3 +255,23 @@ def test_ngram_match_rate_drafts_that_share_of_steps() -> None:
     with pytest.raises(ConfigError, match="ngram_match_rate' applies to method ngram only"):
         parse_speculative({"method": "eagle", "num_speculative_tokens": 2, "acceptance_length": 2,
                            "ngram_match_rate": 0.5}, "w.yaml")
+
+
+def test_an_eagle_or_mtp_proposer_takes_its_weights_and_kv_layers_from_the_pool() -> None:
+    from types import SimpleNamespace
+
+    from sim.core.speculative import SpeculativeSpec
+    from sim.cost.shape import ModelShape
+    from sim.run.runner import drafter_share
+    # 4 layers of hidden 1024, 8 heads of 128 (8 KV heads), MLP 4096, vocabulary 1000, untied: attention
+    # 4 x 1024 x 1024 = 4,194,304 and MLP 3 x 1024 x 4096 = 12,582,912 a layer, embedding and LM head
+    # 2 x 1000 x 1024 = 2,048,000: 69,156,864 weights, 138,313,728 B in bf16, of which the layers' are
+    # 2 x (69,156,864 - 2,048,000) = 134,217,728 B, 33,554,432 a layer; KV 2 x 4 x 8 x 128 x 2 = 16,384 B.
+    m = ModelShape("t", 1024, 4, 8, 8, 4096, 1000, 4096)
+    profile = SimpleNamespace(model=m, kv_bytes_per_token=16_384, weight_bytes=138_313_728)
+    mtp = SpeculativeSpec("mtp", 3, (0.8, 0.8, 0.8), 2.95, draft_layers=1)
+    # 10,000 tokens = 163,840,000 B; less one layer's weights, 130,285,568 B, cached in 5 layers, not 4:
+    # 130,285,568 x 4 / (5 x 16,384) = 6,361.6 -> 6,361 tokens
+    assert drafter_share(10_000, profile, mtp) == 6_361
+    ngram = SpeculativeSpec("ngram", 3, (0.8, 0.8, 0.8), 2.95)
+    assert drafter_share(10_000, profile, ngram) == 10_000 == drafter_share(10_000, profile, None)
