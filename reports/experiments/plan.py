@@ -94,22 +94,37 @@ def rate_factor(raw: dict[str, Any], source: str, base_dir: str) -> float:
     return _FACTORS[key]
 
 
-def simulate(task: CandidateTask, rate_rps: float, num_requests: int, num_replicas: int = 1):
-    """Run the candidate's workload at offered ``rate_rps``; (RunResult, judge() dict plus metrics)."""
+def simulate(task: CandidateTask, rate_rps: float, num_requests: int, num_replicas: int = 1, *,
+             pools: tuple[int, int] | None = None, slo: Slo | None = None):
+    """Run the candidate's workload at offered ``rate_rps``; (RunResult, judge() dict plus metrics).
+
+    ``pools``: (prefill, decode) replicas of a disaggregated candidate (``num_replicas`` is then
+    their sum); ``slo``: judge on these targets instead of the plan's (a pool's own search)."""
     from sim.run.runner import run_workload
     raw = set_dotted(task.candidate.raw, "num_requests", num_requests)
+    if pools is not None:
+        raw = set_dotted(set_dotted(raw, "disaggregation.prefill.replicas", pools[0]),
+                         "disaggregation.decode.replicas", pools[1])
+        num_replicas = sum(pools)
     nominal = rate_rps / rate_factor(raw, task.source, task.base_dir)
     cfg = workload_from_dict(set_dotted(raw, "arrivals.rate", nominal), task.source, task.base_dir)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")            # rejections count as SLO misses
-        result = run_workload(cfg, num_replicas=num_replicas, router=task.router)
-    verdict = judge(result.requests, result.tokens, task.slo, max_backlog_fraction=task.search.max_backlog_fraction)
+        if pools is not None:
+            from sim.run.disagg import run_disaggregated
+            result = run_disaggregated(cfg)
+        else:
+            result = run_workload(cfg, num_replicas=num_replicas, router=task.router)
+    verdict = judge(result.requests, result.tokens, slo or task.slo,
+                    max_backlog_fraction=task.search.max_backlog_fraction)
     verdict.update({k: result.summary.get(k) for k in TRIAL_COLUMNS})
     arrival_s = result.requests["arrival_s"]
     verdict.update(rate_rps=rate_rps, offered_rate=offered_rate(arrival_s), num_replicas=num_replicas,
                    num_requests=len(arrival_s), arrival_span_s=float(arrival_s.max() - arrival_s.min()),
                    wall_s=time.perf_counter() - t0)
+    if pools is not None:
+        verdict.update(prefill_replicas=pools[0], decode_replicas=pools[1])
     return result, verdict
 
 
@@ -127,6 +142,9 @@ def plan_candidate(task: CandidateTask) -> dict[str, Any]:
     """Worker entry point: capacity search, fleet check and cost of one candidate."""
     from sim.results.folder import write_run
     s, cand = task.search, task.candidate
+    if cand.layout == "disaggregated":
+        from reports.experiments.pdplan import plan_disaggregated
+        return plan_disaggregated(task)
     probe, _ = simulate(task, min(s.max_rate * SATURATION_RATE_FACTOR, MAX_RATE), s.num_requests)
     saturation_rps = float(probe.summary["request_throughput"])
     best: dict[str, Any] = {}
@@ -189,11 +207,17 @@ def ranked_table(results: list[dict[str, Any]]) -> pd.DataFrame:
     for r in results:
         last = (r.get("attempts") or [{}])[-1]
         oor = sum(int(t.get("num_out_of_range_lookups") or 0) for t in [*r.get("trials", []), *r.get("attempts", [])])
-        rows.append({"candidate": r["name"], "hardware": r.get("hardware"), "policy": r.get("policy"),
+        pd_ = r.get("layout") == "disaggregated"
+        gpus = r.get("gpus") if pd_ else r["replicas"] * r.get("gpus_per_replica", 1) if r.get("replicas") else None
+        rows.append({"candidate": r["name"], "layout": r.get("layout", "aggregated"), "hardware": r.get("hardware"),
+                     "policy": r.get("policy"),
+                     # disaggregated: the fleet's capacity min(x c_P, y c_D) over its x + y replicas
                      "capacity_rps": r.get("capacity_rps"), "profile_error_pct": r.get("profile_error_pct"),
                      "replicas_estimate": r.get("replicas_estimate"),
                      "replicas": r.get("replicas"),
-                     "gpus": r["replicas"] * r.get("gpus_per_replica", 1) if r.get("replicas") else None,  # no fleet
+                     "prefill_replicas": r.get("prefill_replicas") if pd_ else None,
+                     "decode_replicas": r.get("decode_replicas") if pd_ else None,
+                     "gpus": gpus,  # None: no fleet
                      "utilization": r.get("utilization"), "meets_slo": bool(r.get("verified")),
                      "cost_per_hour": r.get("cost_per_hour"),
                      "cost_per_mtok": r.get("cost_per_mtok"), "fleet_p99_ttft_ms": last.get("p99_ttft_ms"),
@@ -210,10 +234,12 @@ def ranked_table(results: list[dict[str, Any]]) -> pd.DataFrame:
 
 
 def trials_table(results: list[dict[str, Any]]) -> pd.DataFrame:
-    rows = [{"candidate": r["name"], "phase": "search", **{k: v for k, v in t.items() if k != "reasons"},
+    # A disaggregated candidate's two searches are two curves: "NAME (decode pool)", "NAME (prefill pool)".
+    rows = [{"candidate": r["name"] + (f" ({t['pool']} pool)" if t.get("pool") else ""), "phase": "search",
+             **{k: v for k, v in t.items() if k != "reasons"},
              "reasons": "; ".join(t.get("reasons", []))} for r in results for t in r.get("trials", [])]
     rows += [{"candidate": r["name"], "phase": "fleet",
-              **{k: v for k, v in t.items() if k not in ("reasons", "replicas")},
+              **{k: v for k, v in t.items() if k not in ("reasons", "replicas", "pd_phases")},
               "reasons": "; ".join(t.get("reasons", []))} for r in results for t in r.get("attempts", [])]
     return pd.DataFrame(rows)
 
@@ -232,6 +258,7 @@ def run_plan(spec: PlanSpec, *, jobs: int | None = None, cluster: Any = None, pr
             c = outcome.task.candidate
             error = str(outcome.error) if isinstance(outcome.error, ConfigError) else repr(outcome.error)
             results.append({"name": c.name, "hardware": c.hardware, "policy": c.policy, "error": error,
+                            "layout": c.layout,
                             "gpus_per_replica": c.gpus_per_replica, "price_per_gpu_hour": c.price_per_gpu_hour})
         else:
             results.append(outcome.result)

@@ -67,7 +67,8 @@ PLAN_OWNED = {"policy": "the candidates choose it: edit 'policies' (or --set pol
               "arrivals.rate": "the plan rescales it to each trial and to the target: --set target_rate=N",
               "num_requests": "the plan sizes its runs: --set search.num_requests=N or verify.min_requests=N",
               "duration_s": "the plan sizes its runs: --set verify.min_duration_s=N",
-              "slo": "the plan's 'slo' sets it: --set slo.ttft_ms=N"}
+              "slo": "the plan's 'slo' sets it: --set slo.ttft_ms=N",
+              "disaggregation": "the candidates choose it: give a candidate a 'disaggregation' section"}
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,10 @@ class Candidate:
     policy: str
     # "given" (the plan file's), or where the default came from: the GPU preset's assumed price.
     price_source: str = "given"
+    # "disaggregated": ``raw`` has a disaggregation section whose replica counts the plan sets, and
+    # ``pools`` holds each pool's hardware, policy, GPUs per replica and price (reports.experiments.pdspec).
+    layout: str = "aggregated"
+    pools: dict[str, dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,9 @@ def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Pa
         where = f"candidates[{i}]"
         if not isinstance(item, dict):
             raise fail(source, where, f"must be a mapping, got {item!r}", "{profile: {...}, price_per_gpu_hour: 3.0}")
+        if "disaggregation" in item:
+            out += _disaggregated(source, where, item, base_raw, workload_slo, base_dir, checked)
+            continue
         check_keys(source, where, item, CANDIDATE_KEYS, required=("profile",))
         profile = item["profile"]
         if not isinstance(profile, dict):
@@ -233,6 +241,25 @@ def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Pa
     if dupes:
         raise fail(source, "candidates", f"name the same option twice: {dupes}", "give each candidate a distinct name:")
     return out
+
+
+def _disaggregated(source: Path, where: str, item: dict, base_raw: dict, workload_slo: dict, base_dir: Path,
+                   checked: dict[str, None]) -> list[Candidate]:
+    """A candidate with a ``disaggregation`` section instead of a ``profile``: one Candidate per
+    (prefill option, decode option) (reports.experiments.pdspec)."""
+    from reports.experiments.pdspec import disaggregated_candidates
+    if "profile" in item or "policies" in item:
+        key = "profile" if "profile" in item else "policies"
+        raise fail(source, f"{where}.{key}", "cannot go with a disaggregation section: each pool gives its own "
+                   "profile and policy", f"move it into {where}.disaggregation.prefill and .decode")
+    raw = apply_set(source, base_raw, {"slo": workload_slo} if workload_slo else None)
+
+    def make(**fields: Any) -> Candidate:
+        d = fields["pools"]["decode"]
+        return Candidate(**fields, gpus_per_replica=d["gpus_per_replica"], price_per_gpu_hour=d["price_per_gpu_hour"],
+                         price_source=d["price_source"], layout="disaggregated")
+    return disaggregated_candidates(source, where, item, raw, base_dir, _default_price,
+                                    lambda cfg: check_runnable(cfg, checked), make)
 
 
 def _default_price(source: Path, where: str, profile: dict, base_dir: Path) -> tuple[float, str]:
@@ -289,6 +316,9 @@ def parse_plan(path: str | Path, out: Path | None = None, overrides: dict[str, A
     _check_not_owned(source, traffic, "--set {}")
     base_raw = apply_set(source, apply_set(source, base_raw, data.get("set")), traffic, "--set")
     kind = (base_raw.get("arrivals") or {}).get("kind", "poisson")
+    if base_raw.get("disaggregation") is not None:
+        raise fail(source, "base", "has a disaggregation section, which the candidates would run instead of "
+                   "their own", "remove it from the base, and give a candidate a 'disaggregation' section")
     if kind == "all_at_once":
         raise fail(source, "base", "has arrivals.kind all_at_once, which has no rate to rescale",
                    "use a trace or a poisson/gamma/constant arrival process")
@@ -372,7 +402,8 @@ def spec_summary(spec: PlanSpec) -> dict[str, Any]:
         "slo": {k: getattr(spec.slo, k) for k in SLO_KEYS}, "slo_text": spec.slo.describe(), "router": spec.router,
         "search": spec.search.to_dict(), "verify": spec.verify.__dict__, "target_utilization": spec.target_utilization,
         "verify_requests": spec.verify.num_requests(spec.target_rate), "assumptions": spec.assumptions,
-        "candidates": [{"name": c.name, "hardware": c.hardware, "policy": c.policy,
+        "candidates": [{"name": c.name, "hardware": c.hardware, "policy": c.policy, "layout": c.layout,
+                        "pools": c.pools,
                         "gpus_per_replica": c.gpus_per_replica, "price_per_gpu_hour": c.price_per_gpu_hour,
                         "price_source": c.price_source,
                         "profile": c.raw.get("profile"), "policy_config": c.raw.get("policy"),
