@@ -18,6 +18,7 @@ report.html.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -113,6 +114,10 @@ def simulate(task: CandidateTask, rate_rps: float, num_requests: int, num_replic
         warnings.simplefilter("ignore")            # rejections count as SLO misses
         if pools is not None:
             from sim.run.disagg import run_disaggregated
+            # The pools run their own sections; the record (meta.json's config, figure titles) names the
+            # decode pool's, not the empty top-level profile the candidate keeps out of its pools.
+            decode = cfg.disaggregation.decode.cfg
+            cfg = dataclasses.replace(cfg, profile=decode.profile, policy=decode.policy, server=decode.server)
             result = run_disaggregated(cfg)
         else:
             result = run_workload(cfg, num_replicas=num_replicas, router=task.router)
