@@ -48,9 +48,24 @@ def binding(trials: list[dict[str, Any]], capacity_rps: float | None, pool: str 
 
 
 def _limit(metric: str, slo: dict[str, Any]) -> str:
-    if metric in ("TTFT", "ITL", "TPOT"):
-        return f"{metric} {slo.get(metric.lower() + '_ms'):g} ms"
-    return {"saturation": "its saturation throughput", "backlog": "no backlog"}.get(metric, "a steady queue")
+    return f"{metric} {slo.get(metric.lower() + '_ms'):g} ms"
+
+
+def _holds(capacity_rps: float, b: dict[str, Any], slo: dict[str, Any]) -> str:
+    """"3.03 req/s under TTFT 2000 ms (TTFT within ... at 3.3 req/s)", or the cap that binds first."""
+    if b["metric"] == "saturation":
+        return f"{capacity_rps:.3g} req/s, its saturation throughput (every SLO still met there)"
+    if b["metric"] in ("backlog", "queue"):
+        return f"{capacity_rps:.3g} req/s within the SLOs before its queue backs up ({b['reason']} at " \
+               f"{b['rate_rps']:.3g} req/s)"
+    return f"{capacity_rps:.3g} req/s under {_limit(b['metric'], slo)} ({b['reason']} at {b['rate_rps']:.3g} req/s)"
+
+
+def _sized(r: dict[str, Any], pool: str, capacity_rps: float, plan: dict[str, Any]) -> str:
+    """"ceil(10 / (3.1 x 0.8)) = 4", and the replicas the verification added."""
+    u, n, first = plan["target_utilization"], r.get(f"{pool}_replicas"), r.get(f"{pool}_replicas_estimate")
+    text = f"ceil({plan['target_rate']:g} / ({capacity_rps:.3g} x {u:g})) = {first}"
+    return text + (f", +{n - first} to pass verification" if n and first and n > first else "")
 
 
 def _bound(metric: str) -> str:
@@ -88,29 +103,33 @@ def _reason(winner: dict[str, Any], loser: dict[str, Any], w_row: pd.Series, l_r
             loser.get("error") or "no fleet"
         return (f"{w_layout} wins: the best {l_layout} plan, {l_row['candidate']}, does not serve "
                 f"{plan['target_rate']:g} req/s within {plan['slo_text']} ({why}).")
-    cost = f"${w_row['cost_per_hour']:,.2f}/h against ${l_row['cost_per_hour']:,.2f}/h"
+    cost = f"at ${w_row['cost_per_hour']:,.2f}/h against ${l_row['cost_per_hour']:,.2f}/h"
+    if f"{w_row['cost_per_hour']:.2f}" == f"{l_row['cost_per_hour']:.2f}":
+        # The ranking's tie-breaks: $ per M output tokens (the same traffic: the same), then capacity per replica.
+        cost = (f"on a tie at ${w_row['cost_per_hour']:,.2f}/h by capacity per replica ({w_row['capacity_rps']:.3g} "
+                f"against {l_row['capacity_rps']:.3g} req/s)")
     if l_layout == "aggregated":
         b = binding(loser.get("trials") or [], loser.get("capacity_rps"))
         if b is None:
-            return f"{w_layout} wins at {cost}."
+            return f"{w_layout} wins {cost}."
         why = WHY.get(("aggregated", b["metric"]))
-        return (f"{w_layout} wins at {cost}: aggregated is {_bound(b['metric'])}" + (f" ({why})" if why else "")
-                + f": each replica holds {loser['capacity_rps']:.3g} req/s under {_limit(b['metric'], slo)} "
-                f"({b['reason']} at {b['rate_rps']:.3g} req/s), against {winner.get('capacity_decode_rps', 0):.3g} "
-                f"for a decode replica and {winner.get('capacity_prefill_rps', 0):.3g} for a prefill replica.")
+        return (f"{w_layout} wins {cost}: aggregated is {_bound(b['metric'])}" + (f" ({why})" if why else "")
+                + f": each replica holds {_holds(loser['capacity_rps'], b, slo)}, against "
+                f"{winner.get('capacity_decode_rps', 0):.3g} req/s for a decode replica and "
+                f"{winner.get('capacity_prefill_rps', 0):.3g} for a prefill replica.")
     # A disaggregated loser: the pool that costs it more binds it.
     pool = "prefill" if (loser.get("cost_per_hour_prefill") or 0) > (loser.get("cost_per_hour_decode") or 0) \
         else "decode"
     capacity = loser.get(f"capacity_{pool}_rps") or 0.0
     b = binding(loser.get("trials") or [], capacity, pool)
     if b is None:
-        return f"{w_layout} wins at {cost}."
+        return f"{w_layout} wins {cost}."
     why = WHY.get((pool, b["metric"]))
     n = loser.get(f"{pool}_replicas")
-    return (f"{w_layout} wins at {cost}: disaggregated is {_bound(b['metric'])} in its {pool} pool"
-            + (f" ({why})" if why else "") + f": each {pool} replica holds {capacity:.3g} req/s under "
-            f"{_limit(b['metric'], slo)} ({b['reason']} at {b['rate_rps']:.3g} req/s) and it takes {n} of them "
-            f"(${loser.get(f'cost_per_hour_{pool}') or 0:,.2f} of its ${l_row['cost_per_hour']:,.2f}/h), against "
+    return (f"{w_layout} wins {cost}: disaggregated is {_bound(b['metric'])} in its {pool} pool"
+            + (f" ({why})" if why else "") + f": each {pool} replica holds {_holds(capacity, b, slo)}, and it takes "
+            f"{n} of them ({_sized(loser, pool, capacity, plan)}; "
+            f"${loser.get(f'cost_per_hour_{pool}') or 0:,.2f} of its ${l_row['cost_per_hour']:,.2f}/h), against "
             f"{winner.get('capacity_rps', 0):.3g} req/s for an aggregated replica.")
 
 
