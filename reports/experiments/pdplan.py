@@ -97,6 +97,16 @@ def binding_pool(verdict: dict[str, Any], requests: Any, slo: Slo) -> tuple[str,
     return side, f"queue: the {side} side's wait grows fastest ({1e3 * slopes[side]:+.0f} ms per s)"
 
 
+def pd_cost(num_prefill: int, num_decode: int, pools: dict[str, dict[str, Any]],
+            output_tokens_per_s: float) -> tuple[float, float, float | None]:
+    """($ per hour of the prefill pool, of the decode pool, $ per million output tokens of both):
+    x gpus_P price_P + y gpus_D price_D (capacity.fleet_cost per pool)."""
+    p, d = pools["prefill"], pools["decode"]
+    per_hour_p, _ = fleet_cost(num_prefill, p["gpus_per_replica"], p["price_per_gpu_hour"], output_tokens_per_s)
+    per_hour_d, _ = fleet_cost(num_decode, d["gpus_per_replica"], d["price_per_gpu_hour"], output_tokens_per_s)
+    return per_hour_p, per_hour_d, fleet_cost(1, 1, per_hour_p + per_hour_d, output_tokens_per_s)[1]
+
+
 def _search(task: Any, pool: str, slo: Slo, saturation_rps: float, others, best: dict[str, Any]):
     """find_capacity for one pool: one replica of ``pool``, ``others(rate)`` of the other."""
     from reports.experiments.plan import simulate
@@ -185,9 +195,8 @@ def plan_disaggregated(task: Any) -> dict[str, Any]:
     span_s = verdict["arrival_span_s"]
     token_rate = float(fleet.summary["total_output_tokens"]) / span_s if span_s > 0 else 0.0
     p, d = pools["prefill"], pools["decode"]
-    per_hour_p, _ = fleet_cost(x, p["gpus_per_replica"], p["price_per_gpu_hour"], token_rate)
-    per_hour_d, _ = fleet_cost(y, d["gpus_per_replica"], d["price_per_gpu_hour"], token_rate)
-    per_hour, per_mtok = fleet_cost(1, 1, per_hour_p + per_hour_d, token_rate)
+    per_hour_p, per_hour_d, per_mtok = pd_cost(x, y, pools, token_rate)
+    per_hour = per_hour_p + per_hour_d
     fleet_capacity = min(x * c_p, y * c_d)
     out.update(replicas=x + y, prefill_replicas=x, decode_replicas=y,
                gpus=x * p["gpus_per_replica"] + y * d["gpus_per_replica"],

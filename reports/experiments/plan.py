@@ -172,7 +172,8 @@ def plan_candidate(task: CandidateTask) -> dict[str, Any]:
     if "result" in best:
         write_run(best["result"], run_dir / "capacity")
     out: dict[str, Any] = {
-        "name": cand.name, "hardware": cand.hardware, "policy": cand.policy, "gpus_per_replica": cand.gpus_per_replica,
+        "name": cand.name, "hardware": cand.hardware, "policy": cand.policy, "layout": "aggregated",
+        "gpus_per_replica": cand.gpus_per_replica,
         "price_per_gpu_hour": cand.price_per_gpu_hour, "saturation_rps": saturation_rps, "capacity_rps": capacity,
         "search_note": note, "trials": trials, "profile_source": probe.summary.get("profile_source"),
         "profile_name": probe.meta.get("profile_name"), "profile_provenance": probe.meta.get("profile_provenance"),
