@@ -54,7 +54,7 @@ def prefill_saturation(task: Any, rate_rps: float) -> float:
     (all at once, nearly), each cut to its prefill."""
     import warnings
 
-    from reports.experiments.plan import rate_factor
+    from reports.experiments.trial import rate_factor
     from sim.run.config import set_dotted, workload_from_dict
     from sim.run.runner import run_workload
     raw = set_dotted(task.candidate.raw, "num_requests", task.search.num_requests)
@@ -109,7 +109,7 @@ def pd_cost(num_prefill: int, num_decode: int, pools: dict[str, dict[str, Any]],
 
 def _search(task: Any, pool: str, slo: Slo, saturation_rps: float, others, best: dict[str, Any]):
     """find_capacity for one pool: one replica of ``pool``, ``others(rate)`` of the other."""
-    from reports.experiments.plan import simulate
+    from reports.experiments.trial import simulate
     s = task.search
 
     def evaluate(rate: float) -> dict[str, Any]:
@@ -131,7 +131,7 @@ def _search(task: Any, pool: str, slo: Slo, saturation_rps: float, others, best:
 def plan_disaggregated(task: Any) -> dict[str, Any]:
     """Worker entry point for a disaggregated candidate: probes, the two searches, the xPyD fleet and
     its cost (the module docstring)."""
-    from reports.experiments.plan import SATURATION_RATE_FACTOR, check_queue, simulate
+    from reports.experiments.trial import SATURATION_RATE_FACTOR, check_queue, simulate
     from reports.experiments.sweep import scalar_summary
     from sim.results.folder import write_run
     from workloads.spec import MAX_RATE

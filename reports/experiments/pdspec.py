@@ -17,8 +17,8 @@ A POOL is ``{profile, policy, server, price_per_gpu_hour, gpus_per_replica, rout
 its profile is complete (nothing of the base workload's profile is merged in, as for an
 aggregated candidate), its policy defaults to vllm_v1 (the decode side's is vllm_v1, the KV
 handoff modelled being vLLM's), its server fields go over the base's, its price defaults to
-the GPU preset's, its GPUs per replica to its tensor-parallel degree, its router to
-round_robin. Each prefill option x each decode option is one candidate, named
+the GPU preset's, its GPUs per replica to its tensor-parallel degree, its router to the
+plan's ``router``. Each prefill option x each decode option is one candidate, named
 "P <prefill> / D <decode>". The replica counts are what the plan searches
 (``reports.experiments.pdplan``), so a pool's ``replicas`` is refused.
 """
@@ -75,8 +75,8 @@ def _policy(source: Path, where: str, pool: dict[str, Any]) -> dict[str, Any]:
     return dict(policy)
 
 
-def _pool(source: Path, where: str, pool: Any, base_dir: Path,
-          default_price: Callable[..., tuple[float, str]]) -> dict[str, Any]:
+def _pool(source: Path, where: str, pool: Any, base_dir: Path, default_price: Callable[..., tuple[float, str]],
+          router: str, number: Callable[..., float]) -> dict[str, Any]:
     """The pool as the workload's disaggregation section takes it, and its price."""
     if not isinstance(pool, dict):
         raise fail(source, where, f"must be a mapping, got {pool!r}", "{profile: {gpu: h100-sxm}, router: round_robin}")
@@ -88,26 +88,27 @@ def _pool(source: Path, where: str, pool: Any, base_dir: Path,
         raise fail(source, f"{where}.server", f"must be a mapping of server fields, got {pool['server']!r}",
                    "server: {gpu_memory_utilization: 0.9}")
     if pool.get("price_per_gpu_hour") is not None:
-        from reports.experiments.planspec import _number
-        price, price_source = _number(source, f"{where}.price_per_gpu_hour", pool["price_per_gpu_hour"]), "given"
+        price, price_source = number(source, f"{where}.price_per_gpu_hour", pool["price_per_gpu_hour"]), "given"
     else:
         price, price_source = default_price(source, where, pool["profile"], base_dir)
     gpus = (positive_int(source, f"{where}.gpus_per_replica", pool["gpus_per_replica"]) if "gpus_per_replica" in pool
             else positive_int(source, f"{where}.profile.tensor_parallel", pool["profile"].get("tensor_parallel", 1)))
-    section = {"replicas": 1, "profile": dict(pool["profile"]), "policy": _policy(source, where, pool)}
-    for key in ("server", "router"):
-        if pool.get(key) is not None:
-            section[key] = pool[key]
+    section = {"replicas": 1, "router": pool.get("router", router), "profile": dict(pool["profile"]),
+               "policy": _policy(source, where, pool)}
+    if pool.get("server") is not None:
+        section["server"] = pool["server"]
     return {"section": section, "label": _label(pool), "gpus_per_replica": gpus, "price_per_gpu_hour": price,
             "price_source": price_source, "explicit_gpus": "gpus_per_replica" in pool}
 
 
 def disaggregated_candidates(source: Path, where: str, item: dict[str, Any], base_raw: dict[str, Any],
                              base_dir: Path, default_price: Callable[..., tuple[float, str]],
-                             check_runnable: Callable[[Any], None], make: Callable[..., Any]) -> list[Any]:
+                             check_runnable: Callable[[Any], None], make: Callable[..., Any],
+                             router: str, number: Callable[..., float]) -> list[Any]:
     """The candidates of one ``disaggregation`` entry (the product of its prefill and decode
     options), each validated as the workload it runs, before any run; ``make`` builds a
-    ``planspec.Candidate``."""
+    ``planspec.Candidate``; ``router``: the plan's, each pool's unless it names its own; ``number``
+    checks a price (``planspec._number``: passed in, as planspec imports this module)."""
     check_known(source, where, item, CANDIDATE_KEYS)
     section = item["disaggregation"]
     at = f"{where}.disaggregation"
@@ -118,10 +119,10 @@ def disaggregated_candidates(source: Path, where: str, item: dict[str, Any], bas
         if side not in section:
             raise fail(source, f"{at}.{side}", "is missing", f"add '{side}:' (a pool: {{profile: {{...}}}}, or a "
                        f"list of them)")
-    prefills = [_pool(source, w, p, base_dir, default_price) for w, p in _options(source, f"{at}.prefill",
-                                                                                  section["prefill"])]
-    decodes = [_pool(source, w, p, base_dir, default_price) for w, p in _options(source, f"{at}.decode",
-                                                                                section["decode"])]
+    prefills = [_pool(source, w, p, base_dir, default_price, router, number)
+                for w, p in _options(source, f"{at}.prefill", section["prefill"])]
+    decodes = [_pool(source, w, p, base_dir, default_price, router, number)
+               for w, p in _options(source, f"{at}.decode", section["decode"])]
     shared = {k: section[k] for k in ("link", "proxy_ms", "abort_timeout_s") if k in section}
     many = len(prefills) * len(decodes) > 1
     out = []

@@ -174,7 +174,8 @@ def _policy_label(policy: Any) -> str:
     return f"{policy.get('kind', '?')} {knobs}".strip()
 
 
-def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Path) -> list[Candidate]:
+def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Path,
+                router: str = "least_requests") -> list[Candidate]:
     items = data.get("candidates")
     if not isinstance(items, list) or not items:
         raise fail(source, "candidates", f"must be a non-empty list, got {items!r}",
@@ -194,7 +195,7 @@ def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Pa
         if not isinstance(item, dict):
             raise fail(source, where, f"must be a mapping, got {item!r}", "{profile: {...}, price_per_gpu_hour: 3.0}")
         if "disaggregation" in item:
-            out += _disaggregated(source, where, item, base_raw, workload_slo, base_dir, checked)
+            out += _disaggregated(source, where, item, base_raw, workload_slo, base_dir, checked, router)
             continue
         check_keys(source, where, item, CANDIDATE_KEYS, required=("profile",))
         profile = item["profile"]
@@ -244,7 +245,7 @@ def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Pa
 
 
 def _disaggregated(source: Path, where: str, item: dict, base_raw: dict, workload_slo: dict, base_dir: Path,
-                   checked: dict[str, None]) -> list[Candidate]:
+                   checked: dict[str, None], router: str) -> list[Candidate]:
     """A candidate with a ``disaggregation`` section instead of a ``profile``: one Candidate per
     (prefill option, decode option) (reports.experiments.pdspec)."""
     from reports.experiments.pdspec import disaggregated_candidates
@@ -259,7 +260,7 @@ def _disaggregated(source: Path, where: str, item: dict, base_raw: dict, workloa
         return Candidate(**fields, gpus_per_replica=d["gpus_per_replica"], price_per_gpu_hour=d["price_per_gpu_hour"],
                          price_source=d["price_source"], layout="disaggregated")
     return disaggregated_candidates(source, where, item, raw, base_dir, _default_price,
-                                    lambda cfg: check_runnable(cfg, checked), make)
+                                    lambda cfg: check_runnable(cfg, checked), make, router, _number)
 
 
 def _default_price(source: Path, where: str, profile: dict, base_dir: Path) -> tuple[float, str]:
@@ -367,7 +368,7 @@ def parse_plan(path: str | Path, out: Path | None = None, overrides: dict[str, A
         source=source, name=file_name(source, data), base_path=base_path,
         target_rate=target_rate, slo=slo, router=router, search=search, verify=verify,
         target_utilization=_target_utilization(source, data.get("target_utilization", DEFAULT_TARGET_UTILIZATION)),
-        candidates=_candidates(source, data, base_raw, slo, base_path.parent), assumptions=list(assumptions),
+        candidates=_candidates(source, data, base_raw, slo, base_path.parent, router), assumptions=list(assumptions),
         out=folder)
     summary = spec_summary(spec)
     if default:
