@@ -202,6 +202,7 @@ def plan_disaggregated(task: Any) -> dict[str, Any]:
                gpus=x * p["gpus_per_replica"] + y * d["gpus_per_replica"],
                cost_per_hour=per_hour, cost_per_hour_prefill=per_hour_p, cost_per_hour_decode=per_hour_d,
                cost_per_mtok=per_mtok, capacity_rps=fleet_capacity / (x + y),
-               utilization=task.target_rate / fleet_capacity, fleet_output_throughput=fleet.summary["output_throughput"],
+               utilization=task.target_rate / fleet_capacity,
+               fleet_output_throughput=fleet.summary["output_throughput"],
                served_output_tokens_per_s=token_rate)
     return out

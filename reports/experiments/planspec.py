@@ -197,6 +197,11 @@ def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Pa
         if "disaggregation" in item:
             out += _disaggregated(source, where, item, base_raw, workload_slo, base_dir, checked, router)
             continue
+        for key in item:
+            if key not in CANDIDATE_KEYS:       # the closest key, disaggregation included
+                close = did_you_mean(key, [*CANDIDATE_KEYS, "disaggregation"])
+                raise fail(source, f"{where}.{key}", f"is unknown{close}",
+                           f"use one of: {', '.join(CANDIDATE_KEYS)} (or disaggregation instead of profile)")
         check_keys(source, where, item, CANDIDATE_KEYS, required=("profile",))
         profile = item["profile"]
         if not isinstance(profile, dict):
@@ -403,8 +408,10 @@ def spec_summary(spec: PlanSpec) -> dict[str, Any]:
         "slo": {k: getattr(spec.slo, k) for k in SLO_KEYS}, "slo_text": spec.slo.describe(), "router": spec.router,
         "search": spec.search.to_dict(), "verify": spec.verify.__dict__, "target_utilization": spec.target_utilization,
         "verify_requests": spec.verify.num_requests(spec.target_rate), "assumptions": spec.assumptions,
-        "candidates": [{"name": c.name, "hardware": c.hardware, "policy": c.policy, "layout": c.layout,
-                        "pools": c.pools,
+        # (layout and pools only for a disaggregated candidate: an aggregated plan's record, and so
+        # the question its folder holds, stays what it was)
+        "candidates": [{"name": c.name, "hardware": c.hardware, "policy": c.policy,
+                        **({"layout": c.layout, "pools": c.pools} if c.layout != "aggregated" else {}),
                         "gpus_per_replica": c.gpus_per_replica, "price_per_gpu_hour": c.price_per_gpu_hour,
                         "price_source": c.price_source,
                         "profile": c.raw.get("profile"), "policy_config": c.raw.get("policy"),

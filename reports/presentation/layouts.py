@@ -85,6 +85,11 @@ def _number(value: Any) -> float | None:
     return None if math.isnan(v) else v
 
 
+def _shown(value: Any, fmt: str) -> str:
+    v = _number(value)
+    return "-" if v is None else format(v, fmt)
+
+
 def _shape(row: pd.Series) -> str:
     if row["layout"] == "disaggregated" and _number(row.get("prefill_replicas")) is not None:
         return f"{int(row['prefill_replicas'])}P{int(row['decode_replicas'])}D"
@@ -133,7 +138,8 @@ def _reason(winner: dict[str, Any], loser: dict[str, Any], w_row: pd.Series, l_r
             f"{winner.get('capacity_rps', 0):.3g} req/s for an aggregated replica.")
 
 
-def layout_comparison(ranked: pd.DataFrame, results: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any] | None:
+def layout_comparison(ranked: pd.DataFrame, results: list[dict[str, Any]],
+                      plan: dict[str, Any]) -> dict[str, Any] | None:
     """{"table": DataFrame (one column per layout), "reason": sentence, "winner": layout} when the
     plan has both an aggregated and a disaggregated candidate; else None."""
     rows = {layout: _best(ranked, layout) for layout in ("aggregated", "disaggregated")}
@@ -150,8 +156,8 @@ def layout_comparison(ranked: pd.DataFrame, results: list[dict[str, Any]], plan:
             "plan": r["candidate"], "GPUs": "-" if _number(r.get("gpus")) is None else f"{int(r['gpus'])}",
             "replicas": _shape(r),
             "$/hour": "-" if _number(r.get("cost_per_hour")) is None else f"{r['cost_per_hour']:,.2f}",
-            "fleet p99 TTFT (ms)": "-" if _number(r.get("fleet_p99_ttft_ms")) is None else f"{r['fleet_p99_ttft_ms']:,.0f}",
-            "fleet p99 ITL (ms)": "-" if _number(r.get("fleet_p99_itl_ms")) is None else f"{r['fleet_p99_itl_ms']:,.1f}",
+            "fleet p99 TTFT (ms)": _shown(r.get("fleet_p99_ttft_ms"), ",.0f"),
+            "fleet p99 ITL (ms)": _shown(r.get("fleet_p99_itl_ms"), ",.1f"),
             "SLO attained": att or "-", "meets SLO": "yes" if bool(r["meets_slo"]) else "no"}
     frame = pd.DataFrame(table).rename_axis("").reset_index()
     reason = _reason(by_name.get(rows[w]["candidate"], {}), by_name.get(rows[l_]["candidate"], {}), rows[w], rows[l_],

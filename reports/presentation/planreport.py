@@ -251,8 +251,8 @@ def plan_report(d: Path) -> list[Path]:
                            utilization=[f"{100 * u:.0f}%" if u == u else "" for u in ranked["utilization"]])
     # The layout columns only where a candidate is disaggregated (an aggregated plan reads as before).
     pd_ = "layout" in ranked and (ranked["layout"] == "disaggregated").any()
-    columns = [c for c in RANKED_COLUMNS if c in ranked.columns and (pd_ or c not in
-                                                                       ("layout", "prefill_replicas", "decode_replicas"))]
+    layout_columns = ("layout", "prefill_replicas", "decode_replicas")
+    columns = [c for c in RANKED_COLUMNS if c in ranked.columns and (pd_ or c not in layout_columns)]
     shown = ranked[columns].rename(columns=RANKED_COLUMNS)
     doc.add(Heading("Candidates, ranked"), Table(shown, caption="fleet-verified first, then by cost per hour"))
     # Plan figures compare candidates, so their line names the question, not one model/GPU.

@@ -65,6 +65,8 @@ def pd_candidate(**section) -> list[dict]:
     ([{**PD, "profile": {"gpu": "h100-sxm"}}], "field 'candidates\\[0\\].profile' cannot go with a disaggregation"),
     ([{**PD, "policies": ["vllm"]}], "field 'candidates\\[0\\].policies' cannot go with a disaggregation"),
     ([{"disaggregation": [H100]}], "field 'candidates\\[0\\].disaggregation' must be a mapping"),
+    ([{"disagregation": PD["disaggregation"]}],
+     "field 'candidates\\[0\\].disagregation' is unknown \\(did you mean 'disaggregation'\\?\\)"),
 ])
 def test_bad_disaggregated_candidates_name_the_field(tmp_path: Path, candidates: list, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as info:
@@ -177,7 +179,8 @@ def test_the_reason_is_the_slo_that_binds_the_loser() -> None:
             "against 3.4 req/s for a decode replica and 5 for a prefill replica.") in side["reason"]
     table = side["table"].set_index("")
     assert table.loc["replicas", "disaggregated"] == "1P2D" and table.loc["replicas", "aggregated"] == "3 replicas"
-    assert table.loc["$/hour", "aggregated"] == "9.00" and table.loc["SLO attained", "aggregated"] == "TTFT 100.0% ITL 99.5%"
+    assert table.loc["$/hour", "aggregated"] == "9.00"
+    assert table.loc["SLO attained", "aggregated"] == "TTFT 100.0% ITL 99.5%"
     # The disaggregated plan loses: its decode pool costs it more ($6 of $9), and its ITL binds there.
     side = layout_comparison(_ranked(6.0, 9.0), RESULTS, PLAN_RECORD)
     assert side["winner"] == "aggregated"
