@@ -20,6 +20,10 @@ directory, like ``--out``)::
         policies: [...]                 # optional, overrides the default list
         server: {gpu_memory_utilization: 0.9}   # optional
         gpus_per_replica: 1             # default: profile.tensor_parallel
+      - disaggregation:                 # instead of profile: prefill and decode pools, xPyD searched
+          prefill: {profile: {...}, price_per_gpu_hour: 3.0}   # a POOL or a list (reports.experiments.pdspec)
+          decode: [{profile: {...}}, ...]
+          link: {kind: rdma-400g}
     assumptions: ["prices are on-demand list prices, May 2025"]
     out: runs/plan_azure_conv
 
