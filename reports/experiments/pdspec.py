@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from reports.experiments.spec import fail, positive_int
 from sim.base.strict import did_you_mean
+from sim.loop.feed import ROUTERS
 from sim.run.config import set_dotted, workload_from_dict
 from sim.run.pd_config import SECTION_KEYS
 
@@ -93,6 +94,10 @@ def _pool(source: Path, where: str, pool: Any, base_dir: Path, default_price: Ca
         price, price_source = default_price(source, where, pool["profile"], base_dir)
     gpus = (positive_int(source, f"{where}.gpus_per_replica", pool["gpus_per_replica"]) if "gpus_per_replica" in pool
             else positive_int(source, f"{where}.profile.tensor_parallel", pool["profile"].get("tensor_parallel", 1)))
+    if "router" in pool and pool["router"] not in ROUTERS:
+        close = did_you_mean(str(pool["router"]), list(ROUTERS))
+        raise fail(source, f"{where}.router", f"is {pool['router']!r}{close}",
+                   f"one of {', '.join(ROUTERS)} (default: the plan's router, {router})")
     section = {"replicas": 1, "router": pool.get("router", router), "profile": dict(pool["profile"]),
                "policy": _policy(source, where, pool)}
     if pool.get("server") is not None:

@@ -62,6 +62,8 @@ def pd_candidate(**section) -> list[dict]:
      "field 'candidates\\[0\\].disaggregation.decode.gpus_per_replica' must be an integer >= 1"),
     (pd_candidate(decode={**H100, "policy": {"kind": "sarathi"}}), "decode.policy.kind' is sarathi"),
     (pd_candidate(link={"kind": "rdma-401g"}), "did you mean 'rdma-400g'"),
+    (pd_candidate(prefill={**H100, "router": "least_token"}),
+     "field 'candidates\\[0\\].disaggregation.prefill.router' is 'least_token' \\(did you mean 'least_tokens'\\?\\)"),
     ([{**PD, "profile": {"gpu": "h100-sxm"}}], "field 'candidates\\[0\\].profile' cannot go with a disaggregation"),
     ([{**PD, "policies": ["vllm"]}], "field 'candidates\\[0\\].policies' cannot go with a disaggregation"),
     ([{"disaggregation": [H100]}], "field 'candidates\\[0\\].disaggregation' must be a mapping"),
