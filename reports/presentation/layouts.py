@@ -15,9 +15,11 @@ import pandas as pd
 
 # What limits a replica when a metric binds it; the clause says why, the numbers follow it.
 WHY = {
-    ("aggregated", "ITL"): "prefill chunks share its steps with the decodes, so every prefill stretches the token gaps",
-    ("aggregated", "TPOT"): "prefill chunks share its steps with the decodes, so every prefill slows the decodes",
-    ("aggregated", "TTFT"): "each prompt waits for the token budget its running decodes leave",
+    # Whatever the policy: its prefills run inside the decodes' steps (chunked, mixed) or between them.
+    ("aggregated", "ITL"): "its prefills run in or between the decodes' steps, so every prefill stretches the "
+                           "token gaps",
+    ("aggregated", "TPOT"): "its prefills run in or between the decodes' steps, so every prefill slows the decodes",
+    ("aggregated", "TTFT"): "its prompts share the replica's steps with the running decodes",
     ("decode", "ITL"): "its decode batch grows until a step takes longer than the gap allowed",
     ("decode", "TPOT"): "its decode batch grows until a step takes longer than the TPOT allowed",
     ("prefill", "TTFT"): "its prompts queue behind one another",
