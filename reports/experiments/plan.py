@@ -21,29 +21,22 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from reports.experiments.capacity import (SearchSettings, find_capacity, fleet_cost, judge, queue_trend, replicas_for,
-                               utilization)
-from reports.experiments.planspec import Candidate, PlanSpec, Verify, parse_plan, spec_summary
+from reports.experiments.capacity import SearchSettings, find_capacity, fleet_cost, replicas_for, utilization
+from reports.experiments.pdplan import plan_disaggregated
+# CandidateTask, check_queue and simulate are this module's names too (the tests take them from here).
+from reports.experiments.trial import SATURATION_RATE_FACTOR, CandidateTask, check_queue, simulate
+from reports.experiments.planspec import PlanSpec, parse_plan, spec_summary
 from reports.experiments.pool import check_pool_args, run_tasks
 from sim.base.atomic import write_text_atomic
 from sim.results.folder import WHAT, folder_kind
-from reports.experiments.sweep import offered_rate, scalar_summary
-from sim.run.config import ConfigError, Slo, set_dotted, workload_from_dict
+from reports.experiments.sweep import scalar_summary
+from sim.run.config import ConfigError
 from workloads.spec import MAX_RATE
-
-SATURATION_RATE_FACTOR = 100.0      # the probe offers 100x max_rate: effectively all at once
-TRIAL_COLUMNS = ("p99_ttft_ms", "p99_itl_ms", "p99_tpot_ms", "p99_e2el_ms", "request_throughput",
-                 "output_throughput", "num_out_of_range_lookups", "num_preemptions", "mean_batch_size",
-                 "peak_kv_utilization")
-
 
 class PlanFailed(ConfigError):
     """No candidate could be evaluated; the message names the first error. ``out``:
@@ -54,79 +47,16 @@ class PlanFailed(ConfigError):
         self.out = out
 
 
-@dataclass(frozen=True)
-class CandidateTask:
-    candidate: Candidate
-    source: str
-    base_dir: str
-    target_rate: float
-    slo: Slo
-    router: str
-    search: SearchSettings
-    verify: Verify
-    run_dir: str
-    target_utilization: float
-
-
 def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
-
-
-_FACTORS: dict[str, float] = {}
-
-
-def rate_factor(raw: dict[str, Any], source: str, base_dir: str) -> float:
-    """Realized mean rate of the workload's requests when arrivals.rate is 1.0.
-
-    A trace rescaled to a mean rate keeps its shape, so its first N requests
-    arrive at their own mean rate; dividing by this factor makes the offered
-    rate of the truncated run the one asked for.
-    """
-    from workloads.generate import generate
-    raw = set_dotted(raw, "arrivals.rate", 1.0)
-    key = json.dumps([raw.get("arrivals"), raw.get("lengths"), raw.get("num_requests"), raw.get("seed")],
-                     sort_keys=True, default=str)
-    if key not in _FACTORS:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            specs = generate(workload_from_dict(raw, source, base_dir))
-        _FACTORS[key] = offered_rate(specs.arrival_s) or 1.0
-    return _FACTORS[key]
-
-
-def simulate(task: CandidateTask, rate_rps: float, num_requests: int, num_replicas: int = 1):
-    """Run the candidate's workload at offered ``rate_rps``; (RunResult, judge() dict plus metrics)."""
-    from sim.run.runner import run_workload
-    raw = set_dotted(task.candidate.raw, "num_requests", num_requests)
-    nominal = rate_rps / rate_factor(raw, task.source, task.base_dir)
-    cfg = workload_from_dict(set_dotted(raw, "arrivals.rate", nominal), task.source, task.base_dir)
-    t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")            # rejections count as SLO misses
-        result = run_workload(cfg, num_replicas=num_replicas, router=task.router)
-    verdict = judge(result.requests, result.tokens, task.slo, max_backlog_fraction=task.search.max_backlog_fraction)
-    verdict.update({k: result.summary.get(k) for k in TRIAL_COLUMNS})
-    arrival_s = result.requests["arrival_s"]
-    verdict.update(rate_rps=rate_rps, offered_rate=offered_rate(arrival_s), num_replicas=num_replicas,
-                   num_requests=len(arrival_s), arrival_span_s=float(arrival_s.max() - arrival_s.min()),
-                   wall_s=time.perf_counter() - t0)
-    return result, verdict
-
-
-def check_queue(verdict: dict[str, Any], requests: Any, max_slope: float) -> dict[str, Any]:
-    """``verdict`` plus the queue-delay trend; a slope above ``max_slope`` fails it (the queue is growing)."""
-    trend = queue_trend(requests["arrival_s"].to_numpy(), requests["queue_s"].to_numpy())
-    slope = trend["queue_slope"]
-    stable = slope is None or slope <= max_slope
-    reasons = list(verdict["reasons"]) + ([] if stable else [
-        f"queue growing: the wait rises {1e3 * slope:.0f} ms per s of traffic (> {1e3 * max_slope:g})"])
-    return {**verdict, **trend, "queue_stable": stable, "passed": verdict["passed"] and stable, "reasons": reasons}
 
 
 def plan_candidate(task: CandidateTask) -> dict[str, Any]:
     """Worker entry point: capacity search, fleet check and cost of one candidate."""
     from sim.results.folder import write_run
     s, cand = task.search, task.candidate
+    if cand.layout == "disaggregated":
+        return plan_disaggregated(task)
     probe, _ = simulate(task, min(s.max_rate * SATURATION_RATE_FACTOR, MAX_RATE), s.num_requests)
     saturation_rps = float(probe.summary["request_throughput"])
     best: dict[str, Any] = {}
@@ -149,7 +79,8 @@ def plan_candidate(task: CandidateTask) -> dict[str, Any]:
     if "result" in best:
         write_run(best["result"], run_dir / "capacity")
     out: dict[str, Any] = {
-        "name": cand.name, "hardware": cand.hardware, "policy": cand.policy, "gpus_per_replica": cand.gpus_per_replica,
+        "name": cand.name, "hardware": cand.hardware, "policy": cand.policy, "layout": "aggregated",
+        "gpus_per_replica": cand.gpus_per_replica,
         "price_per_gpu_hour": cand.price_per_gpu_hour, "saturation_rps": saturation_rps, "capacity_rps": capacity,
         "search_note": note, "trials": trials, "profile_source": probe.summary.get("profile_source"),
         "profile_name": probe.meta.get("profile_name"), "profile_provenance": probe.meta.get("profile_provenance"),
@@ -189,11 +120,17 @@ def ranked_table(results: list[dict[str, Any]]) -> pd.DataFrame:
     for r in results:
         last = (r.get("attempts") or [{}])[-1]
         oor = sum(int(t.get("num_out_of_range_lookups") or 0) for t in [*r.get("trials", []), *r.get("attempts", [])])
-        rows.append({"candidate": r["name"], "hardware": r.get("hardware"), "policy": r.get("policy"),
+        pd_ = r.get("layout") == "disaggregated"
+        gpus = r.get("gpus") if pd_ else r["replicas"] * r.get("gpus_per_replica", 1) if r.get("replicas") else None
+        rows.append({"candidate": r["name"], "layout": r.get("layout", "aggregated"), "hardware": r.get("hardware"),
+                     "policy": r.get("policy"),
+                     # disaggregated: the fleet's capacity min(x c_P, y c_D) over its x + y replicas
                      "capacity_rps": r.get("capacity_rps"), "profile_error_pct": r.get("profile_error_pct"),
                      "replicas_estimate": r.get("replicas_estimate"),
                      "replicas": r.get("replicas"),
-                     "gpus": r["replicas"] * r.get("gpus_per_replica", 1) if r.get("replicas") else None,  # no fleet
+                     "prefill_replicas": r.get("prefill_replicas") if pd_ else None,
+                     "decode_replicas": r.get("decode_replicas") if pd_ else None,
+                     "gpus": gpus,  # None: no fleet
                      "utilization": r.get("utilization"), "meets_slo": bool(r.get("verified")),
                      "cost_per_hour": r.get("cost_per_hour"),
                      "cost_per_mtok": r.get("cost_per_mtok"), "fleet_p99_ttft_ms": last.get("p99_ttft_ms"),
@@ -210,10 +147,12 @@ def ranked_table(results: list[dict[str, Any]]) -> pd.DataFrame:
 
 
 def trials_table(results: list[dict[str, Any]]) -> pd.DataFrame:
-    rows = [{"candidate": r["name"], "phase": "search", **{k: v for k, v in t.items() if k != "reasons"},
+    # A disaggregated candidate's two searches are two curves: "NAME (decode pool)", "NAME (prefill pool)".
+    rows = [{"candidate": r["name"] + (f" ({t['pool']} pool)" if t.get("pool") else ""), "phase": "search",
+             **{k: v for k, v in t.items() if k != "reasons"},
              "reasons": "; ".join(t.get("reasons", []))} for r in results for t in r.get("trials", [])]
     rows += [{"candidate": r["name"], "phase": "fleet",
-              **{k: v for k, v in t.items() if k not in ("reasons", "replicas")},
+              **{k: v for k, v in t.items() if k not in ("reasons", "replicas", "pd_phases")},
               "reasons": "; ".join(t.get("reasons", []))} for r in results for t in r.get("attempts", [])]
     return pd.DataFrame(rows)
 
@@ -232,6 +171,7 @@ def run_plan(spec: PlanSpec, *, jobs: int | None = None, cluster: Any = None, pr
             c = outcome.task.candidate
             error = str(outcome.error) if isinstance(outcome.error, ConfigError) else repr(outcome.error)
             results.append({"name": c.name, "hardware": c.hardware, "policy": c.policy, "error": error,
+                            "layout": c.layout,
                             "gpus_per_replica": c.gpus_per_replica, "price_per_gpu_hour": c.price_per_gpu_hour})
         else:
             results.append(outcome.result)

@@ -20,6 +20,10 @@ directory, like ``--out``)::
         policies: [...]                 # optional, overrides the default list
         server: {gpu_memory_utilization: 0.9}   # optional
         gpus_per_replica: 1             # default: profile.tensor_parallel
+      - disaggregation:                 # instead of profile: prefill and decode pools, xPyD searched
+          prefill: {profile: {...}, price_per_gpu_hour: 3.0}   # a POOL or a list (reports.experiments.pdspec)
+          decode: [{profile: {...}}, ...]
+          link: {kind: rdma-400g}
     assumptions: ["prices are on-demand list prices, May 2025"]
     out: runs/plan_azure_conv
 
@@ -67,7 +71,8 @@ PLAN_OWNED = {"policy": "the candidates choose it: edit 'policies' (or --set pol
               "arrivals.rate": "the plan rescales it to each trial and to the target: --set target_rate=N",
               "num_requests": "the plan sizes its runs: --set search.num_requests=N or verify.min_requests=N",
               "duration_s": "the plan sizes its runs: --set verify.min_duration_s=N",
-              "slo": "the plan's 'slo' sets it: --set slo.ttft_ms=N"}
+              "slo": "the plan's 'slo' sets it: --set slo.ttft_ms=N",
+              "disaggregation": "the candidates choose it: give a candidate a 'disaggregation' section"}
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,10 @@ class Candidate:
     policy: str
     # "given" (the plan file's), or where the default came from: the GPU preset's assumed price.
     price_source: str = "given"
+    # "disaggregated": ``raw`` has a disaggregation section whose replica counts the plan sets, and
+    # ``pools`` holds each pool's hardware, policy, GPUs per replica and price (reports.experiments.pdspec).
+    layout: str = "aggregated"
+    pools: dict[str, dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -169,7 +178,8 @@ def _policy_label(policy: Any) -> str:
     return f"{policy.get('kind', '?')} {knobs}".strip()
 
 
-def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Path) -> list[Candidate]:
+def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Path,
+                router: str = "least_requests") -> list[Candidate]:
     items = data.get("candidates")
     if not isinstance(items, list) or not items:
         raise fail(source, "candidates", f"must be a non-empty list, got {items!r}",
@@ -188,6 +198,14 @@ def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Pa
         where = f"candidates[{i}]"
         if not isinstance(item, dict):
             raise fail(source, where, f"must be a mapping, got {item!r}", "{profile: {...}, price_per_gpu_hour: 3.0}")
+        if "disaggregation" in item:
+            out += _disaggregated(source, where, item, base_raw, workload_slo, base_dir, checked, router)
+            continue
+        for key in item:
+            if key not in CANDIDATE_KEYS:       # the closest key, disaggregation included
+                close = did_you_mean(key, [*CANDIDATE_KEYS, "disaggregation"])
+                raise fail(source, f"{where}.{key}", f"is unknown{close}",
+                           f"use one of: {', '.join(CANDIDATE_KEYS)} (or disaggregation instead of profile)")
         check_keys(source, where, item, CANDIDATE_KEYS, required=("profile",))
         profile = item["profile"]
         if not isinstance(profile, dict):
@@ -233,6 +251,25 @@ def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Pa
     if dupes:
         raise fail(source, "candidates", f"name the same option twice: {dupes}", "give each candidate a distinct name:")
     return out
+
+
+def _disaggregated(source: Path, where: str, item: dict, base_raw: dict, workload_slo: dict, base_dir: Path,
+                   checked: dict[str, None], router: str) -> list[Candidate]:
+    """A candidate with a ``disaggregation`` section instead of a ``profile``: one Candidate per
+    (prefill option, decode option) (reports.experiments.pdspec)."""
+    from reports.experiments.pdspec import disaggregated_candidates
+    if "profile" in item or "policies" in item:
+        key = "profile" if "profile" in item else "policies"
+        raise fail(source, f"{where}.{key}", "cannot go with a disaggregation section: each pool gives its own "
+                   "profile and policy", f"move it into {where}.disaggregation.prefill and .decode")
+    raw = apply_set(source, base_raw, {"slo": workload_slo} if workload_slo else None)
+
+    def make(**fields: Any) -> Candidate:
+        d = fields["pools"]["decode"]
+        return Candidate(**fields, gpus_per_replica=d["gpus_per_replica"], price_per_gpu_hour=d["price_per_gpu_hour"],
+                         price_source=d["price_source"], layout="disaggregated")
+    return disaggregated_candidates(source, where, item, raw, base_dir, _default_price,
+                                    lambda cfg: check_runnable(cfg, checked), make, router, _number)
 
 
 def _default_price(source: Path, where: str, profile: dict, base_dir: Path) -> tuple[float, str]:
@@ -289,6 +326,9 @@ def parse_plan(path: str | Path, out: Path | None = None, overrides: dict[str, A
     _check_not_owned(source, traffic, "--set {}")
     base_raw = apply_set(source, apply_set(source, base_raw, data.get("set")), traffic, "--set")
     kind = (base_raw.get("arrivals") or {}).get("kind", "poisson")
+    if base_raw.get("disaggregation") is not None:
+        raise fail(source, "base", "has a disaggregation section, which the candidates would run instead of "
+                   "their own", "remove it from the base, and give a candidate a 'disaggregation' section")
     if kind == "all_at_once":
         raise fail(source, "base", "has arrivals.kind all_at_once, which has no rate to rescale",
                    "use a trace or a poisson/gamma/constant arrival process")
@@ -337,7 +377,7 @@ def parse_plan(path: str | Path, out: Path | None = None, overrides: dict[str, A
         source=source, name=file_name(source, data), base_path=base_path,
         target_rate=target_rate, slo=slo, router=router, search=search, verify=verify,
         target_utilization=_target_utilization(source, data.get("target_utilization", DEFAULT_TARGET_UTILIZATION)),
-        candidates=_candidates(source, data, base_raw, slo, base_path.parent), assumptions=list(assumptions),
+        candidates=_candidates(source, data, base_raw, slo, base_path.parent, router), assumptions=list(assumptions),
         out=folder)
     summary = spec_summary(spec)
     if default:
@@ -372,7 +412,10 @@ def spec_summary(spec: PlanSpec) -> dict[str, Any]:
         "slo": {k: getattr(spec.slo, k) for k in SLO_KEYS}, "slo_text": spec.slo.describe(), "router": spec.router,
         "search": spec.search.to_dict(), "verify": spec.verify.__dict__, "target_utilization": spec.target_utilization,
         "verify_requests": spec.verify.num_requests(spec.target_rate), "assumptions": spec.assumptions,
+        # (layout and pools only for a disaggregated candidate: an aggregated plan's record, and so
+        # the question its folder holds, stays what it was)
         "candidates": [{"name": c.name, "hardware": c.hardware, "policy": c.policy,
+                        **({"layout": c.layout, "pools": c.pools} if c.layout != "aggregated" else {}),
                         "gpus_per_replica": c.gpus_per_replica, "price_per_gpu_hour": c.price_per_gpu_hour,
                         "price_source": c.price_source,
                         "profile": c.raw.get("profile"), "policy_config": c.raw.get("policy"),

@@ -10,12 +10,14 @@ from typing import Any
 import pandas as pd
 
 from reports.presentation import plots
+from reports.presentation.layouts import layout_comparison
 from reports.presentation.render import Bullets, Callout, Document, Heading, Para, Table, write_document
 from reports.presentation.runreport import Figures, provenance_lines, read_runs, run_figures
 from sim.run.config import ConfigError
 
-RANKED_COLUMNS = {"candidate": "candidate", "capacity_rps": "capacity / replica (req/s)",
+RANKED_COLUMNS = {"candidate": "candidate", "layout": "layout", "capacity_rps": "capacity / replica (req/s)",
                   "capacity_band": "capacity band (profile error)", "replicas": "replicas",
+                  "prefill_replicas": "prefill replicas", "decode_replicas": "decode replicas",
                   "gpus": "GPUs", "utilization": "utilisation at target", "meets_slo": "fleet meets SLO",
                   "queue_stable": "queue stable", "cost_per_hour": "$ / hour",
                   "cost_per_mtok": "$ / M output tokens", "fleet_p99_ttft_ms": "fleet p99 TTFT (ms)",
@@ -148,8 +150,10 @@ def _recommendation(ranked: pd.DataFrame, plan: dict[str, Any]) -> Callout:
         return Callout(f"No candidate serves {plan['target_rate']:g} req/s within {plan['slo_text']} in this plan; "
                        f"see the warnings and the capacity search below.")
     best = ok.iloc[0]
+    fleet = (f"{int(best['prefill_replicas'])} prefill and {int(best['decode_replicas'])} decode replica(s)"
+             if best.get("layout") == "disaggregated" else f"{int(best['replicas'])} replica(s)")
     return Callout(
-        f"**{best['candidate']}**: {int(best['replicas'])} replica(s), {int(best['gpus'])} GPU(s), "
+        f"**{best['candidate']}**: {fleet}, {int(best['gpus'])} GPU(s), "
         f"${best['cost_per_hour']:,.2f} per hour, ${best['cost_per_mtok']:,.3f} per million output tokens, "
         f"{100 * best['utilization']:.0f}% utilisation at the target (aim: at most "
         f"{100 * plan['target_utilization']:g}%). The simulated fleet at {plan['target_rate']:g} req/s "
@@ -165,8 +169,20 @@ def _attempts_table(results: list[dict[str, Any]]) -> pd.DataFrame:
              "traffic (s)": a.get("arrival_span_s"), "queue stable": a.get("queue_stable"),
              "queue trend (ms/s)": None if a.get("queue_slope") is None else 1e3 * a["queue_slope"],
              "queue middle / last third (ms)": _thirds(a),
-             "why not": "; ".join(a.get("reasons") or [])} for r in results for a in r.get("attempts", [])]
+             "why not": "; ".join([*(a.get("reasons") or []), *([a["next_replica"]] if a.get("next_replica") else [])])}
+            for r in results for a in r.get("attempts", [])]
     return pd.DataFrame(rows)
+
+
+def _search_line(r: dict[str, Any]) -> str:
+    if r.get("layout") != "disaggregated":
+        return (f"{r['name']}: saturation {r.get('saturation_rps', 0):.3g} req/s; capacity "
+                f"{r.get('capacity_rps', 0):.3g} req/s; {r.get('search_note')}")
+    return (f"{r['name']}: saturation {r.get('saturation_prefill_rps', 0):.3g} req/s per prefill replica (prompts "
+            f"alone), {r.get('saturation_decode_rps', 0):.3g} per decode replica (behind "
+            f"{r.get('probe_prefill_replicas')} prefill); capacity {r.get('capacity_prefill_rps', 0):.3g} req/s per "
+            f"prefill replica (TTFT), {r.get('capacity_decode_rps', 0):.3g} per decode replica (ITL/TPOT); "
+            f"{r.get('search_note')}")
 
 
 def _thirds(attempt: dict[str, Any]) -> str:
@@ -193,6 +209,17 @@ def _provenance(results: list[dict[str, Any]]) -> list[str]:
     return out + [f"Efficiency rationale stated by the profile: {note}" for note in notes]
 
 
+def _priced(candidates: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(hardware, its price record) per aggregated candidate and per pool of a disaggregated one."""
+    out = []
+    for c in candidates:
+        if c.get("pools"):
+            out += [(f"{side} pool: {pool['hardware']}", pool) for side, pool in c["pools"].items()]
+        else:
+            out.append((c["hardware"], c))
+    return out
+
+
 def plan_report(d: Path) -> list[Path]:
     """Write DIR/figures/* and DIR/report.{md,html} from a plan directory."""
     data = json.loads((d / "plan.json").read_text())
@@ -214,10 +241,19 @@ def plan_report(d: Path) -> list[Path]:
             Heading("Recommendation"), _recommendation(ranked, plan))
     for w in plan_warnings(results, plan) + close_calls(ranked):
         doc.add(Callout(w))
+    side = layout_comparison(ranked, results, plan)
+    if side is not None:
+        doc.add(Heading("Aggregated vs disaggregated"),
+                Table(side["table"], caption="the best plan of each layout at the target rate"),
+                Para(side["reason"]))
     errors = ranked.get("profile_error_pct", [None] * len(ranked))
     ranked = ranked.assign(capacity_band=[capacity_band(c, e) for c, e in zip(ranked["capacity_rps"], errors)],
                            utilization=[f"{100 * u:.0f}%" if u == u else "" for u in ranked["utilization"]])
-    shown = ranked[[c for c in RANKED_COLUMNS if c in ranked.columns]].rename(columns=RANKED_COLUMNS)
+    # The layout columns only where a candidate is disaggregated (an aggregated plan reads as before).
+    pd_ = "layout" in ranked and (ranked["layout"] == "disaggregated").any()
+    layout_columns = ("layout", "prefill_replicas", "decode_replicas")
+    columns = [c for c in RANKED_COLUMNS if c in ranked.columns and (pd_ or c not in layout_columns)]
+    shown = ranked[columns].rename(columns=RANKED_COLUMNS)
     doc.add(Heading("Candidates, ranked"), Table(shown, caption="fleet-verified first, then by cost per hour"))
     # Plan figures compare candidates, so their line names the question, not one model/GPU.
     subtitle = (f"{plan['name']} · traffic {Path(plan['base']).name} · target {plan['target_rate']:g} req/s · "
@@ -232,17 +268,21 @@ def plan_report(d: Path) -> list[Path]:
                 figs.save(plots.search_curves(search, slo_ttft_ms=slo.get("ttft_ms"), slo_itl_ms=slo.get("itl_ms"),
                                               slo_tpot_ms=slo.get("tpot_ms"), subtitle=subtitle), "search",
                           "p99 latencies at every rate the bisection tried (hollow markers failed)"),
-                Bullets([f"{r['name']}: saturation {r.get('saturation_rps', 0):.3g} req/s; capacity "
-                         f"{r.get('capacity_rps', 0):.3g} req/s; {r.get('search_note')}" for r in results
-                         if not r.get("error")]))
+                Bullets([_search_line(r) for r in results if not r.get("error")]))
     attempts = _attempts_table(results)
     if not attempts.empty:
         doc.add(Heading("Fleet verification"), Table(attempts, caption="every fleet simulated at the target rate"))
     best = ranked[ranked["meets_slo"]].head(4)["candidate"].tolist() or ranked["candidate"].head(1).tolist()
     by_name = {r["name"]: r for r in results}
     fleets = read_runs({n: Path(by_name[n]["run_dir"]) / "fleet" for n in best if by_name[n].get("run_dir")})
-    if fleets:
-        top_name, top = next(iter(fleets.items()))
+    aggregated = {n: r for n, r in fleets.items() if by_name[n].get("layout", "aggregated") == "aggregated"}
+    if fleets and not aggregated:
+        doc.add(Heading("Fleets at the target rate"),
+                *run_figures(figs, fleets, prefix="fleet_", slo_ttft_ms=slo.get("ttft_ms"),
+                             slo_itl_ms=slo.get("itl_ms"), slots=False))
+    elif fleets:
+        # The load per replica of the best aggregated fleet (a disaggregated run has two pools of another kind).
+        top_name, top = next(iter(aggregated.items()))
         reps = pd.DataFrame([{"replica": i, **r} for i, r in enumerate(top.summary.get("replicas") or [top.summary])])
         doc.add(Heading("Fleets at the target rate"),
                 figs.save(plots.replica_balance(
@@ -256,9 +296,9 @@ def plan_report(d: Path) -> list[Path]:
                       caption=f"per replica, {top_name}"),
                 *run_figures(figs, fleets, prefix="fleet_", slo_ttft_ms=slo.get("ttft_ms"),
                              slo_itl_ms=slo.get("itl_ms"), slots=False))
-    prices = pd.DataFrame([{"hardware": c["hardware"], "GPUs per replica": c["gpus_per_replica"],
-                            "$ per GPU-hour": c["price_per_gpu_hour"],
-                            "price": c.get("price_source", "given")} for c in plan["candidates"]]).drop_duplicates()
+    prices = pd.DataFrame([{"hardware": h, "GPUs per replica": c["gpus_per_replica"],
+                            "$ per GPU-hour": c["price_per_gpu_hour"], "price": c.get("price_source", "given")}
+                           for h, c in _priced(plan["candidates"])]).drop_duplicates()
     doc.add(Heading("Definitions"), Bullets(_definitions(plan)),
             Heading("Assumptions"), Table(prices, caption="prices used"),
             Bullets(plan.get("assumptions") or ["none stated in the plan file"]),

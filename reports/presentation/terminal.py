@@ -24,6 +24,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from reports.presentation.layouts import layout_comparison
 from reports.presentation.planreport import close_calls, plan_warnings
 
 NO_WRAP_WIDTH = 1000        # columns of a non-terminal console: wide enough that rich never folds a line
@@ -173,13 +174,21 @@ def recommendation(ranked: pd.DataFrame, plan: dict[str, Any]) -> str:
                 f"and the capacity search in the report.")
     b = ok.iloc[0]
     gpus = f" ({int(b['gpus'])} GPUs)" if b["gpus"] != b["replicas"] else ""
+    fleet = f"{int(b['replicas'])} x {b['hardware']}{gpus}"
+    if b.get("layout") == "disaggregated":
+        fleet = f"{_xpyd(b)} of {b['hardware']} ({int(b['gpus'])} GPUs)"
     per_mtok = f" (${b['cost_per_mtok']:,.2f} per M output tokens)" if not _missing(b["cost_per_mtok"]) else ""
     latency = ", ".join(f"p99 {m.upper()} {_num(b[f'fleet_p99_{m}_ms'])} ms" for m in ("ttft", "itl", "tpot")
                         if plan["slo"].get(f"{m}_ms") is not None and not _missing(b.get(f"fleet_p99_{m}_ms")))
-    return (f"Recommended: {int(b['replicas'])} x {b['hardware']}{gpus} running {b['policy']}: "
+    return (f"Recommended: {fleet} running {b['policy']}: "
             f"${b['cost_per_hour']:,.2f}/h{per_mtok}, serves {plan['target_rate']:g} req/s at "
             f"{100 * b['utilization']:.0f}% utilisation; verified on {b['verify_span_s']:.0f} s of traffic: "
             f"{latency}, queue stable.")
+
+
+def _xpyd(row: pd.Series) -> str:
+    """A disaggregated fleet's shape: 2P3D (2 prefill and 3 decode replicas)."""
+    return f"{int(row['prefill_replicas'])}P{int(row['decode_replicas'])}D"
 
 
 def plan_rows(ranked: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
@@ -193,7 +202,8 @@ def plan_rows(ranked: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
             "" if _missing(err) else f" +/-{err:.0f}%")
         queue = "-" if _missing(r.get("queue_stable")) else "stable" if r["queue_stable"] else "growing"
         rows.append([str(i), str(r["hardware"]), str(r["policy"]), capacity,
-                     "-" if _missing(r["replicas"]) else f"{int(r['replicas'])}",
+                     "-" if _missing(r["replicas"]) else _xpyd(r) if r.get("layout") == "disaggregated" else
+                     f"{int(r['replicas'])}",
                      "-" if _missing(r.get("utilization")) else f"{100 * r['utilization']:.0f}%",
                      "-" if _missing(r["cost_per_hour"]) else f"{r['cost_per_hour']:,.2f}",
                      "yes" if r["meets_slo"] else "no", _attained(r), queue])
@@ -213,6 +223,12 @@ def print_plan(out_dir: Path, console: Console | None = None) -> None:
     console.print(Text(recommendation(ranked, plan), style="bold green" if ok else "bold red"))
     headers, rows = plan_rows(ranked)
     print_table(console, headers, rows, right_from=3)
+    side = layout_comparison(ranked, results, plan)
+    if side is not None:
+        console.print(Text("aggregated vs disaggregated:", style="bold"))
+        table = side["table"]
+        print_table(console, [str(c) for c in table.columns], table.astype(str).values.tolist(), right_from=1)
+        console.print(side["reason"])
     warnings = plan_warnings(results, plan) + close_calls(ranked)
     if warnings:
         console.print(Text("warnings:", style="bold yellow"))
