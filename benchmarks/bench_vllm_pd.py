@@ -12,7 +12,8 @@ server with the ``kv_transfer_params`` it got back: the handoff that
 batchsim's ``disaggregation`` section models (``sim.loop.handoff``).
 
 Then: a few warm-up requests through the proxy, whose NIXL counters on the
-decode server (bytes moved, transfer time) give the link's rate; a profile of
+decode server (bytes moved, transfer time; the first read, which waits for the
+NIXL handshake, left out) give the link's rate; a profile of
 the servers calibrated from outside on the prefill server
 (``calibrate.serving.calibrate_server``, as the other server benches do: both
 servers run the same model on one core each); the traffic (Poisson, short
@@ -29,8 +30,11 @@ Needs the ``nixl`` package where vLLM's processes import it (it is not one of
 batchsim's dependencies; its CPU build works through its UCX backend):
 
     pip install --no-deps --target /tmp/nixl-pkgs nixl nixl-cu12
-    PYTHONPATH=/tmp/nixl-pkgs python benchmarks/bench_vllm_pd.py            # ~5 min on 2 cores
+    PYTHONPATH=/tmp/nixl-pkgs python benchmarks/bench_vllm_pd.py            # 4-8 min on 2 busy cores
     PYTHONPATH=/tmp/nixl-pkgs python benchmarks/bench_vllm_pd.py --quick    # 30 requests, 40 s budget
+    PYTHONPATH=/tmp/nixl-pkgs python benchmarks/bench_vllm_pd.py --profile P.yaml   # no calibration
+
+(On a loaded machine a 40 s budget may not finish one probe: then raise ``--budget-s``.)
 
 err % = (sim - measured) / measured. The servers share the machine's cores
 with the client, the proxy and anything else running; the load average is
@@ -107,7 +111,9 @@ def grown(before: dict, after: dict) -> dict[str, float | None]:
 
 
 def warm_up(proxy_url: str, model: str, decode_url: str, num: int, seed: int) -> dict[str, float | None]:
-    """``num`` requests through the proxy, one after the other; the decode server's counters' growth."""
+    """``num`` requests through the proxy, one after the other; the decode server's counters'
+    growth over all but the first (whose read waits for the NIXL handshake with the prefill
+    server, a one-off)."""
     from calibrate.serving import client
     before = counters(decode_url)
     for i in range(num):
@@ -115,6 +121,9 @@ def warm_up(proxy_url: str, model: str, decode_url: str, num: int, seed: int) ->
         res = client.run(client.stream_completion(proxy_url, model, prompt, 8))
         if res.error:
             raise SystemExit(f"a warm-up request through the proxy failed: {res.error}")
+        if i == 0:
+            time.sleep(0.3)
+            before = counters(decode_url)
     time.sleep(0.3)
     return grown(before, counters(decode_url))
 
@@ -178,8 +187,9 @@ def main() -> int:
         args.num_requests, args.budget_s = 30, min(args.budget_s, 40.0)
     if bool(args.prefill_url) != bool(args.decode_url):
         p.error("give both --prefill-url and --decode-url, or neither")
-    if args.num_requests < 1 or not args.rate > 0 or args.warm_up < 1:
-        p.error("--num-requests and --warm-up must be >= 1 and --rate > 0")
+    if args.num_requests < 1 or not args.rate > 0 or args.warm_up < 2:
+        p.error("--num-requests must be >= 1, --warm-up >= 2 (the first one's read is left out: the NIXL handshake happens during it) "
+                "and --rate > 0")
     if args.prefill_url is None and importlib.util.find_spec("nixl") is None:
         raise SystemExit("vLLM's NixlConnector needs the nixl package, which is not importable here (and so not "
                          "in the servers' processes, which inherit PYTHONPATH): pip install --no-deps --target "
