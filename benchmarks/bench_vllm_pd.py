@@ -188,8 +188,8 @@ def main() -> int:
     if bool(args.prefill_url) != bool(args.decode_url):
         p.error("give both --prefill-url and --decode-url, or neither")
     if args.num_requests < 1 or not args.rate > 0 or args.warm_up < 2:
-        p.error("--num-requests must be >= 1, --warm-up >= 2 (the first one's read is left out: the NIXL handshake happens during it) "
-                "and --rate > 0")
+        p.error("--num-requests must be >= 1, --warm-up >= 2 (the first one's read is left out: the NIXL "
+                "handshake happens during it) and --rate > 0")
     if args.prefill_url is None and importlib.util.find_spec("nixl") is None:
         raise SystemExit("vLLM's NixlConnector needs the nixl package, which is not importable here (and so not "
                          "in the servers' processes, which inherit PYTHONPATH): pip install --no-deps --target "
