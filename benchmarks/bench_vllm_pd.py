@@ -91,8 +91,8 @@ def start_servers(args: argparse.Namespace):
     try:
         for s, side in zip(servers, ("prefill", "decode")):
             s.start()
-            print(f"{side} server {s.url} up in {s.startup_s:.0f} s (worker on core {s.env['VLLM_CPU_OMP_THREADS_BIND']}"
-                  f", log {s.log_path})", flush=True)
+            print(f"{side} server {s.url} up in {s.startup_s:.0f} s (worker on core "
+                  f"{s.env['VLLM_CPU_OMP_THREADS_BIND']}, log {s.log_path})", flush=True)
     except BaseException:
         for s in servers:
             s.stop()
