@@ -82,6 +82,7 @@ class PdProxy:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopped: asyncio.Event | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> PdProxy:
@@ -102,6 +103,10 @@ class PdProxy:
                 ready.set()
                 async with server:
                     await self._stopped.wait()
+                    # connections still open (a relay's tail) end here, while the loop runs
+                    for task in list(self._handlers):
+                        task.cancel()
+                    await asyncio.gather(*self._handlers, return_exceptions=True)
             self._loop = asyncio.new_event_loop()
             try:
                 self._loop.run_until_complete(main())
@@ -135,6 +140,9 @@ class PdProxy:
 
     # ---- one client connection -----------------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
         try:
             await asyncio.wait_for(self._serve_one(reader, writer), self.timeout_s)
         except Exception as exc:  # a client or server that broke off: answer if still possible
@@ -144,6 +152,8 @@ class PdProxy:
                              + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
                 await writer.drain()
         finally:
+            if task is not None:
+                self._handlers.discard(task)
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
