@@ -77,14 +77,16 @@ def start_server(args: argparse.Namespace, knobs: dict, *, prefix_caching: bool 
     return server, server.url
 
 
-def calibrated_profile(args: argparse.Namespace, url: str, tmp_prefix: str) -> str:
+def calibrated_profile(args: argparse.Namespace, url: str, tmp_prefix: str, knobs: dict | None = None) -> str:
     """Calibrate ``url`` from outside (``args.budget_s``, ``args.seed``), save the profile
     in ``args.out`` (else a temporary folder) and print what the calibration measured,
-    with the prefix-cache hits of its probes when the server counted them; the profile's path."""
+    with the prefix-cache hits of its probes when the server counted them; the profile's path.
+    ``knobs``: the server's max_num_seqs and max_num_batched_tokens, given rather than read from
+    its /server_info (which a loaded machine may not answer in time: then they are probed for)."""
     from calibrate.serving.calibrate_server import calibrate_server
     t0 = time.perf_counter()
     cal = calibrate_server(url, budget_s=args.budget_s, seed=args.seed,
-                           progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+                           progress=lambda msg: print(msg, file=sys.stderr, flush=True), **(knobs or {}))
     profile = str(Path(args.out or tempfile.mkdtemp(prefix=tmp_prefix)) / "profile.yaml")
     cal.save(profile)
     fe, pc = cal.profile.fit_error, cal.profile.provenance.get("prefix_cache") or {}

@@ -446,6 +446,16 @@ class ServerValidation:
         return body
 
 
+def simulate_workload(cfg: WorkloadConfig, specs: RequestSpecs | None = None) -> RunResult:
+    """``cfg`` simulated: on its prefill and decode pools when it has a ``disaggregation``
+    section (``sim.run.disagg``; the server validated is then the proxy in front of them), else
+    on one server."""
+    if cfg.disaggregation is not None:
+        from sim.run.disagg import run_disaggregated
+        return run_disaggregated(cfg, specs=specs)
+    return run_workload(cfg, specs=specs)
+
+
 def with_prefix_counts(sim: RunResult) -> RunResult:
     """``sim`` with its prefix-cache queries, hits and hit rate in the summary
     (``sim_prefix_counts``), as the measured side has them from the server."""
@@ -534,7 +544,7 @@ def validate_server(cfg: WorkloadConfig, *, profile: str | None = None, server: 
             trace = Path(tmp) / "replayed_requests.csv"
             replay_table(m.run).to_csv(trace, index=False)
             sim_cfg = sim_workload(cfg, knobs, profile_path, trace, engine=engine, engine_knobs=engine_knobs)
-            sim = run_workload(sim_cfg)
+            sim = simulate_workload(sim_cfg)
         ms, sims = [m], [sim]
     else:
         if sim_on_sends and cfg.arrivals.max_concurrency is not None:
@@ -544,8 +554,8 @@ def validate_server(cfg: WorkloadConfig, *, profile: str | None = None, server: 
         sim_cfg = sim_workload(cfg, knobs, profile_path, prefix_caching=server_caching, engine=engine,
                                engine_knobs=engine_knobs)
         sim_caching = bool(prefix_caching_of(sim_cfg.policy))
-        simulate = (lambda sp: with_prefix_counts(run_workload(sim_cfg, specs=sp)) if sim_caching
-                    else run_workload(sim_cfg, specs=sp))
+        simulate = (lambda sp: with_prefix_counts(simulate_workload(sim_cfg, sp)) if sim_caching
+                    else simulate_workload(sim_cfg, sp))
         sim = simulate(specs)                  # first: a configuration error costs no measuring
         vocab = _vocab_size(info, prof)
         ms, sims = [], []

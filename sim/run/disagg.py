@@ -64,8 +64,10 @@ def _build_pool(pool: Pool, env: simpy.Environment, first_replica: int, decode: 
     return cfg, profile, servers, num_blocks, max_model_len
 
 
-def run_disaggregated(cfg: WorkloadConfig, *, progress: bool = False, strict: bool = False) -> RunResult:
-    """Simulate ``cfg`` (with its ``disaggregation``) on its prefill and decode pools."""
+def run_disaggregated(cfg: WorkloadConfig, *, progress: bool = False, strict: bool = False,
+                      specs: Any = None) -> RunResult:
+    """Simulate ``cfg`` (with its ``disaggregation``) on its prefill and decode pools; ``specs``
+    (a ``workloads.generate.RequestSpecs``): these requests instead of the workload's."""
     from sim.run.runner import RequestStream, _run_env, profile_trust, request_max_tokens
     from workloads.generate import generate
     d: Disaggregation = cfg.disaggregation
@@ -74,7 +76,7 @@ def run_disaggregated(cfg: WorkloadConfig, *, progress: bool = False, strict: bo
     env = simpy.Environment()
     p_cfg, p_profile, p_servers, p_blocks, p_len = _build_pool(d.prefill, env, 0, False)
     d_cfg, d_profile, d_servers, d_blocks, d_len = _build_pool(d.decode, env, d.prefill.replicas, True)
-    specs = generate(cfg)
+    specs = generate(cfg) if specs is None else specs
     if len(specs) == 0:
         raise ConfigError(f"{cfg.source}: the workload has no requests (check num_requests, duration_s, "
                           f"arrivals.start_s)")
