@@ -170,8 +170,9 @@ def aic_static(row: ps.ServingRow, max_num_seqs: int) -> dict[str, float] | None
     from sim.cost.presets import GPU_PRESETS
     stated, scope = precision_from_hf(model.config, model.name)
     weights = spec.weight_dtype or stated
+    from sim.cost.hf_config import model_shape_from_hf
     modes = quant_modes(weights, stated, scope if weights == stated else "linear", spec.kv_cache_dtype or "auto",
-                        GPU_PRESETS[row.gpu].generation)
+                        GPU_PRESETS[row.gpu].generation, mla=model_shape_from_hf(model.config, model.name).is_mla)
     tables = aic.KernelTables(model.wheel_path, system, spec.engine, version, spec.tensor_parallel,
                               expert_parallel=spec.expert_parallel, **modes)
     batch = min(row.max_concurrency or row.num_prompts, row.num_prompts, max_num_seqs)

@@ -95,15 +95,21 @@ def resolve_model(model: str | dict[str, Any], folder: Path) -> ResolvedModel:
 
 
 # ---- precisions ---------------------------------------------------------------------------
-def quant_modes(weights: str | None, stated: str | None, scope: str, kv_cache_dtype: str, generation: str
-                ) -> dict[str, str | None]:
+def quant_modes(weights: str | None, stated: str | None, scope: str, kv_cache_dtype: str, generation: str,
+                mla: bool = False) -> dict[str, str | None]:
     """The wheel's quant modes for batchsim's formats: None where the checkpoint's config
     states the format (the wheel reads it there, block scales included); else the kernel
-    class vLLM runs that format in on this generation (FP4 weight-only before Blackwell)."""
+    class vLLM runs that format in on this generation (FP4 weight-only before Blackwell).
+
+    ``mla``: a multi-head latent attention model. NOTE: the wheel measured MLA's kernels with
+    bf16 attention math only (its MLA tables' mla_dtype), while it takes an FP8 checkpoint's
+    attention on SGLang and TensorRT-LLM as FP8, which those tables lack: MLA's attention is
+    priced at the bf16 kernels measured."""
     # The KV cache always as batchsim sizes it (vLLM's --kv-cache-dtype: auto is the activation
     # dtype, even for an FP8 checkpoint, whose KV the wheel would otherwise take as FP8).
     modes: dict[str, str | None] = {"gemm_quant_mode": None, "moe_quant_mode": None,
-                                    "kvcache_quant_mode": "fp8" if kv_cache_dtype.startswith("fp8") else "bfloat16"}
+                                    "kvcache_quant_mode": "fp8" if kv_cache_dtype.startswith("fp8") else "bfloat16",
+                                    **({"fmha_quant_mode": "bfloat16"} if mla else {})}
     if weights is None or weights == stated:
         return modes
     blackwell = generation == "blackwell"

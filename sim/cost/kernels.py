@@ -176,12 +176,8 @@ def build_tables(spec: KernelSpec, model: ResolvedModel, gpu: Any, system: str, 
                           quantized=scope)
     rf = Roofline(shape, gpu, spec.tensor_parallel, spec.dtype, precision=precision,
                   expert_parallel=spec.expert_parallel)
-    modes = quant_modes(precision.weight_dtype, stated, scope, precision.kv_cache_dtype, gpu.generation)
-    if shape.is_mla:
-        # NOTE: the wheel measured MLA's kernels with bf16 attention math only (its MLA tables'
-        # mla_dtype), while it takes an FP8 checkpoint's attention on SGLang and TensorRT-LLM as
-        # FP8, which those tables lack: MLA's attention is priced at the bf16 kernels measured.
-        modes["fmha_quant_mode"] = "bfloat16"
+    modes = quant_modes(precision.weight_dtype, stated, scope, precision.kv_cache_dtype, gpu.generation,
+                        mla=shape.is_mla)
     tables = aic.KernelTables(model.wheel_path, system, spec.engine, version, spec.tensor_parallel,
                               expert_parallel=spec.expert_parallel, **modes)
     t = spec.tensor_parallel
