@@ -33,7 +33,7 @@ GPU_ASSUMED = {**ps.GPU_ASSUMED, "other:b300": "b300-sxm"}
 MODELS = {**ps.MODEL_PRESETS_BY_ID, "Qwen/Qwen3-1.7B": "Qwen/Qwen3-1.7B", "Qwen/Qwen3-0.6B": "Qwen/Qwen3-0.6B",
           "deepseek-ai/DeepSeek-R1": "deepseek-r1", "deepseek-ai/DeepSeek-R1-0528": "deepseek-r1",
           "nvidia/DeepSeek-R1-0528-FP4-v2": "deepseek-r1", "DeepSeek-R1 FP4": "deepseek-r1",
-          "MiniMaxAI/MiniMax-M2.5": "MiniMaxAI/MiniMax-M2.5"}
+          "MiniMaxAI/MiniMax-M2.5": "minimax-m2.5"}
 SKIP_MODELS = {k: why for k, why in ps.SKIP_MODELS.items() if k not in ("deepseek-ai", "DeepSeek", "MiniMaxAI")}
 
 

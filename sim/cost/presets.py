@@ -295,6 +295,11 @@ MODEL_PRESETS: dict[str, ModelShape] = {
                         shared_expert_intermediate_size=2048, num_dense_layers=3, kv_lora_rank=512, q_lora_rank=2048,
                         qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_topk=2048, index_head_dim=128,
                         index_n_heads=32),
+    # MiniMaxAI/MiniMax-M2.5 config.json: 62 layers, 48 heads of 128 (8 KV heads), 256 experts of 1536, top 8,
+    # no shared expert, every layer sparse; FP8 block-scaled weights (MODEL_PRECISIONS); its MTP modules are
+    # not loaded without speculative decoding
+    "minimax-m2.5": ModelShape("minimax-m2.5", 3072, 62, 48, 8, 1536, 200064, 196608, rope_theta=5000000.0,
+                               explicit_head_dim=128, num_experts=256, num_experts_per_tok=8),
     # moonshotai/Kimi-K2.5 config.json's text_config (DeepSeek-V3's architecture): 64 heads, 384 experts
     # of 2048 + 1 shared, top 8, the first layer dense, vocabulary 163840; INT4 experts (MODEL_PRECISIONS)
     "kimi-k2.5": ModelShape("kimi-k2.5", 7168, 61, 64, 64, 18432, 163840, 262144, rope_theta=50000.0,
@@ -312,6 +317,7 @@ MODEL_PRECISIONS: dict[str, tuple[str, str]] = {
     "deepseek-r1": ("fp8", "linear"),          # quant_method fp8, 128 x 128 block scales
     "deepseek-v3": ("fp8", "linear"),
     "deepseek-v3.2": ("fp8", "linear"),
+    "minimax-m2.5": ("fp8", "linear"),         # quant_method fp8; gate, its bias and lm_head not converted
     "kimi-k2.5": ("int4", "experts"),          # compressed-tensors INT4 (group 32), the routed experts only
 }
 

@@ -136,6 +136,7 @@ def test_deepseek_v32_and_glm5_sparse_attention_by_hand() -> None:
     assert glm.kv_bytes_per_token(2) == 78 * (1152 + 132) == 100_152
     # MiniMax-M2.5 is plain GQA: 2 x 62 layers x 8 KV heads x 128 x 2 B
     mm = model_shape_from_hf(config("MiniMax-M2.5"), "minimax-m2.5")
+    assert mm == MODEL_PRESETS["minimax-m2.5"]
     assert mm.kv_bytes_per_token(2) == 2 * 62 * 8 * 128 * 2 == 253_952 and (mm.num_experts, mm.num_experts_per_tok) == (256, 8)
 
 
