@@ -53,7 +53,7 @@ def test_sim_run_on_kernel_tables_names_engine_and_version(tmp_path, capsys, pol
     trust = summary["profile_trust"]
     if policy == "sglang":       # SGLang on one H100 in bf16: 8 held-out public values
         assert "vs 8 held-out public SGLang serving values on h100-sxm TP 1 bf16" in trust["basis"]
-        assert trust["error_pct"] == pytest.approx(41.7)
+        assert trust["error_pct"] == pytest.approx(55.4)
 
 
 def test_the_other_policies_use_vllms_tables(tmp_path, capsys) -> None:
