@@ -225,7 +225,6 @@ class KernelTables:
         self.model, self.database = model, database
         self.mla = False                          # set by _classify: an MLA model's attention blocks
         self.dsa = False                          # ... and DeepSeek sparse attention's modules
-        self.tensor_parallel = t
         self.quant_modes = {name: getattr(model.config, f"{name}_quant_mode").name
                             for name in ("gemm", "moe", "kvcache", "fmha", "comm")}
         self._check_gemm_precision()

@@ -139,10 +139,9 @@ def precision_from_hf(cfg: Mapping[str, Any], name: str) -> tuple[str | None, st
     mxfp4`` (gpt-oss: the MoE experts only, attention and the rest stay bf16). Any other
     method is a ValueError naming it (a silent bf16 would double the weights)."""
     q = cfg.get("quantization_config")
-    for key in ("text_config", "llm_config"):        # a multimodal config: its language model's
-        inner = cfg.get(key)
-        if q is None and isinstance(inner, Mapping) and "hidden_size" not in cfg:
-            q = inner.get("quantization_config")
+    if q is None:                                     # a multimodal config: its language model's
+        from sim.cost.hf_config import language_model_config
+        q = language_model_config(cfg)[0].get("quantization_config")
     if q is None:
         return None, "linear"
     if not isinstance(q, Mapping):

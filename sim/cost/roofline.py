@@ -203,9 +203,9 @@ class Roofline:
         self._kv_bytes_per_token_gpu = 2 * n_full * model.num_kv_heads * model.head_dim * kv_db / t
         self._kv_bytes_per_token_gpu_sliding = 2 * n_sliding * model.num_kv_heads * model.head_dim * kv_db / t
         if model.is_mla:
-            self._mla_terms(model, t, kv_db)
+            self._mla_terms(model, t, kv_db, peak_flops)
 
-    def _mla_terms(self, m: ModelShape, t: int, kv_db: float) -> None:
+    def _mla_terms(self, m: ModelShape, t: int, kv_db: float, peak_flops: float) -> None:
         """Multi-head latent attention as vLLM's MLA backends run it, per GPU (H / t heads).
 
         The cache holds one latent + RoPE key a token and layer on every rank (not split by
@@ -240,8 +240,7 @@ class Roofline:
             # Its logits are FP8 GEMMs (DeepGEMM's MQA logits): the FP8 peak where the GPU has it,
             # at the prefill attention's efficiency (an assumption, not fitted).
             self._topk = m.index_topk
-            fp8_peak = self.gpu.peak_flops_fp8 or (1.0 / self._s_per_attn_flop / self.eff.attn_flops)
-            self._s_per_index_flop = 1.0 / (fp8_peak * self.eff.attn_flops)
+            self._s_per_index_flop = 1.0 / ((self.gpu.peak_flops_fp8 or peak_flops) * self.eff.attn_flops)
             self._attn_flops_per_pair = self._decode_flops_per_pair
             self._context_up_flops = 0.0
             self._index_flops_per_pair = 2 * m.index_n_heads * m.index_head_dim * layers
