@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import weakref
 from array import array
 from pathlib import Path
@@ -32,9 +33,16 @@ STEP_CHUNK = 250_000        # steps held in memory before a spill (22 MB)
 INT32_MAX = 2 ** 31 - 1
 
 
+# np.load parses each header with ast.literal_eval, and CPython 3.11's AST converter keeps its
+# recursion depth per interpreter, not per thread: two threads reading chunks at once (run_dir
+# writes tokens.npz on a second thread while this one writes the CSVs) can fail with
+# "SystemError: AST constructor recursion depth mismatch". One reader at a time.
+_READ_LOCK = threading.Lock()
+
+
 def read_chunk(path: str | Path, num_arrays: int) -> tuple[np.ndarray, ...]:
     """The arrays a spill file holds (``SpillFolder.write``: ``np.save`` one after the other)."""
-    with open(path, "rb") as f:
+    with _READ_LOCK, open(path, "rb") as f:
         return tuple(np.load(f, allow_pickle=False) for _ in range(num_arrays))
 
 
