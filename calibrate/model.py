@@ -57,7 +57,8 @@ def get_model_shape(spec: str | Mapping[str, Any] | ModelShape) -> ModelShape:
 
 def check_buildable(shape: ModelShape) -> None:
     """Refuse (ValueError) a shape this Llama-style model cannot be: a 2-matrix
-    (non-SwiGLU) MLP, mixture-of-experts layers, multi-head latent attention, sliding-window attention, or an odd
+    (non-SwiGLU) MLP, mixture-of-experts layers, multi-head latent attention, linear attention or gated
+    attention outputs, sliding-window attention, or an odd
     head_dim (RoPE rotates pairs of dimensions). An explicit head_dim is built (q, o:
     heads x head_dim wide; Qwen3's q_norm / k_norm are left out: they cost ~nothing)."""
     if shape.is_moe:
@@ -68,6 +69,10 @@ def check_buildable(shape: ModelShape) -> None:
         raise ValueError(f"model {shape.name!r}: kv_lora_rank is {shape.kv_lora_rank} (multi-head latent "
                          f"attention), but the torch model builds K and V heads only; MLA models are costed by "
                          f"the roofline (sim.cost.roofline) or the kernel tables, not calibrated here")
+    if shape.is_hybrid or shape.attn_output_gate:
+        raise ValueError(f"model {shape.name!r}: num_linear_layers is {shape.num_linear_layers} (Gated DeltaNet "
+                         f"linear attention) or attn_output_gate is set, but the torch model builds plain "
+                         f"attention layers only; such models are costed by the roofline or the kernel tables")
     if shape.num_sliding_layers:
         raise ValueError(f"model {shape.name!r}: sliding_window is {shape.sliding_window} on "
                          f"{shape.num_sliding_layers} layers, but the torch model attends to the full "

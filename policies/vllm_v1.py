@@ -326,8 +326,9 @@ class VllmV1Policy(PolicyBase):
             known = r.num_prompt_tokens + r.num_output_tokens     # a preempted request recomputes its outputs too
             hit = kv.lookup(r) if caching else ()
             hit_tokens = len(hit) * block_size
-            # Blocks the request takes beyond its hit, plus the hit blocks now in the free queue.
-            extra = kv.num_evictable(hit) - len(hit) if hit else 0
+            # Blocks the request takes beyond its hit, plus the hit blocks now in the free queue, plus
+            # a hybrid model's state blocks (sim.cost.hybrid: one a linear-layer group).
+            extra = (kv.num_evictable(hit) - len(hit) if hit else 0) + kv.state_blocks
             n = known - hit_tokens
             if 0 < threshold < n:
                 n = threshold

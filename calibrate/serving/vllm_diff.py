@@ -40,7 +40,7 @@ from typing import Any, Sequence
 from sim.core.batch import Batch
 from sim.core.policy import PolicyContext
 from policies.vllm_v1 import VllmV1Config, VllmV1Policy
-from sim.core.kv import BlockManager
+from sim.core.kv import BlockManager, state_block_pool
 from sim.core.prefix import PrefixCachePool, own_content
 from sim.core.request import Request, Status
 from sim.core.speculative import Speculation
@@ -84,6 +84,10 @@ class Case:
     # (0: that same step's output). None: no connector.
     remote: tuple[bool, ...] | None = None
     recv_steps: tuple[int, ...] | None = None
+    # A hybrid model's linear-attention groups (``sim.cost.hybrid``): vLLM's side gets that many
+    # MambaSpec groups (mamba_cache_mode "none", block size max_model_len) beside the attention
+    # group, batchsim's a StateBlockPool of as many state blocks a request. 0: a plain model.
+    state_groups: int = 0
 
 
 def fixed_acceptance(req_id: int, num_output_tokens: int, num_drafts: int) -> int:
@@ -168,12 +172,21 @@ class VllmReference:
         self._num_steps = 0
         config = VllmConfig(scheduler_config=sched, model_config=model, cache_config=cache, **extra)
         spec = FullAttentionSpec(block_size=case.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-        kv = KVCacheConfig(num_blocks=case.num_blocks, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+        groups = [KVCacheGroupSpec(["layer"], spec)]
+        scheduler_block = case.block_size
+        if case.state_groups:
+            from math import lcm
+            from vllm.v1.kv_cache_interface import MambaSpec
+            groups += [KVCacheGroupSpec([f"linear{g}"], MambaSpec(shapes=((1,),), dtypes=(torch.float32,),
+                                                                  block_size=case.max_model_len,
+                                                                  mamba_cache_mode="none"))
+                       for g in range(case.state_groups)]
+            scheduler_block = lcm(case.block_size, case.max_model_len)    # resolve_kv_cache_block_sizes
+        kv = KVCacheConfig(num_blocks=case.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         cache.num_gpu_blocks = case.num_blocks
         self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kv, log_stats=False,
                                    structured_output_manager=StructuredOutputManager(config),
-                                   block_size=case.block_size)
+                                   block_size=scheduler_block)
         self.num_blocks = case.num_blocks
         self.case = case
         self.block_hasher = None
@@ -463,6 +476,8 @@ class BatchsimSide:
                                            if case.num_speculative_tokens else None))
         self.policy = VllmV1Policy(config, PolicyContext(case.max_model_len))
         pool = PrefixCachePool if case.enable_prefix_caching else BlockManager
+        if case.state_groups:
+            pool = state_block_pool(case.state_groups)
         kv = pool(case.num_blocks - self.policy.num_reserved_blocks, case.block_size)
         self.case = case
         self.state = SchedulerState(kv, case.max_model_len)

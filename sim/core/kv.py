@@ -23,6 +23,7 @@ class KVPool:
     ``sim.core.prefix.PrefixCachePool`` also caches them by content."""
 
     caching = False             # True: blocks are cached by content (PrefixCachePool)
+    state_blocks = 0            # blocks a request holds besides its tokens' (StateBlockPool)
 
     __slots__ = ("num_blocks", "block_size", "watermark_blocks")
 
@@ -161,3 +162,54 @@ class BlockManager(KVPool):
         """Return all of ``req``'s blocks to the pool."""
         self._free_ids.extend(reversed(req.block_ids))
         req.block_ids = []
+
+
+class StateBlockPool(BlockManager):
+    """A hybrid model's pool (``sim.cost.hybrid``): besides its tokens' blocks (``block_ids``), a
+    request holds ``state_blocks`` blocks for its linear layers' state, taken at its first
+    allocation and given back with the rest (vLLM's MambaManager groups, one block each). Made
+    per layout by ``state_block_pool``; ``state_blocks`` is what a waiting request's admission
+    adds to its token blocks."""
+
+    __slots__ = ("_state_ids",)
+
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0) -> None:
+        super().__init__(num_blocks, block_size, watermark)
+        self._state_ids: dict[int, list[int]] = {}
+
+    def _state_missing(self, req: Request, num_tokens: int) -> int:
+        return self.state_blocks if num_tokens > 0 and req.req_id not in self._state_ids else 0
+
+    def can_allocate(self, req: Request, num_tokens: int, *, use_watermark: bool = False) -> bool:
+        missing = max(0, -(-num_tokens // self.block_size) - len(req.block_ids)) + self._state_missing(req, num_tokens)
+        reserve = self.watermark_blocks if use_watermark else 0
+        return missing <= self.num_free_blocks - reserve
+
+    def allocate(self, req: Request, num_tokens: int, lookahead: int = 0) -> None:
+        if self._state_missing(req, num_tokens + lookahead):
+            need = max(0, -(-(num_tokens + lookahead) // self.block_size) - len(req.block_ids)) + self.state_blocks
+            if need > self.num_free_blocks:
+                raise RuntimeError(f"KV pool exhausted: request {req.req_id} needs {need} blocks (its state's "
+                                   f"included), {self.num_free_blocks} free (policy must call can_allocate first)")
+            tokens, req.block_ids = req.block_ids, []
+            super().allocate(req, self.state_blocks * self.block_size)      # the state's blocks, from the stack
+            self._state_ids[req.req_id], req.block_ids = req.block_ids, tokens
+        super().allocate(req, num_tokens, lookahead)
+
+    def append_block(self, req: Request) -> bool:
+        if req.req_id not in self._state_ids:
+            raise RuntimeError(f"request {req.req_id} grows before its state blocks were allocated")
+        return super().append_block(req)
+
+    def free(self, req: Request) -> None:
+        super().free(req)
+        state = self._state_ids.pop(req.req_id, None)
+        if state:
+            self._free_ids.extend(reversed(state))
+
+
+def state_block_pool(state_blocks: int) -> type[StateBlockPool]:
+    """A ``StateBlockPool`` class whose requests each hold ``state_blocks`` state blocks."""
+    if state_blocks < 1:
+        raise ValueError(f"state_blocks must be >= 1, got {state_blocks}")
+    return type(f"StateBlockPool{state_blocks}", (StateBlockPool,), {"__slots__": (), "state_blocks": state_blocks})

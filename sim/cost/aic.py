@@ -59,6 +59,10 @@ _MLA_TABLES = {"prefill": ("dsa_context_module_perf.parquet", "mla_context_modul
                            "context_mla_perf.parquet"),
                "decode": ("dsa_generation_module_perf.parquet", "mla_generation_module_perf.parquet",
                           "generation_mla_perf.parquet")}
+# Gated DeltaNet's ops (the conv1d and the chunked scan / recurrent update of its linear layers):
+# priced beside attention, the wheel's cost of a prefill chunk depending on its length and batch
+# only (no context: the state carries it), of a decode on the batch only.
+_LINEAR_ATTENTION = ("GDNKernel",)
 _UNMODELLED = (("MLA", "multi-head latent attention (MLA)"), ("Dsa", "DeepSeek sparse attention"),
                ("DSA", "DeepSeek sparse attention"), ("Msa", "sparse attention (MSA)"),
                ("Gdn", "linear attention (Gated DeltaNet)"), ("GDN", "linear attention (Gated DeltaNet)"),
@@ -225,6 +229,7 @@ class KernelTables:
         self.model, self.database = model, database
         self.mla = False                          # set by _classify: an MLA model's attention blocks
         self.dsa = False                          # ... and DeepSeek sparse attention's modules
+        self.linear = False                       # ... and Gated DeltaNet's linear-attention ops
         self.quant_modes = {name: getattr(model.config, f"{name}_quant_mode").name
                             for name in ("gemm", "moe", "kvcache", "fmha", "comm")}
         self._check_gemm_precision()
@@ -254,6 +259,10 @@ class KernelTables:
                 roles["attention"].append(i)      # MLA / DSA: its projections ride with it
                 self.mla = True
                 self.dsa = self.dsa or kind in _DSA_MODULES
+                continue
+            if kind in _LINEAR_ATTENTION:
+                roles["attention"].append(i)      # Gated DeltaNet: chunk length (prefill) or batch (decode)
+                self.linear = True
                 continue
             for marker, mechanism in _UNMODELLED:
                 if marker in kind:
@@ -312,6 +321,8 @@ class KernelTables:
             used |= {"mla_context_module", "mla_generation_module", "context_mla", "generation_mla", "mla_bmm"}
         if self.dsa:
             used |= {"dsa_context_module", "dsa_generation_module"}
+        if self.linear:
+            used |= {"gdn"}
         if any(type(op).__name__.startswith("MoE") for op in self.model.context_ops):
             used |= {"moe", "moe_a2a"}
         return used

@@ -52,13 +52,17 @@ UNMODELLED_MECHANISMS = (
     ("compress_ratios", "compressed sparse attention (DeepSeek-V4)"),
     ("hybrid_override_pattern", "hybrid Mamba2 state-space layers"),
     ("layers_block_type", "hybrid state-space / linear-attention layers"),
-    ("linear_num_value_heads", "hybrid linear attention (Gated DeltaNet)"),
     ("block_configs", "per-layer heterogeneous blocks (Nemotron NAS)"),
     ("interleave_moe_layer_step", "interleaved MoE and chunked-attention layers (Llama 4)"),
 )
 WRAPPER_KEYS = ("text_config", "llm_config")       # a multimodal config's language model
 # layer_types entries: the two batchsim prices (lower case, as transformers writes them).
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+# Gated DeltaNet's config keys (Qwen3-Next, Qwen3.5) -> ModelShape's fields.
+_LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim")
+# mamba_ssm_dtype (Qwen3.5's recurrent-state dtype, which vLLM takes for mamba_ssm_cache_dtype "auto").
+_STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _REQUIRED_KEYS = frozenset(k for keys in _HF_FIELDS.values() for k in keys)
 # Every key the importer reads (one set for the did-you-mean check of unknown keys).
 READ_KEYS = frozenset({k for keys in _HF_FIELDS.values() for k in keys} | set(_EXPERT_KEYS) | set(_TOP_K_KEYS) | {
@@ -66,6 +70,7 @@ READ_KEYS = frozenset({k for keys in _HF_FIELDS.values() for k in keys} | set(_E
     "tie_word_embeddings", "rope_theta", "rope_parameters", "sliding_window", "layer_types", "use_sliding_window",
     "max_window_layers", "sliding_window_pattern", "moe_intermediate_size", "shared_expert_intermediate_size",
     "n_shared_experts", "first_k_dense_replace", "mlp_only_layers", "decoder_sparse_step", "quantization_config",
+    *_LINEAR_KEYS, "full_attention_interval", "mamba_ssm_dtype", "attn_output_gate",
     "name", "_name_or_path", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
     "index_topk", "index_head_dim", "index_n_heads"})
 _MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_topk",
@@ -83,6 +88,8 @@ def language_model_config(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], str |
                       "architectures": cfg.get("architectures") or inner.get("architectures")}
             if "quantization_config" in cfg and "quantization_config" not in inner:
                 merged["quantization_config"] = cfg["quantization_config"]
+            if cfg.get("tie_word_embeddings") is not None:     # the composite model's own (Qwen3.5 writes it there)
+                merged["tie_word_embeddings"] = cfg["tie_word_embeddings"]
             return merged, f"the language model of {cfg.get('name') or 'the config'} ({key}); its vision tower is left out"
     return dict(cfg), None
 
@@ -93,8 +100,11 @@ def unmodelled_mechanism(cfg: Mapping[str, Any]) -> str | None:
         for key, mechanism in UNMODELLED_MECHANISMS:
             if inner.get(key) is not None:
                 return mechanism
-        if any("linear" in str(t) or "mamba" in str(t) for t in _as_list(inner.get("layer_types"))):
-            return "hybrid linear attention (Gated DeltaNet)"
+        if any("mamba" in str(t) for t in _as_list(inner.get("layer_types"))):
+            return "hybrid Mamba2 state-space layers"
+        if inner.get("layer_types") is not None and all(
+                "linear" in str(t) for t in _as_list(inner.get("layer_types"))):
+            return "linear attention in every layer (attention-free models)"
     return None
 
 
@@ -230,6 +240,44 @@ def _layer_types(cfg: Mapping[str, Any], num_layers: int, name: str) -> list[str
     return types
 
 
+def linear_attention_fields(cfg: Mapping[str, Any], num_layers: int, name: str) -> dict[str, int]:
+    """ModelShape's Gated DeltaNet fields ({} without linear layers), as vLLM's Qwen3-Next and
+    Qwen3.5 models read them: the linear layers are ``layer_types``' "linear_attention" entries,
+    else (Qwen3-Next) all but every ``full_attention_interval``-th layer; the heads and widths
+    from ``linear_*`` (all required); the recurrent state's dtype from ``mamba_ssm_dtype``
+    (Qwen3.5; absent: the model's dtype, vLLM's "auto"); ``attn_output_gate`` (absent: true, as
+    both models' attention reads it)."""
+    types = _layer_types(cfg, num_layers, name)
+    interval = _count(cfg, "full_attention_interval", name, 1)
+    if types is not None:
+        num_linear = types.count("linear_attention")
+    elif interval is not None and any(cfg.get(k) is not None for k in _LINEAR_KEYS):
+        num_linear = num_layers - num_layers // interval     # layer i is full when (i + 1) % interval == 0
+    else:
+        given = next((k for k in _LINEAR_KEYS if cfg.get(k) is not None), None)
+        if given is not None:
+            raise ValueError(f"model '{name}': field '{given}' describes linear-attention layers, but neither "
+                             f"'layer_types' nor 'full_attention_interval' says which layers they are")
+        num_linear = 0
+    if not num_linear:
+        gate = _boolean(cfg, "attn_output_gate", name, False)
+        return {"attn_output_gate": int(gate)} if gate else {}
+    out = {"num_linear_layers": num_linear}
+    for key in _LINEAR_KEYS:
+        value = _count(cfg, key, name, 1)
+        if value is None:
+            raise ValueError(f"model '{name}': config field '{key}' is missing (its linear-attention layers need it)")
+        out[key] = value
+    dtype = cfg.get("mamba_ssm_dtype")
+    if dtype is not None:
+        if str(dtype).lower() not in _STATE_DTYPE_BYTES:
+            raise ValueError(f"model '{name}': field 'mamba_ssm_dtype' must be one of "
+                             f"{', '.join(_STATE_DTYPE_BYTES)}, got {dtype!r}")
+        out["linear_state_bytes"] = _STATE_DTYPE_BYTES[str(dtype).lower()]
+    out["attn_output_gate"] = int(_boolean(cfg, "attn_output_gate", name, True))
+    return out
+
+
 def moe_fields(cfg: Mapping[str, Any], num_layers: int, name: str) -> dict[str, int]:
     """ModelShape's MoE fields from a HF config ({} for a dense model).
 
@@ -302,6 +350,8 @@ def model_shape_from_hf(cfg: Mapping[str, Any], name: str | None = None) -> Mode
     values: dict[str, int] = {}
     for field_name, keys in _HF_FIELDS.items():
         key = next((k for k in keys if k in cfg), None)
+        if key is None and field_name == "intermediate_size" and cfg.get("moe_intermediate_size") is not None:
+            continue                  # every layer MoE (Qwen3.5): no dense width; checked below
         if key is None:
             close = next((k for k in cfg if isinstance(k, str) and k not in READ_KEYS
                           and difflib.get_close_matches(k, keys, n=1, cutoff=0.9)), None)
@@ -321,10 +371,17 @@ def model_shape_from_hf(cfg: Mapping[str, Any], name: str | None = None) -> Mode
     head_dim = _positive_int(cfg, "head_dim", name) if cfg.get("head_dim") is not None else 0
     window, num_sliding = sliding_layer_count(cfg, values["num_layers"], name)
     mla = {k: _count(cfg, k, name, 0) or 0 for k in _MLA_KEYS}
+    moe = moe_fields(cfg, values["num_layers"], name)
+    if "intermediate_size" not in values:
+        if not moe or moe.get("num_dense_layers"):
+            raise ValueError(f"model '{name}': config field 'intermediate_size' is missing (or 'ffn_dim'); "
+                             f"only a model whose every layer is MoE may leave it out")
+        values["intermediate_size"] = moe["moe_intermediate_size"]        # no dense MLP reads it
     return ModelShape(name=name, num_kv_heads=num_kv_heads, mlp=_mlp_kind(cfg, name), **mla,
+                      **linear_attention_fields(cfg, values["num_layers"], name),
                       tie_word_embeddings=_boolean(cfg, "tie_word_embeddings", name, True),
                       rope_theta=rope_theta, explicit_head_dim=head_dim, sliding_window=window,
-                      num_sliding_layers=num_sliding, **moe_fields(cfg, values["num_layers"], name), **values)
+                      num_sliding_layers=num_sliding, **moe, **values)
 
 
 def model_shape_from_dict(spec: Mapping[str, Any]) -> ModelShape:

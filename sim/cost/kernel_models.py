@@ -28,6 +28,7 @@ PRESET_IDS = {
     "gpt-oss-120b": "openai/gpt-oss-120b", "deepseek-r1": "deepseek-ai/DeepSeek-R1",
     "deepseek-v3": "deepseek-ai/DeepSeek-V3", "kimi-k2.5": "moonshotai/Kimi-K2.5",
     "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2", "glm-5": "zai-org/GLM-5", "minimax-m2.5": "MiniMaxAI/MiniMax-M2.5",
+    "qwen3.5-397b-a17b": "Qwen/Qwen3.5-397B-A17B",
 }
 # Presets the wheel bundles no config of: the architecture its graph builder reads them as
 # (Mistral's decoder is Llama's; Qwen3 dense adds the QK norms).

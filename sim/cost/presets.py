@@ -300,6 +300,16 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     # not loaded without speculative decoding
     "minimax-m2.5": ModelShape("minimax-m2.5", 3072, 62, 48, 8, 1536, 200064, 196608, rope_theta=5000000.0,
                                explicit_head_dim=128, num_experts=256, num_experts_per_tok=8),
+    # Qwen/Qwen3.5-397B-A17B config.json's text_config: 60 layers, 3 Gated DeltaNet (16 key heads, 64 value
+    # heads of 128, conv 4, fp32 recurrent state) to 1 gated full attention (32 heads of 256, 2 KV heads),
+    # 512 experts of 1024 + a shared one of 1024, top 10, every layer sparse; bf16; the MTP layer
+    # (mtp_num_hidden_layers 1) is not loaded without speculative decoding; the vision tower is left out
+    "qwen3.5-397b-a17b": ModelShape("qwen3.5-397b-a17b", 4096, 60, 32, 2, 1024, 248320, 262144,
+                                    rope_theta=10000000, explicit_head_dim=256, num_experts=512,
+                                    num_experts_per_tok=10, moe_intermediate_size=1024,
+                                    shared_expert_intermediate_size=1024, attn_output_gate=1, num_linear_layers=45,
+                                    linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+                                    linear_value_head_dim=128, linear_conv_kernel_dim=4, linear_state_bytes=4),
     # moonshotai/Kimi-K2.5 config.json's text_config (DeepSeek-V3's architecture): 64 heads, 384 experts
     # of 2048 + 1 shared, top 8, the first layer dense, vocabulary 163840; INT4 experts (MODEL_PRECISIONS)
     "kimi-k2.5": ModelShape("kimi-k2.5", 7168, 61, 64, 64, 18432, 163840, 262144, rope_theta=50000.0,

@@ -37,6 +37,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # sequences; linear() only sees a token count, so it charges the LM head for
 # min(tokens, MAX_SAMPLED_ROWS) rows.
 MAX_SAMPLED_ROWS = 256
+GDN_CHUNK = 64                     # the chunked gated delta rule's chunk (flash-linear-attention's kernels)
 CUDA_CONTEXT_BYTES = GIB // 2       # CUDA context, cuBLAS workspace, captured CUDA graphs
 GRID_TOLERANCE = 0.01               # max relative interpolation error at the probe points
 _PROBES = np.array([0.1, 0.3, 0.5, 0.7, 0.9])   # where inside a grid interval error is checked
@@ -155,7 +156,9 @@ class Roofline:
         # MLA: q_a and kv_a are whole on every rank (ModelShape.attn_replicated_params_per_layer).
         repl = model.attn_replicated_params_per_layer
         attn_params = (model.attn_params_per_layer - repl) / t + repl
-        self._layer_params = n_layers * (attn_params + n_mlp_mats * h * inter / t)
+        n_attn = model.num_attention_layers
+        self._layer_params = (n_attn * attn_params + model.num_linear_layers * model.linear_params_per_layer / t
+                              + n_layers * n_mlp_mats * h * inter / t)
         self._replicated_params = n_layers * repl * (t - 1)    # the copies beyond one, all ranks
         self._lm_head_params = h * model.vocab_size / t
         gemm = precision.gemm_precision(gpu)
@@ -189,7 +192,7 @@ class Roofline:
         # Attention: QK^T and PV are 2 matmuls of 2 flops per (query, key, head, head_dim),
         # split into the full-attention layers and the sliding-window ones.
         n_sliding = model.num_sliding_layers
-        n_full = n_layers - n_sliding
+        n_full = n_attn - n_sliding
         self._window = model.sliding_window
         self._attn_flops_per_pair = 4 * model.num_heads * model.head_dim * n_full / t
         self._attn_flops_per_pair_sliding = 4 * model.num_heads * model.head_dim * n_sliding / t
@@ -204,6 +207,28 @@ class Roofline:
         self._kv_bytes_per_token_gpu_sliding = 2 * n_sliding * model.num_kv_heads * model.head_dim * kv_db / t
         if model.is_mla:
             self._mla_terms(model, t, kv_db, peak_flops)
+        self._linear_terms(model, t, db)
+
+    def _linear_terms(self, m: ModelShape, t: int, db: int) -> None:
+        """Gated DeltaNet's layers, per GPU (value heads / t): no KV per token, a state a sequence.
+
+        Prefill runs the chunked gated delta rule (chunks of ``GDN_CHUNK`` tokens): per token and
+        value head about 2 (3 key_dim value_dim + 2 GDN_CHUNK (key_dim + value_dim)) FLOPs (the
+        state's read-out, the rank-one update and its decay, and the chunk's own triangular
+        attention), at the prefill attention rate, and each sequence's state is read and written
+        once. Decode runs the fused recurrent update: 2 x 3 key_dim value_dim FLOPs a head, and the
+        whole state read and written, so it is memory-bound: 2 x state bytes a sequence and
+        layer. The conv window is read and written alike. An estimate from the kernels' work,
+        not fitted (the kernel tables measure these ops where a kernel profile is used)."""
+        self._linear_state_bytes = 0.0
+        if not m.is_hybrid:
+            return
+        heads, kd, vd = m.linear_num_value_heads / t, m.linear_key_head_dim, m.linear_value_head_dim
+        n = m.num_linear_layers
+        conv, ssm = m.linear_state_bytes_per_seq(db, t)
+        self._linear_state_bytes = float(n * (conv + ssm))       # one sequence's, this GPU's layers
+        self._linear_prefill_flops = n * heads * 2 * (3 * kd * vd + 2 * GDN_CHUNK * (kd + vd))
+        self._linear_decode_flops = n * heads * 2 * 3 * kd * vd
 
     def _mla_terms(self, m: ModelShape, t: int, kv_db: float, peak_flops: float) -> None:
         """Multi-head latent attention as vLLM's MLA backends run it, per GPU (H / t heads).
@@ -286,6 +311,9 @@ class Roofline:
             w = float(self._window)
             flops = flops + self._attn_flops_per_pair_sliding * sliding_prefill_pairs(c, p, w)
             kv_bytes = kv_bytes + (np.minimum(p, w) + 2 * c) * self._kv_bytes_per_token_gpu_sliding
+        if self._linear_state_bytes:
+            flops = flops + self._linear_prefill_flops * c
+            kv_bytes = kv_bytes + 2 * self._linear_state_bytes * (c > 0)
         time_s = overlap_time(flops * self._s_per_attn_flop, kv_bytes * self._s_per_kv_byte, self.eff.pipeline_stages)
         return time_s + self.tp_costs.per_seq_s
 
@@ -312,6 +340,9 @@ class Roofline:
             sliding_keys = np.minimum(keys, n * float(self._window))
             flops = flops + self._attn_flops_per_pair_sliding * sliding_keys
             kv_bytes = kv_bytes + sliding_keys * self._kv_bytes_per_token_gpu_sliding
+        if self._linear_state_bytes:
+            flops = flops + self._linear_decode_flops * n
+            kv_bytes = kv_bytes + 2 * self._linear_state_bytes * n
         time_s = overlap_time(flops * self._s_per_decode_attn_flop, kv_bytes * self._s_per_kv_byte,
                               self.eff.pipeline_stages)
         return time_s + n * self.tp_costs.per_seq_s

@@ -18,11 +18,16 @@ _POSITIVE_INT_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads"
 OPTIONAL_INT_FIELDS = ("explicit_head_dim", "sliding_window", "num_sliding_layers", "num_experts", "num_experts_per_tok",
                        "moe_intermediate_size", "shared_expert_intermediate_size", "num_dense_layers",
                        "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                       "index_topk", "index_head_dim", "index_n_heads")
+                       "index_topk", "index_head_dim", "index_n_heads", "attn_output_gate",
+                       "num_linear_layers", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                       "linear_value_head_dim", "linear_conv_kernel_dim", "linear_state_bytes")
 # Multi-head latent attention's fields (DeepSeek-V2/V3/R1, Kimi-K2): all set together, or none.
 MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # DeepSeek sparse attention's indexer (DeepSeek-V3.2, GLM-5), on top of MLA: all set, or none.
 DSA_FIELDS = ("index_topk", "index_head_dim", "index_n_heads")
+# Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): all set together with num_linear_layers, or none.
+LINEAR_FIELDS = ("num_linear_layers", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                 "linear_value_head_dim", "linear_conv_kernel_dim")
 # The indexer's keys as vLLM caches them: FP8, plus one fp32 scale per 128 values
 # (DeepseekV32IndexerCache: head_dim + head_dim // 128 * 4 bytes: 132 for 128).
 INDEX_QUANT_BLOCK = 128
@@ -70,6 +75,22 @@ class ModelShape:
     cached key per token (FP8, ``INDEX_QUANT_BLOCK`` scales), and each query attends to its
     ``index_topk`` best keys only. Its weights (wq_b: q_lora_rank x heads*dim, wk: hidden x
     dim, weights_proj: hidden x heads) are replicated on every rank, as vLLM's Indexer holds them.
+
+    ``attn_output_gate`` (1: Qwen3-Next, Qwen3.5): the query projection also yields a sigmoid gate
+    of the attention output, so q is hidden x 2 heads*head_dim.
+
+    Gated DeltaNet linear attention (``num_linear_layers`` > 0: Qwen3-Next, Qwen3.5): that many
+    of the ``num_layers`` layers mix tokens with a gated delta rule instead of attention, the
+    rest (``num_attention_layers``) attend. A linear layer has ``linear_num_key_heads`` query/key
+    heads of ``linear_key_head_dim`` and ``linear_num_value_heads`` value heads of
+    ``linear_value_head_dim``; its weights (``linear_params_per_layer``) are in_proj_qkv (hidden x
+    (2 key_dim + value_dim)), in_proj_z (hidden x value_dim), in_proj_b and in_proj_a (hidden x
+    value heads each) and out_proj (value_dim x hidden), the causal conv1d's (conv_dim x
+    ``linear_conv_kernel_dim``, conv_dim = 2 key_dim + value_dim) not counted. It caches no KV per
+    token: each sequence holds a fixed state a layer (``linear_state_bytes_per_seq``), the conv
+    window (conv_dim x (kernel - 1), in the model's dtype) and the recurrent state (value heads x
+    value_dim x key_dim, in ``linear_state_bytes`` a value; 0: the model's dtype), split across
+    TP ranks by heads. Every layer keeps its MLP (or MoE).
     """
 
     name: str
@@ -99,6 +120,14 @@ class ModelShape:
     index_topk: int = 0                  # DSA (0: dense attention): the keys each query attends to
     index_head_dim: int = 0              # DSA: the indexer's head width
     index_n_heads: int = 0               # DSA: the indexer's heads
+    attn_output_gate: int = 0            # 1: q also yields an output gate (q is hidden x 2 heads*head_dim)
+    num_linear_layers: int = 0           # Gated DeltaNet layers among num_layers (0: none)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    linear_state_bytes: int = 0          # the recurrent state's bytes a value (0: the model's dtype)
 
     def __post_init__(self) -> None:
         for f in _POSITIVE_INT_FIELDS:
@@ -161,6 +190,25 @@ class ModelShape:
                              f"latent attention only; kv_lora_rank is missing")
         if mla and (self.sliding_window or self.num_sliding_layers):
             raise ValueError(f"model {self.name!r}: sliding windows with multi-head latent attention are not modelled")
+        if self.attn_output_gate not in (0, 1):
+            raise ValueError(f"model {self.name!r}: attn_output_gate must be 0 or 1, got {self.attn_output_gate}")
+        linear = [f for f in LINEAR_FIELDS if getattr(self, f)]
+        if linear and len(linear) != len(LINEAR_FIELDS):
+            missing = [f for f in LINEAR_FIELDS if not getattr(self, f)]
+            raise ValueError(f"model {self.name!r}: Gated DeltaNet linear attention needs {', '.join(LINEAR_FIELDS)}; "
+                             f"{', '.join(missing)} missing")
+        if self.linear_state_bytes and not linear:
+            raise ValueError(f"model {self.name!r}: linear_state_bytes set without num_linear_layers")
+        if linear:
+            if self.num_linear_layers >= self.num_layers:
+                raise ValueError(f"model {self.name!r}: num_linear_layers {self.num_linear_layers} leaves no attention "
+                                 f"layer of {self.num_layers} (attention-free models are not modelled)")
+            if mla or self.num_sliding_layers:
+                raise ValueError(f"model {self.name!r}: linear attention beside multi-head latent attention or "
+                                 f"sliding windows is not modelled")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"model {self.name!r}: linear_num_value_heads {self.linear_num_value_heads} is not "
+                                 f"divisible by linear_num_key_heads {self.linear_num_key_heads}")
 
     # ---- derived counts ---------------------------------------------------------
     @property
@@ -170,6 +218,50 @@ class ModelShape:
     @property
     def is_dsa(self) -> bool:
         return self.index_topk > 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers are linear attention (Gated DeltaNet) with a per-sequence state."""
+        return self.num_linear_layers > 0
+
+    @property
+    def num_attention_layers(self) -> int:
+        """The layers that attend (and cache KV per token): all but the linear ones."""
+        return self.num_layers - self.num_linear_layers
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """The causal conv1d's channels: q, k and v (2 key_dim + value_dim)."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        """A Gated DeltaNet layer's matmul weights (the class doc): 0 without linear layers."""
+        if not self.is_hybrid:
+            return 0
+        h, kd, vd, nv = self.hidden_size, self.linear_key_dim, self.linear_value_dim, self.linear_num_value_heads
+        return h * (2 * kd + 2 * vd + 2 * nv) + vd * h
+
+    def linear_state_bytes_per_seq(self, dtype_bytes: int, tensor_parallel: int = 1) -> tuple[int, int]:
+        """(conv window, recurrent state) bytes one sequence holds in one linear layer on one of
+        ``tensor_parallel`` ranks (vLLM's MambaStateShapeCalculator.gated_delta_net_state_shape:
+        conv_dim / t x (kernel - 1) values in the model's dtype, value heads / t x value_dim x
+        key_dim in ``linear_state_bytes``); (0, 0) without linear layers."""
+        if not self.is_hybrid:
+            return 0, 0
+        t = tensor_parallel
+        conv = self.linear_conv_dim // t * (self.linear_conv_kernel_dim - 1) * dtype_bytes
+        ssm = (self.linear_num_value_heads // t * self.linear_value_head_dim * self.linear_key_head_dim
+               * (self.linear_state_bytes or dtype_bytes))
+        return conv, ssm
 
     @property
     def index_params_per_layer(self) -> int:
@@ -230,7 +322,7 @@ class ModelShape:
             kv_b = self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
             return q + kv_a + kv_b + n * self.v_head_dim * h + self.index_params_per_layer
         q, kv = n * self.head_dim, self.num_kv_heads * self.head_dim
-        return 2 * h * q + 2 * h * kv
+        return (2 + self.attn_output_gate) * h * q + 2 * h * kv
 
     @property
     def attn_replicated_params_per_layer(self) -> int:
@@ -263,7 +355,8 @@ class ModelShape:
         """Matmul weights and embeddings (norms and biases are < 0.1%: not counted)."""
         dense_mlp = self.num_mlp_matrices * self.hidden_size * self.intermediate_size
         num_dense = self.num_layers - self.num_moe_layers
-        return (self.num_layers * self.attn_params_per_layer + num_dense * dense_mlp
+        return (self.num_attention_layers * self.attn_params_per_layer
+                + self.num_linear_layers * self.linear_params_per_layer + num_dense * dense_mlp
                 + self.num_moe_layers * self.shared_params_per_layer + self.num_expert_params + self.embed_params)
 
     @property
@@ -280,7 +373,7 @@ class ModelShape:
         leave the window. NOTE: batchsim's pool (sim.core) frees nothing before a request ends,
         so such a request longer than the window is charged all its tokens: a conservative
         capacity, exact for requests within the window."""
-        full = self.num_layers - self.num_sliding_layers
+        full = self.num_attention_layers - self.num_sliding_layers
         return full if full else self.num_layers
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:

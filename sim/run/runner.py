@@ -215,7 +215,9 @@ def kv_blocks(cfg: WorkloadConfig, profile: Profile, policy: Policy | None = Non
                 f"{cfg.source}: field '{memory if memory_given else 'profile'}': the model's weights do not fit "
                 f"({report} leaves no room for KV); raise profile.tensor_parallel, pick a larger GPU"
                 + (f" or raise {memory}" if memory else ""))
-        num_blocks = capacity // block_size
+        hybrid = getattr(policy, "hybrid", None)
+        num_blocks = (hybrid.num_blocks(capacity, profile.model.num_attention_layers) if hybrid is not None
+                      else capacity // block_size)
         where = memory if memory_given else "profile"
         if num_blocks == 0 and memory_given:    # a memory share that leaves less than a page
             raise ConfigError(f"{cfg.source}: field '{memory}': the KV cache it leaves holds {capacity:,} tokens, "
@@ -230,6 +232,8 @@ def kv_blocks(cfg: WorkloadConfig, profile: Profile, policy: Policy | None = Non
             f"than one request of max_model_len {max_model_len}; set server.max_model_len <= "
             f"{num_blocks * block_size}, or give the KV cache more memory ({more})")
     most = policy.max_request_tokens(num_blocks, block_size)
+    if getattr(policy, "hybrid", None) is not None:     # a request's state blocks besides its tokens'
+        most = min(most, (num_blocks - policy.num_reserved_blocks - policy.hybrid.state_groups) * block_size)
     if most < max_model_len:
         # The policy's own start-up limit (SGLang's page and reservation): a request up to max_model_len
         # would pass the context check and then wait forever.
@@ -281,9 +285,41 @@ def build_policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile | Non
         if wanted is not None:
             policy_cfg = dataclasses.replace(policy_cfg, async_scheduling=wanted)
     try:
-        return make_policy(policy_cfg, policy_context(max_model_len, profile))
+        policy = make_policy(policy_cfg, policy_context(max_model_len, profile))
     except ValueError as exc:
         raise ConfigError(f"{cfg.source}: field 'policy': {exc}") from None
+    if profile is not None and profile.model.is_hybrid:
+        hybrid_pool(cfg, policy, profile)
+    return policy
+
+
+def hybrid_pool(cfg: WorkloadConfig, policy: Policy, profile: Profile) -> None:
+    """A hybrid model's KV pool, as vLLM lays it out (``sim.cost.hybrid``): ``policy`` gets the
+    raised block size, a pool whose requests hold their state blocks, and the layout
+    (``policy.hybrid``). ConfigError where it is not modelled."""
+    from sim.core.kv import state_block_pool
+    from sim.cost.hybrid import vllm_hybrid_layout
+    from sim.cost.roofline import DTYPE_BYTES
+    name = profile.model.name
+    if cfg.policy.kind != "vllm_v1":
+        raise ConfigError(f"{cfg.source}: field 'policy.kind': {name} has linear-attention layers, whose state "
+                          f"memory batchsim models as vLLM lays it out (policy vllm_v1) only; "
+                          f"{cfg.policy.kind} is not modelled for such models yet")
+    if policy.kv_pool_class.caching:
+        raise ConfigError(f"{cfg.source}: field 'policy.enable_prefix_caching': {name} has linear-attention "
+                          f"layers, and their prefix caching (vLLM's mamba_cache_mode 'align', which vLLM uses "
+                          f"when prefix caching is on) is not modelled; set policy.enable_prefix_caching: false")
+    if getattr(policy, "speculative", None) is not None:
+        raise ConfigError(f"{cfg.source}: field 'policy.speculative': speculative decoding with linear-attention "
+                          f"layers (their per-draft state blocks) is not modelled; remove it for {name}")
+    try:
+        layout = vllm_hybrid_layout(profile.model, profile.kv_bytes_per_token, profile.tensor_parallel,
+                                    DTYPE_BYTES.get(profile.dtype, 2), cfg.server.block_size)
+    except ValueError as exc:
+        raise ConfigError(f"{cfg.source}: field 'profile': {exc}") from None
+    policy.block_size = layout.block_size
+    policy.kv_pool_class = state_block_pool(layout.state_groups)
+    policy.hybrid = layout
 
 
 def speculative_summary(runs: Sequence[Speculation | None]) -> dict[str, Any]:

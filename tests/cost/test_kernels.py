@@ -122,7 +122,6 @@ def test_presets_and_wheel_ids_give_the_same_model(cache: Path) -> None:
 
 @pytest.mark.parametrize("model, message", [
     ("deepseek-ai/DeepSeek-V4-Pro", "uses compressed sparse attention (DeepSeek-V4), which batchsim does not model yet"),
-    ("Qwen/Qwen3.5-27B", "uses hybrid linear attention (Gated DeltaNet)"),
     ("nvidia/Nemotron-H-56B-Base-8K", "hybrid Mamba2 state-space layers"),
     ("Qwen/Qwen9-1T", "'Qwen/Qwen9-1T' is not among the"),
     ("opt-13b", "the kernel tables' graphs are for gated (SwiGLU) decoders"),

@@ -318,10 +318,15 @@ def test_a_config_is_read_strictly_and_its_reading_otherwise_unchanged() -> None
         model_shape_from_hf({**qwen, "tie_word_embeddings": "false"}, "q")
     with pytest.raises(ValueError, match=r"field 'decoder_sparse_step' must be a positive integer, got 0"):
         model_shape_from_hf({**config("Qwen3-30B-A3B"), "decoder_sparse_step": 0}, "q")
-    # linear-attention layers are a mechanism, named as sim.cost.kernels names it; other types are refused
-    with pytest.raises(ValueError, match=r"model 'q' uses hybrid linear attention \(Gated DeltaNet\), which batchsim "
-                                         r"does not model yet"):
+    # linear-attention layers need their heads and widths; attention-free models and other types are refused
+    with pytest.raises(ValueError, match=r"config field 'linear_num_key_heads' is missing \(its linear-attention "
+                                         r"layers need it\)"):
         model_shape_from_hf({**qwen, "layer_types": ["linear_attention", "full_attention"] * 32}, "q")
+    with pytest.raises(ValueError, match=r"uses linear attention in every layer \(attention-free models\)"):
+        model_shape_from_hf({**qwen, "layer_types": ["linear_attention"] * 64}, "q")
+    with pytest.raises(ValueError, match=r"field 'linear_num_value_heads' describes linear-attention layers, but "
+                                         r"neither 'layer_types' nor 'full_attention_interval'"):
+        model_shape_from_hf({**qwen, "linear_num_value_heads": 32}, "q")
     with pytest.raises(ValueError, match=r"layers of type 'chunked_attention'"):
         model_shape_from_hf({**qwen, "layer_types": ["chunked_attention"] * 64}, "q")
     # names in any case mean what they mean in lower case

@@ -304,3 +304,31 @@ def test_preemption_cascade_matches_by_hand() -> None:
     assert steps[3].items == [(0, 1, 10)] and steps[3].finished == [0]
     diff, _ = first_difference(case)
     assert diff is None, str(diff)
+
+
+HYBRID_CASES = int(os.environ.get("BATCHSIM_DIFF_HYBRID_CASES", "150"))
+
+
+def hybrid_case(case: Case, seed: int) -> Case:
+    """``case`` on a hybrid model (sim.cost.hybrid): 1 to 3 linear-attention groups, each a
+    block a request from its first allocation to its end (vLLM's MambaManager, mamba_cache_mode
+    "none"), the pool grown by as many blocks so the longest request still fits."""
+    groups = random.Random(40_000_000 + seed).choice([1, 2, 3])
+    return replace(case, state_groups=groups, num_blocks=case.num_blocks + groups)
+
+
+@pytest.mark.parametrize("seed", range(SEED0, SEED0 + HYBRID_CASES))
+def test_hybrid_state_blocks_identical_decisions(seed: int) -> None:
+    """vllm_v1 on a hybrid model's pool (StateBlockPool) against vLLM's Scheduler with MambaSpec
+    groups beside the attention group: admission counts the state blocks, preemption frees
+    them, the blocks in use agree step by step."""
+    case = hybrid_case(random_case(seed), seed)
+    diff, num_steps = first_difference(case)
+    assert diff is None, f"seed {seed}: {case}\nfirst difference after {num_steps - 1} steps\n{diff}"
+
+
+@pytest.mark.parametrize("seed", range(SEED0, SEED0 + HYBRID_CASES // 2))
+def test_hybrid_state_blocks_async_identical_decisions(seed: int) -> None:
+    case = async_case(hybrid_case(random_case(seed), seed), seed)
+    diff, num_records = first_difference_async(case)
+    assert diff is None, f"seed {seed}: {case}\nfirst difference after {num_records - 1} batches\n{diff}"

@@ -282,8 +282,8 @@ def _cases() -> list[Case]:
             ("rope_theta", "big", "rope_theta must be a positive number"),
             ("num_hidden_layers", 0, "field 'num_hidden_layers' must be a positive integer"),
             ("vocab_size", 1.5, "field 'vocab_size' must be a positive integer"),
-            ("layer_types", ["linear_attention"] * 64, "uses hybrid linear attention (Gated DeltaNet)"),
-            ("layer_types", ["mamba"] * 64, "uses hybrid linear attention"),
+            ("layer_types", ["linear_attention"] * 64, "uses linear attention in every layer (attention-free models)"),
+            ("layer_types", ["mamba"] * 64, "uses hybrid Mamba2 state-space layers"),
             ("layer_types", ["chunked_attention"] * 64, "layers of type 'chunked_attention', which batchsim does not model"),
             ("layer_types", ["full_attention"] * 3, "field 'layer_types' must list one type per layer (64)"),
             ("kv_lora_rank", 512, "multi-head latent attention needs kv_lora_rank, qk_nope_head_dim, "
@@ -293,7 +293,7 @@ def _cases() -> list[Case]:
             ("hybrid_override_pattern", "M-M*", "uses hybrid Mamba2 state-space layers"),
             ("block_configs", [{}], "uses per-layer heterogeneous blocks (Nemotron NAS)"),
             ("interleave_moe_layer_step", 2, "uses interleaved MoE and chunked-attention layers (Llama 4)"),
-            ("linear_num_value_heads", 32, "uses hybrid linear attention (Gated DeltaNet)"),
+            ("linear_num_value_heads", 32, "field 'linear_num_value_heads' describes linear-attention layers"),
             ("quantization_config", {"quant_method": "awq"}, "quantization_config.quant_method 'awq' is not supported"),
             ("quantization_config", "fp8", "field 'quantization_config' must be a mapping")):
         add(Case(f"hf-{key}-{json.dumps(value)[:24]}", "HF configs", "refused", (words,), on(hf(q32, **{key: value}))))
