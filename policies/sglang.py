@@ -57,8 +57,9 @@ by GPU memory) and ``mem_cache/kv_cache_configurator.py`` (``resolve_max_num_req
 
 7. ``enable_overlap`` (SGLang's default: ``disable_overlap_schedule`` false in
    ``arg_groups/fields/schedule.py``; the server args turn it off for PP,
-   MPS without MLX, diffusion LLMs and speculative decoding on a CPU, none of
-   them modelled, so it stays on on a CPU too): ``Scheduler.event_loop_overlap``.
+   MPS without MLX and diffusion LLMs, none of them modelled, and for
+   speculative decoding on a CPU (rule 8), so it stays on on a CPU too
+   otherwise): ``Scheduler.event_loop_overlap``.
    Each batch is chosen while the one before it runs (``pipelined``:
    sim.loop.server), and that one's results are processed after the new one
    is launched (``process_batch_result``, ``SchedulerState.commit_overlap``).
