@@ -102,10 +102,9 @@ by GPU memory) and ``mem_cache/kv_cache_configurator.py`` (``resolve_max_num_req
    Unset, ``max_running_requests`` is 48 (``_handle_eagle_family``); the memory defaults are
    resolved before it (``handle_gpu_memory_settings`` runs first), so they stay. SGLang 0.5.23
    keeps its overlap loop with speculation (spec v2: ``eagle_worker_v2``), off only on a CPU
-   (``_disable_overlap_schedule_for_cpu``): batchsim models the synchronous spec v2
-   (``event_loop_normal``), so ``enable_overlap`` true with speculation is refused on a GPU and
-   turned off on a CPU. ``enable_mixed_chunk`` is refused (SGLang degrades a mixed step's
-   decodes to plain one-token decodes). The PrefillAdder is unchanged (no decode reservation
+   (``_disable_overlap_schedule_for_cpu``), and so does ``enable_overlap`` here (rule 7).
+   ``enable_mixed_chunk`` is refused (SGLang degrades a mixed step's decodes to plain
+   one-token decodes). The PrefillAdder is unchanged (no decode reservation
    for drafts: ``_get_running_request_total_token_offset`` is the same; the decodes' extra
    slots are allocated, so not free). A decode step (``eagle_prepare_for_decode``) tops every
    request's own KV up to its committed tokens (``kv_committed_len``: prompt + outputs - 1)
@@ -118,16 +117,25 @@ by GPU memory) and ``mem_cache/kv_cache_configurator.py`` (``resolve_max_num_req
    (``kv_committed_len += accept_lens``: the accepted drafts and the bonus, fewer where the
    output ends); the rejected drafts' slots stay allocated, reused by the next step's top-up,
    and the over-allocation is freed with the request (``_release_overallocated_kv_indices``).
-   Every prefill that completes a prompt drafts too, so each decode verifies k drafts. The
+   Every prefill that completes a prompt drafts too, so each decode verifies k drafts. Under
+   rule 7 the pass sees the batch in flight as spec v2 does: a prefill's tokens are committed
+   when it is chosen (``prepare_for_extend``), a verify's only at its results, so a verify is
+   chosen over the tokens committed then (the device places it after the accepted ones: its
+   context in the batch is that stale count) and the top-up's second k + 1 slots hold it (a
+   request whose verify is in flight needs no page more until its results are in); a request
+   whose in-flight step yields its last token by length sits out (``_reqs_finishing_inflight``:
+   one more output ends it), one that the in-flight verify ends otherwise runs a verify thrown
+   away, and its release keeps only its committed tokens
+   (``SchedulerState._commit_overlap_speculative``). The
    draft model's passes (``draft_extend`` over the k + 1 verified tokens, then num_steps - 1
    one-token ``draft_forward`` passes) are priced by ``Profile.proposer_s`` as vLLM's
    proposer is, and its layers' weights and KV come out of the pool
    (``sim.run.runner.drafter_share``: SGLang's draft pool shares the target's slot indices).
 
 Not modelled: priorities and priority preemption, hierarchical (host) cache, PP and DP attention,
-LoRA, grammar, the error an aborted request returns; with speculation: the overlap loop, trees
-(topk > 1, NGRAM), a separate draft model, adaptive num_steps, the draft extend of prefill
-chunks that do not complete their prompt.
+LoRA, grammar, the error an aborted request returns; with speculation: trees (topk > 1, NGRAM),
+a separate draft model, adaptive num_steps, mixed chunks, the draft extend of prefill chunks
+that do not complete their prompt (priced only for the chunk that samples).
 """
 
 from __future__ import annotations
@@ -209,8 +217,7 @@ class SglangConfig:
     speculative: dict[str, Any] | None = knob(None, "speculative decoding (rule 8 of the module doc): {method: "
                                                     "eagle | eagle3 | mtp, num_speculative_tokens (SGLang's "
                                                     "speculative_num_steps, topk 1), acceptance_length or "
-                                                    "acceptance_rates}; needs enable_overlap false on a GPU; "
-                                                    "unset: none")
+                                                    "acceptance_rates}; unset: none")
 
 
 class SglangPolicy(PolicyBase):
@@ -250,11 +257,6 @@ class SglangPolicy(PolicyBase):
         if self.speculative is not None:          # rule 8 of the module doc
             if context.cpu or context.device.lower().startswith("cpu"):
                 overlap = False                    # _disable_overlap_schedule_for_cpu
-            elif overlap:
-                raise ValueError("policy.enable_overlap true with policy.speculative: SGLang 0.5.23 keeps its overlap loop with "
-                                 "speculative decoding (spec v2: each verify chosen while the one before it runs), "
-                                 "which batchsim does not model yet; set enable_overlap: false (SGLang's "
-                                 "--disable-overlap-schedule, its synchronous spec v2)")
             if config.enable_mixed_chunk:
                 raise ValueError("policy.enable_mixed_chunk true with policy.speculative: SGLang turns a mixed step's decodes "
                                  "into plain one-token decodes (and turns mixed chunks off for n-gram), which "
@@ -275,6 +277,7 @@ class SglangPolicy(PolicyBase):
         # its committed tokens (get_alloc_reserve_per_decode); SGLang sets max_running_requests 48.
         self.spec_reserve = 0
         self._verify: dict[int, int] = {}
+        self._flight_verify: frozenset[int] = frozenset()     # rule 8 under rule 7: verify items in flight
         if self.speculative is not None:
             self.spec_reserve = 2 * (self.speculative.num_speculative_tokens + 1)
             if self._pool_rule:
@@ -389,8 +392,11 @@ class SglangPolicy(PolicyBase):
             if r.status == Status.RUNNING:
                 kv.checkpoint(r, end)
         if not state.pending:
+            self._flight_verify = frozenset()
             return {}
-        return {it[0]: it[1] for it in state.pending[-1].items}
+        ahead = state.pending[-1]
+        self._flight_verify = frozenset(ahead.drafts) if ahead.drafts else frozenset()
+        return {it[0]: it[1] for it in ahead.items}
 
     # ---- prefill ----------------------------------------------------------------------------------
     def _prefill(self, state: SchedulerState, now_s: float, running: list[Request],
@@ -493,20 +499,28 @@ class SglangPolicy(PolicyBase):
             items.append(BatchItem(r.req_id, 1, computed))
         return items
 
-    def _spec_decode_fits(self, kv: RadixCachePool, reqs: list[Request]) -> bool:
+    def _committed(self, r: Request, flight: dict[int, int]) -> int:
+        """Rule 8's ``kv_committed_len``: the tokens whose results are in, and a prefill's in flight
+        (``prepare_for_extend`` commits them when it is chosen; a verify commits at its results)."""
+        if flight and r.req_id not in self._flight_verify:
+            return r.num_computed_tokens + flight.get(r.req_id, 0)
+        return r.num_computed_tokens
+
+    def _spec_decode_fits(self, kv: RadixCachePool, reqs: list[Request], flight: dict[int, int]) -> bool:
         """Rule 8's check_decode_mem (``_new_tokens_required_next_decode_spec_v2``): the pages that
         bring each request's own up to its committed tokens + ``spec_reserve``, after evicting."""
         bs, reserve = kv.block_size, self.spec_reserve
         need = 0
         for r in reqs:
-            pages = -(-(r.num_computed_tokens + reserve) // bs) - len(r.block_ids)
+            pages = -(-(self._committed(r, flight) + reserve) // bs) - len(r.block_ids)
             if pages > 0:
                 need += pages
         need *= bs
         kv.evict(need)
         return kv.num_free_tokens >= need
 
-    def _spec_decode_items(self, state: SchedulerState, reqs: list[Request]) -> list[BatchItem]:
+    def _spec_decode_items(self, state: SchedulerState, reqs: list[Request],
+                           flight: dict[int, int]) -> list[BatchItem]:
         """Rule 8's ``eagle_prepare_for_decode``: each request's pages topped up to committed +
         ``spec_reserve``; a verify item of its last token and its k drafts."""
         kv = state.kv
@@ -515,7 +529,7 @@ class SglangPolicy(PolicyBase):
         drafts = state.speculation.drafts if state.speculation is not None else {}
         items = []
         for r in reqs:
-            computed = r.num_computed_tokens
+            computed = self._committed(r, flight)
             kv.allocate(r, computed + reserve)
             items.append(BatchItem(r.req_id, 1 + k, computed))
             self._verify[r.req_id] = k
@@ -524,12 +538,12 @@ class SglangPolicy(PolicyBase):
 
     def _fits(self, kv: RadixCachePool, reqs: list[Request], flight: dict[int, int]) -> bool:
         if self.spec_reserve:
-            return self._spec_decode_fits(kv, reqs)
+            return self._spec_decode_fits(kv, reqs, flight)
         return self._decode_fits(kv, reqs, flight)
 
     def _items(self, state: SchedulerState, reqs: list[Request], flight: dict[int, int]) -> list[BatchItem]:
         if self.spec_reserve:
-            return self._spec_decode_items(state, reqs)
+            return self._spec_decode_items(state, reqs, flight)
         return self._decode_items(state.kv, reqs, flight)
 
     def _decode(self, state: SchedulerState, running: list[Request], now_s: float,

@@ -3,8 +3,10 @@ decode step tops up (2 (k + 1) slots past the committed tokens), the verify item
 tokens, the tokens a fixed acceptance gives, a retraction that only speculation causes, the
 defaults SGLang changes, the refusals, and a whole run's counters.
 
-Every scenario runs SGLang's synchronous loop (enable_overlap false, SGLang's
---disable-overlap-schedule: its synchronous spec v2), committing each step before the next.
+The scenarios run SGLang's synchronous loop (enable_overlap false, SGLang's
+--disable-overlap-schedule: its synchronous spec v2), committing each step before the next,
+except the overlap ones, which put a batch in flight by hand (``state.pending``) and commit it
+with ``SchedulerState.commit_overlap`` after the next is chosen, as event_loop_overlap does.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from policies import make_policy
 from policies.config import policy_config
 from policies.sglang import SglangConfig, SglangPolicy
 from sim.base.strict import ConfigError
-from sim.core.batch import Batch, BatchItem
+from sim.core.batch import Batch, BatchItem, Idle
 from sim.core.policy import PolicyContext
 from sim.core.radix import RadixCachePool
 from sim.core.request import Request
@@ -161,14 +163,76 @@ def test_what_sglang_refuses_or_batchsim_does_not_model_names_its_field(spec, fi
         policy_config({"kind": "sglang", "speculative": spec}, "w.yaml")
 
 
-def test_the_overlap_loop_and_mixed_chunks_with_speculation_are_refused_on_a_gpu():
-    with pytest.raises(ValueError, match="policy.enable_overlap true with policy.speculative.*enable_overlap: false"):
-        make_policy(SglangConfig(speculative=EAGLE3), GPU)
+def test_mixed_chunks_with_speculation_are_refused_and_the_overlap_loop_stays_on_a_gpu():
     with pytest.raises(ValueError, match="policy.enable_mixed_chunk true with policy.speculative"):
-        make_policy(SglangConfig(speculative=EAGLE3, enable_overlap=False, enable_mixed_chunk=True), GPU)
+        make_policy(SglangConfig(speculative=EAGLE3, enable_mixed_chunk=True), GPU)
+    p = make_policy(SglangConfig(speculative=EAGLE3), GPU)       # spec v2 keeps event_loop_overlap
+    assert p.pipelined and p.overlap_loop and p.knobs()["enable_overlap"] is True
 
 
-def test_a_whole_run_reports_the_spec_decode_counters():
+def _overlap(num_tokens=1000, accept=lambda rid, out, d: 1):
+    state, policy = make(num_tokens=num_tokens, accept=accept, enable_overlap=True)
+    assert policy.pipelined and policy.overlap_loop
+    return state, policy
+
+
+def _launch(state, policy, t):
+    """Choose a batch with the one before it in flight, as event_loop_overlap does."""
+    batch = policy.schedule(state, t)
+    state.pending.append(batch)
+    return batch
+
+
+def test_overlap_verify_chosen_while_the_one_before_runs_by_hand():
+    # k = 3 (reserve 8), every verify accepts 1: 2 tokens a verify. Prompt 10, output 7.
+    state, policy = _overlap()
+    r = add(state, 0, 10, 7)
+    b1 = _launch(state, policy, 0.0)                            # the prefill, 10 tokens
+    assert b1.items == (BatchItem(0, 10, 0),)
+    # B2, with B1 in flight: r is merged into the running batch; a prefill's tokens are
+    # committed when it is chosen (kv_committed_len 10), so its KV tops up to 10 + 8 = 18 and the
+    # verify sits over its 10 tokens (its bonus token, B1's, resolved on the device).
+    b2 = _launch(state, policy, 0.0)
+    assert b2.items == (BatchItem(0, 4, 10),) and b2.drafts == {0: 3}
+    assert len(r.block_ids) == 18
+    state.commit_overlap(b1, 1.0)                               # token 1
+    # B3, with B2 in flight: committed is still 10 (a verify commits at its results), so
+    # 10 + 8 = 18 asks for no page more: the double buffer holds B2's 4 tokens and B3's.
+    b3 = _launch(state, policy, 1.0)
+    assert b3.items == (BatchItem(0, 4, 10),) and len(r.block_ids) == 18
+    state.commit_overlap(b2, 2.0)                               # accepts 1: tokens 2, 3; committed 12
+    assert (r.num_output_tokens, r.num_computed_tokens) == (3, 12)
+    b4 = _launch(state, policy, 2.0)                            # over 12: tops up to 20
+    assert b4.items == (BatchItem(0, 4, 12),) and len(r.block_ids) == 20
+    state.commit_overlap(b3, 3.0)                               # tokens 4, 5; committed 14
+    # B5 keeps r: its next output is not its last by length (5 + 1 < 7), though B4 may end it
+    b5 = _launch(state, policy, 3.0)
+    assert b5.items == (BatchItem(0, 4, 14),)
+    state.commit_overlap(b4, 4.0)                               # tokens 6, 7: done
+    assert r.num_output_tokens == 7 and not state.running
+    state.commit_overlap(b5, 5.0)                               # its item thrown away, uncounted
+    assert state.speculation.summary()["num_drafts"] == 3
+    # its release: committed 16 tokens into the tree, B5's over-allocation freed
+    assert state.kv.num_free_tokens == 1000 - 16
+
+
+def test_overlap_request_whose_verify_in_flight_yields_its_last_token_sits_out():
+    # max_tokens 2: after the prefill (1 output), the verify in flight (B2) gives at least 1 more,
+    # its last: _reqs_finishing_inflight leaves it out of B3, and nothing else decodes.
+    state, policy = _overlap(accept=lambda rid, out, d: 0)
+    r = add(state, 0, 10, 2)
+    b1 = _launch(state, policy, 0.0)
+    b2 = _launch(state, policy, 0.0)
+    state.commit_overlap(b1, 1.0)
+    assert r.num_output_tokens == 1
+    b3 = policy.schedule(state, 1.0)
+    assert isinstance(b3, Idle)
+    state.commit_overlap(b2, 2.0)
+    assert r.num_output_tokens == 2 and not state.running
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_whole_run_reports_the_spec_decode_counters(overlap):
     """Through the runner: the proposer's weights and KV out of the pool, the summary's
     counters, and the drawn acceptance near the model's mean (2.5 of k = 3)."""
     from conftest import WORKLOADS
@@ -176,7 +240,7 @@ def test_a_whole_run_reports_the_spec_decode_counters():
     from sim.run.runner import run_workload
     cfg = load_workload(WORKLOADS / "sharegpt_poisson.yaml", {
         "num_requests": 60, "profile": {"model": "llama-3.1-8b", "gpu": "h100-sxm"},
-        "policy": {"kind": "sglang", "enable_overlap": False,
+        "policy": {"kind": "sglang", "enable_overlap": overlap,
                    "speculative": {"method": "eagle3", "num_speculative_tokens": 3, "acceptance_length": 2.5}}})
     s = run_workload(cfg).summary
     assert s["completed"] == 60

@@ -96,31 +96,38 @@ def test_reserve_per_decode_is_two_verify_widths(sgl, monkeypatch):
             assert policy.spec_reserve == sgl.sizing.get_alloc_reserve_per_decode() == 2 * (k + 1)
 
 
-def test_the_speculative_decode_pass_as_sglangs(sgl, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_speculative_decode_pass_as_sglangs(sgl, monkeypatch, overlap):
+    """Synchronously, and in the overlap loop with a batch in flight (a verify, whose tokens
+    commit at its results, or a completing prefill, committed when chosen), whose requests
+    finishing by length sit the pass out (``_reqs_finishing_inflight``)."""
     monkeypatch.setattr(sgl.sch, "_make_abort_req", lambda req, finished_reason: req)
-    diffs, retracted, aborted, grew = 0, 0, 0, 0
+    diffs, retracted, aborted, grew, skipped = 0, 0, 0, 0, 0
     for seed in range(NUM_CASES):
-        rng = random.Random(9100 + seed)
+        rng = random.Random(9100 + seed + 1000 * overlap)
         k, page = rng.randint(1, 7), rng.choice([1, 1, 2, 4, 16])
         _publish(sgl, monkeypatch, k, page)
         reserve = 2 * (k + 1)
         specs = []
         for _ in range(rng.randint(1, 6)):
-            prompt, outputs = rng.randint(1, 40), rng.choice([1, 1, 2, 3, 5, 9])
-            committed = prompt + outputs - 1
+            prompt, outputs = rng.randint(1, 40), rng.choice([0, 1, 1, 2, 3, 5, 9] if overlap else [1, 1, 2, 3, 5, 9])
+            # in flight: its prefill (no output yet), or a verify
+            in_flight = overlap and (outputs == 0 or rng.random() < 0.6)
+            committed = prompt + outputs - 1 if outputs else prompt
             # what it holds: a prefill's exact tokens, or a former decode's top-up less what it accepted since
-            allocated = committed if outputs == 1 else committed + rng.randint(0, reserve)
-            specs.append((prompt, outputs, outputs + rng.randint(1, 30), committed, allocated))
-        need = sum(max(0, -(-(c + reserve) // page) - -(-a // page)) for *_, c, a in specs)
+            allocated = committed if outputs <= 1 else committed + rng.randint(0, reserve)
+            specs.append((prompt, outputs, outputs + rng.randint(1, 30), committed, allocated, in_flight))
+        need = sum(max(0, -(-(c + reserve) // page) - -(-a // page)) for *_, c, a, _f in specs)
         free_pages = rng.randint(max(0, need - 2 * (k + 1)), need + 2)
         ratio = rng.choice([0.7, 0.3, 0.098])
         full = rng.random() < 0.5
         # SGLang's side
         theirs = []
-        for i, (p, o, m, c, a) in enumerate(specs):
+        for i, (p, o, m, c, a, _f) in enumerate(specs):
             t = _their_req(sgl, i, p, o, m, c)
             t.kv.kv_allocated_len = a
             theirs.append(t)
+        in_flight = [t for t, sp in zip(theirs, specs) if sp[5]]
         batch = _TheirSpecBatch(sgl, theirs, page, free_pages * page, full)
         queue, aborts = [], []
         policy = SglangPolicy(SglangConfig(page_size=page, enable_overlap=False, speculative={
@@ -128,7 +135,8 @@ def test_the_speculative_decode_pass_as_sglangs(sgl, monkeypatch):
         tracker = sgl.Tracker(init=policy.init_ratio, min=policy.min_ratio, decay=policy.ratio_decay,
                               current=ratio)
         me = types.SimpleNamespace(
-            enable_skip_finishing_decode=False, result_queue=deque(),
+            enable_skip_finishing_decode=True,
+            result_queue=deque([(types.SimpleNamespace(reqs=in_flight), None)] if in_flight else []),
             forward_ct=1, decode_offload_manager=None, new_token_ratio_tracker=tracker,
             token_to_kv_pool_allocator=batch.token_to_kv_pool_allocator,
             tree_cache=types.SimpleNamespace(req_to_token_pool=types.SimpleNamespace()),
@@ -137,25 +145,29 @@ def test_the_speculative_decode_pass_as_sglangs(sgl, monkeypatch):
             beam_coordinator=types.SimpleNamespace(retire_group=lambda req: None),
             _add_request_to_queue=lambda req, is_retracted=False: queue.append(req.rid))
         me._reqs_finishing_inflight = types.MethodType(sgl.Scheduler._reqs_finishing_inflight, me)
-        sgl.Scheduler.update_running_batch(me, batch)
-        pages_after = {t.rid: -(-t.kv.kv_allocated_len // page) for t in batch.reqs}
-        want = ([(rid, after) for rid, after in batch.decoded_after], queue, aborts,
+        ret = sgl.Scheduler.update_running_batch(me, batch)
+        pages_after = {t.rid: -(-t.kv.kv_allocated_len // page) for t in batch.reqs} if ret is not None else {}
+        want = ([] if ret is None else [(rid, after) for rid, after in batch.decoded_after], queue, aborts,
                 round(tracker.current, 12), batch.batch_is_full, batch.pool.free, pages_after)
         # batchsim's side
         state = SchedulerState(RadixCachePool(10_000, page), 100_000)
-        running = []
-        for i, (p, o, m, c, a) in enumerate(specs):
+        running, flight = [], {}
+        for i, (p, o, m, c, a, f) in enumerate(specs):
             r = Request(i, 0.0, p, m)
             assert state.add_arrival(r, m, 0.0)
             state.kv.hold(r, 0, state.kv.tree.root)
             state.kv.allocate(r, a)
             state.admit(r, 0.0)
-            state.prefilling.discard(i)
-            r.num_output_tokens, r.num_computed_tokens = o, c
+            r.num_output_tokens, r.num_computed_tokens = o, (c if o else 0)
+            if o:
+                state.prefilling.discard(i)
+            if f:
+                flight[i] = 1 + k if o else p
             running.append(r)
         state.kv._free = free_pages
         policy.new_token_ratio, policy.batch_is_full = ratio, full
-        items = policy._decode(state, running, 1.0, {})
+        policy._flight_verify = frozenset(i for i, sp in enumerate(specs) if sp[5] and sp[1])
+        items = policy._decode(state, running, 1.0, flight)
         assert all(it.num_new_tokens == 1 + k for it in items)
         got = ([(it.req_id, it.context_len) for it in items], [r.req_id for r in state.waiting],
                [r.req_id for r in running if r.status == Status.FINISHED], round(policy.new_token_ratio, 12),
@@ -165,5 +177,7 @@ def test_the_speculative_decode_pass_as_sglangs(sgl, monkeypatch):
         retracted += bool(queue)
         aborted += bool(aborts)
         grew += any(pages_after[rid] > -(-specs[rid][4] // page) for rid in pages_after)
+        skipped += ret is None
     assert diffs == 0, f"{diffs} of {NUM_CASES} cases differ"
     assert retracted > 20 and aborted > 5 and grew > 100       # the cases reach every branch
+    assert (skipped > 5) is overlap                              # finishing in flight, short of pages
