@@ -173,7 +173,8 @@ def policy_config(data: Any, src: str) -> Any:
     cfg = build(POLICIES[kind][0], {k: v for k, v in knobs.items() if k not in foreign}, "policy", src)
     _check_knobs(cfg, src)
     if getattr(cfg, "speculative", None) is not None:
-        parse_speculative(cfg.speculative, src)         # its fields, in the user's spelling
+        # its fields, in the user's spelling (a policy may parse its engine's own: sglang's eagle_topk)
+        getattr(POLICIES[kind][1], "parse_speculative", parse_speculative)(cfg.speculative, src)
     unread = {k: why for k, why in POLICIES[kind][1].unread_knobs(cfg).items() if knobs.get(k) is not None}
     for k, why in unread.items():
         warnings.warn(f"{src}: policy.{k} is ignored by policy {kind} {why}", stacklevel=3)

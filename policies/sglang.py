@@ -57,8 +57,9 @@ by GPU memory) and ``mem_cache/kv_cache_configurator.py`` (``resolve_max_num_req
 
 7. ``enable_overlap`` (SGLang's default: ``disable_overlap_schedule`` false in
    ``arg_groups/fields/schedule.py``; the server args turn it off for PP,
-   MPS without MLX, diffusion LLMs and speculative decoding on a CPU, none of
-   them modelled, so it stays on on a CPU too): ``Scheduler.event_loop_overlap``.
+   MPS without MLX and diffusion LLMs, none of them modelled, and for
+   speculative decoding on a CPU (rule 8), so it stays on on a CPU too
+   otherwise): ``Scheduler.event_loop_overlap``.
    Each batch is chosen while the one before it runs (``pipelined``:
    sim.loop.server), and that one's results are processed after the new one
    is launched (``process_batch_result``, ``SchedulerState.commit_overlap``).
@@ -87,8 +88,54 @@ by GPU memory) and ``mem_cache/kv_cache_configurator.py`` (``resolve_max_num_req
    ``event_loop_overlap``, ``update_running_batch`` and
    ``_reqs_finishing_inflight`` against this.
 
-Not modelled: priorities and priority preemption, hierarchical (host) cache, speculative decoding, PP and
-DP attention, LoRA, grammar, the error an aborted request returns.
+8. ``speculative`` (``sim.core.speculative``'s acceptance model, draft counters and proposer
+   pricing; SGLang's ``arg_groups/speculative_hook.py``, ``mem_cache/allocation_sizing.py``,
+   ``speculative/eagle_utils.py``, ``speculative/eagle_worker_v2.py``,
+   ``scheduler_components/batch_result_processor.py``). ``method`` eagle, eagle3 and mtp are
+   SGLang's EAGLE, EAGLE3 and NEXTN (``_resolve_speculative_algorithm_alias`` turns NEXTN into
+   EAGLE); ``num_speculative_tokens`` k is ``speculative_num_steps`` with
+   ``speculative_eagle_topk`` 1, where ``_handle_eagle_family`` sets
+   ``speculative_num_draft_tokens`` to k + 1 (a chain). ``eagle_topk`` above 1 (a tree verified
+   with tree attention; SGLang's own pick for Llama when nothing is given is 5 steps x topk 4)
+   and NGRAM (its trie drafts a BFS tree, ``speculative_ngram_max_bfs_breadth`` 10 wide,
+   ``speculative_num_draft_tokens`` 12) are refused, as is a separate draft model (STANDALONE).
+   Unset, ``max_running_requests`` is 48 (``_handle_eagle_family``); the memory defaults are
+   resolved before it (``handle_gpu_memory_settings`` runs first), so they stay. SGLang 0.5.23
+   keeps its overlap loop with speculation (spec v2: ``eagle_worker_v2``), off only on a CPU
+   (``_disable_overlap_schedule_for_cpu``), and so does ``enable_overlap`` here (rule 7).
+   ``enable_mixed_chunk`` is refused (SGLang degrades a mixed step's decodes to plain
+   one-token decodes). The PrefillAdder is unchanged (no decode reservation
+   for drafts: ``_get_running_request_total_token_offset`` is the same; the decodes' extra
+   slots are allocated, so not free). A decode step (``eagle_prepare_for_decode``) tops every
+   request's own KV up to its committed tokens (``kv_committed_len``: prompt + outputs - 1)
+   plus ``get_alloc_reserve_per_decode`` = 2 x max(num_steps x topk, num_draft_tokens) =
+   2 (k + 1) slots, page-ceiled (``page_aligned_decode_alloc_lens``); ``check_decode_mem``
+   counts those pages (``_new_tokens_required_next_decode_spec_v2``), and retraction (rule 4)
+   runs on that count. The step verifies every running request's last token and its k drafts:
+   k + 1 query tokens a request (no token budget: decodes never take one), its attention a
+   decode's over its context. A verify step accepting a drafts commits a + 1 tokens
+   (``kv_committed_len += accept_lens``: the accepted drafts and the bonus, fewer where the
+   output ends); the rejected drafts' slots stay allocated, reused by the next step's top-up,
+   and the over-allocation is freed with the request (``_release_overallocated_kv_indices``).
+   Every prefill that completes a prompt drafts too, so each decode verifies k drafts. Under
+   rule 7 the pass sees the batch in flight as spec v2 does: a prefill's tokens are committed
+   when it is chosen (``prepare_for_extend``), a verify's only at its results, so a verify is
+   chosen over the tokens committed then (the device places it after the accepted ones: its
+   context in the batch is that stale count) and the top-up's second k + 1 slots hold it (a
+   request whose verify is in flight needs no page more until its results are in); a request
+   whose in-flight step yields its last token by length sits out (``_reqs_finishing_inflight``:
+   one more output ends it), one that the in-flight verify ends otherwise runs a verify thrown
+   away, and its release keeps only its committed tokens
+   (``SchedulerState._commit_overlap_speculative``). The
+   draft model's passes (``draft_extend`` over the k + 1 verified tokens, then num_steps - 1
+   one-token ``draft_forward`` passes) are priced by ``Profile.proposer_s`` as vLLM's
+   proposer is, and its layers' weights and KV come out of the pool
+   (``sim.run.runner.drafter_share``: SGLang's draft pool shares the target's slot indices).
+
+Not modelled: priorities and priority preemption, hierarchical (host) cache, PP and DP attention,
+LoRA, grammar, the error an aborted request returns; with speculation: trees (topk > 1, NGRAM),
+a separate draft model, adaptive num_steps, mixed chunks, the draft extend of prefill chunks
+that do not complete their prompt (priced only for the chunk that samples).
 """
 
 from __future__ import annotations
@@ -100,10 +147,12 @@ from policies.base import PolicyBase, batch_or_idle, config_knobs, knob
 from policies.sglang_adder import NO_TOKEN, OTHER, CONTINUE, PrefillAdder
 from policies.sglang_defaults import engine_defaults
 from policies.sglang_queue import order_waiting
+from sim.base.strict import ConfigError
 from sim.core.batch import Batch, BatchItem, Idle
 from sim.core.policy import EngineKnob, KvMemory, PolicyContext, PrefixSwitch, StretchShape
 from sim.core.radix import RadixCachePool, TokenPool
 from sim.core.request import Request, Status
+from sim.core.speculative import SpeculativeSpec, parse_speculative
 
 if TYPE_CHECKING:
     from sim.core.state import SchedulerState
@@ -112,6 +161,34 @@ INIT_NEW_TOKEN_RATIO = 0.7              # SGLANG_INIT_NEW_TOKEN_RATIO
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14       # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
 NEW_TOKEN_RATIO_DECAY_STEPS = 600       # SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
 RETRACT_DECODE_STEPS = 20               # SGLANG_RETRACT_DECODE_STEPS
+# Rule 8: speculative_algorithm for batchsim's methods (NEXTN, SGLang's MTP, resolves to EAGLE in
+# _resolve_speculative_algorithm_alias), and the max_running_requests _handle_eagle_family sets
+# when none is given.
+SPEC_ALGORITHMS = {"eagle": "EAGLE", "eagle3": "EAGLE3", "mtp": "EAGLE"}
+SPEC_MAX_RUNNING_REQUESTS = 48
+
+
+def parse_sglang_speculative(data: Any, src: str = "the workload",
+                             where: str = "policy.speculative") -> SpeculativeSpec | None:
+    """``policy.speculative`` for SGLang (rule 8): vLLM's spelling (``sim.core.speculative``) with
+    SGLang's ``eagle_topk`` (1 only); n-gram and trees refused. None for k = 0 (no speculation)."""
+    if isinstance(data, dict) and "eagle_topk" in data:
+        data = dict(data)
+        topk = data.pop("eagle_topk")
+        if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+            raise ConfigError(f"{src}: field '{where}.eagle_topk' must be an integer >= 1 (SGLang's "
+                              f"speculative_eagle_topk), got {topk!r}")
+        if topk > 1:
+            raise ConfigError(f"{src}: field '{where}.eagle_topk' is {topk}: SGLang drafts a tree of {topk} "
+                              f"branches a step and verifies it with tree attention, which batchsim does not "
+                              f"model; use eagle_topk 1 (a chain of num_speculative_tokens drafts)")
+    if isinstance(data, dict) and data.get("method") == "ngram" and data.get("num_speculative_tokens") != 0:
+        raise ConfigError(f"{src}: field '{where}.method' 'ngram' is not modelled for sglang: SGLang 0.5.23's "
+                          f"NGRAM verifies a tree of speculative_num_draft_tokens (default 12) drafts, "
+                          f"speculative_ngram_max_bfs_breadth (default 10) wide, and batchsim models chains "
+                          f"(topk 1) only; use eagle, eagle3 or mtp")
+    spec = parse_speculative(data, src, where)
+    return spec if spec.num_speculative_tokens else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +214,10 @@ class SglangConfig:
     enable_overlap: bool = knob(True, "SGLang's overlap loop: each batch is chosen while the one before it "
                                       "runs, its results seen a step later (rule 7 of the module doc); default "
                                       "on, as SGLang 0.5.23 (disable_overlap_schedule false, on a CPU too)")
+    speculative: dict[str, Any] | None = knob(None, "speculative decoding (rule 8 of the module doc): {method: "
+                                                    "eagle | eagle3 | mtp, num_speculative_tokens (SGLang's "
+                                                    "speculative_num_steps, topk 1), acceptance_length or "
+                                                    "acceptance_rates}; unset: none")
 
 
 class SglangPolicy(PolicyBase):
@@ -152,6 +233,7 @@ class SglangPolicy(PolicyBase):
     # (num_reserved_blocks 0: SGLang's padded slot 0 lies outside the pool's size)
     prefix_switch = PrefixSwitch("disable_radix_cache", on=False)
     pipelined_knob = "enable_overlap"
+    parse_speculative = staticmethod(parse_sglang_speculative)    # policy_config's check of rule 8's fields
     server_knobs = {
         "block_size": EngineKnob("page_size", "SGLang's --page-size, its KV page in tokens"),
         "gpu_memory_utilization": EngineKnob("mem_fraction_static", "SGLang's --mem-fraction-static, the share "
@@ -169,6 +251,17 @@ class SglangPolicy(PolicyBase):
         if config.mem_fraction_static is not None and not 0 < config.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {config.mem_fraction_static}")
         self.config = config
+        self.speculative = (parse_sglang_speculative(config.speculative)
+                            if config.speculative is not None else None)
+        overlap = config.enable_overlap
+        if self.speculative is not None:          # rule 8 of the module doc
+            if context.cpu or context.device.lower().startswith("cpu"):
+                overlap = False                    # _disable_overlap_schedule_for_cpu
+            if config.enable_mixed_chunk:
+                raise ValueError("policy.enable_mixed_chunk true with policy.speculative: SGLang turns a mixed step's decodes "
+                                 "into plain one-token decodes (and turns mixed chunks off for n-gram), which "
+                                 "batchsim does not model; set enable_mixed_chunk: false")
+            self.decode_stretch = False            # acceptance draws: every step is its own
         chunk, fraction = engine_defaults(context, config.chunked_prefill_size, config.max_prefill_tokens,
                                           config.max_running_requests)
         self.chunk_size = chunk if chunk > 0 else None
@@ -180,6 +273,15 @@ class SglangPolicy(PolicyBase):
         self.token_budget = self.chunk_size
         self.max_num_seqs = config.max_running_requests or 4096
         self._pool_rule = config.max_running_requests is None
+        # Rule 8: a decode reserves 2 x max(num_steps x topk, num_draft_tokens) = 2 (k + 1) slots past
+        # its committed tokens (get_alloc_reserve_per_decode); SGLang sets max_running_requests 48.
+        self.spec_reserve = 0
+        self._verify: dict[int, int] = {}
+        self._flight_verify: frozenset[int] = frozenset()     # rule 8 under rule 7: verify items in flight
+        if self.speculative is not None:
+            self.spec_reserve = 2 * (self.speculative.num_speculative_tokens + 1)
+            if self._pool_rule:
+                self.max_num_seqs, self._pool_rule = SPEC_MAX_RUNNING_REQUESTS, False
         init = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)
         self.init_ratio, self.min_ratio = init, min(init * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
         self.ratio_decay = (init - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
@@ -191,7 +293,7 @@ class SglangPolicy(PolicyBase):
         self._num_refresh_calls = 0                # fcfs's LRU refresh counter
         self._num_steps = 0                        # state.num_steps once our last step commits
         self._waiting: Any = ()                    # the queue we last saw
-        if config.enable_overlap:                  # rule 7 of the module doc
+        if overlap:                                # rule 7 of the module doc
             self.pipelined = self.overlap_loop = True
             self.decode_stretch = False
         # Overlap: the prefills chosen that completed their prompts, (request, tokens), checkpointed
@@ -230,7 +332,9 @@ class SglangPolicy(PolicyBase):
 
     def knobs(self) -> dict[str, Any]:
         return config_knobs(self.config, chunked_prefill_size=self.chunk_size or -1,
-                            max_running_requests=self.max_num_seqs, mem_fraction_static=self.mem_fraction)
+                            max_running_requests=self.max_num_seqs, mem_fraction_static=self.mem_fraction,
+                            enable_overlap=self.pipelined,
+                            speculative=self.config.speculative or {"num_speculative_tokens": 0})
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         kv = state.kv
@@ -262,6 +366,9 @@ class SglangPolicy(PolicyBase):
             items = self._decode(state, running, now_s, flight)
         self._num_running = len(state.running)
         self._num_steps = state.num_steps + bool(items)
+        if self._verify:                           # rule 8: a decode step's verify items
+            verify, self._verify = self._verify, {}
+            return Batch(tuple(items), verify)
         return batch_or_idle(items)
 
     def _overlap_results(self, state: SchedulerState) -> dict[int, int]:
@@ -285,8 +392,11 @@ class SglangPolicy(PolicyBase):
             if r.status == Status.RUNNING:
                 kv.checkpoint(r, end)
         if not state.pending:
+            self._flight_verify = frozenset()
             return {}
-        return {it[0]: it[1] for it in state.pending[-1].items}
+        ahead = state.pending[-1]
+        self._flight_verify = frozenset(ahead.drafts) if ahead.drafts else frozenset()
+        return {it[0]: it[1] for it in ahead.items}
 
     # ---- prefill ----------------------------------------------------------------------------------
     def _prefill(self, state: SchedulerState, now_s: float, running: list[Request],
@@ -389,6 +499,53 @@ class SglangPolicy(PolicyBase):
             items.append(BatchItem(r.req_id, 1, computed))
         return items
 
+    def _committed(self, r: Request, flight: dict[int, int]) -> int:
+        """Rule 8's ``kv_committed_len``: the tokens whose results are in, and a prefill's in flight
+        (``prepare_for_extend`` commits them when it is chosen; a verify commits at its results)."""
+        if flight and r.req_id not in self._flight_verify:
+            return r.num_computed_tokens + flight.get(r.req_id, 0)
+        return r.num_computed_tokens
+
+    def _spec_decode_fits(self, kv: RadixCachePool, reqs: list[Request], flight: dict[int, int]) -> bool:
+        """Rule 8's check_decode_mem (``_new_tokens_required_next_decode_spec_v2``): the pages that
+        bring each request's own up to its committed tokens + ``spec_reserve``, after evicting."""
+        bs, reserve = kv.block_size, self.spec_reserve
+        need = 0
+        for r in reqs:
+            pages = -(-(self._committed(r, flight) + reserve) // bs) - len(r.block_ids)
+            if pages > 0:
+                need += pages
+        need *= bs
+        kv.evict(need)
+        return kv.num_free_tokens >= need
+
+    def _spec_decode_items(self, state: SchedulerState, reqs: list[Request],
+                           flight: dict[int, int]) -> list[BatchItem]:
+        """Rule 8's ``eagle_prepare_for_decode``: each request's pages topped up to committed +
+        ``spec_reserve``; a verify item of its last token and its k drafts."""
+        kv = state.kv
+        k = self.speculative.num_speculative_tokens
+        reserve = self.spec_reserve
+        drafts = state.speculation.drafts if state.speculation is not None else {}
+        items = []
+        for r in reqs:
+            computed = self._committed(r, flight)
+            kv.allocate(r, computed + reserve)
+            items.append(BatchItem(r.req_id, 1 + k, computed))
+            self._verify[r.req_id] = k
+            drafts.pop(r.req_id, None)
+        return items
+
+    def _fits(self, kv: RadixCachePool, reqs: list[Request], flight: dict[int, int]) -> bool:
+        if self.spec_reserve:
+            return self._spec_decode_fits(kv, reqs, flight)
+        return self._decode_fits(kv, reqs, flight)
+
+    def _items(self, state: SchedulerState, reqs: list[Request], flight: dict[int, int]) -> list[BatchItem]:
+        if self.spec_reserve:
+            return self._spec_decode_items(state, reqs, flight)
+        return self._decode_items(state.kv, reqs, flight)
+
     def _decode(self, state: SchedulerState, running: list[Request], now_s: float,
                 flight: dict[int, int]) -> list[BatchItem]:
         if flight:                                 # update_running_batch's finishing-in-flight filter
@@ -401,16 +558,16 @@ class SglangPolicy(PolicyBase):
         if not running:
             return []
         kv = state.kv
-        if self._decode_fits(kv, running, flight):
+        if self._fits(kv, running, flight):
             self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
-            return self._decode_items(kv, running, flight)
+            return self._items(state, running, flight)
         if finishing:
             # the results in flight free the finishing requests' KV: no decode this pass, no retraction
             return []
         # retract_decode: keep-order, most preferred first; the last is retracted first
         keep = sorted(running, key=lambda r: (r.num_output_tokens, -r.num_prompt_tokens), reverse=True)
         first = True
-        while first or not self._decode_fits(kv, keep, flight):
+        while first or not self._fits(kv, keep, flight):
             if len(keep) == 1:
                 break
             first = False
@@ -419,7 +576,7 @@ class SglangPolicy(PolicyBase):
             kv.evict(len(keep) * RETRACT_DECODE_STEPS)
             state.waiting.popleft()                 # preempt queued it at the front; SGLang appends it
             state.waiting.append(r)
-        if len(keep) == 1 and not self._decode_fits(kv, keep, flight):
+        if len(keep) == 1 and not self._fits(kv, keep, flight):
             # even alone it does not fit (the chunked request holds the rest): SGLang aborts it; here
             # it ends with the tokens it has (cut short)
             last = keep.pop()
@@ -429,4 +586,4 @@ class SglangPolicy(PolicyBase):
         max_tokens = sum(r.max_output_tokens for r in keep)
         self.new_token_ratio = min(1.0, (outputs + RETRACT_DECODE_STEPS * len(keep)) / (max_tokens + 1))
         self.batch_is_full = False
-        return self._decode_items(kv, keep, flight)
+        return self._items(state, keep, flight)

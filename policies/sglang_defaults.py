@@ -13,8 +13,12 @@ SGLang reads it):
   capture size (CUDA's breakable prefill graphs; none on AMD), at least
   10 GiB above 60 GiB of memory; unknown device: 0.95.
 
-Assumed: a non-MLA model, one pipeline stage, no DP attention, speculative
-decoding, DeepEP or multimodal input, post-capture KV sizing off (its default).
+Assumed: a non-MLA model, one pipeline stage, no DP attention, DeepEP or
+multimodal input, post-capture KV sizing off (its default). Speculative decoding
+changes none of these: ``handle_gpu_memory_settings`` runs before
+``handle_speculative_decoding`` (which sets max_running_requests 48 when unset;
+``policies.sglang`` rule 8), and its activation term counts draft tokens only for
+a disaggregated decode instance.
 """
 
 from __future__ import annotations

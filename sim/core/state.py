@@ -553,6 +553,8 @@ class SchedulerState:
         pending = self.pending
         if not pending or pending[0] is not batch:
             raise RuntimeError("commit_overlap: the batch is not the oldest pending one")
+        if self.speculation is not None:
+            return self._commit_overlap_speculative(batch, now_s)
         pending.popleft()
         self.num_steps += 1
         requests = self.requests
@@ -595,6 +597,63 @@ class SchedulerState:
             for r in finished:
                 r.num_computed_tokens += later.get(r.req_id, 0)   # its wasted item's KV (kv_committed_len)
                 self._finish(r, now_s)
+
+    def _commit_overlap_speculative(self, batch: Batch, now_s: float) -> None:
+        """``commit_overlap`` with drafts (SGLang's overlap loop with speculative decoding, spec v2:
+        ``process_batch_result_decode`` commits ``accept_lens``). A verify item (``batch.drafts``)
+        was chosen over the tokens committed then, its request's step before it still in flight,
+        so its context is not checked: it verifies the request's last token and d drafts over
+        what is committed now (the model places them after the accepted ones), accepts a and
+        commits a + 1 tokens (the accepted drafts and the bonus, fewer where the output ends).
+        An item of a request finished or retracted since is thrown away, uncounted; a finished
+        request's KV is its committed tokens (the batch after this one's slots are over-allocation,
+        freed with it). A prefill item is ``commit_overlap``'s."""
+        self.pending.popleft()
+        self.num_steps += 1
+        spec = self.speculation
+        requests = self.requests
+        true_output = self._true_output
+        tok_ids = self.tokens.ids
+        num_logged = len(tok_ids)
+        prefilling = self.prefilling
+        verified = batch.drafts or {}
+        finished: list[Request] = []
+        running = Status.RUNNING
+        for req_id, n, context_len, _pad in batch.items:
+            if n == 0:
+                continue
+            r = requests.get(req_id)
+            if r is None or r.status != running:
+                continue                                   # finished or retracted since: thrown away
+            known = r.num_prompt_tokens + r.num_output_tokens
+            d = verified.get(req_id)
+            if d is not None:
+                if r.num_computed_tokens != known - 1:
+                    raise RuntimeError(f"verify item for request {req_id}: {r.num_computed_tokens} tokens "
+                                       f"computed, not its {known} known less its last")
+                a = spec.accepted(req_id, r.num_output_tokens, d)
+                r.num_computed_tokens += a + 1
+                self._deliver(r, req_id, a, now_s)
+            else:
+                if context_len != r.num_computed_tokens:
+                    raise RuntimeError(f"batch item for request {req_id} has context_len {context_len}, "
+                                       f"but {r.num_computed_tokens} tokens are computed")
+                computed = context_len + n
+                if computed > known:
+                    raise RuntimeError(f"request {req_id} computed past its known tokens")
+                r.num_computed_tokens = computed
+                if computed < known:
+                    continue
+                self._sample(r, req_id, now_s)
+            prefilling.discard(req_id)
+            if r.num_output_tokens >= true_output[req_id]:
+                r.last_token_s = now_s
+                finished.append(r)
+        if len(tok_ids) > num_logged:
+            self.tokens.end_step(now_s, len(tok_ids) - num_logged)
+        for r in finished:
+            spec.drafts.pop(r.req_id, None)
+            self._finish(r, now_s)
 
     def _deliver(self, r: Request, req_id: int, accepted: int, now_s: float) -> int:
         """A verify step's tokens for ``r``: its ``accepted`` drafts and the bonus token, fewer

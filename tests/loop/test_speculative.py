@@ -209,8 +209,8 @@ def test_speculation_on_another_policy_is_refused_not_ignored() -> None:
     # A knob of another policy is set aside with a warning; speculation would change every
     # decode, so it is an error naming the policies that model it.
     spec = {"method": "eagle", "num_speculative_tokens": 2, "acceptance_length": 2}
-    with pytest.raises(ConfigError, match="w.yaml: field 'policy.speculative': .*vllm_v1, not sglang"):
-        policy_config({"kind": "sglang", "speculative": spec}, "w.yaml")
+    with pytest.raises(ConfigError, match="w.yaml: field 'policy.speculative': .*vllm_v1.*sglang, not tgi"):
+        policy_config({"kind": "tgi", "speculative": spec}, "w.yaml")
 
 
 def test_async_verify_timeline_by_hand() -> None:
