@@ -201,7 +201,7 @@ class KernelTables:
     def __init__(self, model_path: str, system: str, engine: str, version: str, tensor_parallel: int, *,
                  expert_parallel: bool = False, gemm_quant_mode: str | None = None,
                  moe_quant_mode: str | None = None, kvcache_quant_mode: str | None = None,
-                 fmha_quant_mode: str | None = None) -> None:
+                 fmha_quant_mode: str | None = None, data_parallel: int = 1) -> None:
         import aiconfigurator_core
         from aiconfigurator_core.sdk import perf_database
         from aiconfigurator_core.sdk.config_builders import apply_nextn, build_model_config
@@ -209,11 +209,13 @@ class KernelTables:
         from aiconfigurator_core.sdk.models import get_model
 
         self.model_path, self.system, self.engine, self.version = model_path, system, engine, version
-        t = tensor_parallel
+        t, d = tensor_parallel, data_parallel
+        # Attention data parallelism: d ranks of t GPUs, the MoE layers over all d x t GPUs (by
+        # experts with EP, else by each expert's width), as vLLM's --data-parallel-size lays them out.
         with quiet():
             config = build_model_config(
-                tp_size=t, pp_size=1, attention_dp_size=1, moe_tp_size=1 if expert_parallel else t,
-                moe_ep_size=t if expert_parallel else 1, gemm_quant_mode=gemm_quant_mode,
+                tp_size=t, pp_size=1, attention_dp_size=d, moe_tp_size=1 if expert_parallel else t * d,
+                moe_ep_size=t * d if expert_parallel else 1, gemm_quant_mode=gemm_quant_mode,
                 moe_quant_mode=moe_quant_mode, kvcache_quant_mode=kvcache_quant_mode, fmha_quant_mode=fmha_quant_mode)
             apply_nextn(config, 0)
             try:
@@ -221,7 +223,8 @@ class KernelTables:
                 database = perf_database.get_database(system, engine, version)
             except (ValueError, KeyError, NotImplementedError) as exc:
                 raise KernelsError(f"the kernel tables cannot build {model_path} on {system} "
-                                   f"({ENGINES[engine]} {version}, TP {t}): {exc}") from None
+                                   f"({ENGINES[engine]} {version}, TP {t}" + (f", DP {d}" if d > 1 else "")
+                                   + f"): {exc}") from None
             spec = build_engine_spec_json(model, model_path=model_path, system=system, backend=engine,
                                           backend_version=version, kv_block_size=None, systems_path=None,
                                           nextn=0, database=database)
@@ -230,6 +233,9 @@ class KernelTables:
         self.mla = False                          # set by _classify: an MLA model's attention blocks
         self.dsa = False                          # ... and DeepSeek sparse attention's modules
         self.linear = False                       # ... and Gated DeltaNet's linear-attention ops
+        # Data-parallel MoE ranks: the MoE ops (experts, dispatch and combine) on a curve of their own
+        # (``moe_ms``), which meets every rank's tokens where the rest meets a rank's own.
+        self.splits_moe = data_parallel > 1 and any(type(op).__name__.startswith("MoE") for op in model.context_ops)
         self.quant_modes = {name: getattr(model.config, f"{name}_quant_mode").name
                             for name in ("gemm", "moe", "kvcache", "fmha", "comm")}
         self._check_gemm_precision()
@@ -251,7 +257,7 @@ class KernelTables:
 
     def _classify(self, ops: list[Any], phase: str) -> dict[str, list[int]]:
         """Indices of the phase's ops by role: attention, LM head, the rest (token-parallel)."""
-        roles: dict[str, list[int]] = {"attention": [], "lm_head": [], "linear": []}
+        roles: dict[str, list[int]] = {"attention": [], "lm_head": [], "linear": [], "moe": []}
         for i, op in enumerate(ops):
             kind = type(op).__name__
             name = getattr(op, "_name", "")
@@ -270,6 +276,8 @@ class KernelTables:
                                        f"is not modelled by batchsim yet")
             if kind in _ATTENTION:
                 roles["attention"].append(i)
+            elif self.splits_moe and kind.startswith("MoE"):
+                roles["moe"].append(i)
             elif name.endswith("logits_gemm"):
                 roles["lm_head"].append(i)
             else:
@@ -284,6 +292,12 @@ class KernelTables:
         (the LM head apart: ``lm_head_ms``)."""
         return sum(v[1] for v in self.handle.evaluate_context_ops(
             self._context["linear"], batch_size=1, s=int(num_tokens)))
+
+    def moe_ms(self, num_tokens: int) -> float:
+        """The context graph's MoE ops (experts, dispatch, combine) when every data-parallel rank
+        runs ``num_tokens`` tokens (``splits_moe`` only; else they are in ``linear_ms``)."""
+        return sum(v[1] for v in self.handle.evaluate_context_ops(
+            self._context["moe"], batch_size=1, s=int(num_tokens)))
 
     def lm_head_ms(self, num_seqs: int) -> float:
         """The LM head's GEMM for one row per sampled sequence (the generation graph's)."""

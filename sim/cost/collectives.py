@@ -147,7 +147,8 @@ class TpStepCosts:
 
     def __init__(self, model: ModelShape, gpu: GpuSpec, tensor_parallel: int, dtype_bytes: int,
                  engine: str | EngineOverhead = DEFAULT_ENGINE, layer_fixed_s: float = LAYER_FIXED_S,
-                 interconnect_efficiency: float = INTERCONNECT_EFFICIENCY, *, expert_parallel: bool = False) -> None:
+                 interconnect_efficiency: float = INTERCONNECT_EFFICIENCY, *, expert_parallel: bool = False,
+                 data_parallel: int = 1) -> None:
         if not 0 < interconnect_efficiency <= 1:
             raise ValueError(f"interconnect_efficiency must be in (0, 1], got {interconnect_efficiency!r}")
         if layer_fixed_s < 0:
@@ -164,6 +165,14 @@ class TpStepCosts:
         self.alltoall_calls = 2 * model.num_moe_layers if self.expert_parallel else 0
         if self.expert_parallel:
             self.allreduce_calls -= model.num_moe_layers
+        # Data parallelism (d > 1): an MoE layer's tokens of all d ranks meet at its experts. vLLM's
+        # default all2all backend (allgather_reducescatter) all-gathers the d ranks' hidden states
+        # before the experts and reduce-scatters their outputs after: 2 collectives a layer, each
+        # moving (d - 1) / d of the d ranks' tokens x hidden through a GPU's link.
+        self.data_parallel = data_parallel
+        self.dp_calls = 2 * model.num_moe_layers if data_parallel > 1 else 0
+        if self.dp_calls and self.expert_parallel:
+            self.alltoall_calls = 0                  # the gathers take the dispatch's place
         self.fixed_step_s = self.engine.step_s + (self.engine.tp_step_s if tensor_parallel > 1 else 0.0)
         self.layers_fixed_s = model.num_layers * layer_fixed_s
         self.per_seq_s = self.engine.per_seq_s
@@ -171,9 +180,10 @@ class TpStepCosts:
     def comm_s(self, num_tokens: Any) -> Any:
         """All-reduces of the ``T x hidden`` activations plus the logits gather."""
         tokens = np.asarray(num_tokens, dtype=float)
-        if self.tp <= 1:
-            return np.zeros_like(tokens)
         m, g, eff = self.model, self.gpu, self.interconnect_efficiency
+        dp = self.dp_comm_s(tokens)
+        if self.tp <= 1:
+            return dp
         act_bytes = tokens * m.hidden_size * self.dtype_bytes
         logit_bytes = np.minimum(tokens, MAX_SAMPLED_ROWS) * m.vocab_size * self.dtype_bytes
         comm = (self.allreduce_calls * allreduce_s(act_bytes, self.tp, g.interconnect_bytes_s,
@@ -182,7 +192,17 @@ class TpStepCosts:
         if self.alltoall_calls:
             comm = comm + self.alltoall_calls * alltoall_s(self.alltoall_bytes(tokens), self.tp,
                                                            g.interconnect_bytes_s, g.interconnect_latency_s, eff)
-        return comm
+        return comm + dp
+
+    def dp_comm_s(self, num_tokens: Any) -> Any:
+        """The MoE layers' gathers across the data-parallel ranks when each runs ``num_tokens``
+        tokens (0 without data parallelism)."""
+        tokens = np.asarray(num_tokens, dtype=float)
+        if not self.dp_calls:
+            return np.zeros_like(tokens)
+        d, g = self.data_parallel, self.gpu
+        return self.dp_calls * gather_s(d * tokens * self.model.hidden_size * self.dtype_bytes, d,
+                                        g.interconnect_bytes_s, g.interconnect_latency_s, self.interconnect_efficiency)
 
     def alltoall_bytes(self, num_tokens: Any) -> Any:
         """Bytes per rank of one MoE dispatch (or combine): tokens x k x hidden x activation bytes."""

@@ -173,6 +173,10 @@ def tabulate(tables: aic.KernelTables, bounds: GridBounds) -> dict[str, Any]:
         # (where the wheel's lanes interpolate on other points than the table's).
         decode = _memo(lambda n, c: tables.decode_attention_ms(n, c + 1) * MS)
         lin_x, lin_err = refine_1d(linear, token_axis)
+        moe = moe_x = None
+        if tables.splits_moe:                  # data-parallel MoE ranks: the experts on their own curve
+            moe = _memo(lambda t: tables.moe_ms(t) * MS)
+            moe_x, moe_err = refine_1d(moe, token_axis)
         lm_x, lm_err = refine_1d(lm_head, row_axis)
         pre_c, pre_p, pre_err = refine_2d(prefill, length_axis, [0] + length_axis)
         mean_axis = [0] + _axis([kv - 1 for kv in axes.get("decode_len", []) if kv > 1], 1, bounds.max_context)
@@ -188,8 +192,10 @@ def tabulate(tables: aic.KernelTables, bounds: GridBounds) -> dict[str, Any]:
         values = {"linear": [linear(t) for t in lin_x], "lm_head": [lm_head(n) for n in lm_x],
                   "attn_prefill": [list(itertools.accumulate((prefill(c, p) for p in pre_p), max)) for c in pre_c],
                   "attn_decode": [[decode(n, p) for p in dec_p] for n in dec_n]}
+        if moe is not None:
+            values["moe"] = [moe(t) for t in moe_x]
     repaired = {}
-    for name in ("linear", "lm_head"):
+    for name in ("linear", "lm_head", *(("moe",) if moe is not None else ())):
         fixed = isotonic(values[name])
         repaired[name] = _repair_note(repairs_of([values[name]], [fixed]), len(fixed))
         values[name] = fixed
@@ -198,10 +204,11 @@ def tabulate(tables: aic.KernelTables, bounds: GridBounds) -> dict[str, Any]:
         repaired[name] = _repair_note(repairs_of(values[name], fixed), sum(len(r) for r in fixed))
         values[name] = fixed
     limits = {axis: float(max(v)) for axis, v in axes.items() if v}
-    return {"grids": {"linear": lin_x, "lm_head": lm_x, "attn_prefill": (pre_c, pre_p), "attn_decode": (dec_n, dec_p)},
+    return {"grids": {"linear": lin_x, "lm_head": lm_x, "attn_prefill": (pre_c, pre_p), "attn_decode": (dec_n, dec_p),
+                      **({"moe": moe_x} if moe is not None else {})},
             "values": values, "prefill_shared_s": shared_s, "limits": limits, "repairs": repaired,
             "max_rel_error_at_probes": {"linear": lin_err, "lm_head": lm_err, "attn_prefill": pre_err,
-                                        "attn_decode": dec_err}}
+                                        "attn_decode": dec_err, **({"moe": moe_err} if moe is not None else {})}}
 
 
 def _repair_note(repairs: list, num_values: int) -> dict[str, Any]:

@@ -126,6 +126,7 @@ class KernelSpec:
     kv_cache_dtype: str | None = None
     expert_parallel: bool = False
     engine_version: str | None = None    # None: the newest measured
+    data_parallel: int = 1               # attention data parallelism (one rank's profile)
 
 
 def kernel_profile(spec: KernelSpec, host: HostTerms, folder: Path | None = None) -> Profile:
@@ -143,7 +144,8 @@ def kernel_profile(spec: KernelSpec, host: HostTerms, folder: Path | None = None
     key = {"grid_format": GRID_FORMAT, "wheel": aic.wheel_version(), "system": system, "engine": spec.engine,
            "version_asked": spec.engine_version, "model": model.config, "tp": spec.tensor_parallel,
            "ep": spec.expert_parallel, "dtype": spec.dtype, "weight_dtype": spec.weight_dtype,
-           "kv_cache_dtype": spec.kv_cache_dtype, "gpu": dataclasses.asdict(gpu)}
+           "kv_cache_dtype": spec.kv_cache_dtype, "gpu": dataclasses.asdict(gpu),
+           **({"dp": spec.data_parallel, "moe_curve": True} if spec.data_parallel > 1 else {})}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     path = folder / "kernels" / f"{digest}.json"
     if path.is_file():
@@ -175,11 +177,11 @@ def build_tables(spec: KernelSpec, model: ResolvedModel, gpu: Any, system: str, 
     precision = Precision(dtype=spec.dtype, weight_dtype=weights, kv_cache_dtype=spec.kv_cache_dtype or "auto",
                           quantized=scope)
     rf = Roofline(shape, gpu, spec.tensor_parallel, spec.dtype, precision=precision,
-                  expert_parallel=spec.expert_parallel)
+                  expert_parallel=spec.expert_parallel, data_parallel=spec.data_parallel)
     modes = quant_modes(precision.weight_dtype, stated, scope, precision.kv_cache_dtype, gpu.generation,
                         mla=shape.is_mla)
     tables = aic.KernelTables(model.wheel_path, system, spec.engine, version, spec.tensor_parallel,
-                              expert_parallel=spec.expert_parallel, **modes)
+                              expert_parallel=spec.expert_parallel, data_parallel=spec.data_parallel, **modes)
     t = spec.tensor_parallel
     bounds = GridBounds(max_tokens=max(131072, shape.max_position_embeddings), max_seqs=4096,
                         max_context=shape.max_position_embeddings)
@@ -190,19 +192,23 @@ def build_tables(spec: KernelSpec, model: ResolvedModel, gpu: Any, system: str, 
                            f"model needs: {str(exc).split(' at /')[0]}") from None
     grids, values, limits = tab["grids"], tab["values"], tab["limits"]
     prefill_len, decode_len = limits.get("prefill_len"), limits.get("decode_len")
-    label = precision.label() + ("-ep" if spec.expert_parallel else "")
+    label = (precision.label() + ("-ep" if spec.expert_parallel else "")
+             + (f"-dp{spec.data_parallel}" if spec.data_parallel > 1 else ""))
     engine_name = aic.ENGINES[spec.engine]
     extra = {**({"weight_dtype": precision.weights} if precision.is_quantized else {}),
              **({"kv_cache_dtype": precision.kv_cache_dtype} if precision.kv_cache_dtype != "auto" else {})}
     return Profile(
         name=f"{model.name}@{gpu.name}-tp{t}-{label}-{spec.engine}-{version}", model=shape, device=gpu.name,
-        dtype=precision.dtype, tensor_parallel=t, memory_bytes_per_gpu=gpu.memory_bytes,
+        dtype=precision.dtype, tensor_parallel=t, data_parallel_size=spec.data_parallel,
+        memory_bytes_per_gpu=gpu.memory_bytes,
         weight_bytes=rf.weight_bytes, activation_bytes_per_gpu=rf.activation_bytes_per_gpu(0),
         activation_bytes_per_token_per_gpu=rf.activation_bytes_per_gpu(1) - rf.activation_bytes_per_gpu(0),
         kv_bytes_per_token=rf.kv_bytes_per_token, kv_bytes_per_seq=rf.kv_bytes_per_seq, overhead_s=0.0,
         linear=Curve1D(grids["linear"], values["linear"], name="curves.linear", measured_max=limits.get("tokens")),
         lm_head=Curve1D(grids["lm_head"], values["lm_head"], name="curves.lm_head",
                         measured_max=limits.get("tokens")),
+        moe=(Curve1D(grids["moe"], values["moe"], name="curves.moe", measured_max=limits.get("tokens"))
+             if "moe" in grids else None),
         attn_prefill=Curve2D(*grids["attn_prefill"], values["attn_prefill"], name="curves.attn_prefill",
                              measured=MeasuredRange(prefill_len, prefill_len, -1.0) if prefill_len else None),
         attn_decode=Curve2D(*grids["attn_decode"], values["attn_decode"], name="curves.attn_decode",
@@ -215,6 +221,7 @@ def build_tables(spec: KernelSpec, model: ResolvedModel, gpu: Any, system: str, 
                     "wheel": f"{aic.WHEEL} {aic.wheel_version()}", "system": system, "engine": spec.engine,
                     "engine_version": version, "gpu": gpu.name, "model": model.name, "tensor_parallel": t,
                     "expert_parallel": spec.expert_parallel, "dtype": precision.dtype, **extra,
+                    **({"data_parallel_size": spec.data_parallel} if spec.data_parallel > 1 else {}),
                     "quant_modes": tables.quant_modes, "tables": tables.tables(), "measured_ranges": limits,
                     "batchsim_format": FORMAT_VERSION, "grid_format": GRID_FORMAT,
                     "measured": "the GPU kernels of every op (the tables above)",

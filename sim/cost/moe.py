@@ -22,6 +22,13 @@ expert FLOPs are 2 n k P_e / t: both the same per GPU as under TP (what differs 
 collectives, ``sim.cost.collectives``, and load imbalance, which is not modelled).
 Attention stays tensor parallel under EP, as in vLLM. The router (hidden x E) is replicated
 on every GPU (vLLM's ReplicatedLinear); shared experts are split t ways.
+
+Data parallelism (``data_parallel`` d > 1: vLLM's --data-parallel-size): d ranks of t GPUs each
+hold the attention, dense and shared weights whole (split t ways), and the experts spread over
+all d x t GPUs (EP: E / (d t) whole experts a GPU; else each expert split d t ways). In a step
+every rank runs as many tokens (vLLM pads the ranks to the largest batch, ``sim.loop.dp``), so
+the experts see d x n tokens: a GPU's expected distinct local experts are (E / (d t))
+(1 - (1 - k/E) ** (d n)), and its expert FLOPs still 2 n k P_e / t.
 """
 
 from __future__ import annotations
@@ -65,17 +72,22 @@ class LinearSplit:
     num_moe_layers: int
     num_experts: int
     top_k: int
+    routed_ranks: int = 1       # data-parallel ranks whose tokens meet at the experts (each with as many)
+    expert_token_params: float = 0.0     # the experts' share of token_params_* (per GPU, all MoE layers)
+    experts_quantized: bool = False      # ... which is in token_params_q (else token_params_hi)
 
     def expected_local_experts(self, num_tokens: Any) -> Any:
-        """Expected distinct experts a step of ``num_tokens`` tokens touches on one GPU, per MoE layer."""
+        """Expected distinct experts a step of ``num_tokens`` tokens (a rank's, every one of
+        ``routed_ranks`` ranks as many) touches on one GPU, per MoE layer."""
         if not self.num_experts:
             return np.zeros_like(np.asarray(num_tokens, dtype=float))
         share = self.local_experts / self.num_experts
-        return share * expected_distinct_experts(self.num_experts, self.top_k, num_tokens)
+        routed = np.asarray(num_tokens, dtype=float) * self.routed_ranks
+        return share * expected_distinct_experts(self.num_experts, self.top_k, routed)
 
 
 def linear_split(model: ModelShape, precision: Precision, tensor_parallel: int,
-                 expert_parallel: bool = False) -> LinearSplit:
+                 expert_parallel: bool = False, data_parallel: int = 1) -> LinearSplit:
     """The ``LinearSplit`` of ``model``'s decoder layers on one of ``tensor_parallel`` GPUs.
 
     The LM head and embedding are not in it (the roofline adds them, in the activation
@@ -94,9 +106,11 @@ def linear_split(model: ModelShape, precision: Precision, tensor_parallel: int,
     rest_quantized = precision.is_quantized and precision.quantized == "linear"
     rest = attn + dense_mlp + shared
     expert_active = m.num_moe_layers * m.num_experts_per_tok * m.params_per_expert / t
-    # One expert's weights on this GPU, per MoE layer: a 1/t slice (TP) or whole (EP).
-    per_expert = m.params_per_expert if expert_parallel else m.params_per_expert / t
-    local = m.num_experts / t if expert_parallel else float(m.num_experts)
+    # One expert's weights on this GPU, per MoE layer: a 1/(d t) slice (TP) or whole (EP), the
+    # experts spread over all d x t GPUs of the data-parallel group (d = 1: no DP).
+    w = t * data_parallel
+    per_expert = m.params_per_expert if expert_parallel else m.params_per_expert / w
+    local = m.num_experts / w if expert_parallel else float(m.num_experts)
     return LinearSplit(
         token_params_hi=router + (0.0 if rest_quantized else rest) + (0.0 if experts_quantized else expert_active),
         token_params_q=(rest if rest_quantized else 0.0) + (expert_active if experts_quantized else 0.0),
@@ -105,7 +119,8 @@ def linear_split(model: ModelShape, precision: Precision, tensor_parallel: int,
         expert_params_hi=0.0 if experts_quantized else m.num_moe_layers * per_expert,
         expert_params_q=m.num_moe_layers * per_expert if experts_quantized else 0.0,
         local_experts=local if m.is_moe else 0.0,
-        num_moe_layers=m.num_moe_layers, num_experts=m.num_experts, top_k=m.num_experts_per_tok)
+        num_moe_layers=m.num_moe_layers, num_experts=m.num_experts, top_k=m.num_experts_per_tok,
+        routed_ranks=data_parallel, expert_token_params=expert_active, experts_quantized=experts_quantized)
 
 
 def weight_bytes(model: ModelShape, precision: Precision) -> int:

@@ -130,6 +130,16 @@ class Profile:
     # chunk's and each decode's attention term (host_per_seq_s): ``host_s``. 0: none separated.
     host_step_s: float = 0.0
     host_per_seq_s: float = 0.0
+    # Data parallelism (vLLM's --data-parallel-size): the profile is one of that many ranks of
+    # ``tensor_parallel`` GPUs, each with its own scheduler and KV pool; ``weight_bytes`` is one
+    # rank's, ``linear`` a rank's token-parallel ops when every rank runs as many tokens (the
+    # experts meet all ranks' tokens: sim.cost.moe), the attention curves a rank's own. An MoE
+    # model's ranks step together (sim.loop.dp). 1: no data parallelism.
+    data_parallel_size: int = 1
+    # Data-parallel MoE ranks: the routed experts of every MoE layer (their GEMMs, weights and the
+    # gathers across the ranks) when each rank runs n tokens; ``linear`` then holds the rest. None:
+    # inside ``linear``.
+    moe: Curve1D | None = None
     # Not an init field: dataclasses.replace(profile, linear=...) must start a
     # fresh memo, not reuse the old curve's costs.
     _linear_memo: dict[int, tuple[float, bool]] = field(default_factory=dict, init=False, repr=False,
@@ -155,6 +165,8 @@ class Profile:
             elif hit[1]:
                 self.linear.num_out_of_range += 1
             t += hit[0]
+            if self.moe is not None:            # one rank alone: its own tokens at the experts
+                t += self.moe(num_tokens)
         if self.lm_head is not None:           # logits: one row per sequence sampled, one per draft verified
             t += self._lm_head_s(batch.num_prefill_seqs + batch.decode_seqs + batch.num_spec_tokens, True)
         if batch.prefill_chunks:
@@ -167,6 +179,32 @@ class Profile:
             n = batch.decode_seqs
             t += self.attn_decode(n, batch.decode_context / n if self.decode_per_seq else batch.decode_context)
         return t
+
+    def dp_step_time_s(self, batches: Sequence[Batch | None], graph_tokens: int = 0) -> float:
+        """One step of data-parallel ranks stepping together (``sim.loop.dp``), ``batches`` one a
+        rank (None: a rank with nothing to run, which joins with a dummy batch of one token).
+
+        When every rank's batch fits a CUDA graph (at most ``graph_tokens`` tokens), vLLM pads
+        every rank to the largest rank's token count: each rank's token-parallel ops (``linear``)
+        and the experts (``moe``) run at that count. Above, each rank runs its own tokens through
+        ``linear``, and the experts meet all ranks' tokens, priced at their mean a rank (``moe``
+        is measured with every rank alike). Each rank adds its own attention, LM head and
+        overheads (``step_time_s``); the MoE layers' collectives hold every rank to the slowest,
+        which is the group's step."""
+        tokens = [b.num_tokens if b is not None and b.num_tokens else 1 for b in batches]
+        most = max(tokens)
+        padded = most <= graph_tokens
+        moe = self.moe
+        experts = 0.0 if moe is None else moe(most if padded else -(-sum(tokens) // len(tokens)))
+        slowest = 0.0
+        for b, n in zip(batches, tokens):
+            if b is None:
+                own = self.overhead_s
+            else:
+                own = self.step_time_s(b) - self.linear(n) - (moe(n) if moe is not None else 0.0)
+            own += self.linear(most if padded else n)
+            slowest = max(slowest, own)
+        return slowest + experts
 
     def proposer_s(self, spec: Any, num_seqs: int, num_tokens: int, context: int) -> float:
         """The speculative proposer's time in a step where ``num_seqs`` sequences sampled (each
@@ -440,6 +478,7 @@ class Profile:
             "device": self.device,
             "dtype": self.dtype,
             "tensor_parallel": self.tensor_parallel,
+            **({"data_parallel_size": self.data_parallel_size} if self.data_parallel_size > 1 else {}),
             **({"weight_dtype": self.weight_dtype} if self.weight_dtype else {}),
             **({"kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype else {}),
             "model": m.to_dict(),
@@ -459,6 +498,7 @@ class Profile:
                 "attn_decode": {**self.attn_decode.to_dict("seqs", "context"),
                                 **({"per_seq": True} if self.decode_per_seq else {})},
                 **({"lm_head": self.lm_head.to_dict("seqs")} if self.lm_head is not None else {}),
+                **({"moe": self.moe.to_dict("tokens")} if self.moe is not None else {}),
                 **({"prefill_shared_s": self.prefill_shared_s} if self.prefill_shared_s else {}),
                 **({"host_step_s": self.host_step_s} if self.host_step_s else {}),
                 **({"host_per_seq_s": self.host_per_seq_s} if self.host_per_seq_s else {}),
@@ -683,6 +723,7 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
                 mem[key] = _whole(_get(mem, key, "memory.", source), f"memory.{key}", source, minimum=least,
                                   maximum=MAX_BYTES)
         tensor_parallel = _whole(data.get("tensor_parallel", 1), "tensor_parallel", source, maximum=1024)
+        data_parallel = _whole(data.get("data_parallel_size", 1), "data_parallel_size", source, maximum=1024)
         _finite(_get(c, "overhead_s", "curves.", source), "curves.overhead_s", source, maximum=MAX_SECONDS)
         _check_curve("curves.linear", {"tokens": _get(lin, "tokens", "curves.linear.", source)},
                      _get(lin, "seconds", "curves.linear.", source), source)
@@ -699,6 +740,13 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
                          _get(lm, "seconds", "curves.lm_head.", source), source)
             lm_head = Curve1D(lm["seqs"], lm["seconds"], name="curves.lm_head",
                               measured_max=_measured_max(lm, "curves.lm_head", source))
+        moe = None
+        if c.get("moe") is not None:
+            mc = c["moe"]
+            _check_curve("curves.moe", {"tokens": _get(mc, "tokens", "curves.moe.", source)},
+                         _get(mc, "seconds", "curves.moe.", source), source)
+            moe = Curve1D(mc["tokens"], mc["seconds"], name="curves.moe",
+                          measured_max=_measured_max(mc, "curves.moe", source))
         prefill_shared_s = _finite(c.get("prefill_shared_s", 0.0), "curves.prefill_shared_s", source,
                                    maximum=MAX_SECONDS)
         host_step_s = _finite(c.get("host_step_s", 0.0), "curves.host_step_s", source, maximum=MAX_SECONDS)
@@ -709,7 +757,7 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
             model=model,
             device=str(_get(data, "device", "", source)),
             dtype=str(_get(data, "dtype", "", source)),
-            tensor_parallel=tensor_parallel,
+            tensor_parallel=tensor_parallel, data_parallel_size=data_parallel,
             memory_bytes_per_gpu=int(_get(mem, "memory_bytes_per_gpu", "memory.", source)),
             weight_bytes=int(_get(mem, "weight_bytes", "memory.", source)),
             activation_bytes_per_gpu=int(_get(mem, "activation_bytes_per_gpu", "memory.", source)),
@@ -730,7 +778,7 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
                                 _get(dec, "seconds", "curves.attn_decode.", source),
                                 name="curves.attn_decode",
                                 measured=_measured_range(dec, "curves.attn_decode", source)),
-            lm_head=lm_head,
+            lm_head=lm_head, moe=moe,
             prefill_shared_s=prefill_shared_s,
             host_step_s=host_step_s,
             host_per_seq_s=host_per_seq_s,

@@ -96,7 +96,8 @@ class Roofline:
 
     def __init__(self, model: ModelShape, gpu: GpuSpec, tensor_parallel: int = 1,
                  dtype: str = "bf16", efficiency: Efficiency | None = None, *,
-                 precision: Precision | None = None, expert_parallel: bool = False) -> None:
+                 precision: Precision | None = None, expert_parallel: bool = False,
+                 data_parallel: int = 1) -> None:
         if precision is None:
             if dtype not in DTYPE_BYTES:
                 raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPE_BYTES)}")
@@ -107,6 +108,9 @@ class Roofline:
             raise ValueError(f"tensor_parallel must be an integer >= 1, got {t!r}")
         if expert_parallel and not model.is_moe:
             raise ValueError(f"expert parallelism needs a mixture-of-experts model; {model.name} has no experts")
+        d = data_parallel
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise ValueError(f"data_parallel must be an integer >= 1, got {d!r}")
         if t > model.num_heads:
             # (before the KV heads are replicated up to t below, which would report a count of the
             # replication's making, "num_heads 32 is not divisible by num_kv_heads 64")
@@ -122,16 +126,20 @@ class Roofline:
         if model.num_layers > model.num_moe_layers:
             splits.append(("intermediate_size", model.intermediate_size))
         if model.is_moe:
-            splits.append(("num_experts", model.num_experts) if expert_parallel
-                          else ("moe_intermediate_size", model.expert_intermediate_size))
             if model.shared_expert_intermediate_size:
                 splits.append(("shared_expert_intermediate_size", model.shared_expert_intermediate_size))
         for what, count in splits:
             if count % t:
                 raise ValueError(f"tensor_parallel={t} does not divide {model.name}'s "
                                  f"{what} ({count}); pick a divisor of it")
+        if model.is_moe:           # the experts spread over every GPU of the data-parallel group
+            what, count = (("num_experts", model.num_experts) if expert_parallel
+                           else ("moe_intermediate_size", model.expert_intermediate_size))
+            if count % (t * d):
+                ways = f"tensor_parallel={t}" if d == 1 else f"tensor_parallel={t} x data_parallel_size={d}"
+                raise ValueError(f"{ways} does not divide {model.name}'s {what} ({count}); pick a divisor of it")
         self.model, self.gpu, self.tensor_parallel, self.dtype = model, gpu, t, dtype
-        self.precision, self.expert_parallel = precision, expert_parallel
+        self.precision, self.expert_parallel, self.data_parallel = precision, expert_parallel, d
         self.eff = eff = efficiency or Efficiency.for_gpu(gpu, moe=model.is_moe)
         self.dtype_bytes = db = DTYPE_BYTES[dtype]
         h, n_layers, inter = model.hidden_size, model.num_layers, model.intermediate_size
@@ -165,7 +173,7 @@ class Roofline:
         gemm_peak = {"fp8": gpu.peak_flops_fp8, "fp4": gpu.peak_flops_fp4}.get(gemm, peak_flops)
         self.gemm_precision = gemm
         self._s_per_quant_flop = 1.0 / (gemm_peak * eff.matmul_fraction(gemm))
-        self._split = linear_split(model, precision, t, expert_parallel)
+        self._split = linear_split(model, precision, t, expert_parallel, d)
         self._quant_bytes = precision.weight_bytes_per_param
         # Activation traffic per token, all layers, in elements: ~14 hidden-sized reads and
         # writes (2 norms in/out, residual adds, projection inputs and outputs), the sharded
@@ -185,7 +193,7 @@ class Roofline:
         # costs that t does not shrink.
         host = EngineOverhead(eff.engine, eff.overhead_s, eff.tp_overhead_s, eff.per_seq_s, "Efficiency")
         self.tp_costs = TpStepCosts(model, gpu, t, db, host, eff.layer_fixed_s, eff.interconnect,
-                                    expert_parallel=expert_parallel)
+                                    expert_parallel=expert_parallel, data_parallel=d)
         self.overhead_s = self.tp_costs.fixed_step_s
         known = ENGINES.get(eff.engine)
         self.host_overlapped = known is not None and known.overlapped
@@ -272,9 +280,31 @@ class Roofline:
             self._index_bytes_per_token_gpu = layers * m.index_bytes_per_token_layer
 
     # ---- step-cost terms -------------------------------------------------------
+    @property
+    def splits_moe(self) -> bool:
+        """Data-parallel MoE ranks: ``linear_s`` leaves the routed experts to ``moe_s`` (the experts
+        meet every rank's tokens, the rest runs on a rank's own: sim.loop.dp)."""
+        return self.data_parallel > 1 and self.model.is_moe
+
+    def moe_s(self, num_tokens: Any) -> Any:
+        """The routed experts of every MoE layer when each data-parallel rank runs ``num_tokens``
+        tokens: their FLOPs (2 n k P_e / t a GPU), the distinct local experts they touch read
+        once, and the layers' gathers across the ranks (0 without ``splits_moe``)."""
+        tokens = np.asarray(num_tokens, dtype=float)
+        if not self.splits_moe:
+            return np.zeros_like(tokens)
+        sp = self._split
+        rate = self._s_per_quant_flop if sp.experts_quantized else self._s_per_matmul_flop
+        compute_s = 2 * tokens * sp.expert_token_params * rate
+        experts = sp.expected_local_experts(tokens)
+        weight_bytes = experts * (sp.expert_params_hi * self.dtype_bytes + sp.expert_params_q * self._quant_bytes)
+        time_s = overlap_time(compute_s, weight_bytes * self._s_per_weight_byte, self.eff.pipeline_stages)
+        return time_s + self.tp_costs.dp_comm_s(tokens)
+
     def linear_s(self, num_tokens: Any) -> Any:
         """QKV/O, MLP (or router, experts and shared experts), norms and LM head for
-        ``num_tokens`` tokens, plus TP collectives and the per-layer kernel floor."""
+        ``num_tokens`` tokens, plus TP collectives and the per-layer kernel floor (the routed
+        experts apart for data-parallel MoE ranks: ``moe_s``)."""
         tokens = np.asarray(num_tokens, dtype=float)
         if self._one_class:
             flops = 2 * tokens * self._layer_params + 2 * np.minimum(tokens, MAX_SAMPLED_ROWS) * self._lm_head_params
@@ -282,15 +312,21 @@ class Roofline:
             compute_s = flops * self._s_per_matmul_flop
         else:
             sp, db = self._split, self.dtype_bytes
-            flops_hi = 2 * tokens * sp.token_params_hi + 2 * np.minimum(tokens, MAX_SAMPLED_ROWS) * self._lm_head_params
-            flops_q = 2 * tokens * sp.token_params_q
-            compute_s = flops_hi * self._s_per_matmul_flop + flops_q * self._s_per_quant_flop
+            hi, q = sp.token_params_hi, sp.token_params_q
             experts = sp.expected_local_experts(tokens)        # distinct experts touched, per GPU, per MoE layer
-            weight_bytes = ((sp.static_params_hi + self._lm_head_params + experts * sp.expert_params_hi) * db
-                            + (sp.static_params_q + experts * sp.expert_params_q) * self._quant_bytes)
+            expert_hi, expert_q = sp.expert_params_hi, sp.expert_params_q
+            if self.splits_moe:                                # the routed experts are moe_s's
+                hi, q = (hi, q - sp.expert_token_params) if sp.experts_quantized else (hi - sp.expert_token_params, q)
+                expert_hi = expert_q = 0.0
+            flops_hi = 2 * tokens * hi + 2 * np.minimum(tokens, MAX_SAMPLED_ROWS) * self._lm_head_params
+            flops_q = 2 * tokens * q
+            compute_s = flops_hi * self._s_per_matmul_flop + flops_q * self._s_per_quant_flop
+            weight_bytes = ((sp.static_params_hi + self._lm_head_params + experts * expert_hi) * db
+                            + (sp.static_params_q + experts * expert_q) * self._quant_bytes)
         mem_bytes = weight_bytes + tokens * self._act_bytes_per_token
         time_s = overlap_time(compute_s, mem_bytes * self._s_per_weight_byte, self.eff.pipeline_stages)
-        return time_s + self.tp_costs.comm_s(tokens) + self.tp_costs.layers_fixed_s
+        comm = self.tp_costs.comm_s(tokens) - (self.tp_costs.dp_comm_s(tokens) if self.splits_moe else 0.0)
+        return time_s + comm + self.tp_costs.layers_fixed_s
 
     def attn_prefill_s(self, chunk: Any, context: Any) -> Any:
         """Causal attention of a ``chunk`` of new tokens over ``context`` earlier ones.
@@ -364,13 +400,19 @@ class Roofline:
     # ---- memory -----------------------------------------------------------------
     @property
     def weight_bytes(self) -> int:
-        """All ranks together (sim.cost.moe.weight_bytes: quantized weights at their format's bytes)."""
-        replicated = self._replicated_params * (self.precision.weight_bytes_per_param
-                                                if self.precision.is_quantized and self.precision.quantized == "linear"
-                                                else self.dtype_bytes)
+        """All ranks together (sim.cost.moe.weight_bytes: quantized weights at their format's bytes);
+        with data parallelism, one data-parallel rank's t GPUs: every weight but the experts, and
+        1 / data_parallel of the experts."""
+        p = self.precision
+        replicated = self._replicated_params * (p.weight_bytes_per_param
+                                                if p.is_quantized and p.quantized == "linear" else self.dtype_bytes)
         if self._one_class:
             return int(self.model.num_params * self.dtype_bytes + replicated)
-        return int(round(moe_weight_bytes(self.model, self.precision) + replicated))
+        total = moe_weight_bytes(self.model, p) + replicated
+        if self.data_parallel > 1:
+            per_param = p.weight_bytes_per_param if p.is_quantized else self.dtype_bytes
+            total -= self.model.num_expert_params * per_param * (1 - 1 / self.data_parallel)
+        return int(round(total))
 
     def activation_bytes_per_gpu(self, max_num_batched_tokens: int) -> int:
         """Peak activation memory of one forward pass, per GPU (an estimate).
@@ -454,21 +496,23 @@ def _refine_2d(f: Any, xs: list[float], ys: list[float],
 # ---- profiles -------------------------------------------------------------------
 def analytic_profile(model: ModelShape, gpu: GpuSpec, tensor_parallel: int = 1,
                      dtype: str = "bf16", efficiency: Efficiency | None = None, *,
-                     precision: Precision | None = None, expert_parallel: bool = False) -> Profile:
+                     precision: Precision | None = None, expert_parallel: bool = False,
+                     data_parallel: int = 1) -> Profile:
     """A ``Profile`` whose curves sample the roofline of ``model`` on ``tensor_parallel``
     GPUs of kind ``gpu``; interpolation stays within ``GRID_TOLERANCE`` (relative)
-    of ``Roofline``'s formulas at probe points inside the grids. ``precision`` and
-    ``expert_parallel``: as ``Roofline`` takes them."""
+    of ``Roofline``'s formulas at probe points inside the grids. ``precision``,
+    ``expert_parallel`` and ``data_parallel``: as ``Roofline`` takes them (one rank's profile)."""
     rf = Roofline(model, gpu, tensor_parallel, dtype, efficiency, precision=precision,
-                  expert_parallel=expert_parallel)
+                  expert_parallel=expert_parallel, data_parallel=data_parallel)
     t, eff, prec = tensor_parallel, rf.eff, rf.precision
     dtype = prec.dtype
     # Formats beside dtype, and EP: in the name, the provenance and the file only when used.
     extra = {**({"weight_dtype": prec.weights} if prec.is_quantized else {}),
              **({"kv_cache_dtype": prec.kv_cache_dtype} if prec.kv_cache_dtype != "auto" else {})}
-    label = prec.label() + ("-ep" if expert_parallel else "")
+    label = prec.label() + ("-ep" if expert_parallel else "") + (f"-dp{data_parallel}" if data_parallel > 1 else "")
     notes = {**extra, **({"quantized": prec.quantized, "gemm_precision": rf.gemm_precision} if prec.is_quantized
-                         else {}), **({"expert_parallel": True} if expert_parallel else {})}
+                         else {}), **({"expert_parallel": True} if expert_parallel else {}),
+             **({"data_parallel_size": data_parallel} if data_parallel > 1 else {})}
     # The decode axis must cover the largest pool any token budget leaves (a 1-token budget).
     activation_bytes = rf.activation_bytes_per_gpu(1)
     # The decode-context axis reaches past what the KV cache could ever hold (util 1.0).
@@ -476,6 +520,10 @@ def analytic_profile(model: ModelShape, gpu: GpuSpec, tensor_parallel: int = 1,
     decode_context_max = max(MIN_DECODE_CONTEXT_MAX, 1 << int(max_kv_tokens).bit_length())
     decode_context = [0] + [2**k for k in range(10, decode_context_max.bit_length())]
     lin_x, lin_err = _refine_1d(rf.linear_s, LINEAR_TOKENS, GRID_TOLERANCE)
+    moe = None
+    if rf.splits_moe:
+        moe_x, moe_err = _refine_1d(rf.moe_s, LINEAR_TOKENS, GRID_TOLERANCE)
+        moe = Curve1D(moe_x.tolist(), rf.moe_s(moe_x).tolist(), name="curves.moe")
     pre_c, pre_p, pre_err = _refine_2d(rf.attn_prefill_s, PREFILL_CHUNK, PREFILL_CONTEXT, GRID_TOLERANCE)
     dec_n, dec_c, dec_err = _refine_2d(rf.attn_decode_s, DECODE_SEQS, decode_context, GRID_TOLERANCE)
 
@@ -484,14 +532,14 @@ def analytic_profile(model: ModelShape, gpu: GpuSpec, tensor_parallel: int = 1,
 
     return Profile(
         name=f"{model.name}@{gpu.name}-tp{t}-{label}", model=model, device=gpu.name,
-        dtype=dtype, tensor_parallel=t, memory_bytes_per_gpu=gpu.memory_bytes,
+        dtype=dtype, tensor_parallel=t, data_parallel_size=data_parallel, memory_bytes_per_gpu=gpu.memory_bytes,
         weight_bytes=rf.weight_bytes, activation_bytes_per_gpu=rf.activation_bytes_per_gpu(0),
         activation_bytes_per_token_per_gpu=rf.activation_bytes_per_gpu(1) - rf.activation_bytes_per_gpu(0),
         kv_bytes_per_token=rf.kv_bytes_per_token, kv_bytes_per_seq=rf.kv_bytes_per_seq, overhead_s=rf.overhead_s,
         # The engine's terms as host work (Profile.host_s), unless they were measured on an async
         # loop: then they are the gap its overlap leaves, on the device's path (EngineOverhead.overlapped).
         **({} if rf.host_overlapped else {"host_step_s": rf.overhead_s, "host_per_seq_s": rf.tp_costs.per_seq_s}),
-        linear=Curve1D(lin_x.tolist(), rf.linear_s(lin_x).tolist(), name="curves.linear"),
+        linear=Curve1D(lin_x.tolist(), rf.linear_s(lin_x).tolist(), name="curves.linear"), moe=moe,
         attn_prefill=curve2d(pre_c, pre_p, rf.attn_prefill_s, "curves.attn_prefill"),
         attn_decode=curve2d(dec_n, dec_c, rf.attn_decode_s, "curves.attn_decode"),
         provenance={"source": "analytic-roofline", "gpu": gpu.name, "model": model.name,
@@ -501,7 +549,7 @@ def analytic_profile(model: ModelShape, gpu: GpuSpec, tensor_parallel: int = 1,
                                    "(vLLM's profiling run)", **notes},
         fit_error={"method": "grid interpolation of the analytic formula",
                    "max_rel_error_at_probes": {"linear": lin_err, "attn_prefill": pre_err,
-                                               "attn_decode": dec_err}},
+                                               "attn_decode": dec_err, **({"moe": moe_err} if moe else {})}},
         efficiency=eff.to_dict(),
         **extra,
     )
@@ -517,7 +565,7 @@ def _lookup(table: dict[str, Any], key: str, what: str) -> Any:
 def preset_profile(model: str | dict[str, Any], gpu: str, tensor_parallel: int = 1,
                    dtype: str = "bf16", engine: str = DEFAULT_ENGINE, *, weight_dtype: str | None = None,
                    kv_cache_dtype: str | None = None, expert_parallel: bool = False,
-                   efficiency: Efficiency | None = None) -> Profile:
+                   efficiency: Efficiency | None = None, data_parallel: int = 1) -> Profile:
     """``analytic_profile`` for a preset model name (or an HF-style config dict of a
     custom model) on a preset GPU, with the host-work terms of ``engine``
     (sim.cost.collectives.ENGINES) and the matmul fractions fitted for the GPU's
@@ -546,5 +594,5 @@ def preset_profile(model: str | dict[str, Any], gpu: str, tensor_parallel: int =
         efficiency = Efficiency.for_gpu(gpu_spec, None if engine == DEFAULT_ENGINE else Efficiency.for_engine(engine),
                                         moe=shape.is_moe)
     return analytic_profile(shape, gpu_spec, tensor_parallel, dtype, efficiency, precision=precision,
-                            expert_parallel=expert_parallel)
+                            expert_parallel=expert_parallel, data_parallel=data_parallel)
 

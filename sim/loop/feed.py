@@ -17,7 +17,7 @@ from sim.core.request import Request
 from sim.loop.server import Server
 
 
-ROUTERS = ("round_robin", "least_requests", "least_tokens", "prefix_aware")
+ROUTERS = ("round_robin", "least_requests", "least_tokens", "prefix_aware", "vllm_dp")
 PREFIX_LOAD_SLACK = 1.25      # prefix_aware's load guard: candidates carry at most this x the least load, + 1
 
 
@@ -37,6 +37,8 @@ def pick_replica(router: str, servers: Sequence[Server], counter: int, req: Requ
     load check; their weights and thresholds differ and are not modelled."""
     if router == "round_robin" or len(servers) == 1:
         return servers[counter % len(servers)]
+    if router == "vllm_dp":
+        return vllm_dp_pick(servers, counter)
     if router == "least_requests":
         return min(servers, key=lambda s: s.num_outstanding_requests)
     if router == "least_tokens":
@@ -54,6 +56,41 @@ def pick_replica(router: str, servers: Sequence[Server], counter: int, req: Requ
                 best, best_key = s, key
         return best
     raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+
+
+def vllm_dp_pick(servers: Sequence[Server], counter: int) -> Server:
+    """vLLM 0.32's data-parallel load balancer (``DPLBAsyncMPClient.get_core_engine_for_request``,
+    one API server): each rank scores its requests in flight (waiting + running), plus 6 x its
+    waiting ones x how far its KV cache is past half full; the lowest score wins, the scan
+    starting one rank further for each request (``eng_start_index``), so ties go round robin.
+    NOTE: vLLM scores from the coordinator's snapshot of the ranks (every 100 ms) and its own
+    in-flight counts; here from the ranks' state at the request's arrival.
+
+    Several deployments (``servers`` in groups of their ranks' ``dp_size``, each its own API
+    server): the deployment with the fewest requests in flight takes it (ties: round robin from
+    the request's counter), then its balancer picks the rank."""
+    size = getattr(servers[0], "dp_size", 1)
+    if 1 < size < len(servers):
+        groups = [servers[i:i + size] for i in range(0, len(servers), size)]
+        loads = [sum(s.num_outstanding_requests for s in g) for g in groups]
+        least = min(loads)
+        start = counter % len(groups)
+        g = next(groups[(start + i) % len(groups)] for i in range(len(groups))
+                 if loads[(start + i) % len(groups)] == least)
+        return vllm_dp_pick(g, counter // len(groups))
+    n = len(servers)
+    best, best_score = servers[counter % n], None
+    for i in range(n):
+        s = servers[(counter + i) % n]
+        state = s.state
+        waiting = len(state.waiting)
+        score = float(waiting + len(state.running))
+        if waiting:
+            kv = state.kv
+            score += waiting * 6.0 * max(0.0, kv.num_used_blocks / kv.num_blocks - 0.5)
+        if best_score is None or score < best_score:
+            best, best_score = s, score
+    return best
 
 
 def feed(env: simpy.Environment, servers: Sequence[Server], requests: Iterable[Request],

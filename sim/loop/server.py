@@ -168,12 +168,13 @@ class Server:
     def __init__(self, env: simpy.Environment, policy: Policy, state: SchedulerState,
                  executor: Executor, replica: int = 0,
                  on_step: Callable[[float, Batch, StepResult], None] | None = None, *,
-                 coalesce: bool = True, check_stretch: bool = False) -> None:
+                 coalesce: bool = True, check_stretch: bool = False, start: bool = True) -> None:
         self.env = env
         self.policy = policy
         self.state = state
         self.executor = executor
         self.replica = replica
+        self.dp_size = 1          # the data-parallel ranks of its deployment (sim.loop.feed.vllm_dp_pick)
         self.log = StepLog()
         self.on_step = on_step
         self.on_finish: Callable[[float, list[int]], None] | None = None
@@ -189,8 +190,9 @@ class Server:
         # ``overlap_loop``), whose results drop what a request retracted since sampled.
         self._commit_pipelined = state.commit_overlap if getattr(policy, "overlap_loop", False) \
             else state.commit_pipelined
-        self.process = env.process(self._serve_pipelined() if getattr(policy, "pipelined", False)
-                                   else self._serve())
+        # ``start`` False: another process drives this server's steps (sim.loop.dp's DpGroup).
+        self.process = (env.process(self._serve_pipelined() if getattr(policy, "pipelined", False)
+                                    else self._serve()) if start else None)
 
     def _sample_cache(self, now_s: float) -> None:
         if now_s >= self._next_sample_s:

@@ -47,7 +47,11 @@ class ProfileConfig:
     # config's quantization_config, else dtype.
     weight_dtype: str | None = None
     kv_cache_dtype: str | None = None    # vLLM's --kv-cache-dtype: auto (dtype), fp8, fp8_e4m3, fp8_e5m2
-    enable_expert_parallel: bool = False  # vLLM's --enable-expert-parallel (EP degree = tensor_parallel)
+    enable_expert_parallel: bool = False  # vLLM's --enable-expert-parallel (EP degree = tensor_parallel x
+    #                                       data_parallel_size)
+    # vLLM's --data-parallel-size: that many ranks of tensor_parallel GPUs behind one API server,
+    # each with its own scheduler and KV pool (sim.loop.dp); an MoE model's ranks step together.
+    data_parallel_size: int = 1
     # The serving engine generation whose host work the analytic preset charges
     # (sim.cost.collectives.ENGINES: vllm-v0 fitted on public runs; vllm-v1, vllm-v1-async). With
     # kernels on vLLM's tables, vllm-v1-async picks vLLM's async host terms, anything else its
@@ -292,13 +296,18 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
     if not 0 <= s.watermark < 1:
         raise ConfigError(f"{source}: field 'server.watermark' must be in [0, 1), got {s.watermark}")
     _positive(source, "profile.tensor_parallel", cfg.profile.tensor_parallel)
+    _positive(source, "profile.data_parallel_size", cfg.profile.data_parallel_size)
+    if cfg.profile.data_parallel_size > 1024:
+        raise ConfigError(f"{source}: field 'profile.data_parallel_size' must be at most 1024, "
+                          f"got {cfg.profile.data_parallel_size:,}")
     for name, value in (("arrivals.path", cfg.arrivals.path), ("lengths.path", cfg.lengths.path),
                          ("profile.path", cfg.profile.path)):
         if value is not None and (not isinstance(value, str) or not value.strip()):
             raise ConfigError(f"{source}: field '{name}' must be a file path, got {value!r}")
     raw_profile = data.get("profile") if isinstance(data.get("profile"), dict) else {}
     clash = sorted(k for k in ("model", "gpu", "tensor_parallel", "dtype", "engine", "weight_dtype",
-                               "kv_cache_dtype", "enable_expert_parallel", "kernels", "engine_version")
+                               "kv_cache_dtype", "enable_expert_parallel", "kernels", "engine_version",
+                               "data_parallel_size")
                    if k in raw_profile)
     if cfg.profile.path is not None and clash:
         raise ConfigError(f"{source}: field 'profile' gives both a path and {', '.join(clash)}; a profile "

@@ -60,7 +60,7 @@ def build_profile(cfg: WorkloadConfig) -> Profile:
     try:
         return preset_profile(model, p.gpu, tensor_parallel=p.tensor_parallel, dtype=p.dtype, engine=p.engine,
                               weight_dtype=p.weight_dtype, kv_cache_dtype=p.kv_cache_dtype,
-                              expert_parallel=p.enable_expert_parallel)
+                              expert_parallel=p.enable_expert_parallel, data_parallel=p.data_parallel_size)
     except ValueError as exc:
         raise ConfigError(f"{cfg.source}: field 'profile': {exc}") from None
 
@@ -80,10 +80,12 @@ def build_kernel_profile(cfg: WorkloadConfig, model: str | dict[str, Any]) -> Pr
     engine = kernel_engine(cfg)
     spec = KernelSpec(model=model, gpu=p.gpu, engine=engine, tensor_parallel=p.tensor_parallel, dtype=p.dtype,
                       weight_dtype=p.weight_dtype, kv_cache_dtype=p.kv_cache_dtype,
-                      expert_parallel=p.enable_expert_parallel,
+                      expert_parallel=p.enable_expert_parallel, data_parallel=p.data_parallel_size,
                       engine_version=None if p.engine_version is None else str(p.engine_version))
     generation = p.engine
     wanted = async_scheduling_of(cfg)
+    if wanted is None and p.data_parallel_size > 1:
+        wanted = False               # data parallelism: the synchronous loop (sim.loop.dp)
     if wanted or (wanted is None and hasattr(cfg.policy, "async_scheduling")):
         # vLLM's async host terms (on a GPU, unset means on): what its host work leaves unhidden
         # behind the forward pass, fitted on public runs served with --async-scheduling
@@ -284,6 +286,9 @@ def build_policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile | Non
         wanted = async_scheduling_of(cfg)
         if wanted is not None:
             policy_cfg = dataclasses.replace(policy_cfg, async_scheduling=wanted)
+        elif profile is not None and profile.data_parallel_size > 1:
+            # data parallelism is modelled with the synchronous loop (its knobs say async_scheduling false)
+            policy_cfg = dataclasses.replace(policy_cfg, async_scheduling=False)
     try:
         policy = make_policy(policy_cfg, policy_context(max_model_len, profile))
     except ValueError as exc:
@@ -291,6 +296,47 @@ def build_policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile | Non
     if profile is not None and profile.model.is_hybrid:
         hybrid_pool(cfg, policy, profile)
     return policy
+
+
+def dp_lockstep(profile: Profile) -> bool:
+    """Whether the profile's data-parallel ranks step together (an MoE model: sim.loop.dp)."""
+    return profile.data_parallel_size > 1 and profile.model.is_moe
+
+
+# GPUs of compute capability 10.x (data-center Blackwell), where vLLM's CUDA graphs reach 1024 tokens.
+_SM100 = frozenset({"b200-sxm", "b300-sxm", "gb200", "gb300"})
+
+
+def cuda_graph_tokens(policy: Policy, profile: Profile) -> int:
+    """vLLM 0.32's max_cudagraph_capture_size (VllmConfig._set_cudagraph_sizes): min(2 x
+    max_num_seqs, 512), 1024 on data-center Blackwell; the largest batch its CUDA graphs run,
+    up to which data-parallel ranks are padded to the largest one (sim.loop.dp)."""
+    return min(2 * policy.max_num_seqs, 1024 if profile.device.lower() in _SM100 else 512)
+
+
+def check_data_parallel(cfg: WorkloadConfig, profile: Profile, num_replicas: int, router: str) -> str:
+    """The router of a data-parallel deployment (vLLM's own load balancer, ``vllm_dp``), or the
+    given one without data parallelism; ConfigError for what is not modelled."""
+    d = profile.data_parallel_size
+    if d == 1:
+        return router
+    where = f"{cfg.source}: field 'profile.data_parallel_size'"
+    if cfg.policy.kind != "vllm_v1":
+        raise ConfigError(f"{where}: data parallelism is modelled as vLLM runs it (policy vllm_v1); "
+                          f"{cfg.policy.kind}'s data parallelism is not modelled yet")
+    if router not in ("round_robin", "least_requests", "vllm_dp"):
+        raise ConfigError(f"{where} is {d}: its ranks sit behind vLLM's data-parallel load balancer "
+                          f"(router vllm_dp; several deployments: the least loaded, then its balancer); "
+                          f"--router {router} is not how they are routed")
+    if cfg.disaggregation is not None:
+        raise ConfigError(f"{where}: data parallelism inside a disaggregated pool is not modelled yet")
+    if getattr(cfg.policy, "async_scheduling", None):
+        raise ConfigError(f"{cfg.source}: field 'policy.async_scheduling' is true: data-parallel ranks are "
+                          f"modelled with the synchronous loop only (sim.loop.dp); set it false or leave it out")
+    if getattr(cfg.policy, "speculative", None):
+        raise ConfigError(f"{cfg.source}: field 'policy.speculative': speculative decoding with "
+                          f"data-parallel ranks is not modelled yet")
+    return "vllm_dp"
 
 
 def hybrid_pool(cfg: WorkloadConfig, policy: Policy, profile: Profile) -> None:
@@ -458,6 +504,10 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
         raise ConfigError(f"{cfg.source}: the workload has no requests (check num_requests, duration_s, "
                           f"arrivals.start_s)")
     requests = RequestStream(specs, request_max_tokens(cfg, specs, max_model_len))
+    lockstep = dp_lockstep(profile)           # an MoE model's data-parallel ranks step together
+    if lockstep and (live or not isinstance(executor, SimExecutor)):
+        raise ConfigError(f"{cfg.source}: field 'profile.data_parallel_size': the live engine runs one rank; "
+                          f"data-parallel ranks are simulated only")
     servers = []
     for k in range(num_replicas):
         if policy is None or k:
@@ -483,9 +533,17 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
                 raise ConfigError(f"{cfg.source}: field 'policy.speculative': the live engine has no proposer "
                                   f"and cannot verify drafts; remove policy.speculative to run it live")
             state.speculation = Speculation(spec, np.random.default_rng([cfg.seed, k]))
-        server = Server(env, policy, state, executor, replica=k, coalesce=not live, check_stretch=check_stretch)
+        server = Server(env, policy, state, executor, replica=k, coalesce=not live, check_stretch=check_stretch,
+                        start=not lockstep)
         server.on_step = on_step(server) if on_step is not None else None
         servers.append(server)
+    d = profile.data_parallel_size
+    for server in servers if d > 1 else ():
+        server.dp_size = d
+    if lockstep:
+        from sim.loop.dp import DpGroup
+        for g in range(0, len(servers), d):            # one lockstep group a deployment
+            DpGroup(env, servers[g:g + d], profile, cuda_graph_tokens(servers[0].policy, profile))
     # A measured server's per-request overhead delays arrivals in simulation; live, it happens.
     lag_s = 0.0 if live else float(profile.engine.get("request_overhead_s") or 0.0)
     a = cfg.arrivals
@@ -556,6 +614,8 @@ def run_workload(cfg: WorkloadConfig, *, num_replicas: int = 1, router: str = "r
     wall0 = time.perf_counter()
     tune_heap()
     profile = build_profile(cfg)
+    router = check_data_parallel(cfg, profile, num_replicas, router)
+    num_replicas *= profile.data_parallel_size         # a data-parallel rank a replica, ranks of a deployment adjacent
     cfg = resolve_server(cfg, profile)
     policy = build_policy(cfg, max_model_len_of(cfg, profile), profile)
     num_blocks, max_model_len = kv_blocks(cfg, profile, policy)
