@@ -163,8 +163,12 @@ def run_plan(spec: PlanSpec, *, jobs: int | None = None, cluster: Any = None, pr
     out.mkdir(parents=True, exist_ok=True)
     tasks = [CandidateTask(c, str(spec.base_path), str(spec.base_path.parent), spec.target_rate, spec.slo, spec.router,
                            spec.search, spec.verify, str(out / "runs" / slug(c.name)), spec.target_utilization)
-             for c in spec.candidates]
-    results: list[dict[str, Any]] = []
+             for c in spec.candidates if c.refused is None]
+    # layouts of a ``layouts`` search that cannot run: reported with the line that says why
+    results: list[dict[str, Any]] = [
+        {"name": c.name, "hardware": c.hardware, "policy": c.policy, "error": f"refused: {c.refused}",
+         "layout": c.layout, "gpus_per_replica": c.gpus_per_replica, "price_per_gpu_hour": c.price_per_gpu_hour}
+        for c in spec.candidates if c.refused is not None]
     for outcome in run_tasks(plan_candidate, tasks, jobs=jobs, cluster=cluster, progress=progress,
                              desc=f"plan {spec.name}"):
         if outcome.error is not None:

@@ -57,7 +57,7 @@ from workloads.generate import check_size
 
 PLAN_KEYS = ("name", "description", "base", "set", "target_rate", "target_utilization", "slo", "router", "search",
              "verify", "policies", "candidates", "assumptions", "out")
-CANDIDATE_KEYS = ("name", "profile", "price_per_gpu_hour", "policies", "server", "gpus_per_replica")
+CANDIDATE_KEYS = ("name", "profile", "price_per_gpu_hour", "policies", "server", "gpus_per_replica", "layouts")
 SLO_KEYS = ("ttft_ms", "itl_ms", "tpot_ms", "attainment")
 # NOTE: 0.8 because the wait of an M/G/1-like queue grows as rho / (1 - rho): 4 at 80% utilisation, 19 at
 # 95%. A fleet sized at its measured capacity has no room for bursts, for a traffic ramp, or for the
@@ -116,6 +116,9 @@ class Candidate:
     # ``pools`` holds each pool's hardware, policy, GPUs per replica and price (reports.experiments.pdspec).
     layout: str = "aggregated"
     pools: dict[str, dict[str, Any]] | None = None
+    # A layout of a ``layouts`` search that cannot run (it does not fit, or does not divide the
+    # model): the one line saying why; the plan reports it and runs nothing of it.
+    refused: str | None = None
 
 
 @dataclass(frozen=True)
@@ -201,55 +204,116 @@ def _candidates(source: Path, data: dict, base_raw: dict, slo: Slo, base_dir: Pa
         if "disaggregation" in item:
             out += _disaggregated(source, where, item, base_raw, workload_slo, base_dir, checked, router)
             continue
-        for key in item:
-            if key not in CANDIDATE_KEYS:       # the closest key, disaggregation included
-                close = did_you_mean(key, [*CANDIDATE_KEYS, "disaggregation"])
-                raise fail(source, f"{where}.{key}", f"is unknown{close}",
-                           f"use one of: {', '.join(CANDIDATE_KEYS)} (or disaggregation instead of profile)")
-        check_keys(source, where, item, CANDIDATE_KEYS, required=("profile",))
-        profile = item["profile"]
-        if not isinstance(profile, dict):
-            raise fail(source, f"{where}.profile", f"must be a mapping, got {profile!r}",
-                       "profile: {model: llama-3.1-8b, gpu: h100-sxm, tensor_parallel: 1}")
-        price_source = "given"
-        if item.get("price_per_gpu_hour") is not None:
-            price = _number(source, f"{where}.price_per_gpu_hour", item["price_per_gpu_hour"])
-        else:
-            price, price_source = _default_price(source, where, profile, base_dir)
-        hardware = str(item.get("name") or profile.get("path") or
-                       f"{profile.get('gpu', 'h100-sxm')}" + (f" x{profile['tensor_parallel']}"
-                                                              if profile.get("tensor_parallel", 1) != 1 else ""))
-        gpus = (positive_int(source, f"{where}.gpus_per_replica", item["gpus_per_replica"])
-                if "gpus_per_replica" in item else
-                positive_int(source, f"{where}.profile.tensor_parallel", profile.get("tensor_parallel", 1)))
-        policies = item.get("policies") or default_policies
-        if not isinstance(policies, list):
-            raise fail(source, f"{where}.policies", f"must be a list, got {policies!r}", "policies: [vllm, sarathi]")
-        for policy in policies:
-            raw = set_dotted(base_raw, "profile", profile)
-            raw = set_dotted(raw, "policy", policy)
-            raw = apply_set(source, raw, {"slo": workload_slo} if workload_slo else None)
-            if item.get("server") is not None:
-                if not isinstance(item["server"], dict):
-                    raise fail(source, f"{where}.server", f"must be a mapping of server fields, got {item['server']!r}",
-                               "server: {gpu_memory_utilization: 0.9}")
-                raw = apply_set(source, raw, {f"server.{k}": v for k, v in dict(item["server"]).items()})
-            label = f"{source} [{where}, policy {_policy_label(policy)}]"
-            cfg = workload_from_dict(raw, label, base_dir)
-            check_runnable(cfg, checked)
-            if cfg.profile.path is not None and "gpus_per_replica" not in item and policy is policies[0]:
-                # A profile file states its own tensor-parallel degree (a path excludes the field):
-                # a replica of a TP-2 profile is priced as 2 GPUs, as it simulates (read once: every
-                # policy of the candidate runs the same file).
-                from sim.cost.profile import load_profile
-                gpus = load_profile(cfg.resolve_path(cfg.profile.path)).tensor_parallel
-            out.append(Candidate(name=f"{hardware} / {_policy_label(policy)}", raw=raw, gpus_per_replica=gpus,
-                                 price_per_gpu_hour=price, hardware=hardware, policy=_policy_label(policy),
-                                 price_source=price_source))
+        if isinstance(item, dict) and "layouts" in item:
+            out += _layouts(source, where, item, base_raw, workload_slo, base_dir, checked, default_policies)
+            continue
+        out += _plain(source, where, item, base_raw, workload_slo, base_dir, checked, default_policies)
     names = [c.name for c in out]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise fail(source, "candidates", f"name the same option twice: {dupes}", "give each candidate a distinct name:")
+    return out
+
+
+def _plain(source: Path, where: str, item: dict, base_raw: dict, workload_slo: dict, base_dir: Path,
+           checked: dict[str, None], default_policies: list) -> list[Candidate]:
+    """A candidate of one profile: one Candidate a policy."""
+    out: list[Candidate] = []
+    for key in item:
+        if key not in CANDIDATE_KEYS:       # the closest key, disaggregation included
+            close = did_you_mean(key, [*CANDIDATE_KEYS, "disaggregation"])
+            raise fail(source, f"{where}.{key}", f"is unknown{close}",
+                       f"use one of: {', '.join(CANDIDATE_KEYS)} (or disaggregation instead of profile)")
+    check_keys(source, where, item, CANDIDATE_KEYS, required=("profile",))
+    profile = item["profile"]
+    if not isinstance(profile, dict):
+        raise fail(source, f"{where}.profile", f"must be a mapping, got {profile!r}",
+                   "profile: {model: llama-3.1-8b, gpu: h100-sxm, tensor_parallel: 1}")
+    price_source = "given"
+    if item.get("price_per_gpu_hour") is not None:
+        price = _number(source, f"{where}.price_per_gpu_hour", item["price_per_gpu_hour"])
+    else:
+        price, price_source = _default_price(source, where, profile, base_dir)
+    hardware = str(item.get("name") or profile.get("path") or
+                   f"{profile.get('gpu', 'h100-sxm')}" + (f" x{profile['tensor_parallel']}"
+                                                          if profile.get("tensor_parallel", 1) != 1 else ""))
+    gpus = (positive_int(source, f"{where}.gpus_per_replica", item["gpus_per_replica"])
+            if "gpus_per_replica" in item else
+            positive_int(source, f"{where}.profile.tensor_parallel", profile.get("tensor_parallel", 1))
+            * positive_int(source, f"{where}.profile.data_parallel_size", profile.get("data_parallel_size", 1)))
+    policies = item.get("policies") or default_policies
+    if not isinstance(policies, list):
+        raise fail(source, f"{where}.policies", f"must be a list, got {policies!r}", "policies: [vllm, sarathi]")
+    for policy in policies:
+        raw = set_dotted(base_raw, "profile", profile)
+        raw = set_dotted(raw, "policy", policy)
+        raw = apply_set(source, raw, {"slo": workload_slo} if workload_slo else None)
+        if item.get("server") is not None:
+            if not isinstance(item["server"], dict):
+                raise fail(source, f"{where}.server", f"must be a mapping of server fields, got {item['server']!r}",
+                           "server: {gpu_memory_utilization: 0.9}")
+            raw = apply_set(source, raw, {f"server.{k}": v for k, v in dict(item["server"]).items()})
+        label = f"{source} [{where}, policy {_policy_label(policy)}]"
+        cfg = workload_from_dict(raw, label, base_dir)
+        check_runnable(cfg, checked)
+        if cfg.profile.path is not None and "gpus_per_replica" not in item and policy is policies[0]:
+            # A profile file states its own tensor-parallel degree (a path excludes the field):
+            # a replica of a TP-2 profile is priced as 2 GPUs, as it simulates (read once: every
+            # policy of the candidate runs the same file).
+            from sim.cost.profile import load_profile
+            gpus = load_profile(cfg.resolve_path(cfg.profile.path)).tensor_parallel
+        out.append(Candidate(name=f"{hardware} / {_policy_label(policy)}", raw=raw, gpus_per_replica=gpus,
+                             price_per_gpu_hour=price, hardware=hardware, policy=_policy_label(policy),
+                             price_source=price_source))
+    return out
+
+
+def layout_grid(num_gpus: int) -> list[tuple[int, int, bool]]:
+    """Every (tensor_parallel, data_parallel_size, enable_expert_parallel) of ``num_gpus`` GPUs a
+    replica: t x d = num_gpus, experts split by width (False) or placed whole (True)."""
+    return [(t, num_gpus // t, ep) for t in range(num_gpus, 0, -1) if num_gpus % t == 0 for ep in (False, True)]
+
+
+def _layouts(source: Path, where: str, item: dict, base_raw: dict, workload_slo: dict, base_dir: Path,
+             checked: dict[str, None], default_policies: list) -> list[Candidate]:
+    """A candidate whose ``layouts: {gpus: N}`` asks for every TP x DP x EP layout of N GPUs a
+    replica (``layout_grid``): one candidate each and policy; a layout that does not divide the
+    model or does not fit its memory is kept as refused, with the line that says why. Expert
+    parallelism of a dense model is no layout (left out)."""
+    spec = item["layouts"]
+    if not isinstance(spec, dict) or set(spec) != {"gpus"}:
+        raise fail(source, f"{where}.layouts", f"must be {{gpus: N}} (the GPUs of one replica), got {spec!r}",
+                   "layouts: {gpus: 8}")
+    n = positive_int(source, f"{where}.layouts.gpus", spec["gpus"])
+    if "profile" not in item or not isinstance(item["profile"], dict):
+        raise fail(source, f"{where}.profile", "is needed with layouts: the model and GPU they lay out",
+                   "profile: {model: deepseek-r1, gpu: h200}")
+    fixed = sorted(k for k in ("tensor_parallel", "data_parallel_size", "enable_expert_parallel")
+                   if k in item["profile"])
+    if fixed or "gpus_per_replica" in item:
+        key = f"profile.{fixed[0]}" if fixed else "gpus_per_replica"
+        raise fail(source, f"{where}.{key}", "is what layouts searches; leave it out",
+                   f"{where}.layouts: {{gpus: {n}}} tries every tensor_parallel x data_parallel_size")
+    from sim.run.config import ConfigError
+    out: list[Candidate] = []
+    base_name = str(item.get("name") or f"{item['profile'].get('gpu', 'h100-sxm')} x{n}")
+    for t, d, ep in layout_grid(n):
+        profile = {**item["profile"], "tensor_parallel": t, "data_parallel_size": d, "enable_expert_parallel": ep}
+        name = f"{base_name} TP{t}" + (f" DP{d}" if d > 1 else "") + (" EP" if ep else "")
+        one = {k: v for k, v in item.items() if k != "layouts"}
+        one.update(name=name, profile=profile, gpus_per_replica=n)
+        try:
+            found = _plain(source, where, one, base_raw, workload_slo, base_dir, checked, default_policies)
+        except ConfigError as exc:
+            why = str(exc)
+            if "expert parallelism needs a mixture-of-experts model" in why:
+                continue
+            why = why.split("]: ", 1)[-1] if "]: " in why else why
+            policy = _policy_label((item.get("policies") or default_policies)[0])
+            out.append(Candidate(name=f"{name} / {policy}", raw={}, gpus_per_replica=n, price_per_gpu_hour=0.0,
+                                 hardware=name, policy=policy, refused=why))
+            continue
+        out += found
     return out
 
 
