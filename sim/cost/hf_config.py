@@ -61,6 +61,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 # Gated DeltaNet's config keys (Qwen3-Next, Qwen3.5) -> ModelShape's fields.
 _LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                 "linear_conv_kernel_dim")
+# The multi-token-prediction layers a checkpoint ships: DeepSeek-V3/R1, GLM-5, Kimi-K2; Qwen3-Next, Qwen3.5.
+_MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 # mamba_ssm_dtype (Qwen3.5's recurrent-state dtype, which vLLM takes for mamba_ssm_cache_dtype "auto").
 _STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _REQUIRED_KEYS = frozenset(k for keys in _HF_FIELDS.values() for k in keys)
@@ -70,7 +72,7 @@ READ_KEYS = frozenset({k for keys in _HF_FIELDS.values() for k in keys} | set(_E
     "tie_word_embeddings", "rope_theta", "rope_parameters", "sliding_window", "layer_types", "use_sliding_window",
     "max_window_layers", "sliding_window_pattern", "moe_intermediate_size", "shared_expert_intermediate_size",
     "n_shared_experts", "first_k_dense_replace", "mlp_only_layers", "decoder_sparse_step", "quantization_config",
-    *_LINEAR_KEYS, "full_attention_interval", "mamba_ssm_dtype", "attn_output_gate",
+    *_LINEAR_KEYS, "full_attention_interval", "mamba_ssm_dtype", "attn_output_gate", *_MTP_KEYS,
     "name", "_name_or_path", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
     "index_topk", "index_head_dim", "index_n_heads"})
 _MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_topk",
@@ -372,6 +374,7 @@ def model_shape_from_hf(cfg: Mapping[str, Any], name: str | None = None) -> Mode
     window, num_sliding = sliding_layer_count(cfg, values["num_layers"], name)
     mla = {k: _count(cfg, k, name, 0) or 0 for k in _MLA_KEYS}
     moe = moe_fields(cfg, values["num_layers"], name)
+    mtp = next((_count(cfg, k, name, 0) for k in _MTP_KEYS if cfg.get(k) is not None), 0) or 0
     if "intermediate_size" not in values:
         if not moe or moe.get("num_dense_layers"):
             raise ValueError(f"model '{name}': config field 'intermediate_size' is missing (or 'ffn_dim'); "
@@ -381,7 +384,7 @@ def model_shape_from_hf(cfg: Mapping[str, Any], name: str | None = None) -> Mode
                       **linear_attention_fields(cfg, values["num_layers"], name),
                       tie_word_embeddings=_boolean(cfg, "tie_word_embeddings", name, True),
                       rope_theta=rope_theta, explicit_head_dim=head_dim, sliding_window=window,
-                      num_sliding_layers=num_sliding, **moe, **values)
+                      num_sliding_layers=num_sliding, num_mtp_layers=mtp, **moe, **values)
 
 
 def model_shape_from_dict(spec: Mapping[str, Any]) -> ModelShape:

@@ -51,7 +51,7 @@ from sim.cost.kernel_models import (PRESET_ARCHITECTURES, PRESET_IDS, ResolvedMo
 from sim.cost.profile import FORMAT_VERSION, Profile, load_profile
 
 KERNEL_SOURCES = ("aiconfigurator",)
-GRID_FORMAT = 3                    # bump when the grids or the composition change: rebuilds caches
+GRID_FORMAT = 4                    # bump when the grids or the composition change: rebuilds caches
 SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 8  # vLLM's sampler warm-up: fp32 logits, their sorted copy, int64 sort indices
 
 
@@ -145,7 +145,7 @@ def kernel_profile(spec: KernelSpec, host: HostTerms, folder: Path | None = None
            "version_asked": spec.engine_version, "model": model.config, "tp": spec.tensor_parallel,
            "ep": spec.expert_parallel, "dtype": spec.dtype, "weight_dtype": spec.weight_dtype,
            "kv_cache_dtype": spec.kv_cache_dtype, "gpu": dataclasses.asdict(gpu),
-           **({"dp": spec.data_parallel, "moe_curve": True} if spec.data_parallel > 1 else {})}
+           **({"dp": spec.data_parallel} if spec.data_parallel > 1 else {})}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     path = folder / "kernels" / f"{digest}.json"
     if path.is_file():

@@ -275,18 +275,18 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     "deepseek-r1": ModelShape("deepseek-r1", 7168, 61, 128, 128, 18432, 129280, 163840, rope_theta=10000.0,
                               num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
                               shared_expert_intermediate_size=2048, num_dense_layers=3, kv_lora_rank=512,
-                              q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+                              q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_mtp_layers=1),
     "deepseek-v3": ModelShape("deepseek-v3", 7168, 61, 128, 128, 18432, 129280, 163840, rope_theta=10000.0,
                               num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
                               shared_expert_intermediate_size=2048, num_dense_layers=3, kv_lora_rank=512,
-                              q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+                              q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_mtp_layers=1),
     # deepseek-ai/DeepSeek-V3.2 config.json: DeepSeek-V3's shape with DeepSeek sparse attention (an indexer
     # of 64 heads of 128, each query attending to its top 2,048 keys); FP8 block-scaled weights
     "deepseek-v3.2": ModelShape("deepseek-v3.2", 7168, 61, 128, 128, 18432, 129280, 163840, rope_theta=10000.0,
                                 num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
                                 shared_expert_intermediate_size=2048, num_dense_layers=3, kv_lora_rank=512,
                                 q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                                index_topk=2048, index_head_dim=128, index_n_heads=64),
+                                index_topk=2048, index_head_dim=128, index_n_heads=64, num_mtp_layers=1),
     # zai-org/GLM-5 config.json: 78 layers, the first 3 dense, MLA of 64 heads (nope 192, rope 64, v 256,
     # q_lora_rank 2048) with DeepSeek sparse attention (32 indexer heads of 128, top 2,048), 256 experts of
     # 2048 + 1 shared, top 8; bf16 weights (zai-org/GLM-5-FP8 is the FP8 checkpoint)
@@ -294,7 +294,7 @@ MODEL_PRESETS: dict[str, ModelShape] = {
                         num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
                         shared_expert_intermediate_size=2048, num_dense_layers=3, kv_lora_rank=512, q_lora_rank=2048,
                         qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_topk=2048, index_head_dim=128,
-                        index_n_heads=32),
+                        index_n_heads=32, num_mtp_layers=1),
     # MiniMaxAI/MiniMax-M2.5 config.json: 62 layers, 48 heads of 128 (8 KV heads), 256 experts of 1536, top 8,
     # no shared expert, every layer sparse; FP8 block-scaled weights (MODEL_PRECISIONS); its MTP modules are
     # not loaded without speculative decoding
@@ -309,7 +309,8 @@ MODEL_PRESETS: dict[str, ModelShape] = {
                                     num_experts_per_tok=10, moe_intermediate_size=1024,
                                     shared_expert_intermediate_size=1024, attn_output_gate=1, num_linear_layers=45,
                                     linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
-                                    linear_value_head_dim=128, linear_conv_kernel_dim=4, linear_state_bytes=4),
+                                    linear_value_head_dim=128, linear_conv_kernel_dim=4, linear_state_bytes=4,
+                                    num_mtp_layers=1),
     # moonshotai/Kimi-K2.5 config.json's text_config (DeepSeek-V3's architecture): 64 heads, 384 experts
     # of 2048 + 1 shared, top 8, the first layer dense, vocabulary 163840; INT4 experts (MODEL_PRECISIONS)
     "kimi-k2.5": ModelShape("kimi-k2.5", 7168, 61, 64, 64, 18432, 163840, 262144, rope_theta=50000.0,

@@ -20,7 +20,7 @@ OPTIONAL_INT_FIELDS = ("explicit_head_dim", "sliding_window", "num_sliding_layer
                        "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                        "index_topk", "index_head_dim", "index_n_heads", "attn_output_gate",
                        "num_linear_layers", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                       "linear_value_head_dim", "linear_conv_kernel_dim", "linear_state_bytes")
+                       "linear_value_head_dim", "linear_conv_kernel_dim", "linear_state_bytes", "num_mtp_layers")
 # Multi-head latent attention's fields (DeepSeek-V2/V3/R1, Kimi-K2): all set together, or none.
 MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # DeepSeek sparse attention's indexer (DeepSeek-V3.2, GLM-5), on top of MLA: all set, or none.
@@ -128,6 +128,10 @@ class ModelShape:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     linear_state_bytes: int = 0          # the recurrent state's bytes a value (0: the model's dtype)
+    # The multi-token-prediction layers the checkpoint ships (DeepSeek's num_nextn_predict_layers,
+    # Qwen3.5's mtp_num_hidden_layers): loaded only as speculative decoding's proposer (method mtp,
+    # sim.core.speculative), so not in num_params.
+    num_mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         for f in _POSITIVE_INT_FIELDS:

@@ -295,6 +295,16 @@ def build_policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile | Non
         raise ConfigError(f"{cfg.source}: field 'policy': {exc}") from None
     if profile is not None and profile.model.is_hybrid:
         hybrid_pool(cfg, policy, profile)
+    spec = getattr(policy, "speculative", None)
+    if profile is not None and spec is not None and spec.method == "mtp" and "draft_layers" not in (
+            getattr(cfg.policy, "speculative", None) or {}):
+        # MTP drafts with the checkpoint's own multi-token-prediction layers (num_nextn_predict_layers)
+        layers = profile.model.num_mtp_layers
+        if not layers:
+            raise ConfigError(f"{cfg.source}: field 'policy.speculative.method' is mtp, but {profile.model.name}'s "
+                              f"config names no MTP layers (num_nextn_predict_layers or mtp_num_hidden_layers); "
+                              f"give policy.speculative.draft_layers, or use eagle or eagle3")
+        policy.speculative = dataclasses.replace(spec, draft_layers=layers)
     return policy
 
 

@@ -251,3 +251,33 @@ def test_deepseek_v32_kernel_profile_prices_sparse_attention_from_its_modules(ca
     assert p.kv_bytes_per_token == 8 * 78_324 and p.model.is_dsa
     assert {"dsa_context_module_perf.parquet", "dsa_generation_module_perf.parquet"} <= set(p.provenance["tables"])
     assert p.attn_decode(64, 512) < p.attn_decode(64, 8192)
+
+
+def test_mtp_layers_are_read_from_the_configs_and_draft_for_method_mtp(tmp_path: Path, capsys) -> None:
+    # num_nextn_predict_layers (DeepSeek, GLM) / mtp_num_hidden_layers (Qwen3.5): loaded only as the
+    # proposer, so the weight counts above leave them out
+    assert model_shape_from_hf(config("DeepSeek-R1")).num_mtp_layers == 1
+    assert model_shape_from_hf(config("GLM-5")).num_mtp_layers == 1
+    assert model_shape_from_hf(config("Kimi-K2.5")).num_mtp_layers == 0          # num_nextn_predict_layers 0
+    assert model_shape_from_hf(config("Qwen3.5-397B-A17B")).num_mtp_layers == 1
+    assert model_shape_from_hf(config("DeepSeek-R1")).num_params == 671_025_397_760
+    from sim.cli import main
+    two = {**config("DeepSeek-R1"), "num_nextn_predict_layers": 2}
+    (tmp_path / "r1.json").write_text(json.dumps(two))
+    doc = {"name": "mtp", "seed": 0, "num_requests": 20, "arrivals": {"kind": "poisson", "rate": 5.0},
+           "lengths": {"kind": "fixed", "prompt_tokens": 200, "output_tokens": 20},
+           "policy": {"kind": "vllm_v1", "speculative": {"method": "mtp", "num_speculative_tokens": 2,
+                                                          "acceptance_length": 2.0}},
+           "server": {"max_model_len": 4096},
+           "profile": {"model": "r1.json", "gpu": "h200", "tensor_parallel": 8, "enable_expert_parallel": True}}
+    for model, code_want, words in (("r1.json", 0, None), ("kimi-k2.5", 2, "config names no MTP layers")):
+        path = tmp_path / "w.yaml"
+        path.write_text(json.dumps({**doc, "profile": {**doc["profile"], "model": model}}))
+        code = main(["run", str(path), "--out", str(tmp_path / "out"), "--quiet", "--overwrite"])
+        err = capsys.readouterr().err
+        assert code == code_want, err
+        if words:
+            assert words in err and "Traceback" not in err
+        else:   # the config's 2 MTP layers are the proposer's
+            summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+            assert summary["speculative"]["draft_layers"] == 2
