@@ -180,7 +180,8 @@ class Profile:
             t += self.attn_decode(n, batch.decode_context / n if self.decode_per_seq else batch.decode_context)
         return t
 
-    def dp_step_time_s(self, batches: Sequence[Batch | None], graph_tokens: int = 0) -> float:
+    def dp_step_time_s(self, batches: Sequence[Batch | None], graph_tokens: int = 0,
+                       expert_imbalance: float = 1.0) -> float:
         """One step of data-parallel ranks stepping together (``sim.loop.dp``), ``batches`` one a
         rank (None: a rank with nothing to run, which joins with a dummy batch of one token).
 
@@ -190,12 +191,17 @@ class Profile:
         ``linear``, and the experts meet all ranks' tokens, priced at their mean a rank (``moe``
         is measured with every rank alike). Each rank adds its own attention, LM head and
         overheads (``step_time_s``); the MoE layers' collectives hold every rank to the slowest,
-        which is the group's step."""
+        which is the group's step. ``expert_imbalance``: the tokens the busiest rank's experts get
+        over the mean (1: uniform routing); the experts are priced at that many tokens."""
         tokens = [b.num_tokens if b is not None and b.num_tokens else 1 for b in batches]
         most = max(tokens)
         padded = most <= graph_tokens
         moe = self.moe
-        experts = 0.0 if moe is None else moe(most if padded else -(-sum(tokens) // len(tokens)))
+        if moe is None:
+            experts = 0.0
+        else:
+            mean = most if padded else -(-sum(tokens) // len(tokens))
+            experts = moe(mean * expert_imbalance if expert_imbalance != 1.0 else mean)
         slowest = 0.0
         for b, n in zip(batches, tokens):
             if b is None:

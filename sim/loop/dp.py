@@ -17,7 +17,9 @@ layers' collectives wait for the largest rank all the same). ``DpGroup`` is that
    (``graph_tokens``: vLLM's max_cudagraph_capture_size, min(2 x max_num_seqs, 512; 1024 on
    B200/B300/GB200/GB300)), every rank runs its token-parallel ops and the experts at the
    largest rank's token count (vLLM's DP padding); above, each rank runs its own tokens and
-   the experts meet all the ranks' (priced at their mean a rank). Each rank adds its own
+   the experts meet all the ranks' (priced at their mean a rank). Routing is uniform unless
+   ``profile.expert_imbalance`` says by how much the busiest rank's experts get more tokens
+   than the mean (the experts are then priced at that many). Each rank adds its own
    attention, LM head and overheads; the group's step is the slowest rank's, and every rank's
    step starts and ends with it.
 4. Each rank with a batch commits it at the step's end and logs it with the group's duration;
@@ -46,9 +48,9 @@ class DpGroup:
     ``Server(start=False)``), priced by ``profile`` (the ranks')."""
 
     def __init__(self, env: simpy.Environment, servers: Sequence[Server], profile: Profile,
-                 graph_tokens: int = 0) -> None:
+                 graph_tokens: int = 0, expert_imbalance: float = 1.0) -> None:
         self.env, self.servers, self.profile = env, list(servers), profile
-        self.graph_tokens = graph_tokens
+        self.graph_tokens, self.expert_imbalance = graph_tokens, expert_imbalance
         self.num_steps = 0
         self.num_dummy_steps = 0          # a rank's steps with nothing of its own (rule 3)
         self.process = env.process(self._serve())
@@ -95,7 +97,7 @@ class DpGroup:
                 now_s = env.now
                 continue
             start_s = now_s
-            duration_s = self.profile.dp_step_time_s(batches, self.graph_tokens)
+            duration_s = self.profile.dp_step_time_s(batches, self.graph_tokens, self.expert_imbalance)
             yield env.timeout(duration_s)
             end_s = now_s = env.now
             self.num_steps += 1

@@ -52,6 +52,9 @@ class ProfileConfig:
     # vLLM's --data-parallel-size: that many ranks of tensor_parallel GPUs behind one API server,
     # each with its own scheduler and KV pool (sim.loop.dp); an MoE model's ranks step together.
     data_parallel_size: int = 1
+    # Data-parallel MoE ranks: the tokens the busiest expert-parallel rank's experts get over the mean
+    # (1.0: uniform routing; measured routing is often 1.2-2x); its experts are priced at that many.
+    expert_imbalance: float = 1.0
     # The serving engine generation whose host work the analytic preset charges
     # (sim.cost.collectives.ENGINES: vllm-v0 fitted on public runs; vllm-v1, vllm-v1-async). With
     # kernels on vLLM's tables, vllm-v1-async picks vLLM's async host terms, anything else its
@@ -297,6 +300,13 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
         raise ConfigError(f"{source}: field 'server.watermark' must be in [0, 1), got {s.watermark}")
     _positive(source, "profile.tensor_parallel", cfg.profile.tensor_parallel)
     _positive(source, "profile.data_parallel_size", cfg.profile.data_parallel_size)
+    f = cfg.profile.expert_imbalance
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 1.0 <= f <= 16.0:
+        raise ConfigError(f"{source}: field 'profile.expert_imbalance' must be a number from 1 (uniform routing) "
+                          f"to 16, got {f!r}")
+    if f != 1.0 and not (cfg.profile.data_parallel_size > 1 and cfg.profile.enable_expert_parallel):
+        raise ConfigError(f"{source}: field 'profile.expert_imbalance' applies to data-parallel ranks with expert "
+                          f"parallelism (profile.data_parallel_size > 1, enable_expert_parallel: true)")
     if cfg.profile.data_parallel_size > 1024:
         raise ConfigError(f"{source}: field 'profile.data_parallel_size' must be at most 1024, "
                           f"got {cfg.profile.data_parallel_size:,}")
@@ -307,7 +317,7 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
     raw_profile = data.get("profile") if isinstance(data.get("profile"), dict) else {}
     clash = sorted(k for k in ("model", "gpu", "tensor_parallel", "dtype", "engine", "weight_dtype",
                                "kv_cache_dtype", "enable_expert_parallel", "kernels", "engine_version",
-                               "data_parallel_size")
+                               "data_parallel_size", "expert_imbalance")
                    if k in raw_profile)
     if cfg.profile.path is not None and clash:
         raise ConfigError(f"{source}: field 'profile' gives both a path and {', '.join(clash)}; a profile "

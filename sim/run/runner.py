@@ -553,7 +553,8 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
     if lockstep:
         from sim.loop.dp import DpGroup
         for g in range(0, len(servers), d):            # one lockstep group a deployment
-            DpGroup(env, servers[g:g + d], profile, cuda_graph_tokens(servers[0].policy, profile))
+            DpGroup(env, servers[g:g + d], profile, cuda_graph_tokens(servers[0].policy, profile),
+                    cfg.profile.expert_imbalance)
     # A measured server's per-request overhead delays arrivals in simulation; live, it happens.
     lag_s = 0.0 if live else float(profile.engine.get("request_overhead_s") or 0.0)
     a = cfg.arrivals

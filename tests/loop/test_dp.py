@@ -47,6 +47,9 @@ def test_the_group_step_is_the_slowest_rank_padded_to_the_most_tokens() -> None:
     assert with_moe.step_time_s(prefill) == pytest.approx(31e-3)
     assert with_moe.dp_step_time_s([decode, prefill, None], graph_tokens=512) == pytest.approx(31.1e-3)
     assert with_moe.dp_step_time_s([decode, prefill, None], graph_tokens=64) == pytest.approx(18e-3)
+    # the busiest rank's experts get 1.5x the mean: moe(1.5 x 35 = 52.5 tokens) = 10.5 ms, 11 + 10.5
+    assert with_moe.dp_step_time_s([decode, prefill, None], graph_tokens=64,
+                                   expert_imbalance=1.5) == pytest.approx(21.5e-3)
 
 
 def ranks(env: simpy.Environment, n: int, num_blocks: int = 1000) -> list[Server]:
@@ -197,7 +200,10 @@ def test_a_deepseek_r1_dp8_run_and_what_is_refused(tmp_path: Path, capsys) -> No
             ({"policy": {"kind": "vllm_v1", "speculative": {"method": "mtp", "num_speculative_tokens": 1,
                                                            "acceptance_length": 1.6}}}, (),
              "field 'policy.speculative'"),
-            ({"profile": {**base["profile"], "data_parallel_size": 0}}, (), "profile.data_parallel_size")):
+            ({"profile": {**base["profile"], "data_parallel_size": 0}}, (), "profile.data_parallel_size"),
+            ({"profile": {**base["profile"], "expert_imbalance": 0.5}}, (), "field 'profile.expert_imbalance' must"),
+            ({"profile": {**base["profile"], "enable_expert_parallel": False, "expert_imbalance": 1.3}}, (),
+             "field 'profile.expert_imbalance' applies to data-parallel ranks with expert parallelism")):
         code, err = run({**base, **change}, *extra)
         assert code != 0 and words in err and "Traceback" not in err, err
 
