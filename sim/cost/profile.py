@@ -635,6 +635,16 @@ def _flag(value: Any, where: str, source: str) -> bool:
     return value
 
 
+def _optional_curve(curves: dict, key: str, axis: str, source: str) -> Curve1D | None:
+    """A profile file's optional 1-D curve ``curves.<key>`` (x axis ``axis``), checked; None when absent."""
+    if curves.get(key) is None:
+        return None
+    where, data = f"curves.{key}", curves[key]
+    _check_curve(where, {axis: _get(data, axis, f"{where}.", source)}, _get(data, "seconds", f"{where}.", source),
+                 source)
+    return Curve1D(data[axis], data["seconds"], name=where, measured_max=_measured_max(data, where, source))
+
+
 def _measured_max(curve: dict, where: str, source: str) -> float | None:
     """A 1-D curve's optional ``measured_max``: the largest x its table measured."""
     if curve.get("measured_max") is None:
@@ -739,20 +749,8 @@ def profile_from_dict(data: Any, source: str = "<profile>") -> Profile:
         _check_curve("curves.attn_decode", {"seqs": _get(dec, "seqs", "curves.attn_decode.", source),
                                             "context": _get(dec, "context", "curves.attn_decode.", source)},
                      _get(dec, "seconds", "curves.attn_decode.", source), source)
-        lm_head = None
-        if c.get("lm_head") is not None:
-            lm = c["lm_head"]
-            _check_curve("curves.lm_head", {"seqs": _get(lm, "seqs", "curves.lm_head.", source)},
-                         _get(lm, "seconds", "curves.lm_head.", source), source)
-            lm_head = Curve1D(lm["seqs"], lm["seconds"], name="curves.lm_head",
-                              measured_max=_measured_max(lm, "curves.lm_head", source))
-        moe = None
-        if c.get("moe") is not None:
-            mc = c["moe"]
-            _check_curve("curves.moe", {"tokens": _get(mc, "tokens", "curves.moe.", source)},
-                         _get(mc, "seconds", "curves.moe.", source), source)
-            moe = Curve1D(mc["tokens"], mc["seconds"], name="curves.moe",
-                          measured_max=_measured_max(mc, "curves.moe", source))
+        lm_head = _optional_curve(c, "lm_head", "seqs", source)
+        moe = _optional_curve(c, "moe", "tokens", source)
         prefill_shared_s = _finite(c.get("prefill_shared_s", 0.0), "curves.prefill_shared_s", source,
                                    maximum=MAX_SECONDS)
         host_step_s = _finite(c.get("host_step_s", 0.0), "curves.host_step_s", source, maximum=MAX_SECONDS)
