@@ -71,6 +71,8 @@ class PolicyBase:
     pipelined = False                       # a step is chosen after the one before it committed
     overlap_loop = False                    # with pipelined: vLLM's commit (commit_pipelined), not SGLang's
     pipelined_knob: str | None = None       # the config knob that turns the pipelined loop off
+    pipelined_off: Any = False               # the value of pipelined_knob that turns it off (TensorRT-LLM's
+    #                                         disable_overlap_scheduler says it the other way round: True)
     kv_pool_class: type = BlockManager
     block_size: int | None = None           # server.block_size
     kv_memory: KvMemory | None = None       # vLLM's rule: server.gpu_memory_utilization

@@ -59,15 +59,70 @@ enum read (three policies) does not offer, and reuse-aware token budgets
    prefill's computed blocks when it is paused.
 5. Memory: ``free_gpu_memory_fraction`` of the memory left after weights and
    activations (``KvMemory(fraction, "free")``), pages of ``tokens_per_block``.
+6. The overlap scheduler (``disable_overlap_scheduler`` false, the LLM API's
+   default in ``llmapi/llm_args.py``): ``PyExecutor._executor_loop_overlap``
+   instead of the synchronous ``_executor_loop``. Read in ``py_executor.py``
+   (a version of the 1.2 era, with the hang detector and the control
+   requests; the index names no commit for it), ``scheduler.py``
+   (``BindCapacityScheduler``, ``BindMicroBatchScheduler``), ``sampler.py``
+   (``TorchSampler.update_requests``), ``llmRequest.h`` and the C++
+   schedulers named above. Each iteration schedules step N+1 while step N is
+   on the device, prepares its KV (``prepare_resources``) and launches it,
+   feeding it N's sampled tokens on the device; only then does it take in
+   N's tokens (``_update_requests``: stop checks, finishes), launch N+1's
+   sampling, move N+1's context requests on (``_update_request_states``),
+   and process N's responses (``_process_previous_batch``: ``_handle_responses``
+   terminates the finished requests, which frees their KV). So the pass that
+   chooses N+1 sees step N's tokens as computed, but not the tokens N
+   samples, nor N's finishes and frees (those of step N-1 are in: here
+   ``SchedulerState.commit_pipelined`` runs at N's end, after N+1 was
+   chosen; ``pipelined``: sim.loop.server). In that pass:
+   a) a context request whose chunk in N is not its last schedules its next
+      chunk from where N's ends (its position moved when N was launched);
+   b) one whose last chunk is in N is already a generation request (its
+      state moved to GENERATION_IN_PROGRESS when N was launched): it decodes
+      in N+1, fed the token N samples, with no step between its prompt and
+      its first decode;
+   c) a request whose token in N is its last by max_tokens is marked
+      GENERATION_TO_COMPLETE when N is launched (``_update_request_states``,
+      ``will_complete_next_iteration``: the tokens taken in plus one reach
+      max_tokens). The capacity scheduler still takes it (it runs with
+      no_schedule_after GENERATION_COMPLETE, and ``isGenerationInProgressState``
+      counts GENERATION_TO_COMPLETE in): it keeps its place among the
+      ``max_batch_size`` and, under GUARANTEED_NO_EVICT, its blocks to
+      completion; the micro batch scheduler, whose no_schedule_after state
+      is GENERATION_TO_COMPLETE since TensorRT-LLM PR #8587 (2025-10, the
+      early exit: the PR's description and the C++ header's default;
+      the bindings of the versions the index holds still default to
+      GENERATION_COMPLETE, so which 1.2 build first skips it is not pinned
+      here), leaves it out of N+1. A request that stops on EOS in N
+      is not known to: it decodes in N+1, its token thrown away
+      (``TorchSampler.update_requests`` skips a finished request). Either
+      keeps its KV blocks, an N+1 block included, until N's results are
+      processed after N+1 is launched: the pass that chooses N+2 sees them
+      free;
+   d) the KV manager holds the slots of N's tokens (``getNeededBlocksOneStep``
+      and ``getRemainingBlocksToCompletion`` count its allocated blocks and
+      tokens), so GUARANTEED_NO_EVICT reserves and MAX_UTILIZATION counts
+      one step on from there; decoded blocks are registered for reuse over
+      the tokens whose ids the host knows, a token in flight completing its
+      block a step later (our reading: TensorRT-LLM's KV manager stores a
+      block from the request's tokens, which lack the one in flight);
+   e) a request that MAX_UTILIZATION pauses while it has a token in N keeps
+      that token (``_update_requests`` takes N's tokens in before
+      ``_pause_requests``), which its recompute then includes.
+   The timing is the pipelined loop's (sim.loop.server.pipelined_start_s): a
+   step's host work (``Profile.host_s``) runs beside the device's step
+   before it, so a steady stream of steps runs at max(host, device) a step.
 
 Not modelled: partial block reuse (``enable_partial_reuse``, on by default:
 a cached block matching only a prefix of a new block's tokens is reused or
-copied, so a hit may end inside a block), KV offloading to host, the
-overlap scheduler (on by default: ``llmapi/llm_args.py``'s
-``disable_overlap_scheduler`` is false; ``py_executor.py``'s
-``_executor_loop_overlap`` chooses a step while the one before it runs and
-processes that one's results, finishes and frees after launching the next;
-this policy is its synchronous ``_executor_loop``: see docs/policies.md),
+copied, so a hit may end inside a block), KV offloading to host, of the
+overlap scheduler what its loop does beyond rules 6 a-e: a step that
+``_can_queue`` holds back on some rank (attention DP), the drafter and
+guided decoding under overlap, and the KV cache manager v2's scheduler
+(a prototype, off by default, whose capacity scheduler leaves
+GENERATION_TO_COMPLETE requests out too),
 pipeline parallel's two-step lookahead,
 the active list's arrival order where it differs from running-then-waiting
 (a request the skip rule passed over keeps its place ahead of those admitted
@@ -119,6 +174,10 @@ class TensorRtLlmConfig:
     tokens_per_block: int = knob(32, "KV page size in tokens, also the chunk unit (KvCacheConfig default 32)")
     free_gpu_memory_fraction: float = knob(0.9, "share of the memory left after weights and activations given "
                                                 "to the KV cache (KvCacheConfig default 0.9)")
+    disable_overlap_scheduler: bool = knob(False, "run the synchronous executor loop; false (the LLM API's "
+                                                  "default): the overlap scheduler chooses each step while the "
+                                                  "one before it runs, its outputs seen a step later (rule 6 of "
+                                                  "the module doc)")
 
 
 class TensorRtLlmPolicy(PolicyBase):
@@ -133,6 +192,8 @@ class TensorRtLlmPolicy(PolicyBase):
     decode_stretch = True
     # (refuses_by_prompt False: reserved to completion, refused if prompt + max_tokens exceed the pool)
     prefix_switch = PrefixSwitch("enable_block_reuse")
+    pipelined_knob = "disable_overlap_scheduler"
+    pipelined_off = True
     server_knobs = {
         "block_size": EngineKnob("tokens_per_block", "KvCacheConfig's tokens_per_block, its KV page"),
         "gpu_memory_utilization": EngineKnob("free_gpu_memory_fraction", "KvCacheConfig's free_gpu_memory_fraction, "
@@ -168,6 +229,9 @@ class TensorRtLlmPolicy(PolicyBase):
         self.capacity = config.capacity_scheduler_policy
         if config.max_num_tokens < config.max_batch_size:
             self.decode_stretch = False      # see the class's decode_stretch
+        if not config.disable_overlap_scheduler:     # rule 6 of the module doc: _executor_loop_overlap
+            self.pipelined = True            # SchedulerState.commit_pipelined: a paused request's token in
+            self.decode_stretch = False      # flight is still delivered (_update_requests runs before the pause)
 
     stretch_shape = plain_stretch_shape          # its decodes attend over their own contexts; no case (c)
 
@@ -177,15 +241,21 @@ class TensorRtLlmPolicy(PolicyBase):
             "context_chunking_policy": "without enable_chunked_prefill: nothing is chunked"}
 
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
+        # The overlap scheduler (rule 6): the step in flight's tokens, by request (none in the
+        # synchronous loop, whose state.pending stays empty).
+        flight = {it[0]: it[1] for it in state.pending[-1].items} if state.pending else {}
         if self.capacity == "MAX_UTILIZATION":
-            fitting = max_utilization(state, self.max_num_seqs)
+            fitting = max_utilization(state, self.max_num_seqs, flight)
         else:
-            fitting = no_evict(state, self.max_num_seqs, static=self.capacity == "STATIC_BATCH")
-        return self._micro_batch(state, now_s, fitting)
+            fitting = no_evict(state, self.max_num_seqs, self.capacity == "STATIC_BATCH", flight)
+        return self._micro_batch(state, now_s, fitting, flight)
 
     # ---- micro batch scheduler and KV ---------------------------------------------------------------
-    def _micro_batch(self, state: SchedulerState, now_s: float, fitting: list[Request]) -> Batch | Idle:
-        """Rule 3 of the module doc over the capacity scheduler's list, then rule 4's allocations."""
+    def _micro_batch(self, state: SchedulerState, now_s: float, fitting: list[Request],
+                     flight: dict[int, int]) -> Batch | Idle:
+        """Rule 3 of the module doc over the capacity scheduler's list, then rule 4's allocations;
+        with a step in flight (rule 6) its tokens count as computed, and a request whose known
+        tokens it completes decodes next, feeding the token it samples (a placeholder here)."""
         kv = state.kv
         bs = kv.block_size
         caching = kv.caching
@@ -196,9 +266,20 @@ class TensorRtLlmPolicy(PolicyBase):
         wanted: list[int] = []               # each context's tokens still to compute (a first chunk: all)
         all_fit = True
         new_item = tuple.__new__             # BatchItem(...) without the NamedTuple call overhead
+        get = flight.get
         for r in fitting:
             computed = r.num_computed_tokens
             rest = r.num_prompt_tokens + r.num_output_tokens - computed
+            placeholder = 0
+            if flight:
+                ahead = get(r.req_id, 0)
+                if ahead:
+                    computed += ahead
+                    rest -= ahead
+                    if rest <= 0:                                # it samples in flight: that token next
+                        if r.num_output_tokens + 1 >= r.max_output_tokens:
+                            continue                             # GENERATION_TO_COMPLETE: not scheduled
+                        rest, placeholder = 1, 1
             if rest == 1 and r.block_ids:                        # a decode
                 if used + 1 > max_tokens:
                     break
@@ -207,8 +288,9 @@ class TensorRtLlmPolicy(PolicyBase):
                                        f"scheduler let through")
                 items.append(new_item(BatchItem, (r.req_id, 1, computed, 0)))
                 used += 1
-                if caching and (computed + 1) // bs > r.num_hashed_blocks:
-                    kv.cache(r, computed + 1)                    # the token completes a block
+                # the token completes a block: registered over the tokens known (less a placeholder)
+                if caching and (computed + 1 - placeholder) // bs > r.num_hashed_blocks:
+                    kv.cache(r, computed + 1 - placeholder)
             elif not self.chunking:
                 if rest > max_tokens and not r.block_ids:        # a paused request outgrew one step
                     state.cut_short(r, now_s)
@@ -234,8 +316,8 @@ class TensorRtLlmPolicy(PolicyBase):
             if chunk <= 0:
                 continue
             known = r.num_prompt_tokens + r.num_output_tokens
-            if r.block_ids:                                      # a later chunk
-                start = r.num_computed_tokens
+            if r.block_ids:                                      # a later chunk (after the one in flight)
+                start = r.num_computed_tokens + get(r.req_id, 0)
             else:                                                # a first chunk: take the prompt's blocks
                 hit = kv.lookup(r) if caching else []
                 start = len(hit) * bs

@@ -6,12 +6,13 @@ micro batch scheduler reads them; MAX_UTILIZATION pauses (preempts) here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from policies.tensorrt_llm_rules import (
     blocks_one_step,
     blocks_to_completion,
     new_context_block,
+    tokens_left,
 )
 
 if TYPE_CHECKING:
@@ -20,14 +21,17 @@ if TYPE_CHECKING:
     from sim.core.state import SchedulerState
 
 
-def no_evict(state: SchedulerState, max_requests: int, static: bool) -> list[Request]:
+def no_evict(state: SchedulerState, max_requests: int, static: bool, flight: Mapping[int, int]) -> list[Request]:
     """GUARANTEED_NO_EVICT / STATIC_BATCH: decodes, then prefills and waiting requests in order while
-    their blocks to completion fit; the first misfit stops the scan."""
+    their blocks to completion fit; the first misfit stops the scan. ``flight``: the tokens of each
+    request in the step in flight (the overlap scheduler; empty in the synchronous loop)."""
     kv = state.kv
     decoding, pending = [], []
     available = kv.num_free_blocks
+    get = flight.get
     for r in state.running:
-        if r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens == 1:
+        if (tokens_left(r, get(r.req_id, 0)) if flight
+                else r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens) == 1:
             decoding.append(r)
             available -= blocks_to_completion(kv, r)
         else:
@@ -50,19 +54,21 @@ def no_evict(state: SchedulerState, max_requests: int, static: bool) -> list[Req
     return fitting
 
 
-def max_utilization(state: SchedulerState, max_requests: int) -> list[Request]:
-    """MAX_UTILIZATION: next-step blocks only; a misfit pauses the last running request."""
+def max_utilization(state: SchedulerState, max_requests: int, flight: Mapping[int, int]) -> list[Request]:
+    """MAX_UTILIZATION: next-step blocks only; a misfit pauses the last running request. ``flight``
+    as in ``no_evict``."""
     kv = state.kv
     running = state.running
     fitting: list[Request] = []
     scheduled = 0
-    produced = ({new_context_block(kv, r) for r in running if r.num_tokens - r.num_computed_tokens > 1} - {None}
+    get = flight.get
+    produced = ({new_context_block(kv, r) for r in running if tokens_left(r, get(r.req_id, 0)) > 1} - {None}
                 if kv.caching else set())
     paused = False
     i = 0
     while i < len(running):
         r = running[i]
-        need = blocks_one_step(kv, r)
+        need = blocks_one_step(kv, r, get(r.req_id, 0))
         if scheduled + need <= kv.num_free_blocks:      # (running never exceeds max_batch_size)
             fitting.append(r)
             scheduled += need

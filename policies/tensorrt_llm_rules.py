@@ -74,16 +74,30 @@ def blocks_to_completion(kv: KVPool, r: Request) -> int:
     return max(0, kv.num_blocks_for(r.num_prompt_tokens + r.max_output_tokens) - len(r.block_ids))
 
 
-def blocks_one_step(kv: KVPool, r: Request) -> int:
+def blocks_one_step(kv: KVPool, r: Request, ahead: int = 0) -> int:
     """Blocks ``r`` needs for its next step (``getNeededBlocksOneStep``): a
     request not started (waiting) all of its known tokens' blocks, no reuse
     counted; a started prefill none (its prompt's blocks came with its first
-    chunk); a decode one if its blocks are full."""
+    chunk); a decode one if its blocks are full. ``ahead``: its tokens in the
+    step in flight (the overlap scheduler), counted as computed: the KV
+    manager has their slots already."""
     if not r.block_ids:
         return kv.num_blocks_for(r.num_prompt_tokens + r.num_output_tokens)
-    if r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens > 1:
+    computed = r.num_computed_tokens + ahead
+    if r.num_prompt_tokens + r.num_output_tokens - computed > 1:
         return 0
-    return 1 if r.num_computed_tokens >= len(r.block_ids) * kv.block_size else 0
+    return 1 if computed >= len(r.block_ids) * kv.block_size else 0
+
+
+def tokens_left(r: Request, ahead: int) -> int:
+    """The tokens ``r`` has left to compute once its ``ahead`` tokens in the step in flight are
+    computed (the overlap scheduler's view: ``_update_request_states`` moved its context on when
+    that step was launched). A step in flight that completes its known tokens samples a token the
+    scheduler does not know yet: one left, its next step a generation step that feeds that token
+    (TensorRT-LLM's GENERATION_IN_PROGRESS, or GENERATION_TO_COMPLETE, which the capacity scheduler
+    still counts as one). Without a step in flight (``ahead`` 0): known - computed."""
+    rest = r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens - ahead
+    return rest if rest > 0 else 1
 
 
 def new_context_block(kv: KVPool, r: Request) -> int | None:

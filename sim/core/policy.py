@@ -181,6 +181,8 @@ class Policy(Protocol):
     overlap_loop: bool             # with pipelined: SGLang's overlap loop, whose outputs are committed by
     #                                SchedulerState.commit_overlap (a retracted request's output dropped)
     pipelined_knob: str | None     # the knob of the config that turns the pipelined loop off (live runs)
+    pipelined_off: Any             # the value of that knob that turns it off: False (vLLM's async_scheduling,
+    #                                SGLang's enable_overlap) or True (TensorRT-LLM's disable_overlap_scheduler)
     kv_pool_class: type            # the KV pool each replica gets, a sim.core.kv.KVPool: BlockManager, a
     #                                caching pool (sim.core.prefix, sim.core.radix: its ``caching`` says so)
     block_size: int | None         # the engine's KV page in tokens where the policy has it as a knob (SGLang's

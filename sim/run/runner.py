@@ -529,10 +529,11 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
                     f"is unset, which on this profile's device ({profile.device}, not a CPU) means on, as in vLLM")
             else:
                 given = cfg.raw.get("policy") if isinstance(cfg.raw.get("policy"), dict) else {}
-                said = "is true" if knob_name in given else "is unset, which means on, as in the engine it follows"
+                said = (f"is {str(given[knob_name]).lower()}" if knob_name in given
+                        else "is unset, which means on, as in the engine it follows")
             raise ConfigError(f"{cfg.source}: field 'policy.{knob_name}' {said}; the live engine runs one step "
                               f"at a time and cannot choose a step while another runs: set "
-                              f"policy.{knob_name}: false to run it live")
+                              f"policy.{knob_name}: {str(policy.pipelined_off).lower()} to run it live")
         usable = num_blocks - policy.num_reserved_blocks    # vLLM v1's null block
         state = SchedulerState(policy.kv_pool_class(usable, block_size_of(cfg, policy), cfg.server.watermark),
                                max_model_len, policy.max_prompt_tokens, refuse_by_prompt=policy.refuses_by_prompt,

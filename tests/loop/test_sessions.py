@@ -211,7 +211,7 @@ def test_fast_path_and_check_mode_on_sessions(policy: str, monkeypatch: pytest.M
     # overlap, steps every iteration).
     from policies import POLICIES
     knob_name = POLICIES[policy][1].pipelined_knob
-    sync = {knob_name: False} if knob_name else {}
+    sync = {knob_name: POLICIES[policy][1].pipelined_off} if knob_name else {}
     data = {**load_yaml_mapping(path), "policy": {"kind": policy, **sync}}
     data["sessions"] = {**data["sessions"], "num_sessions": 30}
     make = lambda: workload_from_dict(data, str(path), path.parent)    # noqa: E731

@@ -106,7 +106,7 @@ def test_check_mode_really_checks_steps(kind) -> None:
     # The fast path is the synchronous loop's: a policy's pipelined loop (vLLM's async scheduling,
     # SGLang's overlap), if it has one, is off.
     knob_name = POLICIES[kind][1].pipelined_knob
-    sync = {knob_name: False} if knob_name else {}
+    sync = {knob_name: POLICIES[kind][1].pipelined_off} if knob_name else {}
     cfg = POLICIES[kind][0](**CASES[kind].small, **sync)
     server, _ = _run(specs, cfg, 400, fast=True, check=True)
     assert server.num_stretch_steps_checked > 0.3 * len(server.log), (server.num_stretch_steps_checked,
@@ -155,7 +155,8 @@ def test_a_cached_resume_that_looks_like_a_decode_is_no_evidence() -> None:
     # (1 + 4 <= 236): an admission in the step just run must stop the fast path's inference.
     from policies.tensorrt_llm import TensorRtLlmConfig
     cfg = TensorRtLlmConfig(max_batch_size=8, max_num_tokens=236, tokens_per_block=16,
-                            capacity_scheduler_policy="MAX_UTILIZATION")
+                            capacity_scheduler_policy="MAX_UTILIZATION",
+                            disable_overlap_scheduler=True)      # the fast path is the synchronous loop's
     specs = _specs([(0.0, 95, 80), (0.03125, 214, 67), (0.0, 229, 6), (0.0, 4, 62)])
     _, got = _run(specs, cfg, 64, fast=True, check=True)      # raised StretchMismatch before
     _, stepped = _run(specs, cfg, 64, fast=False)
@@ -169,7 +170,8 @@ def test_the_end_of_a_recompute_is_no_decode_to_stretch() -> None:
     # The fast path planned it as a decode row; it must step it.
     from policies.tensorrt_llm import TensorRtLlmConfig
     cfg = TensorRtLlmConfig(max_batch_size=3, max_num_tokens=16, tokens_per_block=8, enable_chunked_prefill=True,
-                            capacity_scheduler_policy="MAX_UTILIZATION", context_chunking_policy="EQUAL_PROGRESS")
+                            capacity_scheduler_policy="MAX_UTILIZATION", context_chunking_policy="EQUAL_PROGRESS",
+                            disable_overlap_scheduler=True)      # the fast path is the synchronous loop's
     specs = _specs([(0.0, 213, 29), (0.0, 230, 29), (0.0, 107, 15)])
     _, got = _run(specs, cfg, 78, fast=True, check=True)      # raised StretchMismatch before
     _, stepped = _run(specs, cfg, 78, fast=False)

@@ -75,8 +75,12 @@ CASES: dict[str, PolicyCase] = {
                                 "capacity_scheduler_policy": st.sampled_from(["GUARANTEED_NO_EVICT",
                                                                               "MAX_UTILIZATION", "STATIC_BATCH"]),
                                 "context_chunking_policy": st.sampled_from(["FIRST_COME_FIRST_SERVED",
-                                                                            "EQUAL_PROGRESS"])},
-                               {"max_num_tokens": 4096}),
+                                                                            "EQUAL_PROGRESS"]),
+                                "disable_overlap_scheduler": st.booleans()},
+                               {"max_num_tokens": 4096},
+                               # (the fast path is the synchronous loop's: the overlap scheduler steps
+                               # every step)
+                               tight={"disable_overlap_scheduler": True}),
     # max_batch_prefill_tokens 4096, max_concurrent_requests 128; reserves at admission, never preempts
     "tgi": PolicyCase((4096, 128, False), False,
                       {"max_concurrent_requests": 4, "max_batch_prefill_tokens": 64},
