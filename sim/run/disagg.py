@@ -46,6 +46,12 @@ def _build_pool(pool: Pool, env: simpy.Environment, first_replica: int, decode: 
         resolve_server
     cfg = pool.cfg
     profile = build_profile(cfg)
+    side = "decode" if decode else "prefill"
+    if profile.model.is_hybrid or profile.data_parallel_size > 1:
+        what = ("linear-attention layers (their state's handoff)" if profile.model.is_hybrid
+                else "data-parallel ranks")
+        raise ConfigError(f"{cfg.source}: field 'disaggregation.{side}.profile': a pool of {profile.model.name} "
+                          f"with {what} is not modelled in disaggregated serving yet")
     cfg = resolve_server(cfg, profile)
     policy = build_policy(cfg, max_model_len_of(cfg, profile), profile)
     num_blocks, max_model_len = kv_blocks(cfg, profile, policy)

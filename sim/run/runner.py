@@ -338,8 +338,6 @@ def check_data_parallel(cfg: WorkloadConfig, profile: Profile, num_replicas: int
         raise ConfigError(f"{where} is {d}: its ranks sit behind vLLM's data-parallel load balancer "
                           f"(router vllm_dp; several deployments: the least loaded, then its balancer); "
                           f"--router {router} is not how they are routed")
-    if cfg.disaggregation is not None:
-        raise ConfigError(f"{where}: data parallelism inside a disaggregated pool is not modelled yet")
     if getattr(cfg.policy, "async_scheduling", None):
         raise ConfigError(f"{cfg.source}: field 'policy.async_scheduling' is true: data-parallel ranks are "
                           f"modelled with the synchronous loop only (sim.loop.dp); set it false or leave it out")

@@ -217,3 +217,22 @@ def test_qwen35_kernel_profile_prices_gated_deltanet_from_its_tables(tmp_path: P
     assert p.model == MODEL_PRESETS["qwen3.5-397b-a17b"] and p.kv_bytes_per_token == 122_880
     path = next((tmp_path / "kernels").glob(f"{p.provenance['cache_key']}.json"))
     assert load_profile(path).model == p.model                  # the linear fields survive the format
+
+
+def test_a_hybrid_or_data_parallel_pool_in_disaggregated_serving_is_refused(tmp_path: Path, capsys) -> None:
+    from sim.cli import main
+    for profile, words in (({"model": "qwen3.5-397b-a17b", "gpu": "h200", "tensor_parallel": 8,
+                             "enable_expert_parallel": True}, "with linear-attention layers"),
+                           ({"model": "deepseek-r1", "gpu": "h200", "tensor_parallel": 1, "data_parallel_size": 8,
+                             "enable_expert_parallel": True}, "with data-parallel ranks")):
+        doc = {"name": "pd", "seed": 0, "num_requests": 10, "arrivals": {"kind": "poisson", "rate": 2.0},
+               "lengths": {"kind": "fixed", "prompt_tokens": 500, "output_tokens": 10},
+               "policy": {"kind": "vllm_v1", "enable_prefix_caching": False}, "server": {"max_model_len": 8192},
+               "profile": profile,
+               "disaggregation": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}, "link": {"kind": "rdma-400g"}}}
+        path = tmp_path / "pd.yaml"
+        path.write_text(json.dumps(doc))
+        code = main(["run", str(path), "--out", str(tmp_path / "out"), "--quiet", "--overwrite"])
+        err = capsys.readouterr().err
+        assert code != 0 and words in err and "is not modelled in disaggregated serving yet" in err, err
+        assert "Traceback" not in err
