@@ -213,3 +213,16 @@ def test_a_whole_run_reports_the_spec_decode_counters():
         "policy": {"kind": "tensorrt_llm", "speculative": spec}})
     with pytest.raises(ConfigError, match="disable_overlap_scheduler: true"):
         run_workload(cfg)
+
+
+def test_chunked_prefill_sizes_chunks_after_the_verify_items():
+    # max_num_tokens 16, chunked prefill: A's generation step takes 1 + 3 = 4, B's prompt of 20
+    # the 12 left (FIRST_COME_FIRST_SERVED, whole 4-token units); B's first chunk takes its whole
+    # prompt's KV plus the 2 extra slots: 22 tokens = 6 blocks
+    state, policy = make(max_num_tokens=16, enable_chunked_prefill=True)
+    add(state, 0, 4, 5)
+    step(state, policy, 0.0)
+    b_req = add(state, 1, 20, 5)
+    b = policy.schedule(state, 1.0)
+    assert b.items == (BatchItem(0, 4, 4), BatchItem(1, 12, 0)) and b.drafts == {0: 3}
+    assert len(b_req.block_ids) == 6
