@@ -123,7 +123,10 @@ enum read (three policies) does not offer, and reuse-aware token budgets
    ``needs_kv_cache_rewind``) and ``py_executor_creator.py`` (versions of the 1.2 era; no
    tagged copy). ``method`` mtp is MTP (``MTPDecodingConfig``: ``num_speculative_tokens`` k is
    its ``num_nextn_predict_layers``, the max_draft_len; the draft layers priced are the
-   checkpoint's MTP layers, as for vllm_v1), eagle3 and eagle are EAGLE3 one-model (the draft
+   checkpoint's MTP layers, as for vllm_v1; ``llm_args.py``'s ``MTPDecodingConfig.spec_dec_mode``
+   runs a checkpoint of one MTP layer, DeepSeek-V3's, as MTP-Eagle one-model, that layer k
+   times; with more layers, or ``use_mtp_vanilla``, TensorRT-LLM's vanilla MTP, whose extra KV
+   slots the versions read disagree on: k - 1 taken here), eagle3 and eagle are EAGLE3 one-model (the draft
    layers inside the target's engine); all three draft on the device, their KV in the target's
    pool. Refused: ngram (TensorRT-LLM's NGram drafter proposes from its own pool of matches, as
    many drafts as it finds), a separate draft model (two-model EAGLE3, draft/target), and
