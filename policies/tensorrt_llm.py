@@ -114,6 +114,48 @@ enum read (three policies) does not offer, and reuse-aware token budgets
    The timing is the pipelined loop's (sim.loop.server.pipelined_start_s): a
    step's host work (``Profile.host_s``) runs beside the device's step
    before it, so a steady stream of steps runs at max(host, device) a step.
+7. ``speculative`` (``sim.core.speculative``'s acceptance model, draft counters and proposer
+   pricing), as read in ``py_executor.py`` (``_prepare_draft_requests``), ``resource_manager.py``
+   (``KVCacheManager.prepare_resources``, ``update_resources``, ``rewind_kv_cache``),
+   ``kvCacheManager.cpp`` (``getNeededBlocksOneStep``, ``getRemainingBlocksToCompletion``,
+   ``updateToken``), ``microBatchScheduler.cpp``, ``speculative/utils.py``
+   (``get_num_extra_kv_tokens``), ``speculative/interface.py`` (``support_overlap_scheduler``,
+   ``needs_kv_cache_rewind``) and ``py_executor_creator.py`` (versions of the 1.2 era; no
+   tagged copy). ``method`` mtp is MTP (``MTPDecodingConfig``: ``num_speculative_tokens`` k is
+   its ``num_nextn_predict_layers``, the max_draft_len; the draft layers priced are the
+   checkpoint's MTP layers, as for vllm_v1; ``llm_args.py``'s ``MTPDecodingConfig.spec_dec_mode``
+   runs a checkpoint of one MTP layer, DeepSeek-V3's, as MTP-Eagle one-model, that layer k
+   times; with more layers, or ``use_mtp_vanilla``, TensorRT-LLM's vanilla MTP, whose extra KV
+   slots the versions read disagree on: k - 1 taken here), eagle3 and eagle are EAGLE3 one-model (the draft
+   layers inside the target's engine); all three draft on the device, their KV in the target's
+   pool. Refused: ngram (TensorRT-LLM's NGram drafter proposes from its own pool of matches, as
+   many drafts as it finds), a separate draft model (two-model EAGLE3, draft/target), and
+   speculation with the overlap scheduler on: TensorRT-LLM 1.2 keeps it on for MTP and EAGLE3
+   one-model (``support_overlap_scheduler``), which batchsim does not model with drafts, so
+   ``policy.disable_overlap_scheduler: true`` is required (the synchronous loop).
+   a) Before each scheduling pass every generation request gets k placeholder drafts
+      (``_prepare_draft_requests``: GENERATION_IN_PROGRESS only; a context request has none).
+      The micro batch scheduler charges a generation request 1 + k tokens of ``max_num_tokens``
+      (the first that does not fit ends the list, as in rule 3) and a context request its
+      tokens only; each generation step is a verify item of 1 + k query tokens (``batch.drafts``),
+      from its first one after the prompt (the one-model drafter drafts in the context step).
+   b) KV: a context's first chunk allocates its prompt plus ``get_num_extra_kv_tokens`` =
+      k - 1 extra slots (``add_sequence`` then ``add_token`` for each); each generation step
+      adds 1 + k slots (``add_token`` for its token and each draft) to the KV sequence; after
+      the step ``update_resources`` rewinds the rejected drafts (``py_rewind_len`` = k -
+      accepted, ``rewind_kv_cache``: ``updateToken`` releases a block the sequence no longer
+      reaches), so between steps a generation request holds the blocks of computed + k - 1
+      tokens. (vLLM keeps the rejected drafts' slots and SGLang reuses them; here they go back.)
+   c) Capacity: GUARANTEED_NO_EVICT reserves prompt + max_tokens as in rule 1
+      (``getRemainingBlocksToCompletion`` counts no drafts or extra slots); MAX_UTILIZATION
+      counts a generation request's next step as min(1 + k, max_tokens - its generated slots)
+      slots past its KV sequence (``getNeededBlocksOneStep``, one step: the two-step lookahead
+      of pipeline parallelism is not modelled), a waiting request its known tokens' blocks (no
+      extra slots). Neither counts every slot a step then allocates (the extra slots, drafts
+      past the reservation near a request's end), so a pool with nothing to spare can run dry:
+      a RuntimeError here, where TensorRT-LLM's KV manager fails to allocate.
+   d) A verify step accepting a drafts gives a + 1 tokens (fewer where the output ends); the
+      counters are ``sim.core.speculative``'s (the summary's ``spec_decode_*``).
 
 Not modelled: partial block reuse (``enable_partial_reuse``, on by default:
 a cached block matching only a prefix of a new block's tokens is reused or
@@ -130,15 +172,17 @@ past it: under MAX_UTILIZATION it may then pause them; a paused request is
 the newest started one, so it queues as here), a pause's
 cut of prompt + outputs to ``max_input_len``, a running request with one
 prompt token left counted as a decode,
-speculative decoding, beams, LoRA pages, disaggregated serving.
+of speculative decoding: the overlap scheduler with drafts, NGram and two-model drafters,
+dynamic draft lengths, tree drafts, disabling speculation by batch size; beams, LoRA pages,
+disaggregated serving.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from policies.base import PolicyBase, batch_or_idle, knob, plain_stretch_shape
+from policies.base import PolicyBase, batch_or_idle, config_knobs, knob, plain_stretch_shape
 from policies.tensorrt_llm_capacity import max_utilization, no_evict
 from policies.tensorrt_llm_rules import (
     CAPACITY_POLICIES,
@@ -147,13 +191,35 @@ from policies.tensorrt_llm_rules import (
     grow,
     reused_chunk,
 )
+from sim.base.strict import ConfigError
 from sim.core.batch import Batch, BatchItem, Idle
 from sim.core.policy import EngineKnob, KvMemory, PolicyContext, PrefixSwitch
 from sim.core.prefix import PrefixCachePool
+from sim.core.speculative import SpeculativeSpec, parse_speculative
 
 if TYPE_CHECKING:
     from sim.core.request import Request
     from sim.core.state import SchedulerState
+
+
+# Rule 7: batchsim's methods as TensorRT-LLM's PyTorch backend runs them (one-model drafting, the
+# draft layers in the target's engine): MTP (MTPDecodingConfig, num_nextn_predict_layers = k) and
+# EAGLE3 one-model (EagleDecodingConfig / Eagle3DecodingConfig with eagle3_one_model, its default).
+SPEC_MODES = {"mtp": "MTP", "eagle3": "EAGLE3_ONE_MODEL", "eagle": "EAGLE3_ONE_MODEL"}
+
+
+def parse_tensorrt_llm_speculative(data: Any, src: str = "the workload",
+                                   where: str = "policy.speculative") -> SpeculativeSpec | None:
+    """``policy.speculative`` for TensorRT-LLM (rule 7 of the module doc): vLLM's spelling
+    (``sim.core.speculative``), methods mtp, eagle3 and eagle (EAGLE3 one-model); n-gram refused.
+    None for k = 0 (no speculation)."""
+    if isinstance(data, dict) and data.get("method") == "ngram" and data.get("num_speculative_tokens") != 0:
+        raise ConfigError(f"{src}: field '{where}.method' 'ngram' is not modelled for tensorrt_llm: TensorRT-LLM's "
+                          f"NGram drafter (NGramDecodingConfig) proposes from its own pool of matches, as many "
+                          f"drafts as it finds, and runs without the overlap scheduler; batchsim models its "
+                          f"one-model drafters only: use mtp, eagle3 or eagle")
+    spec = parse_speculative(data, src, where)
+    return spec if spec.num_speculative_tokens else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +244,10 @@ class TensorRtLlmConfig:
                                                   "default): the overlap scheduler chooses each step while the "
                                                   "one before it runs, its outputs seen a step later (rule 6 of "
                                                   "the module doc)")
+    speculative: dict[str, Any] | None = knob(None, "speculative decoding (rule 7 of the module doc): {method: "
+                                                    "mtp | eagle3 | eagle (one-model), num_speculative_tokens "
+                                                    "(max_draft_len), acceptance_length or acceptance_rates}; "
+                                                    "needs disable_overlap_scheduler: true; unset: none")
 
 
 class TensorRtLlmPolicy(PolicyBase):
@@ -194,6 +264,7 @@ class TensorRtLlmPolicy(PolicyBase):
     prefix_switch = PrefixSwitch("enable_block_reuse")
     pipelined_knob = "disable_overlap_scheduler"
     pipelined_off = True
+    parse_speculative = staticmethod(parse_tensorrt_llm_speculative)   # policy_config's check of rule 7
     server_knobs = {
         "block_size": EngineKnob("tokens_per_block", "KvCacheConfig's tokens_per_block, its KV page"),
         "gpu_memory_utilization": EngineKnob("free_gpu_memory_fraction", "KvCacheConfig's free_gpu_memory_fraction, "
@@ -217,6 +288,20 @@ class TensorRtLlmPolicy(PolicyBase):
             raise ValueError(f"max_num_tokens ({config.max_num_tokens}) must be at least tokens_per_block "
                              f"({config.tokens_per_block}) with enable_chunked_prefill: chunks are whole blocks")
         self.config = config
+        self.speculative = (parse_tensorrt_llm_speculative(config.speculative)
+                            if config.speculative is not None else None)
+        # Rule 7: each generation request's drafts (max_draft_len) and the one-model drafter's extra
+        # KV slots (get_num_extra_kv_tokens: max_draft_len - 1); the verify items of the last step.
+        self.num_drafts = self.extra_kv = 0
+        self._verified: frozenset[int] = frozenset()
+        if self.speculative is not None:
+            if not config.disable_overlap_scheduler:
+                raise ValueError("policy.speculative with the overlap scheduler on: TensorRT-LLM 1.2 keeps it on "
+                                 "for MTP and EAGLE3 one-model, which batchsim does not model with drafts; set "
+                                 "policy.disable_overlap_scheduler: true to run it (rule 7 of the module doc)")
+            self.num_drafts = self.speculative.num_speculative_tokens
+            self.extra_kv = self.num_drafts - 1
+            self.decode_stretch = False              # acceptance draws: every step is its own
         self.token_budget = config.max_num_tokens
         self.max_num_seqs = config.max_batch_size
         self.block_size = config.tokens_per_block
@@ -240,15 +325,30 @@ class TensorRtLlmPolicy(PolicyBase):
         return {} if config.enable_chunked_prefill else {
             "context_chunking_policy": "without enable_chunked_prefill: nothing is chunked"}
 
+    def knobs(self) -> dict[str, Any]:
+        return config_knobs(self.config, speculative=self.config.speculative or {"num_speculative_tokens": 0})
+
     def schedule(self, state: SchedulerState, now_s: float) -> Batch | Idle:
         # The overlap scheduler (rule 6): the step in flight's tokens, by request (none in the
         # synchronous loop, whose state.pending stays empty).
         flight = {it[0]: it[1] for it in state.pending[-1].items} if state.pending else {}
+        if self._verified:
+            self._rewind(state)
         if self.capacity == "MAX_UTILIZATION":
-            fitting = max_utilization(state, self.max_num_seqs, flight)
+            fitting = max_utilization(state, self.max_num_seqs, flight, self.num_drafts, self.extra_kv)
         else:
             fitting = no_evict(state, self.max_num_seqs, self.capacity == "STATIC_BATCH", flight)
         return self._micro_batch(state, now_s, fitting, flight)
+
+    def _rewind(self, state: SchedulerState) -> None:
+        """Rule 7's ``update_resources``: each request that verified drafts in the last step and
+        still runs rewinds its KV sequence by its rejected drafts (``py_rewind_len``) to computed
+        + ``extra_kv`` tokens, giving back the blocks past those (``rewind_kv_cache``)."""
+        kv = state.kv
+        verified, self._verified = self._verified, frozenset()
+        for r in state.running:
+            if r.req_id in verified and r.block_ids:
+                kv.free_tail(r, kv.num_blocks_for(r.num_computed_tokens + self.extra_kv))
 
     # ---- micro batch scheduler and KV ---------------------------------------------------------------
     def _micro_batch(self, state: SchedulerState, now_s: float, fitting: list[Request],
@@ -267,6 +367,9 @@ class TensorRtLlmPolicy(PolicyBase):
         all_fit = True
         new_item = tuple.__new__             # BatchItem(...) without the NamedTuple call overhead
         get = flight.get
+        k = self.num_drafts                  # rule 7: a generation request's drafts (0: none)
+        width = 1 + k
+        verify: dict[int, int] = {}
         for r in fitting:
             computed = r.num_computed_tokens
             rest = r.num_prompt_tokens + r.num_output_tokens - computed
@@ -281,13 +384,20 @@ class TensorRtLlmPolicy(PolicyBase):
                             continue                             # GENERATION_TO_COMPLETE: not scheduled
                         rest, placeholder = 1, 1
             if rest == 1 and r.block_ids:                        # a decode
-                if used + 1 > max_tokens:
+                if used + width > max_tokens:
                     break
-                if computed >= len(r.block_ids) * bs and not kv.append_block(r):
+                if k:                                            # rule 7: 1 + k slots, a verify item
+                    for _ in range(kv.num_blocks_for(computed + self.extra_kv + width) - len(r.block_ids)):
+                        if not kv.append_block(r):
+                            raise RuntimeError(f"request {r.req_id}: no KV block for its {k} draft slots "
+                                               f"(TensorRT-LLM's prepare_resources adds them past what the "
+                                               f"capacity scheduler counted; its KV manager fails there too)")
+                    verify[r.req_id] = k
+                elif computed >= len(r.block_ids) * bs and not kv.append_block(r):
                     raise RuntimeError(f"request {r.req_id}: no KV block for a decode the capacity "
                                        f"scheduler let through")
-                items.append(new_item(BatchItem, (r.req_id, 1, computed, 0)))
-                used += 1
+                items.append(new_item(BatchItem, (r.req_id, width, computed, 0)))
+                used += width
                 # the token completes a block: registered over the tokens known (less a placeholder)
                 if caching and (computed + 1 - placeholder) // bs > r.num_hashed_blocks:
                     kv.cache(r, computed + 1 - placeholder)
@@ -323,7 +433,12 @@ class TensorRtLlmPolicy(PolicyBase):
                 start = len(hit) * bs
                 if hit:
                     kv.touch(r, hit)
-                grow(kv, r, known)
+                if k and kv.num_blocks_for(known + self.extra_kv) - len(r.block_ids) > kv.num_free_blocks:
+                    raise RuntimeError(f"request {r.req_id}: no KV blocks for its context and the drafter's "
+                                       f"{self.extra_kv} extra slots (rule 7: TensorRT-LLM reserves neither the "
+                                       f"extra slots nor the drafts' past what its capacity scheduler counts, and "
+                                       f"its KV manager fails there too)")
+                grow(kv, r, known + self.extra_kv)               # rule 7: the drafter's extra slots
                 if caching:
                     kv.record_lookup(r, start)
                 state.admit(r, now_s, start)
@@ -333,5 +448,11 @@ class TensorRtLlmPolicy(PolicyBase):
                 to_register.append(r)
         for r in to_register:                                    # after every lookup of this step
             kv.cache(r, r.num_prompt_tokens + r.num_output_tokens)
+        if verify:
+            self._verified = frozenset(verify)
+            drafts = state.speculation.drafts if state.speculation is not None else {}
+            for rid in verify:
+                drafts.pop(rid, None)                            # TensorRT-LLM drafts k for every one
+            return Batch(tuple(items), verify)
         return batch_or_idle(items)
 

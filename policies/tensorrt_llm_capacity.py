@@ -54,9 +54,10 @@ def no_evict(state: SchedulerState, max_requests: int, static: bool, flight: Map
     return fitting
 
 
-def max_utilization(state: SchedulerState, max_requests: int, flight: Mapping[int, int]) -> list[Request]:
+def max_utilization(state: SchedulerState, max_requests: int, flight: Mapping[int, int], drafts: int = 0,
+                    extra: int = 0) -> list[Request]:
     """MAX_UTILIZATION: next-step blocks only; a misfit pauses the last running request. ``flight``
-    as in ``no_evict``."""
+    as in ``no_evict``; ``drafts``, ``extra``: speculation's (``blocks_one_step``)."""
     kv = state.kv
     running = state.running
     fitting: list[Request] = []
@@ -68,7 +69,7 @@ def max_utilization(state: SchedulerState, max_requests: int, flight: Mapping[in
     i = 0
     while i < len(running):
         r = running[i]
-        need = blocks_one_step(kv, r, get(r.req_id, 0))
+        need = blocks_one_step(kv, r, get(r.req_id, 0), drafts, extra)
         if scheduled + need <= kv.num_free_blocks:      # (running never exceeds max_batch_size)
             fitting.append(r)
             scheduled += need

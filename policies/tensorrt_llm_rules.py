@@ -74,18 +74,26 @@ def blocks_to_completion(kv: KVPool, r: Request) -> int:
     return max(0, kv.num_blocks_for(r.num_prompt_tokens + r.max_output_tokens) - len(r.block_ids))
 
 
-def blocks_one_step(kv: KVPool, r: Request, ahead: int = 0) -> int:
+def blocks_one_step(kv: KVPool, r: Request, ahead: int = 0, drafts: int = 0, extra: int = 0) -> int:
     """Blocks ``r`` needs for its next step (``getNeededBlocksOneStep``): a
     request not started (waiting) all of its known tokens' blocks, no reuse
     counted; a started prefill none (its prompt's blocks came with its first
     chunk); a decode one if its blocks are full. ``ahead``: its tokens in the
     step in flight (the overlap scheduler), counted as computed: the KV
-    manager has their slots already."""
+    manager has their slots already. With speculation (rule 7 of the module
+    doc) a decode adds min(1 + ``drafts``, max_tokens - its generated slots)
+    to its KV sequence of computed + ``extra`` tokens, and needs the blocks
+    that takes past those it holds (a context request has no drafts, and its
+    ``extra`` slots are not counted here, as TensorRT-LLM does not)."""
     if not r.block_ids:
         return kv.num_blocks_for(r.num_prompt_tokens + r.num_output_tokens)
     computed = r.num_computed_tokens + ahead
     if r.num_prompt_tokens + r.num_output_tokens - computed > 1:
         return 0
+    if drafts:
+        length = computed + extra                                 # the KV manager's sequence
+        add = max(0, min(1 + drafts, r.max_output_tokens - (length - r.num_prompt_tokens)))
+        return max(0, kv.num_blocks_for(length + add) - len(r.block_ids))
     return 1 if computed >= len(r.block_ids) * kv.block_size else 0
 
 

@@ -163,6 +163,14 @@ class BlockManager(KVPool):
         self._free_ids.extend(reversed(req.block_ids))
         req.block_ids = []
 
+    def free_tail(self, req: Request, num_blocks: int) -> None:
+        """Give back ``req``'s blocks past its first ``num_blocks``, last first (a KV rewind:
+        TensorRT-LLM's ``rewind_kv_cache`` after rejected drafts); they are handed out next."""
+        tail = req.block_ids[num_blocks:]
+        if tail:
+            self._free_ids.extend(reversed(tail))
+            del req.block_ids[num_blocks:]
+
 
 class StateBlockPool(BlockManager):
     """A hybrid model's pool (``sim.cost.hybrid``): besides its tokens' blocks (``block_ids``), a

@@ -295,6 +295,17 @@ class PrefixCachePool(CachingPool):
         req.block_ids = []
         req.num_hashed_blocks = 0
 
+    def free_tail(self, req: Request, num_blocks: int) -> None:
+        """Give back ``req``'s blocks past its first ``num_blocks`` (a KV rewind: TensorRT-LLM's
+        ``rewind_kv_cache`` after rejected drafts) to the free queue's front, the last frontmost.
+        They must hold no hash (the caller keeps every registered block)."""
+        if num_blocks < req.num_hashed_blocks:
+            raise RuntimeError(f"request {req.req_id}: a rewind to {num_blocks} blocks would drop registered ones")
+        tail = req.block_ids[num_blocks:]
+        if tail:
+            self._front.extend(tail)
+            del req.block_ids[num_blocks:]
+
     # ---- lookups ------------------------------------------------------------------------------------
     def _hit(self, req: Request, limit: int) -> list[int]:
         """The cached blocks of ``req``'s first ``limit`` blocks, up to the first miss."""
