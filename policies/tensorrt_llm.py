@@ -153,7 +153,7 @@ enum read (three policies) does not offer, and reuse-aware token budgets
       of pipeline parallelism is not modelled), a waiting request its known tokens' blocks (no
       extra slots). Neither counts every slot a step then allocates (the extra slots, drafts
       past the reservation near a request's end), so a pool with nothing to spare can run dry:
-      a RuntimeError here, where TensorRT-LLM's KV manager fails to allocate.
+      a PolicyError here (a one-line error), where TensorRT-LLM's KV manager fails to allocate.
    d) A verify step accepting a drafts gives a + 1 tokens (fewer where the output ends); the
       counters are ``sim.core.speculative``'s (the summary's ``spec_decode_*``).
 
@@ -193,7 +193,7 @@ from policies.tensorrt_llm_rules import (
 )
 from sim.base.strict import ConfigError
 from sim.core.batch import Batch, BatchItem, Idle
-from sim.core.policy import EngineKnob, KvMemory, PolicyContext, PrefixSwitch
+from sim.core.policy import EngineKnob, KvMemory, PolicyContext, PolicyError, PrefixSwitch
 from sim.core.prefix import PrefixCachePool
 from sim.core.speculative import SpeculativeSpec, parse_speculative
 
@@ -389,9 +389,11 @@ class TensorRtLlmPolicy(PolicyBase):
                 if k:                                            # rule 7: 1 + k slots, a verify item
                     for _ in range(kv.num_blocks_for(computed + self.extra_kv + width) - len(r.block_ids)):
                         if not kv.append_block(r):
-                            raise RuntimeError(f"request {r.req_id}: no KV block for its {k} draft slots "
-                                               f"(TensorRT-LLM's prepare_resources adds them past what the "
-                                               f"capacity scheduler counted; its KV manager fails there too)")
+                            raise PolicyError(f"tensorrt_llm: request {r.req_id} has no KV block for its {k} "
+                                              f"draft slots (TensorRT-LLM's prepare_resources adds them past what "
+                                              f"its capacity scheduler counted; its KV manager fails there too): "
+                                              f"give the KV cache more memory or lower "
+                                              f"policy.speculative.num_speculative_tokens")
                     verify[r.req_id] = k
                 elif computed >= len(r.block_ids) * bs and not kv.append_block(r):
                     raise RuntimeError(f"request {r.req_id}: no KV block for a decode the capacity "
@@ -434,10 +436,11 @@ class TensorRtLlmPolicy(PolicyBase):
                 if hit:
                     kv.touch(r, hit)
                 if k and kv.num_blocks_for(known + self.extra_kv) - len(r.block_ids) > kv.num_free_blocks:
-                    raise RuntimeError(f"request {r.req_id}: no KV blocks for its context and the drafter's "
-                                       f"{self.extra_kv} extra slots (rule 7: TensorRT-LLM reserves neither the "
-                                       f"extra slots nor the drafts' past what its capacity scheduler counts, and "
-                                       f"its KV manager fails there too)")
+                    raise PolicyError(f"tensorrt_llm: request {r.req_id} has no KV blocks for its context and "
+                                      f"the drafter's {self.extra_kv} extra slots (rule 7: TensorRT-LLM reserves "
+                                      f"neither past what its capacity scheduler counts, and its KV manager fails "
+                                      f"there too): give the KV cache more memory or lower "
+                                      f"policy.speculative.num_speculative_tokens")
                 grow(kv, r, known + self.extra_kv)               # rule 7: the drafter's extra slots
                 if caching:
                     kv.record_lookup(r, start)

@@ -18,7 +18,7 @@ from policies.tensorrt_llm import TensorRtLlmConfig, TensorRtLlmPolicy
 from sim.base.strict import ConfigError
 from sim.core.batch import BatchItem
 from sim.core.kv import BlockManager
-from sim.core.policy import PolicyContext
+from sim.core.policy import PolicyContext, PolicyError
 from sim.core.prefix import PrefixCachePool
 from sim.core.request import Request
 from sim.core.speculative import Speculation
@@ -145,7 +145,7 @@ def test_guaranteed_no_evict_runs_dry_on_draft_slots_it_did_not_reserve():
     add(state, 0, 8, 4)
     step(state, policy, 0.0)
     add(state, 1, 8, 4)
-    with pytest.raises(RuntimeError, match="request 1: no KV blocks for its context"):
+    with pytest.raises(PolicyError, match="request 1 has no KV blocks for its context"):
         policy.schedule(state, 1.0)
 
 
