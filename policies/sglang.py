@@ -152,7 +152,7 @@ from sim.core.batch import Batch, BatchItem, Idle
 from sim.core.policy import EngineKnob, KvMemory, PolicyContext, PrefixSwitch, StretchShape
 from sim.core.radix import RadixCachePool, TokenPool
 from sim.core.request import Request, Status
-from sim.core.speculative import SpeculativeSpec, parse_speculative
+from sim.core.speculative import SpeculativeSpec, parse_speculative, refuse_method
 
 if TYPE_CHECKING:
     from sim.core.state import SchedulerState
@@ -182,11 +182,9 @@ def parse_sglang_speculative(data: Any, src: str = "the workload",
             raise ConfigError(f"{src}: field '{where}.eagle_topk' is {topk}: SGLang drafts a tree of {topk} "
                               f"branches a step and verifies it with tree attention, which batchsim does not "
                               f"model; use eagle_topk 1 (a chain of num_speculative_tokens drafts)")
-    if isinstance(data, dict) and data.get("method") == "ngram" and data.get("num_speculative_tokens") != 0:
-        raise ConfigError(f"{src}: field '{where}.method' 'ngram' is not modelled for sglang: SGLang 0.5.23's "
-                          f"NGRAM verifies a tree of speculative_num_draft_tokens (default 12) drafts, "
-                          f"speculative_ngram_max_bfs_breadth (default 10) wide, and batchsim models chains "
-                          f"(topk 1) only; use eagle, eagle3 or mtp")
+    refuse_method(data, "ngram", "sglang: SGLang 0.5.23's NGRAM verifies a tree of speculative_num_draft_tokens "
+                  "(default 12) drafts, speculative_ngram_max_bfs_breadth (default 10) wide, and batchsim models "
+                  "chains (topk 1) only; use eagle, eagle3 or mtp", src, where)
     spec = parse_speculative(data, src, where)
     return spec if spec.num_speculative_tokens else None
 

@@ -191,11 +191,10 @@ from policies.tensorrt_llm_rules import (
     grow,
     reused_chunk,
 )
-from sim.base.strict import ConfigError
 from sim.core.batch import Batch, BatchItem, Idle
 from sim.core.policy import EngineKnob, KvMemory, PolicyContext, PolicyError, PrefixSwitch
 from sim.core.prefix import PrefixCachePool
-from sim.core.speculative import SpeculativeSpec, parse_speculative
+from sim.core.speculative import SpeculativeSpec, parse_speculative, refuse_method
 
 if TYPE_CHECKING:
     from sim.core.request import Request
@@ -213,11 +212,9 @@ def parse_tensorrt_llm_speculative(data: Any, src: str = "the workload",
     """``policy.speculative`` for TensorRT-LLM (rule 7 of the module doc): vLLM's spelling
     (``sim.core.speculative``), methods mtp, eagle3 and eagle (EAGLE3 one-model); n-gram refused.
     None for k = 0 (no speculation)."""
-    if isinstance(data, dict) and data.get("method") == "ngram" and data.get("num_speculative_tokens") != 0:
-        raise ConfigError(f"{src}: field '{where}.method' 'ngram' is not modelled for tensorrt_llm: TensorRT-LLM's "
-                          f"NGram drafter (NGramDecodingConfig) proposes from its own pool of matches, as many "
-                          f"drafts as it finds, and runs without the overlap scheduler; batchsim models its "
-                          f"one-model drafters only: use mtp, eagle3 or eagle")
+    refuse_method(data, "ngram", "tensorrt_llm: TensorRT-LLM's NGram drafter (NGramDecodingConfig) proposes "
+                  "from its own pool of matches, as many drafts as it finds, and runs without the overlap "
+                  "scheduler; batchsim models its one-model drafters only: use mtp, eagle3 or eagle", src, where)
     spec = parse_speculative(data, src, where)
     return spec if spec.num_speculative_tokens else None
 

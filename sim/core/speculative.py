@@ -101,6 +101,13 @@ def geometric_rate(k: int, length: float) -> float:
     return (lo + hi) / 2
 
 
+def refuse_method(data: Any, method: str, why: str, src: str, where: str = "policy.speculative") -> None:
+    """ConfigError where ``data`` asks for speculation by ``method`` (k > 0), which an engine's policy
+    does not model: ``why`` says which engine and what it does instead."""
+    if isinstance(data, dict) and data.get("method") == method and data.get("num_speculative_tokens") != 0:
+        raise ConfigError(f"{src}: field '{where}.method' '{method}' is not modelled for {why}")
+
+
 def parse_speculative(data: Any, src: str, where: str = "policy.speculative") -> SpeculativeSpec:
     """``data`` (the user's mapping) validated; ConfigError naming the field otherwise."""
     if not isinstance(data, dict):
