@@ -205,10 +205,11 @@ class Profile:
         slowest = 0.0
         for b, n in zip(batches, tokens):
             if b is None:
-                own = self.overhead_s
-            else:
-                own = self.step_time_s(b) - self.linear(n) - (moe(n) if moe is not None else 0.0)
-            own += self.linear(most if padded else n)
+                own = self.overhead_s + self.linear(most if padded else n)
+            else:                      # its own step, the experts apart, at the padded count when padded
+                own = self.step_time_s(b) - (moe(n) if moe is not None else 0.0)
+                if padded and n != most:
+                    own += self.linear(most) - self.linear(n)
             slowest = max(slowest, own)
         return slowest + experts
 

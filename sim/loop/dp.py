@@ -64,8 +64,7 @@ class DpGroup:
             if s.on_finish is not None and s.state.finished_ids:
                 s.on_finish(now_s, s.state.take_finished_ids())          # cut short when choosing
             if type(decision) is not Idle and not isinstance(decision, Batch):
-                raise PolicyError(f"policy {type(s.policy).__name__} returned {decision!r} at t={now_s:.9g} s "
-                                  f"on data-parallel rank {s.replica}: schedule() returns a Batch or an Idle")
+                raise s._not_a_batch(decision, now_s)
             if isinstance(decision, Batch) and not decision.items:
                 raise PolicyError(f"policy {type(s.policy).__name__} returned an empty Batch at t={now_s:.9g} s "
                                   f"on data-parallel rank {s.replica}; return Idle when nothing can run")
