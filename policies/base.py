@@ -85,6 +85,9 @@ class PolicyBase:
     # (the research policies run vLLM-style paged attention; TGI and LMDeploy run the same
     # FlashAttention / FlashInfer and cuBLAS class of kernels); SGLang and TensorRT-LLM say theirs.
     kernel_tables = "vllm"
+    dp_router: str | None = None            # data parallelism not modelled (refused)
+    dp_pads_prefill = True
+    dp_graph_tokens: int | None = None
     # server.watermark is vLLM v0's block-manager watermark: a policy reads it only by asking for it
     # (can_allocate(use_watermark=True), refuses_by_prompt), so by default it is refused, not dropped.
     server_knobs: Mapping[str, EngineKnob] = {"watermark": EngineKnob(None, NO_WATERMARK)}

@@ -132,7 +132,21 @@ by GPU memory) and ``mem_cache/kv_cache_configurator.py`` (``resolve_max_num_req
    proposer is, and its layers' weights and KV come out of the pool
    (``sim.run.runner.drafter_share``: SGLang's draft pool shares the target's slot indices).
 
-Not modelled: priorities and priority preemption, hierarchical (host) cache, PP and DP attention,
+9. DP attention (``context.data_parallel`` d > 1: ``--tp d x t --dp d --enable-dp-attention``,
+   each rank one scheduler and KV pool of ``tensor_parallel`` t GPUs; the lockstep and its
+   padding are ``sim.loop.dp``'s, the router ``sglang_dp``). ``_handle_data_parallelism``
+   divides ``chunked_prefill_size`` (the memory rule's default or the one given) by d and
+   multiplies ``schedule_conservativeness`` by 0.3 (new_token_ratio's start, rule 3); a given
+   ``max_running_requests`` is the server's, max(1, it // d) a rank
+   (``pool_configurator``'s ``requested_max_running_requests_per_worker``); the memory rules
+   read SGLang's TP size, d x t, and DP attention's graph reserve
+   (``sglang_defaults``). ``dp_graph_tokens``: the decode CUDA graphs' largest batch, up to
+   which a decode-only step pads every rank to the largest (``DpPaddingMode`` MAX_LEN under
+   the decode graphs; an extend step gathers each rank's own tokens, SUM_LEN). The overlap
+   loop (rule 7) is not modelled with DP ranks: unset, ``enable_overlap`` is off with them
+   (``sim.run.runner``), though SGLang runs it.
+
+Not modelled: priorities and priority preemption, hierarchical (host) cache, PP,
 LoRA, grammar, the error an aborted request returns; with speculation: trees (topk > 1, NGRAM),
 a separate draft model, adaptive num_steps, mixed chunks, the draft extend of prefill chunks
 that do not complete their prompt (priced only for the chunk that samples).
@@ -145,7 +159,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from policies.base import PolicyBase, batch_or_idle, config_knobs, knob
 from policies.sglang_adder import NO_TOKEN, OTHER, CONTINUE, PrefillAdder
-from policies.sglang_defaults import engine_defaults
+from policies.sglang_defaults import decode_graph_bs, engine_defaults
 from policies.sglang_queue import order_waiting
 from sim.base.strict import ConfigError
 from sim.core.batch import Batch, BatchItem, Idle
@@ -231,6 +245,8 @@ class SglangPolicy(PolicyBase):
     # (num_reserved_blocks 0: SGLang's padded slot 0 lies outside the pool's size)
     prefix_switch = PrefixSwitch("disable_radix_cache", on=False)
     pipelined_knob = "enable_overlap"
+    dp_router = "sglang_dp"                 # rule 9: DataParallelController's round robin
+    dp_pads_prefill = False                 # rule 9: an extend step is not padded (SUM_LEN)
     parse_speculative = staticmethod(parse_sglang_speculative)    # policy_config's check of rule 8's fields
     server_knobs = {
         "block_size": EngineKnob("page_size", "SGLang's --page-size, its KV page in tokens"),
@@ -260,8 +276,14 @@ class SglangPolicy(PolicyBase):
                                  "into plain one-token decodes (and turns mixed chunks off for n-gram), which "
                                  "batchsim does not model; set enable_mixed_chunk: false")
             self.decode_stretch = False            # acceptance draws: every step is its own
+        d = context.data_parallel
         chunk, fraction = engine_defaults(context, config.chunked_prefill_size, config.max_prefill_tokens,
-                                          config.max_running_requests)
+                                          config.max_running_requests, d)
+        # Rule 9: the decode graphs' largest batch (the servers' max_running_requests caps it)
+        self.dp_graph_tokens = decode_graph_bs(context, config.max_running_requests, d) if d > 1 else 0
+        self._server_chunk = chunk if chunk > 0 else -1
+        if d > 1 and chunk > 0:
+            chunk //= d
         self.chunk_size = chunk if chunk > 0 else None
         self.mem_fraction = config.mem_fraction_static or fraction
         self.kv_memory = KvMemory(self.mem_fraction, "static")
@@ -269,7 +291,8 @@ class SglangPolicy(PolicyBase):
         self.kv_pool_class = TokenPool if config.disable_radix_cache else RadixCachePool
         self.lpm = config.schedule_policy == "lpm" and not config.disable_radix_cache
         self.token_budget = self.chunk_size
-        self.max_num_seqs = config.max_running_requests or 4096
+        self.max_num_seqs = (max(1, config.max_running_requests // d) if config.max_running_requests
+                             else 4096)
         self._pool_rule = config.max_running_requests is None
         # Rule 8: a decode reserves 2 x max(num_steps x topk, num_draft_tokens) = 2 (k + 1) slots past
         # its committed tokens (get_alloc_reserve_per_decode); SGLang sets max_running_requests 48.
@@ -280,7 +303,8 @@ class SglangPolicy(PolicyBase):
             self.spec_reserve = 2 * (self.speculative.num_speculative_tokens + 1)
             if self._pool_rule:
                 self.max_num_seqs, self._pool_rule = SPEC_MAX_RUNNING_REQUESTS, False
-        init = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)
+        conservativeness = config.schedule_conservativeness * (0.3 if d > 1 else 1.0)    # rule 9
+        init = min(INIT_NEW_TOKEN_RATIO * conservativeness, 1.0)
         self.init_ratio, self.min_ratio = init, min(init * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
         self.ratio_decay = (init - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = init
@@ -329,8 +353,10 @@ class SglangPolicy(PolicyBase):
         return StretchShape(live_context, num_live, 0)
 
     def knobs(self) -> dict[str, Any]:
-        return config_knobs(self.config, chunked_prefill_size=self.chunk_size or -1,
-                            max_running_requests=self.max_num_seqs, mem_fraction_static=self.mem_fraction,
+        # Rule 9: the server's arguments (a DP rank runs chunk // d and max_running_requests // d)
+        return config_knobs(self.config, chunked_prefill_size=self._server_chunk,
+                            max_running_requests=self.config.max_running_requests or self.max_num_seqs,
+                            mem_fraction_static=self.mem_fraction,
                             enable_overlap=self.pipelined,
                             speculative=self.config.speculative or {"num_speculative_tokens": 0})
 

@@ -202,6 +202,7 @@ class VllmV1Policy(PolicyBase):
     prefix_switch = PrefixSwitch("enable_prefix_caching")
     always_chunks = True                     # chunked prefill: any prompt that fits the context
     pipelined_knob = "async_scheduling"
+    dp_router = "vllm_dp"                   # --data-parallel-size: DPLBAsyncMPClient (sim.loop.feed.vllm_dp_pick)
 
     def __init__(self, config: VllmV1Config, context: PolicyContext) -> None:
         """Knobs left unset come from the server a profile was measured on

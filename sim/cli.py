@@ -23,7 +23,7 @@ EXIT_BAD_INPUT = 2
 EXIT_POLICY = 1                      # a policy broke its contract (sim.core.policy.PolicyError)
 STARTED_S = time.perf_counter()      # the command's "in all" counts from here (interpreter start-up aside)
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")   # calibrate.runner.DTYPES, without importing torch
-ROUTER_CHOICES = ("round_robin", "least_requests", "least_tokens", "prefix_aware", "vllm_dp")   # sim.loop.feed.ROUTERS, without importing simpy
+ROUTER_CHOICES = ("round_robin", "least_requests", "least_tokens", "prefix_aware", "vllm_dp", "sglang_dp")   # sim.loop.feed.ROUTERS, without importing simpy
 
 
 def _num(v: Any, decimals: int) -> str:

@@ -37,6 +37,8 @@ class PolicyContext:
     # its CPU model, "AMD EPYC", with provenance.device "cpu"). vLLM's CPU platform runs
     # synchronously (vllm_v1's async_scheduling).
     cpu: bool = False
+    data_parallel: int = 1          # attention data-parallel ranks of one deployment (profile.data_parallel_size)
+    mla: bool = False               # the model's attention is multi-head latent attention (SGLang's reserve)
 
 
 class KvMemory(NamedTuple):
@@ -199,6 +201,13 @@ class Policy(Protocol):
     #                                true (vllm: sarathi); false keeps this one
     kernel_tables: str             # whose measured kernel tables price it (profile.kernels): vllm, sglang
     #                                or trtllm (sim.cost.aic.ENGINES)
+    dp_router: str | None          # the router of its data-parallel ranks (profile.data_parallel_size > 1;
+    #                                sim.loop.feed): vllm_dp, sglang_dp; None: its data parallelism is not
+    #                                modelled (refused)
+    dp_pads_prefill: bool          # True: DP ranks are padded to the largest under the CUDA graphs whatever
+    #                                the step holds (vLLM); False: only decode-only steps (SGLang; sim.loop.dp)
+    dp_graph_tokens: int | None    # the largest step its CUDA graphs run, up to which DP ranks are padded;
+    #                                None: vLLM's max_cudagraph_capture_size (sim.run.runner.cuda_graph_tokens)
     server_knobs: Mapping[str, EngineKnob]   # the ``server`` fields it does not read, each with the knob of
     #                                its own that means it (or none): a workload setting one is refused
 

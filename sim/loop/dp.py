@@ -1,7 +1,10 @@
 """Data-parallel ranks of a mixture-of-experts model, stepping together.
 
 vLLM's ``--data-parallel-size d`` runs d engine cores behind one API server, each with its own
-scheduler and KV pool (batchsim: one ``Server`` a rank, fed by the ``vllm_dp`` router). A dense
+scheduler and KV pool (batchsim: one ``Server`` a rank, fed by the ``vllm_dp`` router); SGLang's
+``--dp d --enable-dp-attention`` likewise (the ``sglang_dp`` router: its controller's round robin;
+``sglang/srt/managers/scheduler_components/dp_attn.py``, ``prepare_mlp_sync_batch_raw``, for the
+lockstep: a rank with no batch runs an idle one). A dense
 model's ranks are independent replicas. An MoE model's are not: every MoE layer's collectives
 (the experts meet the tokens of all ranks) take every rank, so the ranks run each forward pass
 together, a rank with nothing to run joining with a dummy batch (``DPEngineCoreProc``'s
@@ -21,7 +24,10 @@ layers' collectives wait for the largest rank all the same). ``DpGroup`` is that
    ``profile.expert_imbalance`` says by how much the busiest rank's experts get more tokens
    than the mean (the experts are then priced at that many). Each rank adds its own
    attention, LM head and overheads; the group's step is the slowest rank's, and every rank's
-   step starts and ends with it.
+   step starts and ends with it. SGLang's DP attention (``pads_prefill`` False: policy sglang,
+   rule 9) pads only a step in which no rank extends, up to its decode graphs' largest batch
+   (``DpPaddingMode``: MAX_LEN under the decode graphs; an extend step SUM_LEN, each rank its
+   own tokens); its gather and scatter around the MoE layers are priced as vLLM's.
 4. Each rank with a batch commits it at the step's end and logs it with the group's duration;
    a dummy batch is not logged.
 
@@ -48,9 +54,10 @@ class DpGroup:
     ``Server(start=False)``), priced by ``profile`` (the ranks')."""
 
     def __init__(self, env: simpy.Environment, servers: Sequence[Server], profile: Profile,
-                 graph_tokens: int = 0, expert_imbalance: float = 1.0) -> None:
+                 graph_tokens: int = 0, expert_imbalance: float = 1.0, pads_prefill: bool = True) -> None:
         self.env, self.servers, self.profile = env, list(servers), profile
         self.graph_tokens, self.expert_imbalance = graph_tokens, expert_imbalance
+        self.pads_prefill = pads_prefill          # rule 3: False pads decode-only steps only (SGLang)
         self.num_steps = 0
         self.num_dummy_steps = 0          # a rank's steps with nothing of its own (rule 3)
         self.process = env.process(self._serve())
@@ -96,7 +103,11 @@ class DpGroup:
                 now_s = env.now
                 continue
             start_s = now_s
-            duration_s = self.profile.dp_step_time_s(batches, self.graph_tokens, self.expert_imbalance)
+            graph_tokens = self.graph_tokens
+            if not self.pads_prefill and any(b is not None and (b.num_prefill_seqs or s.state.prefill_items(b))
+                                             for s, b in zip(servers, batches)):
+                graph_tokens = 0                  # an extend step: every rank its own tokens (SUM_LEN)
+            duration_s = self.profile.dp_step_time_s(batches, graph_tokens, self.expert_imbalance)
             yield env.timeout(duration_s)
             end_s = now_s = env.now
             self.num_steps += 1

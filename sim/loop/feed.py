@@ -17,7 +17,7 @@ from sim.core.request import Request
 from sim.loop.server import Server
 
 
-ROUTERS = ("round_robin", "least_requests", "least_tokens", "prefix_aware", "vllm_dp")
+ROUTERS = ("round_robin", "least_requests", "least_tokens", "prefix_aware", "vllm_dp", "sglang_dp")
 PREFIX_LOAD_SLACK = 1.25      # prefix_aware's load guard: candidates carry at most this x the least load, + 1
 
 
@@ -39,6 +39,8 @@ def pick_replica(router: str, servers: Sequence[Server], counter: int, req: Requ
         return servers[counter % len(servers)]
     if router == "vllm_dp":
         return vllm_dp_pick(servers, counter)
+    if router == "sglang_dp":
+        return sglang_dp_pick(servers, counter)
     if router == "least_requests":
         return min(servers, key=lambda s: s.num_outstanding_requests)
     if router == "least_tokens":
@@ -91,6 +93,21 @@ def vllm_dp_pick(servers: Sequence[Server], counter: int) -> Server:
         if best_score is None or score < best_score:
             best, best_score = s, score
     return best
+
+
+def sglang_dp_pick(servers: Sequence[Server], counter: int) -> Server:
+    """SGLang 0.5.23's data-parallel controller (``DataParallelController.round_robin_scheduler``,
+    ``load_balance_method`` auto: round robin without disaggregation): the ranks in turn, one
+    counter a controller. Several deployments (``servers`` in groups of their ranks' ``dp_size``,
+    each its own server): round robin over them (a round-robin load balancer in front, stated:
+    SGLang's own router is a separate program), then the deployment's controller's turn, the
+    requests it has had so far."""
+    size = getattr(servers[0], "dp_size", 1)
+    if 1 < size < len(servers):
+        groups = len(servers) // size
+        g = counter % groups
+        return servers[g * size + (counter // groups) % size]
+    return servers[counter % len(servers)]
 
 
 def feed(env: simpy.Environment, servers: Sequence[Server], requests: Iterable[Request],

@@ -273,7 +273,8 @@ def policy_context(max_model_len: int, profile: Profile | None = None) -> Policy
         return PolicyContext(max_model_len)
     cpu = profile.device.lower().startswith("cpu") or (profile.provenance or {}).get("device") == "cpu"
     return PolicyContext(max_model_len, profile.device, profile.memory_bytes_per_gpu, profile.tensor_parallel,
-                         profile.engine, cpu=cpu)
+                         profile.engine, cpu=cpu, data_parallel=profile.data_parallel_size,
+                         mla=profile.model.is_mla)
 
 
 def build_policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile | None = None) -> Policy:
@@ -281,14 +282,18 @@ def build_policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile | Non
     (``make_policy``: without a profile the device is unknown). A policy may
     keep state between its calls (SGLang's chunked request, TGI's step
     counters), so every replica gets one of its own (``drive``)."""
+    from policies import POLICIES
     policy_cfg = cfg.policy
     if getattr(policy_cfg, "async_scheduling", False) is None:
         wanted = async_scheduling_of(cfg)
         if wanted is not None:
             policy_cfg = dataclasses.replace(policy_cfg, async_scheduling=wanted)
-        elif profile is not None and profile.data_parallel_size > 1:
-            # data parallelism is modelled with the synchronous loop (its knobs say async_scheduling false)
-            policy_cfg = dataclasses.replace(policy_cfg, async_scheduling=False)
+    cls = POLICIES[cfg.policy.kind][1]
+    given = cfg.raw.get("policy") if isinstance(cfg.raw.get("policy"), dict) else {}
+    if (profile is not None and profile.data_parallel_size > 1 and cls.pipelined_knob is not None
+            and given.get(cls.pipelined_knob) is None):
+        # data parallelism is modelled with the synchronous loop (its knobs say the pipelined loop is off)
+        policy_cfg = dataclasses.replace(policy_cfg, **{cls.pipelined_knob: cls.pipelined_off})
     try:
         policy = make_policy(policy_cfg, policy_context(max_model_len, profile))
     except ValueError as exc:
@@ -318,33 +323,47 @@ _SM100 = frozenset({"b200-sxm", "b300-sxm", "gb200", "gb300"})
 
 
 def cuda_graph_tokens(policy: Policy, profile: Profile) -> int:
-    """vLLM 0.32's max_cudagraph_capture_size (VllmConfig._set_cudagraph_sizes): min(2 x
-    max_num_seqs, 512), 1024 on data-center Blackwell; the largest batch its CUDA graphs run,
-    up to which data-parallel ranks are padded to the largest one (sim.loop.dp)."""
+    """The largest step the engine's CUDA graphs run, up to which data-parallel ranks are padded
+    to the largest one (sim.loop.dp): the policy's own (``dp_graph_tokens``: SGLang's decode graphs)
+    or vLLM 0.32's max_cudagraph_capture_size (VllmConfig._set_cudagraph_sizes): min(2 x
+    max_num_seqs, 512), 1024 on data-center Blackwell."""
+    if policy.dp_graph_tokens is not None:
+        return policy.dp_graph_tokens
     return min(2 * policy.max_num_seqs, 1024 if profile.device.lower() in _SM100 else 512)
 
 
 def check_data_parallel(cfg: WorkloadConfig, profile: Profile, num_replicas: int, router: str) -> str:
-    """The router of a data-parallel deployment (vLLM's own load balancer, ``vllm_dp``), or the
-    given one without data parallelism; ConfigError for what is not modelled."""
+    """The router of a data-parallel deployment (the engine's own, ``Policy.dp_router``: vLLM's
+    load balancer ``vllm_dp``, SGLang's controller ``sglang_dp``), or the given one without data
+    parallelism; ConfigError for what is not modelled."""
+    from policies import POLICIES
     d = profile.data_parallel_size
     if d == 1:
         return router
     where = f"{cfg.source}: field 'profile.data_parallel_size'"
-    if cfg.policy.kind != "vllm_v1":
-        raise ConfigError(f"{where}: data parallelism is modelled as vLLM runs it (policy vllm_v1); "
-                          f"{cfg.policy.kind}'s data parallelism is not modelled yet")
-    if router not in ("round_robin", "least_requests", "vllm_dp"):
-        raise ConfigError(f"{where} is {d}: its ranks sit behind vLLM's data-parallel load balancer "
-                          f"(router vllm_dp; several deployments: the least loaded, then its balancer); "
-                          f"--router {router} is not how they are routed")
-    if getattr(cfg.policy, "async_scheduling", None):
-        raise ConfigError(f"{cfg.source}: field 'policy.async_scheduling' is true: data-parallel ranks are "
-                          f"modelled with the synchronous loop only (sim.loop.dp); set it false or leave it out")
+    cls = POLICIES[cfg.policy.kind][1]
+    own = cls.dp_router
+    if own is None:
+        raise ConfigError(f"{where}: data parallelism is modelled as vLLM (policy vllm_v1) and SGLang's DP "
+                          f"attention (policy sglang) run it; {cfg.policy.kind}'s is not modelled yet")
+    if router not in ("round_robin", "least_requests", own):
+        raise ConfigError(f"{where} is {d}: its ranks sit behind the engine's own data-parallel balancer "
+                          f"(router {own}; several deployments: {_DP_ROUTING[own]}); --router {router} is not "
+                          f"how they are routed")
+    knob_name = cls.pipelined_knob
+    given = cfg.raw.get("policy") if isinstance(cfg.raw.get("policy"), dict) else {}
+    if knob_name is not None and knob_name in given and given[knob_name] not in (None, cls.pipelined_off):
+        raise ConfigError(f"{cfg.source}: field 'policy.{knob_name}' is {str(given[knob_name]).lower()}: "
+                          f"data-parallel ranks are modelled with the synchronous loop only (sim.loop.dp); set it "
+                          f"{str(cls.pipelined_off).lower()} or leave it out")
     if getattr(cfg.policy, "speculative", None):
         raise ConfigError(f"{cfg.source}: field 'policy.speculative': speculative decoding with "
                           f"data-parallel ranks is not modelled yet")
-    return "vllm_dp"
+    return own
+
+
+_DP_ROUTING = {"vllm_dp": "the least loaded, then its balancer",
+               "sglang_dp": "round robin over them, then each one's controller in turn"}
 
 
 def hybrid_pool(cfg: WorkloadConfig, policy: Policy, profile: Profile) -> None:
@@ -553,7 +572,7 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
         from sim.loop.dp import DpGroup
         for g in range(0, len(servers), d):            # one lockstep group a deployment
             DpGroup(env, servers[g:g + d], profile, cuda_graph_tokens(servers[0].policy, profile),
-                    cfg.profile.expert_imbalance)
+                    cfg.profile.expert_imbalance, servers[0].policy.dp_pads_prefill)
     # A measured server's per-request overhead delays arrivals in simulation; live, it happens.
     lag_s = 0.0 if live else float(profile.engine.get("request_overhead_s") or 0.0)
     a = cfg.arrivals
@@ -888,7 +907,7 @@ def collect(cfg: WorkloadConfig, servers: list[Server], num_requests: int, num_b
                                for k, s in enumerate(servers)]
     meta = {"config": cfg.to_dict(), "seed": cfg.seed, "profile_name": profile.name,
             "profile_provenance": profile.provenance, "profile_efficiency": profile.efficiency,
-            "kv_block_size": block_size_of(cfg, servers[0].policy), "policy_knobs": policy_knobs(cfg.policy, servers[0].policy)}
+            "kv_block_size": block_size_of(cfg, servers[0].policy), "policy_knobs": policy_knobs(servers[0].policy.config, servers[0].policy)}
     result.summary, result.meta = summary, meta
     result.client_queue_s = client_queue_s
     result.prefix_cache = prefix_cache_timeline(servers)

@@ -21,7 +21,7 @@ from sim.cost.curves import Curve1D
 from sim.cost.presets import GPU_PRESETS, MODEL_PRESETS
 from sim.cost.roofline import Roofline
 from sim.loop.dp import DpGroup
-from sim.loop.feed import feed, vllm_dp_pick
+from sim.loop.feed import feed, sglang_dp_pick, vllm_dp_pick
 from sim.loop.server import Server, SimExecutor
 from tests.conftest import linear_profile, policy_state, step_rows
 
@@ -195,7 +195,9 @@ def test_a_deepseek_r1_dp8_run_and_what_is_refused(tmp_path: Path, capsys) -> No
         assert one.groupby(one.t_s.round(12)).duration_s.nunique().max() == 1
     for change, extra, words in (
             ({"policy": {"kind": "vllm_v1", "async_scheduling": True}}, (), "field 'policy.async_scheduling' is true"),
-            ({"policy": {"kind": "sglang"}}, (), "field 'profile.data_parallel_size': data parallelism is modelled"),
+            ({"policy": {"kind": "tensorrt_llm"}}, (), "field 'profile.data_parallel_size': data parallelism is modelled"),
+            ({"policy": {"kind": "sglang", "enable_overlap": True}}, (), "field 'policy.enable_overlap' is true"),
+            ({"policy": {"kind": "sglang"}}, ("--router", "vllm_dp"), "(router sglang_dp; several deployments"),
             ({}, ("--router", "prefix_aware"), "--router prefix_aware is not how they are routed"),
             ({"policy": {"kind": "vllm_v1", "speculative": {"method": "mtp", "num_speculative_tokens": 1,
                                                            "acceptance_length": 1.6}}}, (),
@@ -240,3 +242,106 @@ def test_deepseek_r1_dp8_kernel_profile(tmp_path: Path) -> None:
     assert p.linear(1) < p.linear(64) < p.linear(2048)
     path = next((tmp_path / "kernels").glob(f"{p.provenance['cache_key']}.json"))
     assert load_profile(path).data_parallel_size == 8
+
+
+def sglang_ranks(env: simpy.Environment, n: int, num_blocks: int = 1000) -> list[Server]:
+    from policies.sglang import SglangConfig
+    p = linear_profile()
+    out = []
+    for k in range(n):
+        policy = make_policy(SglangConfig(enable_overlap=False, disable_radix_cache=True, chunked_prefill_size=512),
+                             1 << 16)
+        out.append(Server(env, policy, policy_state(policy, num_blocks, 1, 1 << 16), SimExecutor(p),
+                          replica=k, start=False))
+    return out
+
+
+def test_sglang_dp_attention_pads_decode_steps_only() -> None:
+    """SGLang's DP attention (policies.sglang rule 9, sim.loop.dp rule 3): a step where any rank
+    extends is not padded (SUM_LEN); a decode-only step is, up to the decode graphs' batch. The
+    experts on a curve of their own, 0.2 ms a token a rank."""
+    env = simpy.Environment()
+    servers = sglang_ranks(env, 2)
+    p = dataclasses.replace(linear_profile(), moe=Curve1D([0, 1 << 20], [0.0, 2e-4 * (1 << 20)]))
+    DpGroup(env, servers, p, graph_tokens=512, pads_prefill=False)
+    # round robin: r0 (prompt 10) to rank 0, r1 (prompt 100) to rank 1, r2 (prompt 10) to rank 0
+    reqs = [Request(0, 0.0, 10, 3), Request(1, 0.0, 100, 3), Request(2, 0.0, 10, 3)]
+    env.process(feed(env, servers, reqs, [3, 3, 3], "sglang_dp"))
+    env.run()
+    # step 1, both extend: not padded. The experts meet 20 + 100 tokens, ceil(120 / 2) = 60 a rank:
+    # 12 ms; rank 0's own 1 + 20 x 0.1 = 3 ms, rank 1's 1 + 10 = 11 ms: 11 + 12 = 23 ms (vLLM's
+    # padding would make it 1 + linear(100) + moe(100) = 31 ms)
+    # step 2, decode only: padded to 2 tokens. Experts moe(2) = 0.4 ms; rank 0 1 + 0.2 + 1e-7 x 20 =
+    # 1.202 ms, rank 1 1 + 0.1 + 1e-7 x 100 + (linear(2) - linear(1) = 0.1) = 1.21 ms: 1.61 ms
+    # (unpadded, rank 1 would be 1.11 and the step 1.202 + 0.4 = 1.602 ms)
+    # step 3: rank 0 1.2 + 1e-7 x 22 = 1.2022, rank 1 1.2 + 1e-7 x 101 = 1.21010: 1.6101 ms
+    for s in servers:
+        assert [r[0] for r in step_rows(s)] == pytest.approx([0.0, 23.0, 24.61])
+    assert env.now == pytest.approx(23e-3 + 1.61e-3 + 1.6101e-3)
+
+
+def test_sglang_dp_round_robin() -> None:
+    env = simpy.Environment()
+    servers = sglang_ranks(env, 4)
+    # one deployment of 4 ranks: DataParallelController.round_robin_scheduler, whatever the load
+    for s in servers:
+        s.dp_size = 4
+    servers[0].state.add_arrival(Request(0, 0.0, 16, 4), 4, 0.0)
+    assert [sglang_dp_pick(servers, c).replica for c in range(6)] == [0, 1, 2, 3, 0, 1]
+    # two deployments of 2: round robin over them, then each controller's own turn (counter // 2)
+    for s in servers:
+        s.dp_size = 2
+    # counter 0 -> deployment 0, its request 0: rank 0; 1 -> deployment 1, its 0th: rank 2;
+    # 2 -> deployment 0, its 1st: rank 1; 3 -> rank 3; 4 -> rank 0
+    assert [sglang_dp_pick(servers, c).replica for c in range(5)] == [0, 2, 1, 3, 0]
+
+
+def test_sglang_dp_attention_defaults() -> None:
+    """_handle_data_parallelism and the memory rules with DP attention (policies.sglang rule 9)."""
+    from policies.sglang import SglangConfig, SglangPolicy
+    from policies.sglang_defaults import decode_graph_bs, engine_defaults
+    from sim.core.policy import PolicyContext
+    gib = 1 << 30
+    h200 = PolicyContext(16384, "NVIDIA H200", 141 * gib, world_size=1, data_parallel=8, mla=True)
+    # SGLang's TP size is 1 x 8 = 8 (>= 4): H200 (< 160 GiB) tier, chunk 8192, decode graphs 512.
+    # Reserve (MiB): 512 + 1.5 x 8192 + 8 / 8 x 1024 + 2 x 512 + DP attention 3 x 8 x 512 + (512 > 300)
+    # 1.5 x 8 x 512 + MLA 1.5 x 1024 = 512 + 12,288 + 1024 + 1024 + 12,288 + 6144 + 1536 = 34,816;
+    # (144,384 - 34,816) / 144,384 = 0.75887
+    assert engine_defaults(h200, None, 16384, None, 8) == (8192, 0.759)
+    assert decode_graph_bs(h200, None, 8) == 512
+    assert decode_graph_bs(h200, 256, 8) == 256           # at most the server's max_running_requests
+    policy = SglangPolicy(SglangConfig(), h200)
+    # a rank prefills 8192 // 8 = 1024 tokens a step; new_token_ratio starts at 0.7 x (1.0 x 0.3) = 0.21
+    assert policy.chunk_size == 1024 and policy.token_budget == 1024
+    assert policy.init_ratio == pytest.approx(0.21) and policy.dp_graph_tokens == 512
+    assert policy.knobs()["chunked_prefill_size"] == 8192                # the server's argument
+    given = SglangPolicy(SglangConfig(chunked_prefill_size=4096, max_running_requests=100), h200)
+    # 4096 // 8 = 512 a rank; 100 // 8 = 12 requests a rank
+    assert (given.chunk_size, given.max_num_seqs) == (512, 12)
+    assert given.knobs()["max_running_requests"] == 100 and given.dp_graph_tokens == 100
+    # without DP attention nothing changes: the H200 tier at TP 1 (decode graphs 256), no MLA reserve
+    plain = SglangPolicy(SglangConfig(), PolicyContext(16384, "NVIDIA H200", 141 * gib))
+    assert (plain.chunk_size, plain.init_ratio, plain.dp_graph_tokens) == (8192, pytest.approx(0.7), 0)
+
+
+def test_a_deepseek_r1_sglang_dp8_run(tmp_path: Path, capsys) -> None:
+    from sim.cli import main
+    doc = {"name": "dp", "seed": 0, "num_requests": 48,
+           "arrivals": {"kind": "poisson", "rate": 20.0},
+           "lengths": {"kind": "fixed", "prompt_tokens": 500, "output_tokens": 30},
+           "policy": {"kind": "sglang"}, "server": {"max_model_len": 8192},
+           "profile": {"model": "deepseek-r1", "gpu": "h200", "tensor_parallel": 1, "data_parallel_size": 8,
+                       "enable_expert_parallel": True}}
+    path = tmp_path / "w.yaml"
+    path.write_text(json.dumps(doc))
+    code = main(["run", str(path), "--out", str(tmp_path / "out"), "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert (meta["num_replicas"], meta["router"]) == (8, "sglang_dp")
+    assert meta["policy_knobs"]["enable_overlap"] is False              # the synchronous loop (sim.loop.dp)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    # 48 requests round robin over 8 ranks: 6 each
+    assert [r["completed"] for r in summary["replicas"]] == [6] * 8
+    import pandas as pd
+    steps = pd.read_csv(tmp_path / "out" / "steps.csv")
+    assert steps.groupby(steps.t_s.round(12)).duration_s.nunique().max() == 1
