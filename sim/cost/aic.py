@@ -53,12 +53,15 @@ _MLA_BLOCK = "mla_block"
 # DeepSeek sparse attention: one measured module per phase (indexer, top-k and sparse MLA,
 # the projections included), keyed by the query heads per GPU as MLA's.
 _DSA_MODULES = {"ContextDSAModule": "prefill", "GenerationDSAModule": "decode"}
+# SGLang's MLA under DeepEP (the wheel's large-EP graph: the attention module of its DeepEP stack,
+# measured as one op a phase).
+_WIDEEP_MLA = {"WideEPContextMLA": "prefill", "WideEPGenerationMLA": "decode"}
 # The MLA tables, by the engine's kernels: the whole module (vLLM, TensorRT-LLM), else the
 # attention kernels of the fallback graph (SGLang).
 _MLA_TABLES = {"prefill": ("dsa_context_module_perf.parquet", "mla_context_module_perf.parquet",
-                           "context_mla_perf.parquet"),
+                           "wideep_context_mla_perf.parquet", "context_mla_perf.parquet"),
                "decode": ("dsa_generation_module_perf.parquet", "mla_generation_module_perf.parquet",
-                          "generation_mla_perf.parquet")}
+                          "wideep_generation_mla_perf.parquet", "generation_mla_perf.parquet")}
 # Gated DeltaNet's ops (the conv1d and the chunked scan / recurrent update of its linear layers):
 # priced beside attention, the wheel's cost of a prefill chunk depending on its length and batch
 # only (no context: the state carries it), of a decode on the batch only.
@@ -189,6 +192,16 @@ def resolve_version(system: str, engine: str, asked: str | None) -> str:
     return min(reversed(versions), key=distance)
 
 
+# profile.moe_a2a_backend -> the wheel's MoE comm backend (context, generation): vLLM's
+# --all2all-backend deepep_high_throughput / deepep_low_latency, SGLang's --moe-a2a-backend
+# deepep with --deepep-mode normal / low_latency (one kernel for every step). SGLang's
+# --deepep-mode auto (normal kernels for a step that extends, low-latency for decode-only ones)
+# is not offered: the wheel measured SGLang's DeepEP tables at versions outside its queryable
+# ones (0.5.12 and earlier; 0.5.14 is current), so no profile could be built for it.
+DEEPEP_MODES = {"deepep_high_throughput": ("deepep_ht", "deepep_ht"),
+                "deepep_low_latency": ("deepep_ll", "deepep_ll")}
+
+
 class KernelTables:
     """One model's op graph on one GPU, engine and version, per TP shard, answering each
     op family at a shape in milliseconds (the wheel's unit) from the measured tables.
@@ -201,7 +214,7 @@ class KernelTables:
     def __init__(self, model_path: str, system: str, engine: str, version: str, tensor_parallel: int, *,
                  expert_parallel: bool = False, gemm_quant_mode: str | None = None,
                  moe_quant_mode: str | None = None, kvcache_quant_mode: str | None = None,
-                 fmha_quant_mode: str | None = None, data_parallel: int = 1) -> None:
+                 fmha_quant_mode: str | None = None, data_parallel: int = 1, moe_a2a: str | None = None) -> None:
         import aiconfigurator_core
         from aiconfigurator_core.sdk import perf_database
         from aiconfigurator_core.sdk.config_builders import apply_nextn, build_model_config
@@ -219,8 +232,13 @@ class KernelTables:
                 moe_quant_mode=moe_quant_mode, kvcache_quant_mode=kvcache_quant_mode, fmha_quant_mode=fmha_quant_mode)
             apply_nextn(config, 0)
             try:
-                model = get_model(model_path, config, engine)
                 database = perf_database.get_database(system, engine, version)
+                if moe_a2a is not None:
+                    # DeepEP's all-to-all (the wheel's large-EP graph: MoEAllToAll dispatch and combine
+                    # around MoEExpertCompute), its kernels per phase, over the node's GPUs
+                    config.moe_comm_backend = dict(zip(("context", "generation"), DEEPEP_MODES[moe_a2a]))
+                    config.num_gpus_per_node = int(database.system_spec["node"]["num_gpus_per_node"])
+                model = get_model(model_path, config, engine)
             except (ValueError, KeyError, NotImplementedError) as exc:
                 raise KernelsError(f"the kernel tables cannot build {model_path} on {system} "
                                    f"({ENGINES[engine]} {version}, TP {t}" + (f", DP {d}" if d > 1 else "")
@@ -261,7 +279,7 @@ class KernelTables:
         for i, op in enumerate(ops):
             kind = type(op).__name__
             name = getattr(op, "_name", "")
-            if (kind == "FallbackOp" and name.endswith(_MLA_BLOCK)) or kind in _DSA_MODULES:
+            if (kind == "FallbackOp" and name.endswith(_MLA_BLOCK)) or kind in _DSA_MODULES or kind in _WIDEEP_MLA:
                 roles["attention"].append(i)      # MLA / DSA: its projections ride with it
                 self.mla = True
                 self.dsa = self.dsa or kind in _DSA_MODULES
@@ -332,13 +350,14 @@ class KernelTables:
     def _families(self) -> set[str]:
         used = {"gemm", "context_attention", "generation_attention", "custom_allreduce", "nccl"}
         if self.mla:
-            used |= {"mla_context_module", "mla_generation_module", "context_mla", "generation_mla", "mla_bmm"}
+            used |= {"mla_context_module", "mla_generation_module", "context_mla", "generation_mla", "mla_bmm",
+                     "wideep_context_mla", "wideep_generation_mla"}
         if self.dsa:
             used |= {"dsa_context_module", "dsa_generation_module"}
         if self.linear:
             used |= {"gdn"}
         if any(type(op).__name__.startswith("MoE") for op in self.model.context_ops):
-            used |= {"moe", "moe_a2a"}
+            used |= {"moe", "moe_a2a", "wideep_deepep_normal", "wideep_deepep_ll"}
         return used
 
     def measured_axes(self) -> dict[str, list[int]]:

@@ -127,6 +127,7 @@ class KernelSpec:
     expert_parallel: bool = False
     engine_version: str | None = None    # None: the newest measured
     data_parallel: int = 1               # attention data parallelism (one rank's profile)
+    moe_a2a: str | None = None           # DeepEP's all-to-all (aic.DEEPEP_MODES); None: the engine's default
 
 
 def kernel_profile(spec: KernelSpec, host: HostTerms, folder: Path | None = None) -> Profile:
@@ -145,7 +146,8 @@ def kernel_profile(spec: KernelSpec, host: HostTerms, folder: Path | None = None
            "version_asked": spec.engine_version, "model": model.config, "tp": spec.tensor_parallel,
            "ep": spec.expert_parallel, "dtype": spec.dtype, "weight_dtype": spec.weight_dtype,
            "kv_cache_dtype": spec.kv_cache_dtype, "gpu": dataclasses.asdict(gpu),
-           **({"dp": spec.data_parallel} if spec.data_parallel > 1 else {})}
+           **({"dp": spec.data_parallel} if spec.data_parallel > 1 else {}),
+           **({"moe_a2a": spec.moe_a2a} if spec.moe_a2a else {})}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     path = folder / "kernels" / f"{digest}.json"
     if path.is_file():
@@ -181,7 +183,8 @@ def build_tables(spec: KernelSpec, model: ResolvedModel, gpu: Any, system: str, 
     modes = quant_modes(precision.weight_dtype, stated, scope, precision.kv_cache_dtype, gpu.generation,
                         mla=shape.is_mla)
     tables = aic.KernelTables(model.wheel_path, system, spec.engine, version, spec.tensor_parallel,
-                              expert_parallel=spec.expert_parallel, data_parallel=spec.data_parallel, **modes)
+                              expert_parallel=spec.expert_parallel, data_parallel=spec.data_parallel,
+                              moe_a2a=spec.moe_a2a, **modes)
     t = spec.tensor_parallel
     bounds = GridBounds(max_tokens=max(131072, shape.max_position_embeddings), max_seqs=4096,
                         max_context=shape.max_position_embeddings)
@@ -193,7 +196,8 @@ def build_tables(spec: KernelSpec, model: ResolvedModel, gpu: Any, system: str, 
     grids, values, limits = tab["grids"], tab["values"], tab["limits"]
     prefill_len, decode_len = limits.get("prefill_len"), limits.get("decode_len")
     label = (precision.label() + ("-ep" if spec.expert_parallel else "")
-             + (f"-dp{spec.data_parallel}" if spec.data_parallel > 1 else ""))
+             + (f"-dp{spec.data_parallel}" if spec.data_parallel > 1 else "")
+             + (f"-{spec.moe_a2a}" if spec.moe_a2a else ""))
     engine_name = aic.ENGINES[spec.engine]
     extra = {**({"weight_dtype": precision.weights} if precision.is_quantized else {}),
              **({"kv_cache_dtype": precision.kv_cache_dtype} if precision.kv_cache_dtype != "auto" else {})}
@@ -222,6 +226,7 @@ def build_tables(spec: KernelSpec, model: ResolvedModel, gpu: Any, system: str, 
                     "engine_version": version, "gpu": gpu.name, "model": model.name, "tensor_parallel": t,
                     "expert_parallel": spec.expert_parallel, "dtype": precision.dtype, **extra,
                     **({"data_parallel_size": spec.data_parallel} if spec.data_parallel > 1 else {}),
+                    **({"moe_a2a_backend": spec.moe_a2a} if spec.moe_a2a else {}),
                     "quant_modes": tables.quant_modes, "tables": tables.tables(), "measured_ranges": limits,
                     "batchsim_format": FORMAT_VERSION, "grid_format": GRID_FORMAT,
                     "measured": "the GPU kernels of every op (the tables above)",

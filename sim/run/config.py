@@ -55,6 +55,12 @@ class ProfileConfig:
     # Data-parallel MoE ranks: the tokens the busiest expert-parallel rank's experts get over the mean
     # (1.0: uniform routing; measured routing is often 1.2-2x); its experts are priced at that many.
     expert_imbalance: float = 1.0
+    # Data-parallel MoE ranks' dispatch and combine: allgather_reducescatter (vLLM's default
+    # --all2all-backend; SGLang's default, no --moe-a2a-backend, gathers and scatters alike), or
+    # DeepEP's all-to-all, priced from the kernel tables (profile.kernels): deepep_high_throughput
+    # or deepep_low_latency for every step (vLLM's --all2all-backend, SGLang's --deepep-mode normal /
+    # low_latency; sim.cost.aic.DEEPEP_MODES says why SGLang's auto mode is not offered).
+    moe_a2a_backend: str = "allgather_reducescatter"
     # The serving engine generation whose host work the analytic preset charges
     # (sim.cost.collectives.ENGINES: vllm-v0 fitted on public runs; vllm-v1, vllm-v1-async). With
     # kernels on vLLM's tables, vllm-v1-async picks vLLM's async host terms, anything else its
@@ -73,6 +79,8 @@ class ProfileConfig:
 
 # The thresholds goodput counts per request (vLLM's --goodput); a workload's slo takes only these.
 GOODPUT_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
+# profile.moe_a2a_backend (sim.cost.aic.DEEPEP_MODES beside the default)
+MOE_A2A_BACKENDS = ("allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency")
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,6 +315,19 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
     if f != 1.0 and not (cfg.profile.data_parallel_size > 1 and cfg.profile.enable_expert_parallel):
         raise ConfigError(f"{source}: field 'profile.expert_imbalance' applies to data-parallel ranks with expert "
                           f"parallelism (profile.data_parallel_size > 1, enable_expert_parallel: true)")
+    a2a = cfg.profile.moe_a2a_backend
+    if a2a not in MOE_A2A_BACKENDS:
+        raise ConfigError(f"{source}: field 'profile.moe_a2a_backend' must be one of {', '.join(MOE_A2A_BACKENDS)}, "
+                          f"got {a2a!r}{did_you_mean(str(a2a), MOE_A2A_BACKENDS)}")
+    if a2a != "allgather_reducescatter":
+        if not (cfg.profile.data_parallel_size > 1 and cfg.profile.enable_expert_parallel):
+            raise ConfigError(f"{source}: field 'profile.moe_a2a_backend' is {a2a}: DeepEP dispatches to expert-parallel "
+                              f"ranks of data-parallel attention (profile.data_parallel_size > 1, "
+                              f"enable_expert_parallel: true)")
+        if cfg.profile.kernels is None:
+            raise ConfigError(f"{source}: field 'profile.moe_a2a_backend' is {a2a}: DeepEP's kernels are priced from "
+                              f"the measured tables only (set profile.kernels: aiconfigurator); the roofline prices "
+                              f"allgather_reducescatter")
     if cfg.profile.data_parallel_size > 1024:
         raise ConfigError(f"{source}: field 'profile.data_parallel_size' must be at most 1024, "
                           f"got {cfg.profile.data_parallel_size:,}")
@@ -317,7 +338,7 @@ def workload_from_dict(data: Any, source: str = "<workload>", base_dir: str | Pa
     raw_profile = data.get("profile") if isinstance(data.get("profile"), dict) else {}
     clash = sorted(k for k in ("model", "gpu", "tensor_parallel", "dtype", "engine", "weight_dtype",
                                "kv_cache_dtype", "enable_expert_parallel", "kernels", "engine_version",
-                               "data_parallel_size", "expert_imbalance")
+                               "data_parallel_size", "expert_imbalance", "moe_a2a_backend")
                    if k in raw_profile)
     if cfg.profile.path is not None and clash:
         raise ConfigError(f"{source}: field 'profile' gives both a path and {', '.join(clash)}; a profile "

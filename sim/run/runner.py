@@ -81,7 +81,8 @@ def build_kernel_profile(cfg: WorkloadConfig, model: str | dict[str, Any]) -> Pr
     spec = KernelSpec(model=model, gpu=p.gpu, engine=engine, tensor_parallel=p.tensor_parallel, dtype=p.dtype,
                       weight_dtype=p.weight_dtype, kv_cache_dtype=p.kv_cache_dtype,
                       expert_parallel=p.enable_expert_parallel, data_parallel=p.data_parallel_size,
-                      engine_version=None if p.engine_version is None else str(p.engine_version))
+                      engine_version=None if p.engine_version is None else str(p.engine_version),
+                      moe_a2a=None if p.moe_a2a_backend == "allgather_reducescatter" else p.moe_a2a_backend)
     generation = p.engine
     wanted = async_scheduling_of(cfg)
     if wanted is None and p.data_parallel_size > 1:

@@ -242,6 +242,33 @@ def test_deepseek_r1_dp8_kernel_profile(tmp_path: Path) -> None:
     assert p.linear(1) < p.linear(64) < p.linear(2048)
     path = next((tmp_path / "kernels").glob(f"{p.provenance['cache_key']}.json"))
     assert load_profile(path).data_parallel_size == 8
+    # DeepEP's low-latency all-to-all (vLLM's --all2all-backend deepep_low_latency): the wheel's large-EP
+    # graph, its dispatch and combine read from the measured moe_a2a tables; only the experts' curve moves
+    ll = kernel_profile(KernelSpec(model="deepseek-r1", gpu="h200", engine="vllm", tensor_parallel=1,
+                                   expert_parallel=True, data_parallel=8, moe_a2a="deepep_low_latency"), none, tmp_path)
+    assert "-deepep_low_latency-" in ll.name and ll.provenance["moe_a2a_backend"] == "deepep_low_latency"
+    assert ll.provenance["cache_key"] != p.provenance["cache_key"]
+    assert "moe_a2a_perf.parquet" in ll.provenance["tables"]
+    assert ll.moe(64) != pytest.approx(p.moe(64), rel=1e-3)
+    assert ll.kv_bytes_per_token == p.kv_bytes_per_token and ll.weight_bytes == p.weight_bytes
+
+
+def test_deepep_refusals(tmp_path: Path, capsys) -> None:
+    from sim.cli import main
+    base = {"name": "dp", "seed": 0, "num_requests": 8, "arrivals": {"kind": "poisson", "rate": 20.0},
+            "lengths": {"kind": "fixed", "prompt_tokens": 50, "output_tokens": 5}, "policy": {"kind": "vllm_v1"},
+            "profile": {"model": "deepseek-r1", "gpu": "h200", "tensor_parallel": 1, "data_parallel_size": 8,
+                        "enable_expert_parallel": True, "moe_a2a_backend": "deepep_low_latency"}}
+    for change, words in (
+            ({}, "DeepEP's kernels are priced from the measured tables only (set profile.kernels"),
+            ({"moe_a2a_backend": "deepep"}, "field 'profile.moe_a2a_backend' must be one of allgather_reducescatter"),
+            ({"data_parallel_size": 1, "tensor_parallel": 8, "kernels": "aiconfigurator"},
+             "DeepEP dispatches to expert-parallel ranks of data-parallel attention")):
+        path = tmp_path / "w.yaml"
+        path.write_text(json.dumps({**base, "profile": {**base["profile"], **change}}))
+        code = main(["run", str(path), "--out", str(tmp_path / "out"), "--quiet", "--overwrite"])
+        err = capsys.readouterr().err
+        assert code != 0 and words in err and "Traceback" not in err, err
 
 
 def sglang_ranks(env: simpy.Environment, n: int, num_blocks: int = 1000) -> list[Server]:
