@@ -12,8 +12,9 @@
 Each pool's ``profile``, ``policy`` and ``server`` are the workload's own with the pool's
 fields over them (a pool's ``policy`` of another ``kind`` replaces the workload's); its
 ``replicas`` and ``router`` (``sim.loop.feed.ROUTERS``) are its own. The handoff between them
-is vLLM's (``sim.loop.handoff``), so the decode pool's policy is ``vllm_v1``; the prefill
-pool's may be any. Both pools serve the same model, with the same KV precision.
+is vLLM's (``sim.loop.handoff``) with a decode pool of ``vllm_v1`` (the prefill pool's policy
+may be any), or SGLang's (``sim.loop.handoff_sglang``) with both pools ``sglang``. Both pools
+serve the same model, with the same KV precision.
 """
 
 from __future__ import annotations
