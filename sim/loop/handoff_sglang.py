@@ -211,11 +211,13 @@ class SglangHandoff:
         for s in self.prefill:
             s.state.held = {}
             s.state.remote = RemoteKv(_no_alloc)  # its bootstrap queue (remote.holding)
+            s.counts_held = True                  # the router's load counts it
             s.on_step = self._stepped_at(s)
             s.on_finish = self._prefilled_at(s)
         self.queues: dict[int, DecodeQueues] = {}
         for s in self.decode:
             s.state.remote = RemoteKv(_no_alloc)
+            s.counts_held = True
             s.policy.decode_stretch = False      # a received transfer may join at any pass
             q = DecodeQueues(self, s, reserved_tokens)
             s.policy.pd_decode = q

@@ -175,6 +175,10 @@ class Server:
         self.executor = executor
         self.replica = replica
         self.dp_size = 1          # the data-parallel ranks of its deployment (sim.loop.feed.vllm_dp_pick)
+        # A router's load counts the requests held in ``state.remote.holding`` too (SGLang's
+        # bootstrap and prealloc queues: sim.loop.handoff_sglang, whose router counts every
+        # request in flight).
+        self.counts_held = False
         self.log = StepLog()
         self.on_step = on_step
         self.on_finish: Callable[[float, list[int]], None] | None = None
@@ -211,13 +215,16 @@ class Server:
 
     @property
     def num_outstanding_requests(self) -> int:
-        return len(self.state.waiting) + len(self.state.running)
+        n = len(self.state.waiting) + len(self.state.running)
+        return n + len(self.state.remote.holding) if self.counts_held else n
 
     @property
     def num_outstanding_tokens(self) -> int:
         """Tokens still to compute for queued and running requests (prompt + max_tokens)."""
-        return sum(r.num_prompt_tokens + r.max_output_tokens - r.num_computed_tokens
-                   for q in (self.state.waiting, self.state.running) for r in q)
+        queues = (self.state.waiting, self.state.running)
+        if self.counts_held:
+            queues += (self.state.remote.holding,)
+        return sum(r.num_prompt_tokens + r.max_output_tokens - r.num_computed_tokens for q in queues for r in q)
 
     def _idle(self, decision: Idle, now_s: float, guard: ProgressGuard):
         """The policy chose to wait (a SimPy process fragment: use with ``yield from``): catch
