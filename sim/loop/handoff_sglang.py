@@ -77,7 +77,6 @@ from typing import Sequence
 import numpy as np
 import simpy
 
-from policies.sglang_adder import CLIP_MAX_NEW_TOKENS
 from sim.core.request import Request, RequestRecords, Status
 from sim.core.state import RemoteKv, SchedulerState
 from sim.loop.feed import ClientPool, pick_replica
@@ -85,6 +84,9 @@ from sim.loop.handoff import Link, LinkSpec
 from sim.loop.server import Server
 
 NUM_RESERVED_DECODE_TOKENS = 512        # --num-reserved-decode-tokens (arg_groups/fields/disagg.py)
+# SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION, decode.py's CLIP_MAX_NEW_TOKEN (policies.sglang_adder has
+# the same for the PrefillAdder; sim.loop imports no policy).
+CLIP_MAX_NEW_TOKENS = 4096
 
 
 def extra_decode_slots(max_running_requests: int | None) -> int:
