@@ -61,7 +61,8 @@ unless said):
 So TTFT = decode reservation (bootstrap) + prefill queue + prefill + the transfer after the
 prefill's end + the wait for the decode's next pass.
 
-Not modelled: the bootstrap handshake's own messages (no time), metadata buffers
+Not modelled: the bootstrap handshake's own messages (no time), the prefill side's poll of its
+inflight queue (once a pass in SGLang: here its KV is freed when the last send is in), metadata buffers
 (``req_to_metadata_buffer_idx_allocator``), a failed or aborted transfer, the decode radix
 cache and HiCache, host-side receive, the ``prefill_complete`` allocation policy, optimistic
 prefill; a retracted decode request is recomputed locally (SGLang backs its KV up to host

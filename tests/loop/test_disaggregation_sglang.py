@@ -115,6 +115,16 @@ def test_a_full_decode_pool_holds_the_request_in_bootstrap_with_no_kv_on_the_pre
     assert np.allclose(np.array(starts) * 1e3, [0.0, 7.4, 32.986, 40.386])
 
 
+def test_a_one_token_reply_ends_on_the_decode_side_without_a_step() -> None:
+    # Prompt 100, output 1: the prefill's token is the whole reply. Its transfer is in at 12.086 ms
+    # (as above); the decode pass that takes it in streams that token and finishes it: first token
+    # and finish at 12.086 ms, no decode step, and its 100 reserved tokens freed.
+    h, _, (d,), (r,) = _run([(0.0, 100, 1)])
+    assert r.first_token_s * 1e3 == pytest.approx(12.086) and r.finished_s == r.first_token_s
+    assert not list(d.log.chunks())                      # the decode instance ran no step
+    assert d.state.kv.num_used_blocks == 0 and d.state.done
+
+
 def test_two_requests_share_the_decode_instances_port() -> None:
     # Two requests at 0, prompt 100, output 2, one on each of two prefill instances; the decode
     # instance reserves both at 0 (B: allocatable 1,900 - 10 = 1,890 >= 110). Both prefills send
