@@ -43,7 +43,10 @@ unless said):
    whole pages (``send_kv_chunk``: the last partial page waits for the next send; in
    ``process_prefill_chunk``, or with the overlap loop in
    ``process_batch_result_disagg_prefill``: at the chunk's end here), so the transfer of
-   early chunks overlaps the later chunks' compute. The last chunk samples the first output
+   early chunks overlaps the later chunks' compute. A prefix found in its radix cache is sent
+   as the step that computes the rest starts (``maybe_send_cached_prefix_chunk``, from
+   ``Scheduler.run_batch``; ``SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX`` is on by
+   default). The last chunk samples the first output
    token, and the rest of the prompt's KV goes with the metadata holding that token
    (``set_buf``). Each send is a transfer over ``sim.loop.handoff.Link``.
 5. The prefill instance keeps the request's KV until every send is in
@@ -216,6 +219,7 @@ class SglangHandoff:
             s.state.remote = RemoteKv(_no_alloc)  # its bootstrap queue (remote.holding)
             s.counts_held = True                  # the router's load counts it
             s.on_step = self._stepped_at(s)
+            s.on_launch = self._launched_at(s)
             s.on_finish = self._prefilled_at(s)
         self.queues: dict[int, DecodeQueues] = {}
         for s in self.decode:
@@ -306,6 +310,22 @@ class SglangHandoff:
                     self._send(server, req_id, upto - sent[req_id], end_s)
                     sent[req_id] = upto
         return stepped
+
+    def _launched_at(self, server: Server):
+        page = server.state.kv.block_size
+
+        def launched(start_s: float, batch) -> None:
+            # maybe_send_cached_prefix_chunk (SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX, on by
+            # default), from run_batch: the prefix found in the prefill's radix cache is sent as the
+            # step that computes the rest starts, in whole pages.
+            sent = self._sent
+            for req_id, n, context_len, _pad in batch.items:
+                if req_id in sent and req_id not in self._last_sent and n:
+                    upto = context_len // page * page
+                    if upto > sent[req_id]:
+                        self._send(server, req_id, upto - sent[req_id], start_s)
+                        sent[req_id] = upto
+        return launched
 
     def _send(self, server: Server, req_id: int, num_tokens: int, t_s: float) -> None:
         k = int(self.num_chunks[req_id])

@@ -54,8 +54,10 @@ def _setup(specs, *, prefill: int = 1, p_tokens: int = 2000, d_tokens: int = 200
     return env, h, p, d, reqs
 
 
-def _run(specs, **kw):
+def _run(specs, *, contents=None, **kw):
     env, h, p, d, reqs = _setup(specs, **kw)
+    for r, c in zip(reqs, contents or ()):
+        r.content = c
     env.run()
     return h, p, d, reqs
 
@@ -123,6 +125,20 @@ def test_a_one_token_reply_ends_on_the_decode_side_without_a_step() -> None:
     assert r.first_token_s * 1e3 == pytest.approx(12.086) and r.finished_s == r.first_token_s
     assert not list(d.log.chunks())                      # the decode instance ran no step
     assert d.state.kv.num_used_blocks == 0 and d.state.done
+
+
+def test_a_prefix_cached_on_the_prefill_side_is_sent_as_its_step_starts() -> None:
+    # A and B, the same 100-token prompt, output 1; A at 0, B at 100 ms. A as above: its KV freed into
+    # the prefill's radix tree at 12.086 ms. B: reserved at 100 ms; the prefill matches 99 tokens (at
+    # most num_tokens - 1) and computes 1, a step of 1.1 ms. The 99 cached tokens are sent as the step
+    # starts, in at 100 + 0.05 + 0.099 = 100.149 ms; the last token at 101.1 ms, in at 101.151 ms:
+    # B's first token 101.151 ms (with the prefix sent only at the end: 101.1 + 0.15 = 101.25 ms).
+    h, _, _, (a, b) = _run([(0.0, 100, 1), (0.1, 100, 1)], contents=[(900, 7, 100)] * 2)
+    assert h.reserved_s[1] * 1e3 == pytest.approx(100.0)
+    assert h.transfer_start_s[1] * 1e3 == pytest.approx(100.0)
+    assert h.prefill_done_s[1] * 1e3 == pytest.approx(101.1)
+    assert h.num_chunks[1] == 2 and h.transfer_tokens[1] == 100
+    assert b.first_token_s * 1e3 == pytest.approx(101.151)
 
 
 def test_two_requests_share_the_decode_instances_port() -> None:
