@@ -248,6 +248,9 @@ class SglangPolicy(PolicyBase):
     dp_router = "sglang_dp"                 # rule 9: DataParallelController's round robin
     dp_pads_prefill = False                 # rule 9: an extend step is not padded (SUM_LEN)
     parse_speculative = staticmethod(parse_sglang_speculative)    # policy_config's check of rule 8's fields
+    # A decode instance of disaggregated serving (sim.loop.handoff_sglang.DecodeQueues): its
+    # prealloc and transfer queues, run at the start of every pass (process_decode_queue).
+    pd_decode: Any = None
     server_knobs = {
         "block_size": EngineKnob("page_size", "SGLang's --page-size, its KV page in tokens"),
         "gpu_memory_utilization": EngineKnob("mem_fraction_static", "SGLang's --mem-fraction-static, the share "
@@ -367,6 +370,8 @@ class SglangPolicy(PolicyBase):
             self.max_num_seqs = max(1, min(max(min(int(tokens / state.max_model_len * 512), 4096), 2048),
                                            tokens // 2))
             self._pool_rule = False
+        if self.pd_decode is not None:
+            self.pd_decode.process_decode_queue(state, now_s)
         self._waiting = state.waiting
         if self.pipelined:
             flight = self._overlap_results(state)

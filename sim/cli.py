@@ -153,7 +153,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if pd_ is not None:
         title = (f"{cfg.name}: disaggregated, {pd_['prefill']['replicas']} prefill x "
                  f"{meta['profile_name_prefill']} ({cfg.disaggregation.prefill.cfg.policy.kind}) -> "
-                 f"{pd_['decode']['replicas']} decode x {meta['profile_name']} (vllm_v1{loop}), "
+                 f"{pd_['decode']['replicas']} decode x {meta['profile_name']} "
+                 f"({cfg.disaggregation.decode.cfg.policy.kind}{loop}), "
                  f"{meta['num_blocks_prefill']:,} / {meta['num_blocks']:,} KV blocks")
         print(format_summary(result.summary, title,
                              load=offered_load(result.request_source, meta["config"]["arrivals"])))
@@ -204,11 +205,12 @@ def format_pd(pd_: dict[str, Any]) -> str:
     lines = [f"link        {link['kind'] or 'custom'}: {link['bandwidth_gbps']:g} Gb/s per GPU each way, "
              f"{link['latency_us']:g} us; {pd_['num_transfers']:,} transfers, "
              f"{pd_['transfer_bytes'] / 2**30:,.2f} GiB, {pd_['num_transfer_timeouts']} timed out"]
-    names = (("prefill_queue_s", "prefill queue"), ("prefill_s", "prefill"), ("transfer_wait_s", "decode admit"),
-             ("transfer_s", "transfer"), ("decode_queue_s", "decode queue"), ("decode_first_step_s", "first step"))
+    names = (("bootstrap_wait_s", "decode reserve"), ("prefill_queue_s", "prefill queue"), ("prefill_s", "prefill"),
+             ("transfer_wait_s", "decode admit"), ("transfer_s", "transfer"), ("decode_queue_s", "decode queue"),
+             ("decode_first_step_s", "first step"))
     lines.append("TTFT parts  " + " | ".join(
         f"{label} {v['p50_ms']:.1f}/{v['p99_ms']:.1f}" for key, label in names
-        if (v := pd_["phases"][key])["p50_ms"] is not None) + " ms (p50/p99)")
+        if key in pd_["phases"] and (v := pd_["phases"][key])["p50_ms"] is not None) + " ms (p50/p99)")
     held = pd_["prefill_kv_held_peak_blocks"]
     if held:
         lines.append(f"prefill KV  held for transfer: peak {max(held.values()):,} of {pd_['prefill_kv_blocks']:,} "

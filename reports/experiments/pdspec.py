@@ -128,7 +128,7 @@ def disaggregated_candidates(source: Path, where: str, item: dict[str, Any], bas
                 for w, p in _options(source, f"{at}.prefill", section["prefill"])]
     decodes = [_pool(source, w, p, base_dir, default_price, router, number)
                for w, p in _options(source, f"{at}.decode", section["decode"])]
-    shared = {k: section[k] for k in ("link", "proxy_ms", "abort_timeout_s") if k in section}
+    shared = {k: section[k] for k in SECTION_KEYS if k not in ("prefill", "decode") and k in section}
     many = len(prefills) * len(decodes) > 1
     out = []
     for i, p in enumerate(prefills):

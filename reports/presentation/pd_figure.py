@@ -39,7 +39,9 @@ def phases_figure(requests: pd.DataFrame, timeline: pd.DataFrame | None, title: 
     done = requests[requests["status"] == "finished"]
     x = np.arange(len(QUANTILES))
     bottom = np.zeros(len(QUANTILES))
-    for col, label, color in PHASES:
+    # SGLang's handoff (sim.loop.handoff_sglang): the wait for the decode reservation comes first.
+    phases = ((("bootstrap_wait_s", "decode reservation", "tab:cyan"),) if "bootstrap_wait_s" in done else ()) + PHASES
+    for col, label, color in phases:
         v = done[col].to_numpy(dtype=float)
         v = v[~np.isnan(v)]
         h = np.percentile(v, QUANTILES) * 1e3 if len(v) else np.zeros(len(QUANTILES))

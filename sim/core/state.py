@@ -225,6 +225,39 @@ class SchedulerState:
         req.remote_kv = False
         self.remote.loading.add(req.req_id)
 
+    def admit_prebuilt(self, req: Request, now_s: float) -> None:
+        """Move ``req``, held (``remote.holding``) with its prompt's KV received and its first
+        output token sampled by the prefill instance, into the running list with that token
+        streamed now (SGLang's decode side: ``_get_new_prebuilt_batch`` and
+        ``process_batch_result_prebuilt``; ``sim.loop.handoff_sglang``). Its next step decodes
+        the second token; a request of one output token finishes here."""
+        self.remote.holding.remove(req)
+        req.status = Status.RUNNING
+        if req.first_scheduled_s is None:
+            req.first_scheduled_s = now_s
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.running.append(req)
+        self.num_admissions += 1
+        self._sample(req, req.req_id, now_s)
+        self.tokens.end_step(now_s, 1)
+        if req.num_output_tokens >= self._true_output[req.req_id]:
+            req.last_token_s = now_s
+            self._finish(req, now_s)
+
+    def withdraw(self, req: Request, reason: str, now_s: float) -> None:
+        """Refuse ``req``, accepted but not yet run (in ``waiting`` or ``remote.holding``), as
+        ``add_arrival`` refuses one: the other side of a disaggregated pair refused it."""
+        for q in (self.waiting, self.remote.holding if self.remote is not None else ()):
+            if req in q:
+                q.remove(req)
+        del self.requests[req.req_id]
+        true_output = self._true_output.pop(req.req_id)
+        req.status = Status.REJECTED
+        req.reject_reason = reason
+        req.finished_s = now_s
+        self.num_rejected += 1
+        self.records.add(req, true_output)
+
     def rewind_remote(self, req: Request, num_computed_tokens: int) -> None:
         """A received request's computed tokens set back (its last prompt token recomputed)."""
         req.num_computed_tokens = num_computed_tokens

@@ -175,9 +175,16 @@ class Server:
         self.executor = executor
         self.replica = replica
         self.dp_size = 1          # the data-parallel ranks of its deployment (sim.loop.feed.vllm_dp_pick)
+        # A router's load counts the requests held in ``state.remote.holding`` too (SGLang's
+        # bootstrap and prealloc queues: sim.loop.handoff_sglang, whose router counts every
+        # request in flight).
+        self.counts_held = False
         self.log = StepLog()
         self.on_step = on_step
         self.on_finish: Callable[[float, list[int]], None] | None = None
+        # ``on_launch(start_s, batch)``, if set before the run starts: called as each step starts
+        # (SGLang's disaggregated prefill sends a cached prefix then: sim.loop.handoff_sglang).
+        self.on_launch: Callable[[float, Batch], None] | None = None
         self._wake: simpy.Event | None = None
         self.coalesce = coalesce
         self.check_stretch = check_stretch
@@ -211,13 +218,16 @@ class Server:
 
     @property
     def num_outstanding_requests(self) -> int:
-        return len(self.state.waiting) + len(self.state.running)
+        n = len(self.state.waiting) + len(self.state.running)
+        return n + len(self.state.remote.holding) if self.counts_held else n
 
     @property
     def num_outstanding_tokens(self) -> int:
         """Tokens still to compute for queued and running requests (prompt + max_tokens)."""
-        return sum(r.num_prompt_tokens + r.max_output_tokens - r.num_computed_tokens
-                   for q in (self.state.waiting, self.state.running) for r in q)
+        queues = (self.state.waiting, self.state.running)
+        if self.counts_held:
+            queues += (self.state.remote.holding,)
+        return sum(r.num_prompt_tokens + r.max_output_tokens - r.num_computed_tokens for q in queues for r in q)
 
     def _idle(self, decision: Idle, now_s: float, guard: ProgressGuard):
         """The policy chose to wait (a SimPy process fragment: use with ``yield from``): catch
@@ -256,7 +266,7 @@ class Server:
 
     def _serve(self):  # SimPy process
         env, state, policy, executor, log = self.env, self.state, self.policy, self.executor, self.log
-        on_step, on_finish = self.on_step, self.on_finish
+        on_step, on_finish, on_launch = self.on_step, self.on_finish, self.on_launch
         if on_finish is not None:
             state.finished_ids = []        # the state collects the finished requests' ids for it
         # Steps that end before the next scheduled event (an arrival, another
@@ -289,6 +299,8 @@ class Server:
                 guard.reset()
             start_s = now_s
             result = executor.execute(decision, state)
+            if on_launch is not None:
+                on_launch(start_s, decision)
             end_s = start_s + result.duration_s
             coalesced = coalesce and end_s < env.peek()
             if not coalesced:
@@ -372,6 +384,8 @@ class Server:
             if device_s != result.duration_s:      # the log's row: the device's start and seconds
                 result = result._replace(duration_s=device_s, predicted_s=device_s)
             running = (decision, now_s, now_s + device_s, result, row)   # starts now; the next is chosen now
+            if self.on_launch is not None:
+                self.on_launch(now_s, decision)
 
     def _wait_until(self, t_s: float):
         """Move the clock to ``t_s`` (a SimPy process fragment): on the local clock when

@@ -12,8 +12,9 @@
 Each pool's ``profile``, ``policy`` and ``server`` are the workload's own with the pool's
 fields over them (a pool's ``policy`` of another ``kind`` replaces the workload's); its
 ``replicas`` and ``router`` (``sim.loop.feed.ROUTERS``) are its own. The handoff between them
-is vLLM's (``sim.loop.handoff``), so the decode pool's policy is ``vllm_v1``; the prefill
-pool's may be any. Both pools serve the same model, with the same KV precision.
+is vLLM's (``sim.loop.handoff``) with a decode pool of ``vllm_v1`` (the prefill pool's policy
+may be any), or SGLang's (``sim.loop.handoff_sglang``) with both pools ``sglang``. Both pools
+serve the same model, with the same KV precision.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from sim.core.state import SchedulerState
 from sim.cost.profile import Profile
 from sim.loop.feed import ClientPool
 from sim.loop.handoff import Handoff, feed_prefills, feed_prefills_capped
+from sim.loop.handoff_sglang import SglangHandoff
 from sim.loop.server import Server, SimExecutor
 from sim.results.result import RunLogs, RunResult
 from sim.results.table import RequestTable
@@ -90,9 +92,13 @@ def run_disaggregated(cfg: WorkloadConfig, *, progress: bool = False, strict: bo
     requests = RequestStream(specs, request_max_tokens(d_cfg, specs, d_len))
     a = cfg.arrivals
     clients = ClientPool(env, min(a.max_concurrency, n), a.think_time_s) if a.max_concurrency is not None else None
-    handoff = Handoff(env, p_servers, d_servers, (d.prefill.router, d.decode.router), d.link,
-                      d_profile.kv_bytes_per_token, (p_cfg.profile.tensor_parallel, d_cfg.profile.tensor_parallel),
-                      n, proxy_s=d.proxy_s, abort_timeout_s=d.abort_timeout_s, clients=clients)
+    routers, tp = (d.prefill.router, d.decode.router), (p_cfg.profile.tensor_parallel, d_cfg.profile.tensor_parallel)
+    if d.handoff == "sglang":
+        handoff = SglangHandoff(env, p_servers, d_servers, routers, d.link, d_profile.kv_bytes_per_token, tp, n,
+                                reserved_tokens=d.num_reserved_decode_tokens, clients=clients)
+    else:
+        handoff = Handoff(env, p_servers, d_servers, routers, d.link, d_profile.kv_bytes_per_token, tp, n,
+                          proxy_s=d.proxy_s, abort_timeout_s=d.abort_timeout_s, clients=clients)
     lag_s = float(d_profile.engine.get("request_overhead_s") or 0.0)
     if clients is None:
         env.process(feed_prefills(env, handoff, requests, requests.true_outputs(), lag_s))
@@ -134,6 +140,22 @@ def _phases(h: Handoff, table: RequestTable, p_first_scheduled: np.ndarray) -> d
     arrival = table.cols["arrival_s"]
     d_sched = table.cols["first_scheduled_s"].astype(np.float64)
     d_first = table.cols["first_token_s"].astype(np.float64)
+    if getattr(h, "kind", "vllm") == "sglang":
+        # SGLang (sim.loop.handoff_sglang): the decode reservation comes first, the prefill's
+        # queue starts at it, the sends of earlier chunks overlap the prefill (transfer_s is
+        # the rest, after the prefill's end: the last send leaves then, so no transfer_wait_s),
+        # and the first token is streamed at the decode's pass that takes the request in.
+        return {
+            "prefill_replica": h.prefill_replica,
+            "bootstrap_wait_s": h.reserved_s - arrival,
+            "prefill_queue_s": p_first_scheduled - h.reserved_s,
+            "prefill_s": h.prefill_done_s - p_first_scheduled,
+            "transfer_wait_s": np.where(np.isnan(h.transfer_end_s), np.nan, 0.0),
+            "transfer_s": h.transfer_end_s - h.prefill_done_s,
+            "transfer_tokens": h.transfer_tokens,
+            "decode_queue_s": d_sched - h.transfer_end_s,
+            "decode_first_step_s": d_first - d_sched,
+        }
     xfer_end = np.where(np.isnan(h.transfer_end_s), h.decode_sent_s, h.transfer_end_s)
     return {
         "prefill_replica": h.prefill_replica,
@@ -220,8 +242,8 @@ def _pd_summary(d: Disaggregation, h: Handoff, phases: dict[str, np.ndarray], ta
         "transfer_bytes": int(np.nansum(h.transfer_tokens * h.kv_bytes_per_token)),
         "num_transfer_timeouts": h.num_timeouts,
         "phases": {name: _stats(phases[name][finished]) for name in
-                   ("prefill_queue_s", "prefill_s", "transfer_wait_s", "transfer_s", "decode_queue_s",
-                    "decode_first_step_s")},
+                   ("bootstrap_wait_s", "prefill_queue_s", "prefill_s", "transfer_wait_s", "transfer_s",
+                    "decode_queue_s", "decode_first_step_s") if name in phases},
         "prefill_kv_held_peak_blocks": peak_held,
         "prefill_kv_blocks": p_blocks,
         "link_usage": util,

@@ -4,6 +4,7 @@ checked. The run is ``sim.run.disagg``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,7 +24,10 @@ LINK_PRESETS: dict[str, tuple[float, float, str]] = {
     "tcp-100g": (100.0, 50.0, "TCP over 100G Ethernet"),
 }
 POOL_KEYS = ("replicas", "router", "profile", "policy", "server")
-SECTION_KEYS = ("prefill", "decode", "link", "proxy_ms", "abort_timeout_s")
+SECTION_KEYS = ("prefill", "decode", "link", "proxy_ms", "abort_timeout_s", "num_reserved_decode_tokens")
+# The fields of one handoff only: vLLM's proxy and NixlConnector, SGLang's decode headroom.
+VLLM_ONLY = ("proxy_ms", "abort_timeout_s")
+SGLANG_ONLY = ("num_reserved_decode_tokens",)
 LINK_KEYS = ("kind", "bandwidth_gbps", "latency_us")
 
 
@@ -43,13 +47,21 @@ class Disaggregation:
     link_kind: str | None
     proxy_s: float
     abort_timeout_s: float
+    # The handoff: "vllm" (NixlConnector, sim.loop.handoff) or "sglang" (both pools sglang:
+    # sim.loop.handoff_sglang), with SGLang's num_reserved_decode_tokens.
+    handoff: str = "vllm"
+    num_reserved_decode_tokens: int = 512
 
     def to_dict(self) -> dict[str, Any]:
-        return {"prefill": {"replicas": self.prefill.replicas, "router": self.prefill.router},
-                "decode": {"replicas": self.decode.replicas, "router": self.decode.router},
-                "link": {"kind": self.link_kind, "bandwidth_gbps": self.link.bandwidth_gbps,
-                         "latency_us": self.link.latency_us},
-                "proxy_ms": self.proxy_s * 1e3, "abort_timeout_s": self.abort_timeout_s}
+        d = {"prefill": {"replicas": self.prefill.replicas, "router": self.prefill.router},
+             "decode": {"replicas": self.decode.replicas, "router": self.decode.router},
+             "link": {"kind": self.link_kind, "bandwidth_gbps": self.link.bandwidth_gbps,
+                      "latency_us": self.link.latency_us}}
+        if self.handoff == "sglang":
+            d.update(handoff="sglang", num_reserved_decode_tokens=self.num_reserved_decode_tokens)
+        else:
+            d.update(proxy_ms=self.proxy_s * 1e3, abort_timeout_s=self.abort_timeout_s)
+        return d
 
 
 def _number(value: Any, where: str, source: str, *, positive: bool = True) -> float:
@@ -107,10 +119,9 @@ def parse_disaggregation(data: dict[str, Any], source: str, base_dir: str,
                               f"prefill pool and a decode pool (each may be {{}} to take the workload's own)")
     prefill = _pool(data, "prefill", source, base_dir, build)
     decode = _pool(data, "decode", source, base_dir, build)
-    if decode.cfg.policy.kind != "vllm_v1":
-        raise ConfigError(f"{source}: field 'disaggregation.decode.policy.kind' is {decode.cfg.policy.kind}; the "
-                          f"KV handoff modelled is vLLM's (NixlConnector, the decode side pulling), whose decode "
-                          f"side is vllm_v1: set the decode pool's policy kind to vllm_v1")
+    handoff = _handoff(section, prefill, decode, source)
+    if handoff == "sglang":
+        decode = _sglang_decode_pool(data, decode, source)
     if getattr(decode.cfg.policy, "speculative", None):
         raise ConfigError(f"{source}: field 'disaggregation.decode.policy.speculative': speculative decoding on "
                           f"a decode instance with a KV connector is not modelled; remove it")
@@ -138,4 +149,56 @@ def parse_disaggregation(data: dict[str, Any], source: str, base_dir: str,
         lat = _number(link_raw["latency_us"], "disaggregation.link.latency_us", source, positive=False)
     proxy_s = _number(section.get("proxy_ms", 0.0), "disaggregation.proxy_ms", source, positive=False) / 1e3
     timeout = _number(section.get("abort_timeout_s", 480.0), "disaggregation.abort_timeout_s", source)
-    return Disaggregation(prefill, decode, LinkSpec(bw, lat), kind, proxy_s, timeout)
+    reserved = section.get("num_reserved_decode_tokens", 512)
+    if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:
+        raise ConfigError(f"{source}: field 'disaggregation.num_reserved_decode_tokens' must be an integer >= 0 "
+                          f"(SGLang's --num-reserved-decode-tokens, default 512), got {reserved!r}")
+    return Disaggregation(prefill, decode, LinkSpec(bw, lat), kind, proxy_s, timeout, handoff, reserved)
+
+
+def _handoff(section: dict[str, Any], prefill: Pool, decode: Pool, source: str) -> str:
+    """Which handoff the pools' kinds select: a decode pool of vllm_v1 is vLLM's (any prefill
+    policy, as before); one of sglang is SGLang's, whose prefill pool must be sglang too (its
+    bootstrap server and prealloc queue have no counterpart in the other engines). Any other
+    decode kind, and a field of the other handoff, are refused."""
+    pk, dk = prefill.cfg.policy.kind, decode.cfg.policy.kind
+    if dk == "vllm_v1":
+        for key in SGLANG_ONLY:
+            if key in section:
+                raise ConfigError(f"{source}: field 'disaggregation.{key}' is SGLang's (its decode side's headroom); "
+                                  f"the decode pool is vllm_v1, whose handoff is vLLM's: remove it, or set both "
+                                  f"pools' policy kind to sglang")
+        return "vllm"
+    if dk != "sglang":
+        raise ConfigError(f"{source}: field 'disaggregation.decode.policy.kind' is {dk}; the KV handoffs modelled "
+                          f"are vLLM's (NixlConnector, decode pool vllm_v1) and SGLang's (both pools sglang): set "
+                          f"the decode pool's policy kind to vllm_v1 or sglang")
+    if pk != "sglang":
+        raise ConfigError(f"{source}: field 'disaggregation.decode.policy.kind' is sglang but "
+                          f"'disaggregation.prefill.policy.kind' is {pk}: SGLang's handoff (the decode side "
+                          f"reserves KV, the prefill side's bootstrap queue waits for it) runs between SGLang "
+                          f"instances only; set the prefill pool's policy kind to sglang, or the decode pool's "
+                          f"to vllm_v1")
+    for key in VLLM_ONLY:
+        if key in section:
+            what = ("the vLLM proxy's hop from the prefill reply to the decode send; SGLang's router sends "
+                    "both at once" if key == "proxy_ms" else
+                    "vLLM NixlConnector's timeout for KV nobody read; SGLang's decode side reserves the KV "
+                    "before the prefill, so none is left unread")
+            raise ConfigError(f"{source}: field 'disaggregation.{key}' is {what}: remove it (both pools are sglang)")
+    return "sglang"
+
+
+def _sglang_decode_pool(data: dict[str, Any], decode: Pool, source: str) -> Pool:
+    """The decode pool as SGLang runs a decode instance: its radix cache off
+    (``handle_pd_disaggregation`` sets ``disable_radix_cache`` unless
+    ``--disaggregation-decode-enable-radix-cache``, not modelled)."""
+    own = data["disaggregation"]["decode"].get("policy") or {}
+    if own.get("disable_radix_cache") is False:
+        raise ConfigError(f"{source}: field 'disaggregation.decode.policy.disable_radix_cache' is false: an "
+                          f"SGLang decode instance runs without its radix cache unless "
+                          f"--disaggregation-decode-enable-radix-cache, which is not modelled; remove the field")
+    cfg = decode.cfg
+    if not cfg.policy.disable_radix_cache:
+        cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, disable_radix_cache=True))
+    return Pool(decode.name, decode.replicas, decode.router, cfg)
