@@ -174,7 +174,8 @@ cut of prompt + outputs to ``max_input_len``, a running request with one
 prompt token left counted as a decode,
 of speculative decoding: the overlap scheduler with drafts, NGram and two-model drafters,
 dynamic draft lengths, tree drafts, disabling speculation by batch size; beams, LoRA pages,
-disaggregated serving.
+of disaggregated serving what ``policies.tensorrt_llm_disagg`` (the generation server) and
+``sim.run.pd_trtllm`` (the handoff; a context server runs this policy as is) leave out.
 """
 
 from __future__ import annotations
@@ -184,6 +185,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from policies.base import PolicyBase, batch_or_idle, config_knobs, knob, plain_stretch_shape
 from policies.tensorrt_llm_capacity import max_utilization, no_evict
+from policies.tensorrt_llm_disagg import generation_capacity, promote_received
 from policies.tensorrt_llm_rules import (
     CAPACITY_POLICIES,
     CHUNKING_POLICIES,
@@ -331,7 +333,10 @@ class TensorRtLlmPolicy(PolicyBase):
         flight = {it[0]: it[1] for it in state.pending[-1].items} if state.pending else {}
         if self._verified:
             self._rewind(state)
-        if self.capacity == "MAX_UTILIZATION":
+        if state.remote is not None:                 # a generation server (policies.tensorrt_llm_disagg)
+            promote_received(state, now_s)
+            fitting = generation_capacity(state, self.max_num_seqs, flight, now_s)
+        elif self.capacity == "MAX_UTILIZATION":
             fitting = max_utilization(state, self.max_num_seqs, flight, self.num_drafts, self.extra_kv)
         else:
             fitting = no_evict(state, self.max_num_seqs, self.capacity == "STATIC_BATCH", flight)

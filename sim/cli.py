@@ -153,7 +153,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if pd_ is not None:
         title = (f"{cfg.name}: disaggregated, {pd_['prefill']['replicas']} prefill x "
                  f"{meta['profile_name_prefill']} ({cfg.disaggregation.prefill.cfg.policy.kind}) -> "
-                 f"{pd_['decode']['replicas']} decode x {meta['profile_name']} (vllm_v1{loop}), "
+                 f"{pd_['decode']['replicas']} decode x {meta['profile_name']} ({result.summary['policy']}{loop}), "
                  f"{meta['num_blocks_prefill']:,} / {meta['num_blocks']:,} KV blocks")
         print(format_summary(result.summary, title,
                              load=offered_load(result.request_source, meta["config"]["arrivals"])))

@@ -10,6 +10,7 @@ from typing import Any, Callable
 from sim.base.strict import ConfigError, did_you_mean
 from sim.loop.feed import ROUTERS
 from sim.loop.handoff import LinkSpec
+from sim.run.pd_trtllm import check_tensorrt_llm_pools
 
 # Each GPU's port, each way: nominal line rates (gigabits per second, as NICs are sold) and a
 # one-way latency before the data flows. What a transfer engine achieves is below line rate:
@@ -42,7 +43,7 @@ class Disaggregation:
     link: LinkSpec
     link_kind: str | None
     proxy_s: float
-    abort_timeout_s: float
+    abort_timeout_s: float | None         # None: no abort timeout (TensorRT-LLM: sim.run.pd_trtllm)
 
     def to_dict(self) -> dict[str, Any]:
         return {"prefill": {"replicas": self.prefill.replicas, "router": self.prefill.router},
@@ -107,10 +108,12 @@ def parse_disaggregation(data: dict[str, Any], source: str, base_dir: str,
                               f"prefill pool and a decode pool (each may be {{}} to take the workload's own)")
     prefill = _pool(data, "prefill", source, base_dir, build)
     decode = _pool(data, "decode", source, base_dir, build)
-    if decode.cfg.policy.kind != "vllm_v1":
+    trtllm = check_tensorrt_llm_pools(section, prefill, decode, source)      # sim.run.pd_trtllm
+    if decode.cfg.policy.kind != "vllm_v1" and not trtllm:
         raise ConfigError(f"{source}: field 'disaggregation.decode.policy.kind' is {decode.cfg.policy.kind}; the "
-                          f"KV handoff modelled is vLLM's (NixlConnector, the decode side pulling), whose decode "
-                          f"side is vllm_v1: set the decode pool's policy kind to vllm_v1")
+                          f"KV handoffs modelled are vLLM's (NixlConnector, the decode side pulling), whose decode "
+                          f"side is vllm_v1, and TensorRT-LLM's (both pools tensorrt_llm): set the decode pool's "
+                          f"policy kind to vllm_v1 or tensorrt_llm")
     if getattr(decode.cfg.policy, "speculative", None):
         raise ConfigError(f"{source}: field 'disaggregation.decode.policy.speculative': speculative decoding on "
                           f"a decode instance with a KV connector is not modelled; remove it")
@@ -137,5 +140,6 @@ def parse_disaggregation(data: dict[str, Any], source: str, base_dir: str,
     if "latency_us" in link_raw:
         lat = _number(link_raw["latency_us"], "disaggregation.link.latency_us", source, positive=False)
     proxy_s = _number(section.get("proxy_ms", 0.0), "disaggregation.proxy_ms", source, positive=False) / 1e3
-    timeout = _number(section.get("abort_timeout_s", 480.0), "disaggregation.abort_timeout_s", source)
+    timeout = None if trtllm else _number(section.get("abort_timeout_s", 480.0), "disaggregation.abort_timeout_s",
+                                          source)
     return Disaggregation(prefill, decode, LinkSpec(bw, lat), kind, proxy_s, timeout)

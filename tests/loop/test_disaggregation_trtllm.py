@@ -1,0 +1,183 @@
+"""TensorRT-LLM's disaggregated serving (sim.run.pd_trtllm, policies.tensorrt_llm_disagg), by hand.
+
+Every server runs tensorrt_llm, block reuse off, on linear_profile with free attention: a step of
+t tokens costs 1 + 0.1 t ms. KV blocks of 4 tokens, max_num_tokens 1024 (no chunking). The KV is
+1,000 bytes a token and the link 8 Gb/s per GPU each way (1e9 bytes/s) with 50 us of latency, TP 1
+on both sides, so moving n tokens alone takes 0.05 ms + n x 1 us. The generation server
+reserves prompt + max_tokens blocks (GUARANTEED_NO_EVICT) before it receives a prompt's KV.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import simpy
+
+from conftest import WORKLOADS, linear_profile, policy_state
+from policies import make_policy
+from policies.tensorrt_llm import TensorRtLlmConfig
+from sim.base.strict import ConfigError
+from sim.core.request import Request
+from sim.loop.handoff import Handoff, LinkSpec, feed_prefills
+from sim.loop.server import Server, SimExecutor
+from sim.run.config import load_workload, workload_from_dict
+
+PROFILE = linear_profile(per_token_s=1e-4, overhead_s=1e-3, decode_per_ctx_s=0.0, prefill_per_ctx_s=0.0)
+LINK = LinkSpec(bandwidth_gbps=8.0, latency_us=50.0)
+
+
+def _servers(env, n: int, first: int, num_blocks: int, overlap: bool):
+    out = []
+    for k in range(n):
+        cfg = TensorRtLlmConfig(max_num_tokens=1024, max_batch_size=8, enable_block_reuse=False,
+                                tokens_per_block=4, disable_overlap_scheduler=not overlap)
+        policy = make_policy(cfg, 1024)
+        state = policy_state(policy, num_blocks, 4, 1024)
+        out.append(Server(env, policy, state, SimExecutor(PROFILE), replica=first + k))
+    return out
+
+
+def _run(specs, *, prefill: int = 1, d_blocks: int = 1000, overlap: bool = False):
+    """(arrival_s, prompt, output) per request, through ``prefill`` context instances and one
+    generation instance; (handoff, context servers, generation server, requests)."""
+    env = simpy.Environment()
+    p = _servers(env, prefill, 0, 1000, overlap)
+    (d,) = _servers(env, 1, prefill, d_blocks, overlap)
+    d.policy.decode_stretch = False                  # as sim.run.disagg builds a decode pool
+    h = Handoff(env, p, [d], ("round_robin", "round_robin"), LINK, 1000, (1, 1), len(specs),
+                abort_timeout_s=None)
+    reqs = [Request(i, a, pr, o) for i, (a, pr, o) in enumerate(specs)]
+    env.process(feed_prefills(env, h, reqs, [o for *_, o in specs]))
+    env.run()
+    return h, p, d, reqs
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_first_token_is_the_context_sides_and_leaves_before_any_decode_step(overlap) -> None:
+    # One request, prompt 100, output 3.
+    # Context server: the prompt in one step, 1 + 0.1 x 100 = 11 ms; it samples the first token and
+    #   answers at 11 ms, keeping its 100 / 4 = 25 blocks for the transfer.
+    # Generation server, at 11 ms: prompt + max_tokens = 103 tokens = 26 blocks to completion fit;
+    #   the prompt's 25 blocks are allocated and the KV is received: 0.05 ms + 100 x 1 us, in at
+    #   11.15 ms, when the context side frees its blocks.
+    # At 11.15 ms the generation server's pass sees the transfer ended: the request runs with its
+    #   prompt computed and the context side's token appended, sent to the client now: TTFT 11.15 ms
+    #   (vLLM's decode side computes the last prompt token again first: 12.25 ms).
+    # Then two 1-token steps of 1.1 ms: tokens at 12.25 and 13.35 ms. The overlap scheduler gives the
+    #   same times here (no host time: each step starts when the one before ends).
+    h, (p,), d, (r,) = _run([(0.0, 100, 3)], overlap=overlap)
+    ids, times = d.state.tokens.arrays()
+    assert ids.tolist() == [0, 0, 0]
+    assert times * 1e3 == pytest.approx([11.15, 12.25, 13.35])
+    assert r.first_token_s * 1e3 == pytest.approx(11.15)
+    assert r.first_scheduled_s * 1e3 == pytest.approx(11.15)
+    assert h.transfer_start_s[0] * 1e3 == pytest.approx(11.0)
+    assert h.transfer_end_s[0] * 1e3 == pytest.approx(11.15)
+    assert h.transfer_tokens[0] == 100
+    # The generation side ran 2 steps of one token each: no recompute of the prompt's last token.
+    rows = [ints.reshape(-1, 8) for _, _, _, ints in d.log.chunks()][0]
+    assert len(rows) == 2 and rows[:, 1].sum() + rows[:, 2].sum() == 2
+    held = h.held_timeline()
+    assert held.tolist() == [[pytest.approx(0.011), 0.0, 25.0], [pytest.approx(0.01115), 0.0, 0.0]]
+    assert p.state.kv.num_used_blocks == 0 and d.state.kv.num_used_blocks == 0
+
+
+def test_a_one_token_reply_ends_at_the_generation_sides_first_pass() -> None:
+    # Prompt 100, output 1: as above, its only token is sent at 11.15 ms and the request finishes
+    # then, with no step on the generation side.
+    h, _, d, (r,) = _run([(0.0, 100, 1)])
+    assert r.first_token_s * 1e3 == pytest.approx(11.15)
+    assert r.finished_s * 1e3 == pytest.approx(11.15)
+    assert list(d.log.chunks()) == [] and d.state.kv.num_used_blocks == 0
+
+
+def test_two_transfers_into_one_generation_instance_share_its_port() -> None:
+    # Two requests at t = 0, prompt 100, output 2, one on each of two context instances: both answer
+    # at 11 ms. The generation instance admits both; the two reads share its one port from 11.05 ms:
+    # each at 0.5e9 B/s, 100,000 bytes in 0.2 ms: both in at 11.25 ms, when both first tokens are sent.
+    # Then one step of both second tokens, 1 + 0.2 = 1.2 ms: 12.45 ms, when both finish.
+    h, _, d, reqs = _run([(0.0, 100, 2), (0.0, 100, 2)], prefill=2)
+    assert h.transfer_end_s * 1e3 == pytest.approx([11.25, 11.25])
+    assert [r.first_token_s * 1e3 for r in reqs] == [pytest.approx(11.25)] * 2
+    assert [r.finished_s * 1e3 for r in reqs] == [pytest.approx(12.45)] * 2
+    assert h.link_timeline()[:, 1].max() == 2
+    assert h.link.bytes_moved[("d", 2)] == 200_000
+
+
+def test_a_full_generation_pool_holds_the_kv_on_the_context_side() -> None:
+    # Generation pool: 40 blocks of 4 tokens. A and B at t = 0, prompt 100 (25 blocks), A with 20
+    # outputs (120 tokens: 30 blocks to completion), B with 2 (102 tokens: 26), on two context
+    # instances: both answer at 11 ms. A is admitted (30 of 40) and takes its 25 prompt blocks: 15
+    # free. B's 26 do not fit: it waits, and its context instance keeps its 25 blocks. (While A's KV
+    # is on its way its 5 blocks still to come are not kept back: 15 left, still < 26; after, 15 - 5.)
+    # A: in at 11.15 ms, its first token then, 19 more in steps of 1.1 ms: the last at
+    #   11.15 + 20.9 = 32.05 ms, when it finishes and frees its ceil(119 / 4) = 30 blocks.
+    # B: admitted at 32.05 ms, read 0.15 ms: its first token at 32.20 ms, its second at 33.30 ms.
+    h, p, d, (a, b) = _run([(0.0, 100, 20), (0.0, 100, 2)], prefill=2, d_blocks=40)
+    assert a.finished_s * 1e3 == pytest.approx(32.05)
+    assert h.transfer_start_s[1] * 1e3 == pytest.approx(32.05)
+    assert b.first_token_s * 1e3 == pytest.approx(32.20)
+    assert b.finished_s * 1e3 == pytest.approx(33.30)
+    held = h.held_timeline()
+    assert held[held[:, 1] == 1].tolist() == [[pytest.approx(0.011), 1.0, 25.0], [pytest.approx(0.0322), 1.0, 0.0]]
+
+
+def test_kv_on_its_way_keeps_nothing_back_and_its_end_is_seen_at_the_next_pass() -> None:
+    # Generation pool of 40 blocks; three context instances. A at t = 0, prompt 100, output 20
+    # (30 blocks to completion), answered at 11 ms; C at 5.25 ms, prompt 48, output 2 (50 tokens: 13
+    # blocks), prefilled in 1 + 4.8 = 5.8 ms: answered at 11.05 ms.
+    # 11.00 ms: A admitted, its 25 prompt blocks taken (15 free); its bytes flow from 11.05 ms.
+    # 11.05 ms: A's KV is on its way, so none of its blocks still to come is kept back: C's 13 fit the
+    #   15 free (they would not fit 15 - 5 = 10) and C takes its 12 prompt blocks; its bytes from 11.10.
+    # 11.10 ms: A has 50,000 bytes left; the two share the port at 0.5e9 B/s: C's 48,000 bytes are in
+    #   after 0.096 ms, at 11.196 ms; A then has 2,000 left alone at 1e9 B/s: in at 11.198 ms.
+    # 11.196 ms: C runs, its first token sent; its step of 1.1 ms ends at 12.296 ms with its second,
+    #   and it finishes. A's transfer ended during that step: the pass at 12.296 ms sees it, and A's
+    #   first token leaves then (1.098 ms after its KV was in); its 19 more end at 12.296 + 20.9 =
+    #   33.196 ms.
+    h, _, d, (a, c) = _run([(0.0, 100, 20), (5.25e-3, 48, 2)], prefill=3, d_blocks=40)
+    assert h.transfer_start_s * 1e3 == pytest.approx([11.0, 11.05])
+    assert h.transfer_end_s * 1e3 == pytest.approx([11.198, 11.196])
+    assert c.first_token_s * 1e3 == pytest.approx(11.196)
+    assert c.finished_s * 1e3 == pytest.approx(12.296)
+    assert a.first_token_s * 1e3 == pytest.approx(12.296)
+    assert a.finished_s * 1e3 == pytest.approx(33.196)
+
+
+def _workload(**disagg) -> dict:
+    return {"name": "pd", "num_requests": 10, "arrivals": {"kind": "poisson", "rate": 2.0},
+            "lengths": {"kind": "fixed", "prompt_tokens": 256, "output_tokens": 16},
+            "policy": {"kind": "tensorrt_llm"}, "disaggregation": {"prefill": {}, "decode": {}, **disagg}}
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"prefill": {"policy": {"kind": "vllm_v1"}}}, "disaggregation.prefill.policy.kind"),
+    ({"decode": {"policy": {"kind": "vllm_v1"}}}, "disaggregation.decode.policy.kind"),
+    ({"decode": {"policy": {"capacity_scheduler_policy": "MAX_UTILIZATION"}}},
+     "disaggregation.decode.policy.capacity_scheduler_policy"),
+    ({"abort_timeout_s": 30}, "disaggregation.abort_timeout_s"),
+])
+def test_what_the_tensorrt_llm_handoff_does_not_model_is_refused(change, field) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        workload_from_dict(_workload(**change), "w.yaml")
+
+
+def test_tensorrt_llm_pools_run_without_an_abort_timeout() -> None:
+    d = workload_from_dict(_workload(), "w.yaml").disaggregation
+    assert d.abort_timeout_s is None
+    assert d.to_dict()["abort_timeout_s"] is None
+
+
+def test_the_bundled_example_runs_and_its_phases_add_up_to_ttft() -> None:
+    from sim.run.disagg import run_disaggregated
+    cfg = load_workload(WORKLOADS / "pd_trtllm_llama8b.yaml", {"num_requests": 40})
+    result = run_disaggregated(cfg)
+    req = result.requests
+    done = req[req["status"] == "finished"]
+    assert len(done) == 40
+    parts = done[["prefill_queue_s", "prefill_s", "transfer_wait_s", "transfer_s", "decode_queue_s",
+                  "decode_first_step_s"]].sum(axis=1)
+    assert np.allclose(parts, done["ttft_s"], rtol=0, atol=1e-9)
+    assert (done["decode_first_step_s"] == 0).all()             # the first token is the context side's
+    pd_ = result.summary["disaggregation"]
+    assert pd_["num_transfers"] == 40 and pd_["num_transfer_timeouts"] == 0
