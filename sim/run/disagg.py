@@ -13,7 +13,8 @@ Each pool's ``profile``, ``policy`` and ``server`` are the workload's own with t
 fields over them (a pool's ``policy`` of another ``kind`` replaces the workload's); its
 ``replicas`` and ``router`` (``sim.loop.feed.ROUTERS``) are its own. The handoff between them
 is vLLM's (``sim.loop.handoff``), so the decode pool's policy is ``vllm_v1``; the prefill
-pool's may be any. Both pools serve the same model, with the same KV precision.
+pool's may be any. Or both pools run ``tensorrt_llm``: TensorRT-LLM's handoff
+(``sim.run.pd_trtllm``). Both pools serve the same model, with the same KV precision.
 """
 
 from __future__ import annotations
