@@ -34,6 +34,7 @@ from sim.core.state import SchedulerState
 from sim.cost.profile import Profile
 from sim.loop.feed import ClientPool
 from sim.loop.handoff import Handoff, feed_prefills, feed_prefills_capped
+from sim.loop.handoff_trtllm import TrtllmHandoff
 from sim.loop.server import Server, SimExecutor
 from sim.results.result import RunLogs, RunResult
 from sim.results.table import RequestTable
@@ -91,9 +92,12 @@ def run_disaggregated(cfg: WorkloadConfig, *, progress: bool = False, strict: bo
     requests = RequestStream(specs, request_max_tokens(d_cfg, specs, d_len))
     a = cfg.arrivals
     clients = ClientPool(env, min(a.max_concurrency, n), a.think_time_s) if a.max_concurrency is not None else None
-    handoff = Handoff(env, p_servers, d_servers, (d.prefill.router, d.decode.router), d.link,
-                      d_profile.kv_bytes_per_token, (p_cfg.profile.tensor_parallel, d_cfg.profile.tensor_parallel),
-                      n, proxy_s=d.proxy_s, abort_timeout_s=d.abort_timeout_s, clients=clients)
+    # TensorRT-LLM's pools (sim.run.pd_trtllm): its context copies keep the client's max_tokens.
+    handoff_class = TrtllmHandoff if d.decode.cfg.policy.kind == "tensorrt_llm" else Handoff
+    handoff = handoff_class(env, p_servers, d_servers, (d.prefill.router, d.decode.router), d.link,
+                            d_profile.kv_bytes_per_token,
+                            (p_cfg.profile.tensor_parallel, d_cfg.profile.tensor_parallel), n, proxy_s=d.proxy_s,
+                            abort_timeout_s=d.abort_timeout_s, clients=clients)
     lag_s = float(d_profile.engine.get("request_overhead_s") or 0.0)
     if clients is None:
         env.process(feed_prefills(env, handoff, requests, requests.true_outputs(), lag_s))

@@ -15,7 +15,9 @@ runs it with these differences:
    token, the answer goes back, and its KV blocks stay held (DISAGG_CONTEXT_TRANS_IN_PROGRESS; with
    block reuse pinned by ``store_blocks_for_reuse``) until the transfer to the generation side
    completes (DISAGG_CONTEXT_COMPLETE), as ``SchedulerState.held``. The pool runs
-   ``policies.tensorrt_llm`` as any run.
+   ``policies.tensorrt_llm``; its copy of the request keeps the client's max_tokens, so
+   GUARANTEED_NO_EVICT keeps back prompt + max_tokens blocks for it until its context phase is
+   launched (``sim.loop.handoff_trtllm``).
 2. Generation side: ``policies.tensorrt_llm_disagg`` (DISAGG_GENERATION_INIT admitted by the
    capacity scheduler, the KV received, the first token appended from ``first_gen_tokens``).
 3. The client's stream is the generation server's: its first token is ``first_gen_tokens``, sent
@@ -30,9 +32,7 @@ runs it with these differences:
 Refused here: a ``tensorrt_llm`` pool paired with another engine's (the cache transceiver speaks
 only to TensorRT-LLM), a generation pool whose ``capacity_scheduler_policy`` is not
 GUARANTEED_NO_EVICT, and ``abort_timeout_s``. Not modelled: the generation-first
-``schedule_style`` of later versions, the context server's reservation of prompt + the client's
-max_tokens (its ``context_only`` request keeps max_tokens; here it reserves prompt + 1), a
-request that ends at its first token (the disaggregated server answers from the context side and
+``schedule_style`` of later versions, a request that ends at its first token (the disaggregated server answers from the context side and
 its KV waits for a transfer that never comes; here it goes through the generation side, which
 finishes it at its first pass), layer-wise transfer (DISAGG_CONTEXT_INIT_AND_TRANS),
 ``max_tokens_in_buffer``.

@@ -3,8 +3,8 @@
 Every server runs tensorrt_llm, block reuse off, on linear_profile with free attention: a step of
 t tokens costs 1 + 0.1 t ms. KV blocks of 4 tokens, max_num_tokens 1024 (no chunking). The KV is
 1,000 bytes a token and the link 8 Gb/s per GPU each way (1e9 bytes/s) with 50 us of latency, TP 1
-on both sides, so moving n tokens alone takes 0.05 ms + n x 1 us. The generation server
-reserves prompt + max_tokens blocks (GUARANTEED_NO_EVICT) before it receives a prompt's KV.
+on both sides, so moving n tokens alone takes 0.05 ms + n x 1 us. Both servers reserve prompt +
+max_tokens blocks (GUARANTEED_NO_EVICT): the context server's copy keeps the client's max_tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from policies import make_policy
 from policies.tensorrt_llm import TensorRtLlmConfig
 from sim.base.strict import ConfigError
 from sim.core.request import Request
-from sim.loop.handoff import Handoff, LinkSpec, feed_prefills
+from sim.loop.handoff import LinkSpec, feed_prefills
+from sim.loop.handoff_trtllm import TrtllmHandoff
 from sim.loop.server import Server, SimExecutor
 from sim.run.config import load_workload, workload_from_dict
 
@@ -37,15 +38,15 @@ def _servers(env, n: int, first: int, num_blocks: int, overlap: bool):
     return out
 
 
-def _run(specs, *, prefill: int = 1, d_blocks: int = 1000, overlap: bool = False):
+def _run(specs, *, prefill: int = 1, p_blocks: int = 1000, d_blocks: int = 1000, overlap: bool = False):
     """(arrival_s, prompt, output) per request, through ``prefill`` context instances and one
     generation instance; (handoff, context servers, generation server, requests)."""
     env = simpy.Environment()
-    p = _servers(env, prefill, 0, 1000, overlap)
+    p = _servers(env, prefill, 0, p_blocks, overlap)
     (d,) = _servers(env, 1, prefill, d_blocks, overlap)
     d.policy.decode_stretch = False                  # as sim.run.disagg builds a decode pool
-    h = Handoff(env, p, [d], ("round_robin", "round_robin"), LINK, 1000, (1, 1), len(specs),
-                abort_timeout_s=None)
+    h = TrtllmHandoff(env, p, [d], ("round_robin", "round_robin"), LINK, 1000, (1, 1), len(specs),
+                      abort_timeout_s=None)
     reqs = [Request(i, a, pr, o) for i, (a, pr, o) in enumerate(specs)]
     env.process(feed_prefills(env, h, reqs, [o for *_, o in specs]))
     env.run()
@@ -142,6 +143,34 @@ def test_kv_on_its_way_keeps_nothing_back_and_its_end_is_seen_at_the_next_pass()
     assert c.finished_s * 1e3 == pytest.approx(12.296)
     assert a.first_token_s * 1e3 == pytest.approx(12.296)
     assert a.finished_s * 1e3 == pytest.approx(33.196)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_context_server_reserves_the_clients_max_tokens_and_the_generation_server_admits_per_pass(
+        overlap) -> None:
+    # One context instance of 60 blocks. A and B at t = 0, prompt 100; A with 100 outputs (200 tokens:
+    # 50 blocks to completion), B with 2 (102 tokens: 26). The context copies keep max_tokens, so A
+    # takes 50 of the 60 and B's 26 do not fit the 10 left (with max_tokens 1, 26 + 26 would: one
+    # step of 1 + 0.1 x 200 = 21 ms for both).
+    # A: prefilled 0 -> 11 ms; it then holds 25 blocks for its transfer: 35 free, B's 26 fit: B is
+    #   prefilled 11 -> 22 ms. Under the overlap scheduler B is chosen at t = 0, while A's prompt
+    #   runs: A's context phase is launched, it has left the scheduler and nothing is kept back for
+    #   it (60 - 25 = 35 free); its step still starts when A's ends, at 11 ms.
+    # Generation side: A in at 11.15 ms, first token then, then steps of 1.1 ms ending at 11.15 + 1.1 k.
+    #   B arrives at 22 ms during A's 10th step: the capacity scheduler admits it at the next pass,
+    #   22.15 ms; its read ends at 22.30 ms during A's 11th step, seen at 23.25 ms: B's first token.
+    #   Synchronous loop: A and B together, 1.2 ms: B's second token at 24.45 ms. Overlap scheduler:
+    #   the step chosen at 23.25 ms runs after the one in flight (A's 12th, to 24.35 ms): 25.55 ms.
+    #   Either way A's 99 steps are 98 of 1.1 ms and one of 1.2: A ends at 11.15 + 107.8 + 1.2 =
+    #   120.15 ms.
+    h, (p,), d, (a, b) = _run([(0.0, 100, 100), (0.0, 100, 2)], p_blocks=60, overlap=overlap)
+    assert h.prefill_done_s * 1e3 == pytest.approx([11.0, 22.0])
+    assert p.state.records.pop("first_scheduled_s") * 1e3 == pytest.approx([0.0, 0.0 if overlap else 11.0])
+    assert h.transfer_start_s[1] * 1e3 == pytest.approx(22.15)
+    assert h.transfer_end_s[1] * 1e3 == pytest.approx(22.30)
+    assert b.first_token_s * 1e3 == pytest.approx(23.25)
+    assert b.finished_s * 1e3 == pytest.approx(25.55 if overlap else 24.45)
+    assert a.finished_s * 1e3 == pytest.approx(120.15)
 
 
 def _workload(**disagg) -> dict:
