@@ -186,7 +186,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from policies.base import PolicyBase, batch_or_idle, config_knobs, knob, plain_stretch_shape
 from policies.tensorrt_llm_capacity import max_utilization, no_evict
-from policies.tensorrt_llm_disagg import generation_capacity, promote_received
+from policies.tensorrt_llm_disagg import blocked, generation_capacity, promote_received
 from policies.tensorrt_llm_rules import (
     CAPACITY_POLICIES,
     CHUNKING_POLICIES,
@@ -315,6 +315,7 @@ class TensorRtLlmPolicy(PolicyBase):
         # Without chunking a prefill must fit one step (the micro batch scheduler's context-length check).
         self.max_prompt_tokens = None if self.chunking else config.max_num_tokens
         self.capacity = config.capacity_scheduler_policy
+        self._waiting_for_kv = False         # a generation server waiting for a transfer to end
         if config.max_num_tokens < config.max_batch_size:
             self.decode_stretch = False      # see the class's decode_stretch
         if not config.disable_overlap_scheduler:     # rule 6 of the module doc: _executor_loop_overlap
@@ -343,9 +344,16 @@ class TensorRtLlmPolicy(PolicyBase):
             skip = frozenset(rid for rid, n in flight.items() if rid in requests and requests[rid].num_computed_tokens
                              + n >= requests[rid].num_prompt_tokens + requests[rid].num_output_tokens)
         if state.remote is not None:                 # a generation server (policies.tensorrt_llm_disagg)
+            if self._waiting_for_kv:
+                if not state.remote.received:
+                    return Idle()                    # check_gen_transfer_status(1): nothing taken in
+                self._waiting_for_kv = False
             promote_received(state, now_s)
             fitting = generation_capacity(state, self.max_num_seqs, flight, now_s)
-        elif self.capacity == "MAX_UTILIZATION":
+            decision = self._micro_batch(state, now_s, fitting, flight)
+            self._waiting_for_kv = blocked(state)
+            return decision
+        if self.capacity == "MAX_UTILIZATION":
             fitting = max_utilization(state, self.max_num_seqs, flight, self.num_drafts, self.extra_kv, skip)
         else:
             fitting = no_evict(state, self.max_num_seqs, self.capacity == "STATIC_BATCH", flight, skip)

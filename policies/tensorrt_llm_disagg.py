@@ -25,8 +25,11 @@ generation side:
    (its state lies before CONTEXT_INIT, the first schedulable one): it holds its prompt's blocks,
    but its blocks to completion are not kept back and it takes no place among ``max_batch_size``.
 4. ``_check_disagg_gen_transfer_status`` runs once per iteration, before the scheduler
-   (``_prepare_and_schedule_batch``; with nothing else active it waits for one transfer): a
-   transfer that ended since is DISAGG_GENERATION_TRANS_COMPLETE, which the capacity scheduler
+   (``_prepare_and_schedule_batch``). When every active request's KV is on its way, the loop
+   waits for one transfer to end (``_recv_disagg_gen_cache`` right after admitting them, and the
+   next iteration's check: ``check_gen_transfer_status(1)``): requests that arrive meanwhile are
+   taken in only after that (here: ``blocked``). A transfer that ended since is
+   DISAGG_GENERATION_TRANS_COMPLETE, which the capacity scheduler
    counts as a generation request. ``_prepare_disagg_gen_transmission_complete`` then moves it to
    GENERATION_IN_PROGRESS with its context computed (``context_current_position = prompt_len``)
    and appends the first token the context side sampled (``first_gen_tokens``): the prompt's
@@ -138,3 +141,11 @@ def generation_capacity(state: SchedulerState, max_requests: int, flight: Mappin
         remote.holding.append(r)
         remote.on_alloc(r, r.num_prompt_tokens, now_s)
     return fitting
+
+
+def blocked(state: SchedulerState) -> bool:
+    """True when every active request of a generation server waits for its KV (step 4 of the
+    module doc): nothing runs, nothing waits to be admitted, some transfer is in flight and none has
+    ended. The executor loop then waits for a transfer to end before it takes in anything new."""
+    remote = state.remote
+    return (not state.running and not state.waiting and bool(remote.holding) and not remote.received)

@@ -38,14 +38,15 @@ def _servers(env, n: int, first: int, num_blocks: int, overlap: bool):
     return out
 
 
-def _run(specs, *, prefill: int = 1, p_blocks: int = 1000, d_blocks: int = 1000, overlap: bool = False):
+def _run(specs, *, prefill: int = 1, p_blocks: int = 1000, d_blocks: int = 1000, overlap: bool = False,
+         link: LinkSpec = LINK):
     """(arrival_s, prompt, output) per request, through ``prefill`` context instances and one
     generation instance; (handoff, context servers, generation server, requests)."""
     env = simpy.Environment()
     p = _servers(env, prefill, 0, p_blocks, overlap)
     (d,) = _servers(env, 1, prefill, d_blocks, overlap)
     d.policy.decode_stretch = False                  # as sim.run.disagg builds a decode pool
-    h = TrtllmHandoff(env, p, [d], ("round_robin", "round_robin"), LINK, 1000, (1, 1), len(specs),
+    h = TrtllmHandoff(env, p, [d], ("round_robin", "round_robin"), link, 1000, (1, 1), len(specs),
                       abort_timeout_s=None)
     reqs = [Request(i, a, pr, o) for i, (a, pr, o) in enumerate(specs)]
     env.process(feed_prefills(env, h, reqs, [o for *_, o in specs]))
@@ -123,26 +124,46 @@ def test_a_full_generation_pool_holds_the_kv_on_the_context_side() -> None:
     assert held[held[:, 1] == 1].tolist() == [[pytest.approx(0.011), 1.0, 25.0], [pytest.approx(0.0322), 1.0, 0.0]]
 
 
+def test_an_idle_generation_server_waits_for_its_transfer_before_taking_in_another() -> None:
+    # A at t = 0, prompt 100, output 20 (30 blocks to completion), answered at 11 ms; C at 8.05 ms,
+    # prompt 20, output 2 (22 tokens: 6 blocks), prefilled in 1 + 2 = 3 ms: answered at 11.05 ms.
+    # 11.00 ms: A admitted (25 blocks taken) and its KV requested; it is the only active request and
+    #   its KV is on its way, so the executor loop waits for that transfer (check_gen_transfer_status(1)).
+    # 11.05 ms: C arrives and waits: A's read ends at 11.15 ms (alone at 1e9 B/s).
+    # 11.15 ms: A runs, its first token sent, and C is admitted: 15 free less A's 5 to come = 10 >= 6.
+    #   C's read: 0.05 ms + 20 us, in at 11.22 ms, during A's first step (11.15 -> 12.25 ms): C's first
+    #   token at 12.25 ms. (Taken in at 11.05 ms, C's read would have shared the port with A's.)
+    h, _, d, (a, c) = _run([(0.0, 100, 20), (8.05e-3, 20, 2)], prefill=2, d_blocks=40)
+    assert h.transfer_start_s * 1e3 == pytest.approx([11.0, 11.15])
+    assert h.transfer_end_s * 1e3 == pytest.approx([11.15, 11.22])
+    assert a.first_token_s * 1e3 == pytest.approx(11.15)
+    assert c.first_token_s * 1e3 == pytest.approx(12.25)
+
+
 def test_kv_on_its_way_keeps_nothing_back_and_its_end_is_seen_at_the_next_pass() -> None:
-    # Generation pool of 40 blocks; three context instances. A at t = 0, prompt 100, output 20
-    # (30 blocks to completion), answered at 11 ms; C at 5.25 ms, prompt 48, output 2 (50 tokens: 13
-    # blocks), prefilled in 1 + 4.8 = 5.8 ms: answered at 11.05 ms.
-    # 11.00 ms: A admitted, its 25 prompt blocks taken (15 free); its bytes flow from 11.05 ms.
-    # 11.05 ms: A's KV is on its way, so none of its blocks still to come is kept back: C's 13 fit the
-    #   15 free (they would not fit 15 - 5 = 10) and C takes its 12 prompt blocks; its bytes from 11.10.
-    # 11.10 ms: A has 50,000 bytes left; the two share the port at 0.5e9 B/s: C's 48,000 bytes are in
-    #   after 0.096 ms, at 11.196 ms; A then has 2,000 left alone at 1e9 B/s: in at 11.198 ms.
-    # 11.196 ms: C runs, its first token sent; its step of 1.1 ms ends at 12.296 ms with its second,
-    #   and it finishes. A's transfer ended during that step: the pass at 12.296 ms sees it, and A's
-    #   first token leaves then (1.098 ms after its KV was in); its 19 more end at 12.296 + 20.9 =
-    #   33.196 ms.
-    h, _, d, (a, c) = _run([(0.0, 100, 20), (5.25e-3, 48, 2)], prefill=3, d_blocks=40)
-    assert h.transfer_start_s * 1e3 == pytest.approx([11.0, 11.05])
-    assert h.transfer_end_s * 1e3 == pytest.approx([11.198, 11.196])
-    assert c.first_token_s * 1e3 == pytest.approx(11.196)
-    assert c.finished_s * 1e3 == pytest.approx(12.296)
-    assert a.first_token_s * 1e3 == pytest.approx(12.296)
-    assert a.finished_s * 1e3 == pytest.approx(33.196)
+    # A link of 0.4 Gb/s (5e7 B/s): n tokens in 0.05 ms + n x 20 us alone. Generation pool of 48
+    # blocks; three context instances.
+    # D at t = 0, prompt 8, output 30 (38 tokens: 10 blocks): prefilled in 1.8 ms, read by 2.01 ms;
+    #   it then decodes alone, its steps of 1.1 ms ending at 2.01 + 1.1 k ms (the passes).
+    # A at t = 0, prompt 100, output 20 (30 blocks): answered at 11 ms, during D's 9th step; the
+    #   capacity scheduler takes it at the next pass, 11.91 ms (D: 17 tokens in 5 blocks, 5 to come;
+    #   43 - 5 = 38 >= 30). Its 25 prompt blocks taken (18 free), its bytes flow from 11.96 ms.
+    # C at 7 ms, prompt 40, output 2 (42 tokens: 11 blocks): answered at 7 + 5 = 12 ms. Pass at 13.01:
+    #   A's KV is on its way, so its 5 blocks to come are not kept back: 18 free less D's 5 = 13 >= 11
+    #   (less A's 5 too, 8 would not do). C takes 10 blocks; its bytes from 13.06 ms.
+    # 13.06 ms: A has 100,000 - 1.1 ms x 5e7 = 45,000 bytes left; the two share the port at 2.5e7 B/s:
+    #   C's 40,000 in after 1.6 ms, at 14.66 ms; A's last 5,000 alone in 0.1 ms: 14.76 ms.
+    # Both ends fall in D's 12th step (14.11 -> 15.21 ms): A and C run from 15.21 ms, their first
+    #   tokens sent then. D, A and C: 1.3 ms: C's second token at 16.51 ms, C finishes. D (14 tokens)
+    #   and A (2): 16 steps of 1.2 ms to 35.71 ms, when D has its 30; A's last 2 alone: 37.91 ms.
+    slow = LinkSpec(bandwidth_gbps=0.4, latency_us=50.0)
+    h, _, d, (dd, a, c) = _run([(0.0, 8, 30), (0.0, 100, 20), (7e-3, 40, 2)], prefill=3, d_blocks=48, link=slow)
+    assert h.transfer_start_s * 1e3 == pytest.approx([1.8, 11.91, 13.01])
+    assert h.transfer_end_s * 1e3 == pytest.approx([2.01, 14.76, 14.66])
+    assert [a.first_token_s * 1e3, c.first_token_s * 1e3] == pytest.approx([15.21, 15.21])
+    assert c.finished_s * 1e3 == pytest.approx(16.51)
+    assert dd.finished_s * 1e3 == pytest.approx(35.71)
+    assert a.finished_s * 1e3 == pytest.approx(37.91)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
