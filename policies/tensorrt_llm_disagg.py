@@ -22,8 +22,11 @@ generation side:
    the transfer starts: ``remote.on_alloc``). No prefix lookup is made here: the whole prompt
    comes over the link.
 3. While its KV is on its way, the request is in neither list the capacity scheduler counts
-   (its state lies before CONTEXT_INIT, the first schedulable one): it holds its prompt's blocks,
-   but its blocks to completion are not kept back and it takes no place among ``max_batch_size``.
+   (its state is not a schedulable one: past GENERATION_COMPLETE in the ``LlmRequestState`` of
+   the 1.x headers, before CONTEXT_INIT in later ones; skipped either way): it holds its prompt's
+   blocks, but its blocks to completion are not kept back and it takes no place among
+   ``max_batch_size``. Another request may so be admitted into blocks it will need; decodes that
+   then find no free block end the run with a PolicyError (TensorRT-LLM's KV manager fails).
 4. ``_check_disagg_gen_transfer_status`` runs once per iteration, before the scheduler
    (``_prepare_and_schedule_batch``). When every active request's KV is on its way, the loop
    waits for one transfer to end (``_recv_disagg_gen_cache`` right after admitting them, and the
