@@ -174,7 +174,9 @@ cut of prompt + outputs to ``max_input_len``, a running request with one
 prompt token left counted as a decode,
 of speculative decoding: the overlap scheduler with drafts, NGram and two-model drafters,
 dynamic draft lengths, tree drafts, disabling speculation by batch size; beams, LoRA pages,
-disaggregated serving.
+of disaggregated serving what ``policies.tensorrt_llm_disagg`` (the generation server),
+``sim.loop.handoff_trtllm`` (a context server: a request leaves its scheduler once its context
+phase is launched, ``context_server``) and ``sim.run.pd_trtllm`` (the handoff) leave out.
 """
 
 from __future__ import annotations
@@ -184,6 +186,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from policies.base import PolicyBase, batch_or_idle, config_knobs, knob, plain_stretch_shape
 from policies.tensorrt_llm_capacity import max_utilization, no_evict
+from policies.tensorrt_llm_disagg import blocked, generation_capacity, promote_received
 from policies.tensorrt_llm_rules import (
     CAPACITY_POLICIES,
     CHUNKING_POLICIES,
@@ -259,6 +262,9 @@ class TensorRtLlmPolicy(PolicyBase):
     decode_stretch = True
     # (refuses_by_prompt False: reserved to completion, refused if prompt + max_tokens exceed the pool)
     prefix_switch = PrefixSwitch("enable_block_reuse")
+    # A context server of disaggregated serving (sim.loop.handoff_trtllm): a request whose context
+    # phase is launched leaves the scheduler then (DISAGG_CONTEXT_TRANS_IN_PROGRESS).
+    context_server = False
     pipelined_knob = "disable_overlap_scheduler"
     pipelined_off = True
     parse_speculative = staticmethod(parse_tensorrt_llm_speculative)   # policy_config's check of rule 7
@@ -309,6 +315,7 @@ class TensorRtLlmPolicy(PolicyBase):
         # Without chunking a prefill must fit one step (the micro batch scheduler's context-length check).
         self.max_prompt_tokens = None if self.chunking else config.max_num_tokens
         self.capacity = config.capacity_scheduler_policy
+        self._waiting_for_kv = False         # a generation server waiting for a transfer to end
         if config.max_num_tokens < config.max_batch_size:
             self.decode_stretch = False      # see the class's decode_stretch
         if not config.disable_overlap_scheduler:     # rule 6 of the module doc: _executor_loop_overlap
@@ -331,10 +338,25 @@ class TensorRtLlmPolicy(PolicyBase):
         flight = {it[0]: it[1] for it in state.pending[-1].items} if state.pending else {}
         if self._verified:
             self._rewind(state)
+        skip = frozenset()
+        if self.context_server and flight:           # sim.loop.handoff_trtllm: context phases launched
+            requests = state.requests
+            skip = frozenset(rid for rid, n in flight.items() if rid in requests and requests[rid].num_computed_tokens
+                             + n >= requests[rid].num_prompt_tokens + requests[rid].num_output_tokens)
+        if state.remote is not None:                 # a generation server (policies.tensorrt_llm_disagg)
+            if self._waiting_for_kv:
+                if not state.remote.received:
+                    return Idle()                    # check_gen_transfer_status(1): nothing taken in
+                self._waiting_for_kv = False
+            promote_received(state, now_s)
+            fitting = generation_capacity(state, self.max_num_seqs, flight, now_s)
+            decision = self._micro_batch(state, now_s, fitting, flight)
+            self._waiting_for_kv = blocked(state)
+            return decision
         if self.capacity == "MAX_UTILIZATION":
-            fitting = max_utilization(state, self.max_num_seqs, flight, self.num_drafts, self.extra_kv)
+            fitting = max_utilization(state, self.max_num_seqs, flight, self.num_drafts, self.extra_kv, skip)
         else:
-            fitting = no_evict(state, self.max_num_seqs, self.capacity == "STATIC_BATCH", flight)
+            fitting = no_evict(state, self.max_num_seqs, self.capacity == "STATIC_BATCH", flight, skip)
         return self._micro_batch(state, now_s, fitting, flight)
 
     def _rewind(self, state: SchedulerState) -> None:

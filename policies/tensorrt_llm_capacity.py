@@ -21,15 +21,20 @@ if TYPE_CHECKING:
     from sim.core.state import SchedulerState
 
 
-def no_evict(state: SchedulerState, max_requests: int, static: bool, flight: Mapping[int, int]) -> list[Request]:
+def no_evict(state: SchedulerState, max_requests: int, static: bool, flight: Mapping[int, int],
+             skip: frozenset[int] = frozenset()) -> list[Request]:
     """GUARANTEED_NO_EVICT / STATIC_BATCH: decodes, then prefills and waiting requests in order while
     their blocks to completion fit; the first misfit stops the scan. ``flight``: the tokens of each
-    request in the step in flight (the overlap scheduler; empty in the synchronous loop)."""
+    request in the step in flight (the overlap scheduler; empty in the synchronous loop). ``skip``:
+    running requests out of the scheduler (a context server's, their context phase launched),
+    their blocks held but nothing kept back for them."""
     kv = state.kv
     decoding, pending = [], []
     available = kv.num_free_blocks
     get = flight.get
     for r in state.running:
+        if skip and r.req_id in skip:
+            continue
         if (tokens_left(r, get(r.req_id, 0)) if flight
                 else r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens) == 1:
             decoding.append(r)
@@ -55,11 +60,11 @@ def no_evict(state: SchedulerState, max_requests: int, static: bool, flight: Map
 
 
 def max_utilization(state: SchedulerState, max_requests: int, flight: Mapping[int, int], drafts: int = 0,
-                    extra: int = 0) -> list[Request]:
+                    extra: int = 0, skip: frozenset[int] = frozenset()) -> list[Request]:
     """MAX_UTILIZATION: next-step blocks only; a misfit pauses the last running request. ``flight``
-    as in ``no_evict``; ``drafts``, ``extra``: speculation's (``blocks_one_step``)."""
+    and ``skip`` as in ``no_evict``; ``drafts``, ``extra``: speculation's (``blocks_one_step``)."""
     kv = state.kv
-    running = state.running
+    running = [r for r in state.running if r.req_id not in skip] if skip else state.running
     fitting: list[Request] = []
     scheduled = 0
     get = flight.get
@@ -79,6 +84,8 @@ def max_utilization(state: SchedulerState, max_requests: int, flight: Mapping[in
         if kv.caching and victim.num_computed_tokens // kv.block_size > victim.num_hashed_blocks:
             kv.cache(victim, victim.num_computed_tokens)     # its computed blocks stay reusable
         state.preempt(victim)
+        if running is not state.running:
+            running.remove(victim)
         paused = True
     if paused:                             # the scan ended at the victim: nobody waiting is taken
         return fitting

@@ -148,6 +148,10 @@ class Handoff:
     ``tp``: (prefill TP, decode TP). Per request it records (by id): the prefill instance's
     finish, the decode submission, the transfer's start and end (NaN where none happened)."""
 
+    # The prefill copy's max_tokens: 1 (vLLM's proxy), or the client's, the copy still ending
+    # after its first token (TensorRT-LLM's context_only request: sim.loop.handoff_trtllm).
+    prefill_keeps_max_tokens = False
+
     def __init__(self, env: simpy.Environment, prefill: Sequence[Server], decode: Sequence[Server],
                  routers: tuple[str, str], link: LinkSpec, kv_bytes_per_token: int, tp: tuple[int, int],
                  num_requests: int, *, proxy_s: float = 0.0, abort_timeout_s: float = 480.0,
@@ -188,7 +192,8 @@ class Handoff:
     # ---- 1: the proxy sends the prefill -------------------------------------------------------
     def send(self, req: Request, true_output: int, index: int) -> None:
         """Send ``req`` (the client's request) to a prefill instance, with max_tokens 1."""
-        copy = Request(req.req_id, req.arrival_s, req.num_prompt_tokens, 1, content=req.content)
+        copy = Request(req.req_id, req.arrival_s, req.num_prompt_tokens,
+                       req.max_output_tokens if self.prefill_keeps_max_tokens else 1, content=req.content)
         self.originals[req.req_id] = (req, true_output)
         server = pick_replica(self.routers[0], self.prefill, index, copy)
         self.prefill_replica[req.req_id] = server.replica

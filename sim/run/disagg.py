@@ -13,8 +13,9 @@ Each pool's ``profile``, ``policy`` and ``server`` are the workload's own with t
 fields over them (a pool's ``policy`` of another ``kind`` replaces the workload's); its
 ``replicas`` and ``router`` (``sim.loop.feed.ROUTERS``) are its own. The handoff between them
 is vLLM's (``sim.loop.handoff``) with a decode pool of ``vllm_v1`` (the prefill pool's policy
-may be any), or SGLang's (``sim.loop.handoff_sglang``) with both pools ``sglang``. Both pools
-serve the same model, with the same KV precision.
+may be any), SGLang's (``sim.loop.handoff_sglang``) with both pools ``sglang``, or TensorRT-LLM's
+(``sim.run.pd_trtllm``) with both pools ``tensorrt_llm``. Both pools serve the same model, with
+the same KV precision.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from sim.cost.profile import Profile
 from sim.loop.feed import ClientPool
 from sim.loop.handoff import Handoff, feed_prefills, feed_prefills_capped
 from sim.loop.handoff_sglang import SglangHandoff
+from sim.loop.handoff_trtllm import TrtllmHandoff
 from sim.loop.server import Server, SimExecutor
 from sim.results.result import RunLogs, RunResult
 from sim.results.table import RequestTable
@@ -97,8 +99,10 @@ def run_disaggregated(cfg: WorkloadConfig, *, progress: bool = False, strict: bo
         handoff = SglangHandoff(env, p_servers, d_servers, routers, d.link, d_profile.kv_bytes_per_token, tp, n,
                                 reserved_tokens=d.num_reserved_decode_tokens, clients=clients)
     else:
-        handoff = Handoff(env, p_servers, d_servers, routers, d.link, d_profile.kv_bytes_per_token, tp, n,
-                          proxy_s=d.proxy_s, abort_timeout_s=d.abort_timeout_s, clients=clients)
+        # TensorRT-LLM's pools (sim.run.pd_trtllm): its context copies keep the client's max_tokens.
+        handoff_class = TrtllmHandoff if d.handoff == "trtllm" else Handoff
+        handoff = handoff_class(env, p_servers, d_servers, routers, d.link, d_profile.kv_bytes_per_token, tp, n,
+                                proxy_s=d.proxy_s, abort_timeout_s=d.abort_timeout_s, clients=clients)
     lag_s = float(d_profile.engine.get("request_overhead_s") or 0.0)
     if clients is None:
         env.process(feed_prefills(env, handoff, requests, requests.true_outputs(), lag_s))

@@ -11,6 +11,7 @@ from typing import Any, Callable
 from sim.base.strict import ConfigError, did_you_mean
 from sim.loop.feed import ROUTERS
 from sim.loop.handoff import LinkSpec
+from sim.run.pd_trtllm import check_tensorrt_llm_pools
 
 # Each GPU's port, each way: nominal line rates (gigabits per second, as NICs are sold) and a
 # one-way latency before the data flows. What a transfer engine achieves is below line rate:
@@ -46,9 +47,10 @@ class Disaggregation:
     link: LinkSpec
     link_kind: str | None
     proxy_s: float
-    abort_timeout_s: float
-    # The handoff: "vllm" (NixlConnector, sim.loop.handoff) or "sglang" (both pools sglang:
-    # sim.loop.handoff_sglang), with SGLang's num_reserved_decode_tokens.
+    abort_timeout_s: float | None         # None: no abort timeout (TensorRT-LLM: sim.run.pd_trtllm)
+    # The handoff: "vllm" (NixlConnector, sim.loop.handoff), "sglang" (both pools sglang:
+    # sim.loop.handoff_sglang), with SGLang's num_reserved_decode_tokens, or "trtllm" (both pools
+    # tensorrt_llm: sim.run.pd_trtllm).
     handoff: str = "vllm"
     num_reserved_decode_tokens: int = 512
 
@@ -61,6 +63,8 @@ class Disaggregation:
             d.update(handoff="sglang", num_reserved_decode_tokens=self.num_reserved_decode_tokens)
         else:
             d.update(proxy_ms=self.proxy_s * 1e3, abort_timeout_s=self.abort_timeout_s)
+            if self.handoff == "trtllm":
+                d.update(handoff="tensorrt_llm")
         return d
 
 
@@ -119,7 +123,14 @@ def parse_disaggregation(data: dict[str, Any], source: str, base_dir: str,
                               f"prefill pool and a decode pool (each may be {{}} to take the workload's own)")
     prefill = _pool(data, "prefill", source, base_dir, build)
     decode = _pool(data, "decode", source, base_dir, build)
-    handoff = _handoff(section, prefill, decode, source)
+    if check_tensorrt_llm_pools(section, prefill, decode, source):      # sim.run.pd_trtllm
+        handoff = "trtllm"
+        for key in SGLANG_ONLY:
+            if key in section:
+                raise ConfigError(f"{source}: field 'disaggregation.{key}' is SGLang's (its decode side's headroom); "
+                                  f"both pools are tensorrt_llm, whose handoff is TensorRT-LLM's: remove it")
+    else:
+        handoff = _handoff(section, prefill, decode, source)
     if handoff == "sglang":
         decode = _sglang_decode_pool(data, decode, source)
     if getattr(decode.cfg.policy, "speculative", None):
@@ -148,7 +159,8 @@ def parse_disaggregation(data: dict[str, Any], source: str, base_dir: str,
     if "latency_us" in link_raw:
         lat = _number(link_raw["latency_us"], "disaggregation.link.latency_us", source, positive=False)
     proxy_s = _number(section.get("proxy_ms", 0.0), "disaggregation.proxy_ms", source, positive=False) / 1e3
-    timeout = _number(section.get("abort_timeout_s", 480.0), "disaggregation.abort_timeout_s", source)
+    timeout = (None if handoff == "trtllm" else
+               _number(section.get("abort_timeout_s", 480.0), "disaggregation.abort_timeout_s", source))
     reserved = section.get("num_reserved_decode_tokens", 512)
     if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:
         raise ConfigError(f"{source}: field 'disaggregation.num_reserved_decode_tokens' must be an integer >= 0 "
@@ -171,8 +183,9 @@ def _handoff(section: dict[str, Any], prefill: Pool, decode: Pool, source: str) 
         return "vllm"
     if dk != "sglang":
         raise ConfigError(f"{source}: field 'disaggregation.decode.policy.kind' is {dk}; the KV handoffs modelled "
-                          f"are vLLM's (NixlConnector, decode pool vllm_v1) and SGLang's (both pools sglang): set "
-                          f"the decode pool's policy kind to vllm_v1 or sglang")
+                          f"are vLLM's (NixlConnector, decode pool vllm_v1), SGLang's (both pools sglang) and "
+                          f"TensorRT-LLM's (both pools tensorrt_llm): set the decode pool's policy kind to one "
+                          f"of them")
     if pk != "sglang":
         raise ConfigError(f"{source}: field 'disaggregation.decode.policy.kind' is sglang but "
                           f"'disaggregation.prefill.policy.kind' is {pk}: SGLang's handoff (the decode side "
