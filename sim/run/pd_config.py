@@ -184,8 +184,8 @@ def _handoff(section: dict[str, Any], prefill: Pool, decode: Pool, source: str) 
     if dk != "sglang":
         raise ConfigError(f"{source}: field 'disaggregation.decode.policy.kind' is {dk}; the KV handoffs modelled "
                           f"are vLLM's (NixlConnector, decode pool vllm_v1), SGLang's (both pools sglang) and "
-                          f"TensorRT-LLM's (both pools tensorrt_llm): set the decode pool's policy kind to one "
-                          f"of them")
+                          f"TensorRT-LLM's (both pools tensorrt_llm): set the decode pool's policy kind to "
+                          f"vllm_v1 or sglang, or both pools' to tensorrt_llm")
     if pk != "sglang":
         raise ConfigError(f"{source}: field 'disaggregation.decode.policy.kind' is sglang but "
                           f"'disaggregation.prefill.policy.kind' is {pk}: SGLang's handoff (the decode side "
