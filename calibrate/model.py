@@ -69,6 +69,10 @@ def check_buildable(shape: ModelShape) -> None:
         raise ValueError(f"model {shape.name!r}: kv_lora_rank is {shape.kv_lora_rank} (multi-head latent "
                          f"attention), but the torch model builds K and V heads only; MLA models are costed by "
                          f"the roofline (sim.cost.roofline) or the kernel tables, not calibrated here")
+    if shape.is_mamba or shape.num_ffn_layers:
+        raise ValueError(f"model {shape.name!r}: num_mamba_layers is {shape.num_mamba_layers} (Mamba2 state-space "
+                         f"layers, single-block layers), but the torch model builds Llama layers only; such models "
+                         f"are costed by the roofline or the kernel tables")
     if shape.is_hybrid or shape.attn_output_gate:
         raise ValueError(f"model {shape.name!r}: num_linear_layers is {shape.num_linear_layers} (Gated DeltaNet "
                          f"linear attention) or attn_output_gate is set, but the torch model builds plain "

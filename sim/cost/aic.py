@@ -288,6 +288,13 @@ class KernelTables:
                 roles["attention"].append(i)      # Gated DeltaNet: chunk length (prefill) or batch (decode)
                 self.linear = True
                 continue
+            if kind == "Mamba2Kernel":
+                raise KernelsError(f"{self.model_path}: its {phase} graph has Mamba2 ops, which the {WHEEL} "
+                                   f"{WHEEL_VERSION} tables do not measure for {ENGINES[self.engine]}: its "
+                                   f"mamba2_perf tables hold TensorRT-LLM's causal_conv1d kernels only, not the "
+                                   f"SSD scan or selective_state_update, and nothing for vLLM or SGLang (the wheel "
+                                   f"would estimate them); use the analytic profile (leave out profile.kernels), "
+                                   f"whose roofline prices Mamba2's layers")
             for marker, mechanism in _UNMODELLED:
                 if marker in kind:
                     raise KernelsError(f"{self.model_path}: its {phase} graph has {kind} ops: {mechanism} "

@@ -157,8 +157,9 @@ class TpStepCosts:
         self.engine = engine_overhead(engine)
         self.layer_fixed_s = layer_fixed_s
         self.interconnect_efficiency = interconnect_efficiency
-        self.allreduce_calls = (ALLREDUCES_PER_LAYER * model.num_layers + EMBEDDING_ALLREDUCES
-                                if tensor_parallel > 1 else 0)
+        # one after each mixer and each MLP: ALLREDUCES_PER_LAYER a layer, one a single-block layer (Nemotron-H)
+        blocks = model.num_sublayers if model.num_ffn_layers else ALLREDUCES_PER_LAYER * model.num_layers
+        self.allreduce_calls = blocks + EMBEDDING_ALLREDUCES if tensor_parallel > 1 else 0
         # Expert parallelism: an MoE layer's experts are whole on each GPU, its tokens sent to
         # them and back (2 all-to-alls) instead of the MLP all-reduce; attention stays TP.
         self.expert_parallel = expert_parallel and tensor_parallel > 1
@@ -174,7 +175,8 @@ class TpStepCosts:
         if self.dp_calls and self.expert_parallel:
             self.alltoall_calls = 0                  # the gathers take the dispatch's place
         self.fixed_step_s = self.engine.step_s + (self.engine.tp_step_s if tensor_parallel > 1 else 0.0)
-        self.layers_fixed_s = model.num_layers * layer_fixed_s
+        # a single-block layer (Nemotron-H: a mixer or an MLP) runs about half a layer's kernels
+        self.layers_fixed_s = (model.num_sublayers / 2 if model.num_ffn_layers else model.num_layers) * layer_fixed_s
         self.per_seq_s = self.engine.per_seq_s
 
     def comm_s(self, num_tokens: Any) -> Any:

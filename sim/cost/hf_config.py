@@ -4,8 +4,10 @@ Beyond the dense Llama fields it reads an explicit ``head_dim`` (Qwen3, gpt-oss,
 layers slide (``sliding_layer_count``) and the mixture-of-experts fields (``moe_fields``).
 Qwen3's q_norm / k_norm (implied by model_type qwen3*, no config flag) cost nothing to model
 and are accepted as is. Mechanisms that change the architecture and that batchsim does not
-model (``UNMODELLED_MECHANISMS``: compressed sparse attention, linear-attention or state-space
-layers; ...) are refused by name. Multi-head latent attention (DeepSeek-V3/R1, Kimi-K2) is read
+model (``UNMODELLED_MECHANISMS``: compressed sparse attention, latent MoE, state-space layers
+outside Nemotron-H; ...) are refused by name. Gated DeltaNet (Qwen3.5, Qwen3-Next:
+``linear_attention_fields``) and Nemotron-H's Mamba2 and single-block layers (``mamba_fields``)
+are read. Multi-head latent attention (DeepSeek-V3/R1, Kimi-K2) is read
 from ``kv_lora_rank``, ``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim`` and
 ``v_head_dim``, DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) from ``index_topk``,
 ``index_head_dim`` and ``index_n_heads`` (``ModelShape``'s class doc). A multimodal config's language model (``text_config``: Kimi-K2.5,
@@ -50,7 +52,9 @@ _TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_toke
 # table, which sim.cost.kernel_models reads too for the configs the kernel tables' wheel bundles.
 UNMODELLED_MECHANISMS = (
     ("compress_ratios", "compressed sparse attention (DeepSeek-V4)"),
-    ("hybrid_override_pattern", "hybrid Mamba2 state-space layers"),
+    ("moe_latent_size", "latent MoE projections (Nemotron-3 Super, Ultra)"),
+    # read for Nemotron-H (model_type nemotron_h, as vLLM's nemotron_h.py reads them: mamba_fields) only
+    ("hybrid_override_pattern", "hybrid Mamba2 state-space layers outside Nemotron-H (model_type nemotron_h)"),
     ("layers_block_type", "hybrid state-space / linear-attention layers"),
     ("block_configs", "per-layer heterogeneous blocks (Nemotron NAS)"),
     ("interleave_moe_layer_step", "interleaved MoE and chunked-attention layers (Llama 4)"),
@@ -65,6 +69,14 @@ _LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_he
 _MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 # mamba_ssm_dtype (Qwen3.5's recurrent-state dtype, which vLLM takes for mamba_ssm_cache_dtype "auto").
 _STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Nemotron-H's mixers and MLPs, one a layer: hybrid_override_pattern's letters (vLLM's
+# ALL_DECODER_LAYER_TYPES, vllm/model_executor/models/nemotron_h.py) and layers_block_type's words.
+_NEMOTRON_BLOCKS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+_MAMBA_KEYS = {"mamba_num_heads": "mamba_num_heads", "mamba_head_dim": "mamba_head_dim", "n_groups": "mamba_n_groups",
+               "ssm_state_size": "mamba_state_size", "conv_kernel": "mamba_conv_kernel",
+               "chunk_size": "mamba_chunk_size"}
+# vLLM's NemotronHForCausalLMConfig.DEFAULT_MAMBA_SSM_CACHE_DTYPE (vllm/model_executor/models/config.py).
+NEMOTRON_H_SSM_DTYPE = "float32"
 _REQUIRED_KEYS = frozenset(k for keys in _HF_FIELDS.values() for k in keys)
 # Every key the importer reads (one set for the did-you-mean check of unknown keys).
 READ_KEYS = frozenset({k for keys in _HF_FIELDS.values() for k in keys} | set(_EXPERT_KEYS) | set(_TOP_K_KEYS) | {
@@ -74,7 +86,12 @@ READ_KEYS = frozenset({k for keys in _HF_FIELDS.values() for k in keys} | set(_E
     "n_shared_experts", "first_k_dense_replace", "mlp_only_layers", "decoder_sparse_step", "quantization_config",
     *_LINEAR_KEYS, "full_attention_interval", "mamba_ssm_dtype", "attn_output_gate", *_MTP_KEYS,
     "name", "_name_or_path", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-    "index_topk", "index_head_dim", "index_n_heads"})
+    "index_topk", "index_head_dim", "index_n_heads", "hybrid_override_pattern", "layers_block_type", *_MAMBA_KEYS,
+    "mamba_ssm_cache_dtype", "mlp_hidden_act", "attention_head_dim", "moe_shared_expert_intermediate_size",
+    "moe_latent_size",
+    # grouped expert routing (DeepSeek-V3, Nemotron-3): costs nothing, accepted as is; named here so that
+    # DeepSeek's n_group is not taken for a misspelt n_groups (Mamba2's B/C groups)
+    "n_group", "topk_group"})
 _MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_topk",
              "index_head_dim", "index_n_heads")
 
@@ -99,7 +116,10 @@ def language_model_config(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], str |
 def unmodelled_mechanism(cfg: Mapping[str, Any]) -> str | None:
     """The first mechanism of ``cfg`` (or of its wrapped language model) batchsim cannot price."""
     for inner in (cfg, *(cfg[k] for k in WRAPPER_KEYS if isinstance(cfg.get(k), Mapping))):
+        nemotron_h = str(inner.get("model_type", "")).lower() == "nemotron_h"
         for key, mechanism in UNMODELLED_MECHANISMS:
+            if key in ("hybrid_override_pattern", "layers_block_type") and nemotron_h:
+                continue                 # Nemotron-H's layer pattern (mamba_fields)
             if inner.get(key) is not None:
                 return mechanism
         if any("mamba" in str(t) for t in _as_list(inner.get("layer_types"))):
@@ -171,7 +191,7 @@ def _mlp_kind(cfg: Mapping[str, Any], name: str) -> str:
         return str(cfg["mlp"]).lower()            # ModelShape checks it is one of MLP_KINDS
     if str(cfg.get("model_type", "")).lower() in _GATED_GELU_MODEL_TYPES:
         return "swiglu"
-    act = cfg.get("hidden_act", cfg.get("activation_function"))
+    act = cfg.get("hidden_act", cfg.get("activation_function", cfg.get("mlp_hidden_act")))
     if act is None:
         raise ValueError(f"model '{name}': config field 'hidden_act' is missing "
                          f"(or 'activation_function'; or give mlp: swiglu | gelu)")
@@ -280,6 +300,68 @@ def linear_attention_fields(cfg: Mapping[str, Any], num_layers: int, name: str) 
     return out
 
 
+def nemotron_blocks(cfg: Mapping[str, Any], num_layers: int, name: str) -> list[str] | None:
+    """Nemotron-H's layers, one block each ("mamba", "attention", "mlp" or "moe"), from
+    ``hybrid_override_pattern`` (a letter a layer: M, *, - or E, as vLLM's NemotronHModel reads
+    it) or ``layers_block_type`` (Nemotron-3.5: a word a layer); None when neither is given."""
+    pattern, words = cfg.get("hybrid_override_pattern"), cfg.get("layers_block_type")
+    if pattern is not None and words is not None:
+        raise ValueError(f"model '{name}': fields 'hybrid_override_pattern' and 'layers_block_type' both given; "
+                         f"give one")
+    if pattern is not None:
+        if not isinstance(pattern, str) or len(pattern) != num_layers:
+            raise ValueError(f"model '{name}': field 'hybrid_override_pattern' must be a string of one letter a "
+                             f"layer ({num_layers}, num_hidden_layers), got {pattern!r}")
+        other = next((c for c in pattern if c not in _NEMOTRON_BLOCKS), None)
+        if other is not None:
+            raise ValueError(f"model '{name}': field 'hybrid_override_pattern' has a layer {other!r}; expected "
+                             f"M (Mamba2), * (attention), - (MLP) or E (MoE)")
+        return [_NEMOTRON_BLOCKS[c] for c in pattern]
+    if words is not None:
+        kinds = set(_NEMOTRON_BLOCKS.values())
+        if (not isinstance(words, list) or len(words) != num_layers
+                or not all(isinstance(w, str) and w.lower() in kinds for w in words)):
+            raise ValueError(f"model '{name}': field 'layers_block_type' must list one of "
+                             f"{', '.join(sorted(kinds))} a layer ({num_layers}, num_hidden_layers), got {words!r}")
+        return [w.lower() for w in words]
+    return None
+
+
+def mamba_fields(cfg: Mapping[str, Any], num_layers: int, name: str, moe: Mapping[str, int]) -> dict[str, int]:
+    """ModelShape's single-block and Mamba2 fields of a Nemotron-H config ({} for any other), as
+    vLLM 0.32's ``nemotron_h.py`` builds the model: one block a layer (``nemotron_blocks``);
+    ``num_ffn_layers`` the MLP and MoE ones, ``num_dense_layers`` the MLP ones of an MoE model;
+    the Mamba2 mixers' shape from ``mamba_num_heads``, ``mamba_head_dim``, ``n_groups``,
+    ``ssm_state_size``, ``conv_kernel`` and ``chunk_size`` (all required); the SSM state's dtype
+    from ``mamba_ssm_cache_dtype``, absent: float32 (vLLM's NemotronHForCausalLMConfig,
+    ``vllm/model_executor/models/config.py``, sets it so when mamba_ssm_cache_dtype is "auto")."""
+    blocks = nemotron_blocks(cfg, num_layers, name)
+    if blocks is None:
+        return {}
+    if "moe" in blocks and not moe:
+        raise ValueError(f"model '{name}': its layers include MoE (E) blocks, but the config names no experts "
+                         f"(n_routed_experts)")
+    if moe and "moe" not in blocks:
+        raise ValueError(f"model '{name}': the config names experts but no layer is an MoE (E) block")
+    out = {"num_ffn_layers": blocks.count("mlp") + blocks.count("moe"), "num_mamba_layers": blocks.count("mamba")}
+    if moe:
+        out["num_dense_layers"] = blocks.count("mlp")
+    if not blocks.count("attention"):
+        raise ValueError(f"model '{name}': no layer of its pattern attends (attention-free models are not modelled)")
+    if out["num_mamba_layers"]:
+        for key, field in _MAMBA_KEYS.items():
+            value = _count(cfg, key, name, 1)
+            if value is None:
+                raise ValueError(f"model '{name}': config field '{key}' is missing (its Mamba2 layers need it)")
+            out[field] = value
+        dtype = cfg.get("mamba_ssm_cache_dtype") or NEMOTRON_H_SSM_DTYPE
+        if str(dtype).lower() not in _STATE_DTYPE_BYTES:
+            raise ValueError(f"model '{name}': field 'mamba_ssm_cache_dtype' must be one of "
+                             f"{', '.join(_STATE_DTYPE_BYTES)}, got {dtype!r}")
+        out["mamba_state_bytes"] = _STATE_DTYPE_BYTES[str(dtype).lower()]
+    return out
+
+
 def moe_fields(cfg: Mapping[str, Any], num_layers: int, name: str) -> dict[str, int]:
     """ModelShape's MoE fields from a HF config ({} for a dense model).
 
@@ -303,8 +385,11 @@ def moe_fields(cfg: Mapping[str, Any], num_layers: int, name: str) -> dict[str, 
     if cfg.get("moe_intermediate_size") is not None:
         out["moe_intermediate_size"] = _positive_int(cfg, "moe_intermediate_size", name)
     shared_width, num_shared = (_count(cfg, k, name, 0) for k in ("shared_expert_intermediate_size", "n_shared_experts"))
+    shared_each = _count(cfg, "moe_shared_expert_intermediate_size", name, 1)
     if shared_width:
         out["shared_expert_intermediate_size"] = shared_width
+    elif shared_each and num_shared:          # Nemotron-H: each shared expert's width x their number
+        out["shared_expert_intermediate_size"] = num_shared * shared_each
     elif num_shared:
         width = out.get("moe_intermediate_size") or _positive_int(cfg, "intermediate_size", name)
         out["shared_expert_intermediate_size"] = num_shared * width
@@ -371,17 +456,25 @@ def model_shape_from_hf(cfg: Mapping[str, Any], name: str | None = None) -> Mode
     if rope_theta is None:
         rope_theta = rope_parameters.get("rope_theta", 10000.0)
     head_dim = _positive_int(cfg, "head_dim", name) if cfg.get("head_dim") is not None else 0
+    if cfg.get("attention_head_dim") is not None:          # Nemotron-H-8B/47B/56B's spelling of head_dim
+        spelt = _positive_int(cfg, "attention_head_dim", name)
+        if head_dim and head_dim != spelt:
+            raise ValueError(f"model '{name}': fields 'head_dim' ({head_dim}) and 'attention_head_dim' ({spelt}) "
+                             f"disagree")
+        head_dim = spelt
     window, num_sliding = sliding_layer_count(cfg, values["num_layers"], name)
     mla = {k: _count(cfg, k, name, 0) or 0 for k in _MLA_KEYS}
     moe = moe_fields(cfg, values["num_layers"], name)
+    mamba = mamba_fields(cfg, values["num_layers"], name, moe)      # Nemotron-H's blocks ({} otherwise)
     mtp = next((_count(cfg, k, name, 0) for k in _MTP_KEYS if cfg.get(k) is not None), 0) or 0
+    moe = {**moe, **mamba}            # (mamba_fields' num_dense_layers: the MLP blocks of an MoE model)
     if "intermediate_size" not in values:
         if not moe or moe.get("num_dense_layers"):
             raise ValueError(f"model '{name}': config field 'intermediate_size' is missing (or 'ffn_dim'); "
                              f"only a model whose every layer is MoE may leave it out")
         values["intermediate_size"] = moe["moe_intermediate_size"]        # no dense MLP reads it
     return ModelShape(name=name, num_kv_heads=num_kv_heads, mlp=_mlp_kind(cfg, name), **mla,
-                      **linear_attention_fields(cfg, values["num_layers"], name),
+                      **({} if mamba else linear_attention_fields(cfg, values["num_layers"], name)),
                       tie_word_embeddings=_boolean(cfg, "tie_word_embeddings", name, True),
                       rope_theta=rope_theta, explicit_head_dim=head_dim, sliding_window=window,
                       num_sliding_layers=num_sliding, num_mtp_layers=mtp, **moe, **values)

@@ -1,5 +1,7 @@
-"""vLLM's KV layout of a hybrid model: attention layers beside linear-attention layers that hold
-a fixed state per sequence (Gated DeltaNet: Qwen3-Next, Qwen3.5), as vLLM 0.32 lays it out.
+"""vLLM's KV layout of a hybrid model: attention layers beside layers that hold a fixed state per
+sequence (Gated DeltaNet: Qwen3-Next, Qwen3.5; Mamba2: Nemotron-H, Nemotron-3), as vLLM 0.32 lays
+it out. Both kinds are a ``MambaSpec`` there (``vllm/v1/kv_cache_interface.py``: its page is
+the state's shapes times their dtypes), so one layout serves them.
 
 vLLM keeps one block pool for both kinds of layer (``vllm/v1/core/kv_cache_utils.py``,
 ``_get_kv_cache_groups_uniform_page_size``; ``vllm/platforms/interface.py``,
@@ -66,12 +68,12 @@ def vllm_hybrid_layout(model: ModelShape, kv_bytes_per_token: int, tensor_parall
     (``Profile.kv_bytes_per_token``: the attention layers'), on ``tensor_parallel`` ranks, its
     weights in ``dtype_bytes``, and ``block_size`` configured. ValueError for what is not modelled."""
     t = tensor_parallel
-    n_attn, n_lin = model.num_attention_layers, model.num_linear_layers
+    n_attn, n_lin = model.num_attention_layers, model.num_state_layers
     attention_page, rest = divmod(kv_bytes_per_token, t * n_attn)
     if rest or attention_page <= 0:
         raise ValueError(f"model {model.name!r}: {kv_bytes_per_token} KV bytes a token do not split evenly over "
                          f"{t} ranks and {n_attn} attention layers")
-    conv, ssm = model.linear_state_bytes_per_seq(dtype_bytes, t)
+    conv, ssm = model.state_bytes_per_seq(dtype_bytes, t)
     state_page = conv + ssm
     alignment = max(KERNEL_BLOCK, block_size)
     needed = alignment * -(-state_page // (alignment * attention_page))

@@ -95,10 +95,11 @@ def linear_split(model: ModelShape, precision: Precision, tensor_parallel: int,
     t = tensor_parallel
     m = model
     n_mats = m.num_mlp_matrices
-    num_dense = m.num_layers - m.num_moe_layers
+    num_dense = m.num_dense_mlp_layers
     repl = m.attn_replicated_params_per_layer          # MLA's q_a and kv_a: whole on every rank
     attn = (m.num_attention_layers * ((m.attn_params_per_layer - repl) / t + repl)
-            + m.num_linear_layers * m.linear_params_per_layer / t)   # Gated DeltaNet's projections
+            + m.num_linear_layers * m.linear_params_per_layer / t    # Gated DeltaNet's projections
+            + m.num_mamba_layers * m.mamba_params_per_layer / t)     # Mamba2's in_proj and out_proj
     dense_mlp = num_dense * n_mats * m.hidden_size * m.intermediate_size / t
     shared = m.num_moe_layers * n_mats * m.hidden_size * m.shared_expert_intermediate_size / t
     router = m.num_moe_layers * m.hidden_size * m.num_experts          # replicated on every GPU

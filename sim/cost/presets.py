@@ -311,6 +311,22 @@ MODEL_PRESETS: dict[str, ModelShape] = {
                                     linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
                                     linear_value_head_dim=128, linear_conv_kernel_dim=4, linear_state_bytes=4,
                                     num_mtp_layers=1),
+    # nvidia/Nemotron-H-56B-Base-8K config.json: 118 single-block layers (hybrid_override_pattern): 54 Mamba2
+    # (256 heads of 64, 8 groups, state 256, conv 4, chunk 128; fp32 SSM state, vLLM's default for
+    # Nemotron-H), 10 attention (64 heads of 128, 8 KV heads), 54 MLPs of 32768 (relu2: up and down); bf16
+    "nemotron-h-56b": ModelShape("nemotron-h-56b", 8192, 118, 64, 8, 32768, 131072, 8192, mlp="gelu",
+                                 num_ffn_layers=54, num_mamba_layers=54, mamba_num_heads=256, mamba_head_dim=64,
+                                 mamba_n_groups=8, mamba_state_size=256, mamba_conv_kernel=4, mamba_chunk_size=128,
+                                 mamba_state_bytes=4),
+    # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 config.json: 52 single-block layers: 23 Mamba2 (64 heads of
+    # 64, 8 groups, state 128, conv 4, chunk 128, mamba_ssm_cache_dtype float32), 6 attention (32 heads of
+    # 128, 2 KV heads), 23 MoE (128 experts of 1856, top 6, a shared expert of 3712; relu2); bf16
+    "nemotron-3-nano-30b-a3b": ModelShape("nemotron-3-nano-30b-a3b", 2688, 52, 32, 2, 1856, 131072, 262144,
+                                          mlp="gelu", explicit_head_dim=128, num_experts=128, num_experts_per_tok=6,
+                                          moe_intermediate_size=1856, shared_expert_intermediate_size=3712,
+                                          num_ffn_layers=23, num_mamba_layers=23, mamba_num_heads=64,
+                                          mamba_head_dim=64, mamba_n_groups=8, mamba_state_size=128,
+                                          mamba_conv_kernel=4, mamba_chunk_size=128, mamba_state_bytes=4),
     # moonshotai/Kimi-K2.5 config.json's text_config (DeepSeek-V3's architecture): 64 heads, 384 experts
     # of 2048 + 1 shared, top 8, the first layer dense, vocabulary 163840; INT4 experts (MODEL_PRECISIONS)
     "kimi-k2.5": ModelShape("kimi-k2.5", 7168, 61, 64, 64, 18432, 163840, 262144, rope_theta=50000.0,

@@ -38,6 +38,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # min(tokens, MAX_SAMPLED_ROWS) rows.
 MAX_SAMPLED_ROWS = 256
 GDN_CHUNK = 64                     # the chunked gated delta rule's chunk (flash-linear-attention's kernels)
+# (Mamba2's scan chunk is the config's chunk_size: ModelShape.mamba_chunk_size)
 CUDA_CONTEXT_BYTES = GIB // 2       # CUDA context, cuBLAS workspace, captured CUDA graphs
 GRID_TOLERANCE = 0.01               # max relative interpolation error at the probe points
 _PROBES = np.array([0.1, 0.3, 0.5, 0.7, 0.9])   # where inside a grid interval error is checked
@@ -123,8 +124,10 @@ class Roofline:
             # t heads in all, t / num_kv_heads copies of each.
             model = dataclasses.replace(model, num_kv_heads=t)
         splits = [("num_heads", model.num_heads)] + ([] if model.is_mla else [("num_kv_heads", model.num_kv_heads)])
-        if model.num_layers > model.num_moe_layers:
+        if model.num_dense_mlp_layers:
             splits.append(("intermediate_size", model.intermediate_size))
+        if model.is_mamba:         # heads and B/C groups split across the ranks (MambaMixer2)
+            splits += [("mamba_num_heads", model.mamba_num_heads), ("mamba_n_groups", model.mamba_n_groups)]
         if model.is_moe:
             if model.shared_expert_intermediate_size:
                 splits.append(("shared_expert_intermediate_size", model.shared_expert_intermediate_size))
@@ -166,7 +169,8 @@ class Roofline:
         attn_params = (model.attn_params_per_layer - repl) / t + repl
         n_attn = model.num_attention_layers
         self._layer_params = (n_attn * attn_params + model.num_linear_layers * model.linear_params_per_layer / t
-                              + n_layers * n_mlp_mats * h * inter / t)
+                              + model.num_mamba_layers * model.mamba_params_per_layer / t
+                              + model.num_mlp_layers * n_mlp_mats * h * inter / t)
         self._replicated_params = n_layers * repl * (t - 1)    # the copies beyond one, all ranks
         self._lm_head_params = h * model.vocab_size / t
         gemm = precision.gemm_precision(gpu)
@@ -182,7 +186,9 @@ class Roofline:
         # an MoE layer's intermediate is its k experts' and the shared experts' widths.
         mlp_elems = 6 if n_mlp_mats == 3 else 4
         act_elems = 14 * h + (2 * q_dim + 2 * kv_dim) / t + mlp_elems * inter / t
-        if model.is_moe:
+        if model.num_ffn_layers:
+            self._act_bytes_per_token = self._single_block_act_elems(model, t, mlp_elems, q_dim, kv_dim) * db
+        elif model.is_moe:
             moe_width = model.num_experts_per_tok * model.expert_intermediate_size + model.shared_expert_intermediate_size
             moe_elems = 14 * h + (2 * q_dim + 2 * kv_dim) / t + mlp_elems * moe_width / t
             num_dense = n_layers - model.num_moe_layers
@@ -217,6 +223,24 @@ class Roofline:
             self._mla_terms(model, t, kv_db, peak_flops)
         self._linear_terms(model, t, db)
 
+    @staticmethod
+    def _single_block_act_elems(m: ModelShape, t: int, mlp_elems: int, q_dim: float, kv_dim: float) -> float:
+        """Activation traffic a token, in elements, of single-block layers (Nemotron-H): half the
+        hidden-sized traffic of a two-block layer (7 hidden a block: its norm, residual and
+        projection in and out) and the block's own: an attention block's q/k/v and output, a
+        Mamba2 block's in_proj output (2 I + 2 groups x N + heads) written and read and its scan's
+        output (I) written and read, an MLP block's intermediate, an MoE block's k experts' and
+        shared experts' widths."""
+        h = m.hidden_size
+        attn = 7 * h + (2 * q_dim + 2 * kv_dim) / t
+        in_proj = 2 * m.mamba_intermediate + 2 * m.mamba_n_groups * m.mamba_state_size + m.mamba_num_heads
+        mamba = 7 * h + (2 * in_proj + 2 * m.mamba_intermediate) / t
+        dense = 7 * h + mlp_elems * m.intermediate_size / t
+        moe_width = m.num_experts_per_tok * m.expert_intermediate_size + m.shared_expert_intermediate_size
+        moe = 7 * h + mlp_elems * moe_width / t
+        return (m.num_attention_layers * attn + m.num_mamba_layers * mamba + m.num_dense_mlp_layers * dense
+                + m.num_moe_layers * moe)
+
     def _linear_terms(self, m: ModelShape, t: int, db: int) -> None:
         """Gated DeltaNet's layers, per GPU (value heads / t): no KV per token, a state a sequence.
 
@@ -229,6 +253,9 @@ class Roofline:
         layer. The conv window is read and written alike. An estimate from the kernels' work,
         not fitted (the kernel tables measure these ops where a kernel profile is used)."""
         self._linear_state_bytes = 0.0
+        if m.is_mamba:
+            self._mamba_terms(m, t, db)
+            return
         if not m.is_hybrid:
             return
         heads, kd, vd = m.linear_num_value_heads / t, m.linear_key_head_dim, m.linear_value_head_dim
@@ -237,6 +264,28 @@ class Roofline:
         self._linear_state_bytes = float(n * (conv + ssm))       # one sequence's, this GPU's layers
         self._linear_prefill_flops = n * heads * 2 * (3 * kd * vd + 2 * GDN_CHUNK * (kd + vd))
         self._linear_decode_flops = n * heads * 2 * 3 * kd * vd
+
+    def _mamba_terms(self, m: ModelShape, t: int, db: int) -> None:
+        """Mamba2's layers, per GPU (heads and groups / t): no KV per token, a state a sequence.
+
+        Prefill runs the chunked SSD scan (vLLM's mamba_chunk_scan_combined_varlen, chunks of Q =
+        ``mamba_chunk_size``; vllm/model_executor/layers/mamba/ops/ssd_combined.py): per token,
+        each head builds its chunk's state (B^T x: 2 N P FLOPs), reads the earlier chunks' state out
+        (C h: 2 N P) and mixes its chunk (the masked C B^T times x: 2 Q P), and each group forms
+        C B^T (2 Q N): heads (4 N P + 2 Q P) + groups 2 Q N, for N the state size and P the head
+        dim; the causal conv1d adds 2 conv_dim x kernel; all at the prefill attention rate, and each
+        sequence's state (conv window and SSM state) is read and written once. Decode runs
+        selective_state_update: the state decayed, updated by B x and read out by C (2 x 3 N P
+        FLOPs a head) and the conv window shifted (2 conv_dim x kernel), reading and writing the
+        whole state, so memory-bound: 2 x state bytes a sequence and layer. An estimate from the
+        kernels' work, not fitted."""
+        n, heads, groups = m.num_mamba_layers, m.mamba_num_heads / t, m.mamba_n_groups / t
+        p, ns, q, k = m.mamba_head_dim, m.mamba_state_size, m.mamba_chunk_size, m.mamba_conv_kernel
+        conv, ssm = m.mamba_state_bytes_per_seq(db, t)
+        conv_flops = 2 * m.mamba_conv_dim / t * k
+        self._linear_state_bytes = float(n * (conv + ssm))
+        self._linear_prefill_flops = n * (heads * (4 * ns * p + 2 * q * p) + groups * 2 * q * ns + conv_flops)
+        self._linear_decode_flops = n * (heads * 2 * 3 * ns * p + conv_flops)
 
     def _mla_terms(self, m: ModelShape, t: int, kv_db: float, peak_flops: float) -> None:
         """Multi-head latent attention as vLLM's MLA backends run it, per GPU (H / t heads).
@@ -428,7 +477,10 @@ class Roofline:
         width = m.intermediate_size
         if m.is_moe:
             moe_width = m.num_experts_per_tok * m.expert_intermediate_size + m.shared_expert_intermediate_size
-            width = max(moe_width, width if m.num_layers > m.num_moe_layers else 0)
+            width = max(moe_width, width if m.num_dense_mlp_layers else 0)
+        if m.is_mamba:             # Mamba2's in_proj output (z, x, B, C, dt) may be the widest
+            width = max(width, (2 * m.mamba_intermediate + 2 * m.mamba_n_groups * m.mamba_state_size
+                                + m.mamba_num_heads) / 2)
         per_token = (2 * width / t + 4 * m.hidden_size) * self.dtype_bytes
         logits = MAX_SAMPLED_ROWS * m.vocab_size * 4
         return int(max_num_batched_tokens * per_token + logits + CUDA_CONTEXT_BYTES)

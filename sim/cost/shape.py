@@ -20,7 +20,9 @@ OPTIONAL_INT_FIELDS = ("explicit_head_dim", "sliding_window", "num_sliding_layer
                        "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                        "index_topk", "index_head_dim", "index_n_heads", "attn_output_gate",
                        "num_linear_layers", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                       "linear_value_head_dim", "linear_conv_kernel_dim", "linear_state_bytes", "num_mtp_layers")
+                       "linear_value_head_dim", "linear_conv_kernel_dim", "linear_state_bytes", "num_mtp_layers",
+                       "num_ffn_layers", "num_mamba_layers", "mamba_num_heads", "mamba_head_dim", "mamba_n_groups",
+                       "mamba_state_size", "mamba_conv_kernel", "mamba_chunk_size", "mamba_state_bytes")
 # Multi-head latent attention's fields (DeepSeek-V2/V3/R1, Kimi-K2): all set together, or none.
 MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # DeepSeek sparse attention's indexer (DeepSeek-V3.2, GLM-5), on top of MLA: all set, or none.
@@ -28,6 +30,9 @@ DSA_FIELDS = ("index_topk", "index_head_dim", "index_n_heads")
 # Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): all set together with num_linear_layers, or none.
 LINEAR_FIELDS = ("num_linear_layers", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                  "linear_value_head_dim", "linear_conv_kernel_dim")
+# Mamba2 state-space layers (Nemotron-H, Nemotron-3): all set together, or none.
+MAMBA_FIELDS = ("num_mamba_layers", "mamba_num_heads", "mamba_head_dim", "mamba_n_groups", "mamba_state_size",
+                "mamba_conv_kernel", "mamba_chunk_size")
 # The indexer's keys as vLLM caches them: FP8, plus one fp32 scale per 128 values
 # (DeepseekV32IndexerCache: head_dim + head_dim // 128 * 4 bytes: 132 for 128).
 INDEX_QUANT_BLOCK = 128
@@ -91,6 +96,23 @@ class ModelShape:
     window (conv_dim x (kernel - 1), in the model's dtype) and the recurrent state (value heads x
     value_dim x key_dim, in ``linear_state_bytes`` a value; 0: the model's dtype), split across
     TP ranks by heads. Every layer keeps its MLP (or MoE).
+
+    Single-block layers (``num_ffn_layers`` > 0: Nemotron-H's ``hybrid_override_pattern``): each
+    of the ``num_layers`` layers holds one block, a mixer (attention or Mamba2) or an MLP, and
+    ``num_ffn_layers`` of them are the MLP (or MoE) ones; the MoE ones are all but
+    ``num_dense_layers`` of those. 0: every layer holds a mixer and an MLP.
+
+    Mamba2 state-space layers (``num_mamba_layers`` > 0: Nemotron-H, Nemotron-3; vLLM's
+    ``MambaMixer2``, ``vllm/model_executor/layers/mamba/mamba_mixer2.py``): that many of the mixers
+    are Mamba2's, the rest attend. A Mamba2 layer has ``mamba_num_heads`` heads of
+    ``mamba_head_dim`` (intermediate I = heads x head_dim), ``mamba_n_groups`` groups of B and C
+    of ``mamba_state_size`` (N) each, a causal conv1d of ``mamba_conv_kernel`` taps over
+    conv_dim = I + 2 groups x N channels, and its prefill scans in chunks of ``mamba_chunk_size``.
+    Its weights (``mamba_params_per_layer``) are in_proj (hidden x (2 I + 2 groups x N + heads):
+    z, x, B, C and dt) and out_proj (I x hidden); the conv1d's, A, D, dt_bias and the gated
+    norm's are not counted. Each sequence holds a fixed state a layer (``mamba_state_bytes_per_seq``):
+    the conv window (conv_dim x (kernel - 1), in the model's dtype) and the SSM state (heads x
+    head_dim x N, in ``mamba_state_bytes`` a value; 0: the model's dtype).
     """
 
     name: str
@@ -132,6 +154,15 @@ class ModelShape:
     # Qwen3.5's mtp_num_hidden_layers): loaded only as speculative decoding's proposer (method mtp,
     # sim.core.speculative), so not in num_params.
     num_mtp_layers: int = 0
+    num_ffn_layers: int = 0              # single-block layers (Nemotron-H): the MLP/MoE ones (0: every layer has both)
+    num_mamba_layers: int = 0            # Mamba2 mixers among the layers (0: none)
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_n_groups: int = 0
+    mamba_state_size: int = 0
+    mamba_conv_kernel: int = 0
+    mamba_chunk_size: int = 0            # the prefill scan's chunk (the config's chunk_size)
+    mamba_state_bytes: int = 0           # the SSM state's bytes a value (0: the model's dtype)
 
     def __post_init__(self) -> None:
         for f in _POSITIVE_INT_FIELDS:
@@ -204,15 +235,39 @@ class ModelShape:
         if self.linear_state_bytes and not linear:
             raise ValueError(f"model {self.name!r}: linear_state_bytes set without num_linear_layers")
         if linear:
-            if self.num_linear_layers >= self.num_layers:
+            if self.num_linear_layers >= self.num_mixer_layers:
                 raise ValueError(f"model {self.name!r}: num_linear_layers {self.num_linear_layers} leaves no attention "
-                                 f"layer of {self.num_layers} (attention-free models are not modelled)")
+                                 f"layer of {self.num_mixer_layers} (attention-free models are not modelled)")
             if mla or self.num_sliding_layers:
                 raise ValueError(f"model {self.name!r}: linear attention beside multi-head latent attention or "
                                  f"sliding windows is not modelled")
             if self.linear_num_value_heads % self.linear_num_key_heads:
                 raise ValueError(f"model {self.name!r}: linear_num_value_heads {self.linear_num_value_heads} is not "
                                  f"divisible by linear_num_key_heads {self.linear_num_key_heads}")
+        if self.num_ffn_layers >= self.num_layers:
+            raise ValueError(f"model {self.name!r}: num_ffn_layers {self.num_ffn_layers} leaves no mixer layer "
+                             f"of {self.num_layers}")
+        if self.num_experts and self.num_dense_layers >= self.num_mlp_layers:
+            raise ValueError(f"model {self.name!r}: num_dense_layers {self.num_dense_layers} leaves no MoE layer "
+                             f"of {self.num_mlp_layers} MLP layers")
+        mamba = [f for f in MAMBA_FIELDS if getattr(self, f)]
+        if mamba and len(mamba) != len(MAMBA_FIELDS):
+            missing = [f for f in MAMBA_FIELDS if not getattr(self, f)]
+            raise ValueError(f"model {self.name!r}: Mamba2 state-space layers need {', '.join(MAMBA_FIELDS)}; "
+                             f"{', '.join(missing)} missing")
+        if self.mamba_state_bytes and not mamba:
+            raise ValueError(f"model {self.name!r}: mamba_state_bytes set without num_mamba_layers")
+        if mamba:
+            if linear or mla or self.num_sliding_layers:
+                raise ValueError(f"model {self.name!r}: Mamba2 layers beside linear attention, multi-head latent "
+                                 f"attention or sliding windows are not modelled")
+            if self.mamba_num_heads % self.mamba_n_groups:
+                raise ValueError(f"model {self.name!r}: mamba_num_heads {self.mamba_num_heads} is not divisible "
+                                 f"by mamba_n_groups {self.mamba_n_groups}")
+        if self.num_attention_layers <= 0:
+            raise ValueError(f"model {self.name!r}: {self.num_linear_layers + self.num_mamba_layers} linear or "
+                             f"state-space mixers of {self.num_mixer_layers} leave no attention layer "
+                             f"(attention-free models are not modelled)")
 
     # ---- derived counts ---------------------------------------------------------
     @property
@@ -225,13 +280,87 @@ class ModelShape:
 
     @property
     def is_hybrid(self) -> bool:
-        """Some layers are linear attention (Gated DeltaNet) with a per-sequence state."""
-        return self.num_linear_layers > 0
+        """Some mixers hold a per-sequence state instead of KV per token: linear attention (Gated
+        DeltaNet) or Mamba2."""
+        return self.num_linear_layers > 0 or self.num_mamba_layers > 0
+
+    @property
+    def is_mamba(self) -> bool:
+        return self.num_mamba_layers > 0
+
+    @property
+    def num_state_layers(self) -> int:
+        """The mixers that hold a state a sequence (Gated DeltaNet or Mamba2; a model has one kind)."""
+        return self.num_linear_layers + self.num_mamba_layers
+
+    @property
+    def state_layer_kind(self) -> str:
+        """What the state layers are, for messages."""
+        return "Mamba2 state-space layers" if self.is_mamba else "linear-attention layers"
+
+    def state_bytes_per_seq(self, dtype_bytes: int, tensor_parallel: int = 1) -> tuple[int, int]:
+        """(conv window, recurrent/SSM state) bytes one sequence holds in one state layer on one rank."""
+        if self.is_mamba:
+            return self.mamba_state_bytes_per_seq(dtype_bytes, tensor_parallel)
+        return self.linear_state_bytes_per_seq(dtype_bytes, tensor_parallel)
+
+    @property
+    def num_mixer_layers(self) -> int:
+        """The layers that hold a mixer (attention, Gated DeltaNet or Mamba2): all of them, or all
+        but the MLP-only ones of single-block layers."""
+        return self.num_layers - self.num_ffn_layers
+
+    @property
+    def num_mlp_layers(self) -> int:
+        """The layers that hold an MLP or MoE: all of them, or the MLP-only ones of single-block layers."""
+        return self.num_ffn_layers or self.num_layers
+
+    @property
+    def num_dense_mlp_layers(self) -> int:
+        """The layers whose MLP is dense (``intermediate_size`` wide)."""
+        return self.num_mlp_layers - self.num_moe_layers
+
+    @property
+    def num_sublayers(self) -> int:
+        """Mixer blocks and MLP blocks together (2 x num_layers where every layer holds both)."""
+        return self.num_mixer_layers + self.num_mlp_layers
 
     @property
     def num_attention_layers(self) -> int:
-        """The layers that attend (and cache KV per token): all but the linear ones."""
-        return self.num_layers - self.num_linear_layers
+        """The layers that attend (and cache KV per token): the mixers but the linear and Mamba2 ones."""
+        return self.num_mixer_layers - self.num_linear_layers - self.num_mamba_layers
+
+    @property
+    def mamba_intermediate(self) -> int:
+        """A Mamba2 layer's inner width I: heads x head_dim."""
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        """The causal conv1d's channels: x, B and C (I + 2 groups x N)."""
+        return self.mamba_intermediate + 2 * self.mamba_n_groups * self.mamba_state_size
+
+    @property
+    def mamba_params_per_layer(self) -> int:
+        """A Mamba2 layer's matmul weights (the class doc): in_proj and out_proj; 0 without Mamba2 layers."""
+        if not self.is_mamba:
+            return 0
+        h, i = self.hidden_size, self.mamba_intermediate
+        return h * (2 * i + 2 * self.mamba_n_groups * self.mamba_state_size + self.mamba_num_heads) + i * h
+
+    def mamba_state_bytes_per_seq(self, dtype_bytes: int, tensor_parallel: int = 1) -> tuple[int, int]:
+        """(conv window, SSM state) bytes one sequence holds in one Mamba2 layer on one of
+        ``tensor_parallel`` ranks (vLLM's MambaStateShapeCalculator.mamba2_state_shape,
+        ``vllm/model_executor/layers/mamba/mamba_utils.py``: conv_dim / t x (kernel - 1) values in
+        the conv state's dtype, the model's; heads / t x head_dim x N in ``mamba_state_bytes``);
+        (0, 0) without Mamba2 layers. The groups split with the heads (t must divide them)."""
+        if not self.is_mamba:
+            return 0, 0
+        t = tensor_parallel
+        conv = self.mamba_conv_dim // t * (self.mamba_conv_kernel - 1) * dtype_bytes
+        ssm = (self.mamba_num_heads // t * self.mamba_head_dim * self.mamba_state_size
+               * (self.mamba_state_bytes or dtype_bytes))
+        return conv, ssm
 
     @property
     def linear_key_dim(self) -> int:
@@ -304,7 +433,7 @@ class ModelShape:
 
     @property
     def num_moe_layers(self) -> int:
-        return self.num_layers - self.num_dense_layers if self.num_experts else 0
+        return self.num_mlp_layers - self.num_dense_layers if self.num_experts else 0
 
     @property
     def expert_intermediate_size(self) -> int:
@@ -358,9 +487,10 @@ class ModelShape:
     def num_params(self) -> int:
         """Matmul weights and embeddings (norms and biases are < 0.1%: not counted)."""
         dense_mlp = self.num_mlp_matrices * self.hidden_size * self.intermediate_size
-        num_dense = self.num_layers - self.num_moe_layers
+        num_dense = self.num_dense_mlp_layers
         return (self.num_attention_layers * self.attn_params_per_layer
-                + self.num_linear_layers * self.linear_params_per_layer + num_dense * dense_mlp
+                + self.num_linear_layers * self.linear_params_per_layer
+                + self.num_mamba_layers * self.mamba_params_per_layer + num_dense * dense_mlp
                 + self.num_moe_layers * self.shared_params_per_layer + self.num_expert_params + self.embed_params)
 
     @property

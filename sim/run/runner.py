@@ -374,18 +374,18 @@ def hybrid_pool(cfg: WorkloadConfig, policy: Policy, profile: Profile) -> None:
     from sim.core.kv import state_block_pool
     from sim.cost.hybrid import vllm_hybrid_layout
     from sim.cost.roofline import DTYPE_BYTES
-    name = profile.model.name
+    name, kind = profile.model.name, profile.model.state_layer_kind
     if cfg.policy.kind != "vllm_v1":
-        raise ConfigError(f"{cfg.source}: field 'policy.kind': {name} has linear-attention layers, whose state "
+        raise ConfigError(f"{cfg.source}: field 'policy.kind': {name} has {kind}, whose state "
                           f"memory batchsim models as vLLM lays it out (policy vllm_v1) only; "
                           f"{cfg.policy.kind} is not modelled for such models yet")
     if policy.kv_pool_class.caching:
-        raise ConfigError(f"{cfg.source}: field 'policy.enable_prefix_caching': {name} has linear-attention "
-                          f"layers, and their prefix caching (vLLM's mamba_cache_mode 'align', which vLLM uses "
+        raise ConfigError(f"{cfg.source}: field 'policy.enable_prefix_caching': {name} has {kind}, "
+                          f"and their prefix caching (vLLM's mamba_cache_mode 'align', which vLLM uses "
                           f"when prefix caching is on) is not modelled; set policy.enable_prefix_caching: false")
     if getattr(policy, "speculative", None) is not None:
-        raise ConfigError(f"{cfg.source}: field 'policy.speculative': speculative decoding with linear-attention "
-                          f"layers (their per-draft state blocks) is not modelled; remove it for {name}")
+        raise ConfigError(f"{cfg.source}: field 'policy.speculative': speculative decoding with {kind} "
+                          f"(their per-draft state blocks) is not modelled; remove it for {name}")
     try:
         layout = vllm_hybrid_layout(profile.model, profile.kv_bytes_per_token, profile.tensor_parallel,
                                     DTYPE_BYTES.get(profile.dtype, 2), cfg.server.block_size)
