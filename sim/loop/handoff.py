@@ -142,7 +142,26 @@ class Link:
             self.on_done(k, self.env.now)
 
 
-class Handoff:
+class HandoffReports:
+    """What every handoff gives ``sim.run.disagg``: a closed loop's replies, the KV held for
+    transfer (``held_samples``: time, prefill replica, blocks) and the link's use."""
+
+    clients: ClientPool | None
+    held_samples: array
+    link: Link
+
+    def _replied(self, end_s: float, ids: list[int]) -> None:
+        for _ in ids:
+            self.clients.release(end_s)
+
+    def held_timeline(self) -> np.ndarray:
+        return np.frombuffer(self.held_samples, dtype=np.float64).reshape(-1, 3)
+
+    def link_timeline(self) -> np.ndarray:
+        return np.frombuffer(self.link.samples, dtype=np.float64).reshape(-1, 2)
+
+
+class Handoff(HandoffReports):
     """The proxy and the KV handoff between ``prefill`` and ``decode`` servers (the module
     doc's steps). ``kv_bytes_per_token``: the decode side's KV per token, all ranks;
     ``tp``: (prefill TP, decode TP). Per request it records (by id): the prefill instance's
@@ -299,16 +318,6 @@ class Handoff:
                     break
             target.wake()
 
-    def _replied(self, end_s: float, ids: list[int]) -> None:
-        for _ in ids:
-            self.clients.release(end_s)
-
-    # ---- what the run reports -------------------------------------------------------------------
-    def held_timeline(self) -> np.ndarray:
-        return np.frombuffer(self.held_samples, dtype=np.float64).reshape(-1, 3)
-
-    def link_timeline(self) -> np.ndarray:
-        return np.frombuffer(self.link.samples, dtype=np.float64).reshape(-1, 2)
 
 
 def feed_prefills(env: simpy.Environment, handoff: Handoff, requests, true_outputs,

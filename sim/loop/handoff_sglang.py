@@ -84,7 +84,7 @@ import simpy
 from sim.core.request import Request, RequestRecords, Status
 from sim.core.state import RemoteKv, SchedulerState
 from sim.loop.feed import ClientPool, pick_replica
-from sim.loop.handoff import Link, LinkSpec
+from sim.loop.handoff import HandoffReports, Link, LinkSpec
 from sim.loop.server import Server
 
 NUM_RESERVED_DECODE_TOKENS = 512        # --num-reserved-decode-tokens (arg_groups/fields/disagg.py)
@@ -175,7 +175,7 @@ class DecodeQueues:
             state.admit_prebuilt(r, now_s)
 
 
-class SglangHandoff:
+class SglangHandoff(HandoffReports):
     """The router and the KV handoff between SGLang ``prefill`` and ``decode`` servers (the
     module doc's rules). ``kv_bytes_per_token``: the decode side's KV per token, all ranks;
     ``tp``: (prefill TP, decode TP); ``reserved_tokens``: SGLang's
@@ -371,16 +371,6 @@ class SglangHandoff:
         d.state.remote.received.add(req_id)
         d.wake()
 
-    def _replied(self, end_s: float, ids: list[int]) -> None:
-        for _ in ids:
-            self.clients.release(end_s)
-
-    # ---- what the run reports -------------------------------------------------------------------
-    def held_timeline(self) -> np.ndarray:
-        return np.frombuffer(self.held_samples, dtype=np.float64).reshape(-1, 3)
-
-    def link_timeline(self) -> np.ndarray:
-        return np.frombuffer(self.link.samples, dtype=np.float64).reshape(-1, 2)
 
 
 def _no_alloc(req: Request, num_tokens: int, now_s: float) -> None:
