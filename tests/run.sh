@@ -48,4 +48,4 @@ if [ "${1:-}" = "--setup-only" ]; then
 fi
 export SGLANG_PATH="$PWD/$VENV/sglang-pkgs"
 case "$VENV" in /*) SGLANG_PATH="$VENV/sglang-pkgs" ;; esac
-exec "$VENV/bin/python" -m pytest -q "$@"
+exec "$VENV/bin/python" -m pytest -q --durations=25 "$@"
