@@ -264,19 +264,28 @@ class VllmV1Policy(PolicyBase):
         preempted = False
         block_size = kv.block_size
         caching = kv.caching
+        align = caching and kv.state_blocks            # rule 10: a hybrid model's align mode
+        if align:
+            kv.new_step_starts()
         new_item = tuple.__new__          # BatchItem(...) without the NamedTuple call overhead
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
             computed = r.num_computed_tokens
             n = r.num_prompt_tokens + r.num_output_tokens - computed
-            if n == 1 and computed < len(r.block_ids) * block_size:
+            if n == 1 and not align and computed < len(r.block_ids) * block_size:
                 items.append(new_item(BatchItem, (r.req_id, 1, computed, 0)))   # the hot path: a
                 budget -= 1                                                      # decode with room
                 i += 1
                 if caching and not (computed + 1) % block_size:
                     kv.cache(r, computed + 1)          # the token completes its block
                 continue
+            if align:
+                n = self._aligned(kv, r, computed, min(n, threshold, budget) if 0 < threshold else min(n, budget),
+                                  block_size)
+                if not n:                              # no block-aligned chunk fits: the next one
+                    i += 1
+                    continue
             n, evicted = self._schedule_running(state, r, computed, n, threshold, budget, items)
             preempted = preempted or evicted
             if not n:
@@ -286,6 +295,36 @@ class VllmV1Policy(PolicyBase):
         if not preempted:
             self._admit(state, now_s, budget, threshold, items)
         return Batch(tuple(items)) if items else Idle()
+
+    def _aligned(self, kv: Any, r: Request, start: int, n: int, size: int) -> int:
+        """Rule 10 of the module doc: ``n`` tokens of ``r`` from ``start`` cut where vLLM's
+        ``Scheduler._mamba_block_aligned_split`` cuts them (its default path: no partial hash hits,
+        no prefill checkpoint blocks, no EAGLE, no shared-prefix junction); 0: none fit."""
+        known = r.num_prompt_tokens + r.num_output_tokens
+        prefill_end = max(r.num_prompt_tokens, known - 1)
+        if start >= prefill_end:
+            return n
+        last_state = max(0, (known - 1) // size * size)    # get_mamba_prefill_checkpoint_position
+        end = start + n
+        if end < prefill_end:
+            most = self.token_budget
+            if self.config.long_prefill_token_threshold > 0:
+                most = min(most, self.config.long_prefill_token_threshold)
+            floor = end // size * size
+            if floor > start or size <= most:
+                end = floor
+        stops = [last_state]
+        if start % size:
+            stops.append((start // size + 1) * size)
+        # The shared-prefix junction (Marconi-style: a prefix other requests computed whose state
+        # is not cached), floored to a block from the chunk's start.
+        junction = kv.shared_prefix_boundary(r)
+        if start < junction < end:
+            stops.append(start + (junction - start) // size * size)
+        inside = [s for s in stops if start < s < end]
+        if inside:
+            end = min(inside)
+        return max(end - start, 0)
 
     @staticmethod
     def _schedule_running(state: SchedulerState, r: Request, computed: int, n: int, threshold: int, budget: int,
@@ -321,6 +360,7 @@ class VllmV1Policy(PolicyBase):
         watermark_blocks = int(self.config.watermark * (kv.num_blocks + self.num_reserved_blocks))
         caching = kv.caching
         block_size = kv.block_size
+        align = caching and kv.state_blocks
         while budget > 0 and waiting and len(running) < self.max_num_seqs:
             r = waiting[0]
             known = r.num_prompt_tokens + r.num_output_tokens     # a preempted request recomputes its outputs too
@@ -328,11 +368,16 @@ class VllmV1Policy(PolicyBase):
             hit_tokens = len(hit) * block_size
             # Blocks the request takes beyond its hit, plus the hit blocks now in the free queue, plus
             # a hybrid model's state blocks (sim.cost.hybrid: one a linear-layer group).
-            extra = (kv.num_evictable(hit) - len(hit) if hit else 0) + kv.state_blocks
+            extra = (kv.num_evictable(hit) - len(hit) if hit else 0) + (
+                kv.state_admission_blocks(r) if align else kv.state_blocks)
             n = known - hit_tokens
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget)
+            if align:
+                n = self._aligned(kv, r, hit_tokens, n, block_size)
+                if not n:
+                    break
             free = kv.num_free_blocks - (watermark_blocks if running else 0)
             if self.config.reserve_full_prompt:
                 whole = min(known, self.max_model_len)

@@ -332,3 +332,29 @@ def test_hybrid_state_blocks_async_identical_decisions(seed: int) -> None:
     case = async_case(hybrid_case(random_case(seed), seed), seed)
     diff, num_records = first_difference_async(case)
     assert diff is None, f"seed {seed}: {case}\nfirst difference after {num_records - 1} batches\n{diff}"
+
+
+HYBRID_PREFIX_CASES = int(os.environ.get("BATCHSIM_DIFF_HYBRID_PREFIX_CASES", "200"))
+
+
+def hybrid_prefix_case(seed: int) -> Case:
+    """A prefix-caching case (``random_prefix_case``: shared system prompts, next turns, resent
+    prompts) on a hybrid model, which vLLM runs in mamba_cache_mode "align"
+    (sim.core.mamba_align): 1 to 3 linear groups, the pool grown by two blocks a group, the most
+    a request holds in a group (its state before and after a step that crosses a block
+    boundary), so that the longest request still fits alone."""
+    case = random_prefix_case(seed)
+    groups = random.Random(50_000_000 + seed).choice([1, 2, 3])
+    return replace(case, state_groups=groups, num_blocks=case.num_blocks + 2 * groups)
+
+
+@pytest.mark.parametrize("seed", range(SEED0, SEED0 + HYBRID_PREFIX_CASES))
+def test_hybrid_prefix_caching_align_identical_decisions(seed: int) -> None:
+    """vllm_v1 with prefix caching on a hybrid model (AlignStatePool, the block-aligned split)
+    against vLLM's Scheduler with MambaSpec groups in mamba_cache_mode "align": the same chunks
+    (cut at block boundaries, the prompt's last state boundary and the shared-prefix junction),
+    the same hits (only where every linear group holds the state), the same blocks in use and
+    cached, step by step."""
+    case = hybrid_prefix_case(seed)
+    diff, num_steps = first_difference(case, max_steps=20_000)
+    assert diff is None, f"seed {seed}: {case}\nfirst difference after {num_steps - 1} steps\n{diff}"
