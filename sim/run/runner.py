@@ -359,10 +359,12 @@ def hybrid_pool(cfg: WorkloadConfig, policy: Policy, profile: Profile) -> None:
         raise ConfigError(f"{cfg.source}: field 'policy.kind': {name} has linear-attention layers, whose state "
                           f"memory batchsim models as vLLM lays it out (policy vllm_v1) only; "
                           f"{cfg.policy.kind} is not modelled for such models yet")
-    if policy.kv_pool_class.caching:
-        raise ConfigError(f"{cfg.source}: field 'policy.enable_prefix_caching': {name} has linear-attention "
-                          f"layers, and their prefix caching (vLLM's mamba_cache_mode 'align', which vLLM uses "
-                          f"when prefix caching is on) is not modelled; set policy.enable_prefix_caching: false")
+    caching = policy.kv_pool_class.caching
+    if caching and getattr(policy, "pipelined", False):
+        raise ConfigError(f"{cfg.source}: field 'policy.async_scheduling': {name} has linear-attention layers, "
+                          f"and their prefix caching (vLLM's mamba_cache_mode 'align', sim.core.mamba_align) is "
+                          f"modelled with the synchronous scheduler only; set policy.async_scheduling: false "
+                          f"(or policy.enable_prefix_caching: false)")
     if getattr(policy, "speculative", None) is not None:
         raise ConfigError(f"{cfg.source}: field 'policy.speculative': speculative decoding with linear-attention "
                           f"layers (their per-draft state blocks) is not modelled; remove it for {name}")
@@ -372,7 +374,14 @@ def hybrid_pool(cfg: WorkloadConfig, policy: Policy, profile: Profile) -> None:
     except ValueError as exc:
         raise ConfigError(f"{cfg.source}: field 'profile': {exc}") from None
     policy.block_size = layout.block_size
-    policy.kv_pool_class = state_block_pool(layout.state_groups)
+    if caching:
+        # mamba_cache_mode "align" (vLLM's default with prefix caching on): a state block at each
+        # block boundary, its blocks taken and given back on every step, so no decode stretch.
+        from sim.core.mamba_align import align_state_pool
+        policy.kv_pool_class = align_state_pool(layout.state_groups)
+        policy.decode_stretch = False
+    else:
+        policy.kv_pool_class = state_block_pool(layout.state_groups)
     policy.hybrid = layout
 
 
