@@ -113,6 +113,26 @@ against that class):
    stops. The held requests passed over go back in front, in order. A request preempted
    after its KV came recomputes locally (the connector asks for a load only once).
 
+10. A hybrid model (attention beside Gated DeltaNet layers: ``sim.cost.hybrid``) with prefix
+   caching on runs vLLM 0.32's ``mamba_cache_mode`` "align" (its default then:
+   ``MambaModelConfig.verify_and_update_config``), its pool ``sim.core.mamba_align``'s (the
+   state blocks kept at block boundaries, the hit the least over the attention and linear
+   groups, the same-step refusal). A prefill chunk is cut as
+   ``Scheduler._mamba_block_aligned_split`` cuts it on vLLM's default path (no partial hash
+   hits, no prefill checkpoint blocks, no EAGLE, no shared-prefix checkpoint), for running and
+   waiting requests alike, after the threshold and the budget: a chunk from ``start`` that ends
+   before ``max(prompt, num_tokens - 1)`` is cut down to a block boundary (unless that leaves
+   nothing and a block is wider than ``min(max_num_batched_tokens, threshold)``), and it stops
+   at the first of these strictly inside it: the next block boundary if ``start`` is inside a
+   block, the last state boundary ``(num_tokens - 1) // block x block``, and the junction
+   floored to a block from ``start`` (vLLM's ``shared_prefix_boundary``: the attention hit where
+   the linear groups' was shorter). A running request left no tokens is passed over (the next
+   one is tried); a waiting one stops admission. No decode stretch (every step moves state
+   blocks); the hot decode path is off. Async scheduling (rule 7) works the same, with the
+   committed tokens deciding which state blocks are given back (``allocate_slots``'s
+   ``total_computed_tokens - num_in_flight_tokens``); checked against both schedulers by
+   ``tests/policies/test_vllm_v1_differential.py``.
+
 Not modelled: priorities, a draft model (its own
 KV and forward), tree attention, dynamic
 speculation length (``num_speculative_tokens_per_batch_size``), multi-module MTP's
@@ -505,6 +525,9 @@ class VllmV1Policy(PolicyBase):
         preempted = False
         block_size = kv.block_size
         caching = kv.caching
+        align = caching and kv.state_blocks            # rule 10
+        if align:
+            kv.new_step_starts()
         new_item = tuple.__new__
         i = 0
         while i < len(running) and budget > 0:
@@ -516,7 +539,7 @@ class VllmV1Policy(PolicyBase):
                 if computed + 1 >= r.num_prompt_tokens + r.max_output_tokens:
                     i += 1             # that token is its last by length: nothing to schedule
                     continue
-                if computed < len(r.block_ids) * block_size:     # the hot path: a decode with room
+                if not align and computed < len(r.block_ids) * block_size:   # the hot path: a decode with room
                     items.append(new_item(BatchItem, (r.req_id, 1, computed, 0)))
                     budget -= 1
                     i += 1
@@ -526,6 +549,12 @@ class VllmV1Policy(PolicyBase):
                 n = 1
             else:
                 n = known - computed
+            if align:
+                n = self._aligned(kv, r, computed, min(n, threshold, budget) if 0 < threshold else min(n, budget),
+                                  block_size)
+                if not n:
+                    i += 1
+                    continue
             n, evicted = self._schedule_running(state, r, computed, n, threshold, budget, items)
             preempted = preempted or evicted
             if not n:

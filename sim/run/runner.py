@@ -360,11 +360,6 @@ def hybrid_pool(cfg: WorkloadConfig, policy: Policy, profile: Profile) -> None:
                           f"memory batchsim models as vLLM lays it out (policy vllm_v1) only; "
                           f"{cfg.policy.kind} is not modelled for such models yet")
     caching = policy.kv_pool_class.caching
-    if caching and getattr(policy, "pipelined", False):
-        raise ConfigError(f"{cfg.source}: field 'policy.async_scheduling': {name} has linear-attention layers, "
-                          f"and their prefix caching (vLLM's mamba_cache_mode 'align', sim.core.mamba_align) is "
-                          f"modelled with the synchronous scheduler only; set policy.async_scheduling: false "
-                          f"(or policy.enable_prefix_caching: false)")
     if getattr(policy, "speculative", None) is not None:
         raise ConfigError(f"{cfg.source}: field 'policy.speculative': speculative decoding with linear-attention "
                           f"layers (their per-draft state blocks) is not modelled; remove it for {name}")

@@ -414,3 +414,14 @@ def test_hybrid_align_split_cuts_at_the_junction_by_hand() -> None:
     assert [ours.step().items for _ in range(3)] == [[(1, 12, 0)], [(1, 8, 12)], [(1, 4, 20)]]
     diff, _ = first_difference(case)
     assert diff is None, str(diff)
+
+
+@pytest.mark.parametrize("seed", range(SEED0, SEED0 + HYBRID_PREFIX_CASES // 2))
+def test_hybrid_prefix_caching_align_async_identical_decisions(seed: int) -> None:
+    """As above against vLLM's AsyncScheduler (a batch queue of 2), about half the requests
+    stopping on EOS; the pool holds one request of max_model_len and its two state blocks a group."""
+    case = async_case(hybrid_prefix_case(seed), seed)
+    need = -(-case.max_model_len // case.block_size) + 1 + 2 * case.state_groups
+    case = replace(case, num_blocks=max(case.num_blocks, need))
+    diff, num_records = first_difference_async(case, max_steps=20_000)
+    assert diff is None, f"seed {seed}: {case}\nfirst difference after {num_records - 1} batches\n{diff}"
