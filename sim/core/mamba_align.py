@@ -67,7 +67,6 @@ class AlignStatePool(PrefixCachePool):
     ``align_state_pool``."""
 
     __slots__ = ("_tables", "_state_cached", "_hits", "_cached_this_step", "_junctions")
-    align_states = True
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0) -> None:
         super().__init__(num_blocks, block_size, watermark)
