@@ -113,6 +113,26 @@ against that class):
    stops. The held requests passed over go back in front, in order. A request preempted
    after its KV came recomputes locally (the connector asks for a load only once).
 
+10. A hybrid model (attention beside Gated DeltaNet layers: ``sim.cost.hybrid``) with prefix
+   caching on runs vLLM 0.32's ``mamba_cache_mode`` "align" (its default then:
+   ``MambaModelConfig.verify_and_update_config``), its pool ``sim.core.mamba_align``'s (the
+   state blocks kept at block boundaries, the hit the least over the attention and linear
+   groups, the same-step refusal). A prefill chunk is cut as
+   ``Scheduler._mamba_block_aligned_split`` cuts it on vLLM's default path (no partial hash
+   hits, no prefill checkpoint blocks, no EAGLE, no shared-prefix checkpoint), for running and
+   waiting requests alike, after the threshold and the budget: a chunk from ``start`` that ends
+   before ``max(prompt, num_tokens - 1)`` is cut down to a block boundary (unless that leaves
+   nothing and a block is wider than ``min(max_num_batched_tokens, threshold)``), and it stops
+   at the first of these strictly inside it: the next block boundary if ``start`` is inside a
+   block, the last state boundary ``(num_tokens - 1) // block x block``, and the junction
+   floored to a block from ``start`` (vLLM's ``shared_prefix_boundary``: the attention hit where
+   the linear groups' was shorter). A running request left no tokens is passed over (the next
+   one is tried); a waiting one stops admission. No decode stretch (every step moves state
+   blocks); the hot decode path is off. Async scheduling (rule 7) works the same, with the
+   committed tokens deciding which state blocks are given back (``allocate_slots``'s
+   ``total_computed_tokens - num_in_flight_tokens``); checked against both schedulers by
+   ``tests/policies/test_vllm_v1_differential.py``.
+
 Not modelled: priorities, a draft model (its own
 KV and forward), tree attention, dynamic
 speculation length (``num_speculative_tokens_per_batch_size``), multi-module MTP's
@@ -265,19 +285,28 @@ class VllmV1Policy(PolicyBase):
         preempted = False
         block_size = kv.block_size
         caching = kv.caching
+        align = caching and kv.state_blocks            # rule 10: a hybrid model's align mode
+        if align:
+            kv.new_step_starts()
         new_item = tuple.__new__          # BatchItem(...) without the NamedTuple call overhead
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
             computed = r.num_computed_tokens
             n = r.num_prompt_tokens + r.num_output_tokens - computed
-            if n == 1 and computed < len(r.block_ids) * block_size:
+            if n == 1 and not align and computed < len(r.block_ids) * block_size:
                 items.append(new_item(BatchItem, (r.req_id, 1, computed, 0)))   # the hot path: a
                 budget -= 1                                                      # decode with room
                 i += 1
                 if caching and not (computed + 1) % block_size:
                     kv.cache(r, computed + 1)          # the token completes its block
                 continue
+            if align:
+                n = self._aligned(kv, r, computed, min(n, threshold, budget) if 0 < threshold else min(n, budget),
+                                  block_size)
+                if not n:                              # no block-aligned chunk fits: the next one
+                    i += 1
+                    continue
             n, evicted = self._schedule_running(state, r, computed, n, threshold, budget, items)
             preempted = preempted or evicted
             if not n:
@@ -287,6 +316,36 @@ class VllmV1Policy(PolicyBase):
         if not preempted:
             self._admit(state, now_s, budget, threshold, items)
         return Batch(tuple(items)) if items else Idle()
+
+    def _aligned(self, kv: Any, r: Request, start: int, n: int, size: int) -> int:
+        """Rule 10 of the module doc: ``n`` tokens of ``r`` from ``start`` cut where vLLM's
+        ``Scheduler._mamba_block_aligned_split`` cuts them (its default path: no partial hash hits,
+        no prefill checkpoint blocks, no EAGLE, no shared-prefix junction); 0: none fit."""
+        known = r.num_prompt_tokens + r.num_output_tokens
+        prefill_end = max(r.num_prompt_tokens, known - 1)
+        if start >= prefill_end:
+            return n
+        last_state = max(0, (known - 1) // size * size)    # get_mamba_prefill_checkpoint_position
+        end = start + n
+        if end < prefill_end:
+            most = self.token_budget
+            if self.config.long_prefill_token_threshold > 0:
+                most = min(most, self.config.long_prefill_token_threshold)
+            floor = end // size * size
+            if floor > start or size <= most:
+                end = floor
+        stops = [last_state]
+        if start % size:
+            stops.append((start // size + 1) * size)
+        # The shared-prefix junction (Marconi-style: a prefix other requests computed whose state
+        # is not cached), floored to a block from the chunk's start.
+        junction = kv.shared_prefix_boundary(r)
+        if start < junction < end:
+            stops.append(start + (junction - start) // size * size)
+        inside = [s for s in stops if start < s < end]
+        if inside:
+            end = min(inside)
+        return max(end - start, 0)
 
     @staticmethod
     def _schedule_running(state: SchedulerState, r: Request, computed: int, n: int, threshold: int, budget: int,
@@ -322,6 +381,7 @@ class VllmV1Policy(PolicyBase):
         watermark_blocks = int(self.config.watermark * (kv.num_blocks + self.num_reserved_blocks))
         caching = kv.caching
         block_size = kv.block_size
+        align = caching and kv.state_blocks
         while budget > 0 and waiting and len(running) < self.max_num_seqs:
             r = waiting[0]
             known = r.num_prompt_tokens + r.num_output_tokens     # a preempted request recomputes its outputs too
@@ -329,11 +389,16 @@ class VllmV1Policy(PolicyBase):
             hit_tokens = len(hit) * block_size
             # Blocks the request takes beyond its hit, plus the hit blocks now in the free queue, plus
             # a hybrid model's state blocks (sim.cost.hybrid: one a linear-layer group).
-            extra = (kv.num_evictable(hit) - len(hit) if hit else 0) + kv.state_blocks
+            extra = (kv.num_evictable(hit) - len(hit) if hit else 0) + (
+                kv.state_admission_blocks(r) if align else kv.state_blocks)
             n = known - hit_tokens
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget)
+            if align:
+                n = self._aligned(kv, r, hit_tokens, n, block_size)
+                if not n:
+                    break
             free = kv.num_free_blocks - (watermark_blocks if running else 0)
             if self.config.reserve_full_prompt:
                 whole = min(known, self.max_model_len)
@@ -461,6 +526,9 @@ class VllmV1Policy(PolicyBase):
         preempted = False
         block_size = kv.block_size
         caching = kv.caching
+        align = caching and kv.state_blocks            # rule 10
+        if align:
+            kv.new_step_starts()
         new_item = tuple.__new__
         i = 0
         while i < len(running) and budget > 0:
@@ -472,7 +540,7 @@ class VllmV1Policy(PolicyBase):
                 if computed + 1 >= r.num_prompt_tokens + r.max_output_tokens:
                     i += 1             # that token is its last by length: nothing to schedule
                     continue
-                if computed < len(r.block_ids) * block_size:     # the hot path: a decode with room
+                if not align and computed < len(r.block_ids) * block_size:   # the hot path: a decode with room
                     items.append(new_item(BatchItem, (r.req_id, 1, computed, 0)))
                     budget -= 1
                     i += 1
@@ -482,6 +550,12 @@ class VllmV1Policy(PolicyBase):
                 n = 1
             else:
                 n = known - computed
+            if align:
+                n = self._aligned(kv, r, computed, min(n, threshold, budget) if 0 < threshold else min(n, budget),
+                                  block_size)
+                if not n:
+                    i += 1
+                    continue
             n, evicted = self._schedule_running(state, r, computed, n, threshold, budget, items)
             preempted = preempted or evicted
             if not n:

@@ -41,6 +41,7 @@ from sim.core.batch import Batch
 from sim.core.policy import PolicyContext
 from policies.vllm_v1 import VllmV1Config, VllmV1Policy
 from sim.core.kv import BlockManager, state_block_pool
+from sim.core.mamba_align import align_state_pool
 from sim.core.prefix import PrefixCachePool, own_content
 from sim.core.request import Request, Status
 from sim.core.speculative import Speculation
@@ -85,8 +86,10 @@ class Case:
     remote: tuple[bool, ...] | None = None
     recv_steps: tuple[int, ...] | None = None
     # A hybrid model's linear-attention groups (``sim.cost.hybrid``): vLLM's side gets that many
-    # MambaSpec groups (mamba_cache_mode "none", block size max_model_len) beside the attention
-    # group, batchsim's a StateBlockPool of as many state blocks a request. 0: a plain model.
+    # MambaSpec groups beside the attention group, batchsim's pool as many state groups. Prefix
+    # caching off: mamba_cache_mode "none", block size max_model_len, a StateBlockPool; on:
+    # "align" (vLLM's default then), block size the attention block's, an AlignStatePool
+    # (sim.core.mamba_align). 0: a plain model.
     state_groups: int = 0
 
 
@@ -177,11 +180,18 @@ class VllmReference:
         if case.state_groups:
             from math import lcm
             from vllm.v1.kv_cache_interface import MambaSpec
+            if case.enable_prefix_caching:
+                # MambaModelConfig.verify_and_update_config: prefix caching sets mamba_cache_mode
+                # "align" and the Mamba block size to the attention block size.
+                cache.mamba_cache_mode = "align"
+                cache.mamba_block_size = case.block_size
+                state_block, mode = case.block_size, "align"
+            else:
+                state_block, mode = case.max_model_len, "none"
             groups += [KVCacheGroupSpec([f"linear{g}"], MambaSpec(shapes=((1,),), dtypes=(torch.float32,),
-                                                                  block_size=case.max_model_len,
-                                                                  mamba_cache_mode="none"))
+                                                                  block_size=state_block, mamba_cache_mode=mode))
                        for g in range(case.state_groups)]
-            scheduler_block = lcm(case.block_size, case.max_model_len)    # resolve_kv_cache_block_sizes
+            scheduler_block = lcm(case.block_size, state_block)    # resolve_kv_cache_block_sizes
         kv = KVCacheConfig(num_blocks=case.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         cache.num_gpu_blocks = case.num_blocks
         self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kv, log_stats=False,
@@ -477,7 +487,7 @@ class BatchsimSide:
         self.policy = VllmV1Policy(config, PolicyContext(case.max_model_len))
         pool = PrefixCachePool if case.enable_prefix_caching else BlockManager
         if case.state_groups:
-            pool = state_block_pool(case.state_groups)
+            pool = (align_state_pool if case.enable_prefix_caching else state_block_pool)(case.state_groups)
         kv = pool(case.num_blocks - self.policy.num_reserved_blocks, case.block_size)
         self.case = case
         self.state = SchedulerState(kv, case.max_model_len)

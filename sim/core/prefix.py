@@ -45,7 +45,10 @@ of a request in flight live on its ``Request`` (``block_hashes``), a list of
 ints that goes with it: memory stays bounded by the requests in flight and
 the pool, whatever the run's length.
 
-Not modelled: hybrid models' KV groups (sliding window, Mamba), partial-block
+A hybrid model's linear-attention groups (vLLM's ``mamba_cache_mode`` "align")
+share this pool in ``sim.core.mamba_align.AlignStatePool``.
+
+Not modelled: sliding-window KV groups, partial-block
 hits (vLLM's fine-grained mode), KV connectors and offloading, cache salts,
 LoRA and multimodal extra keys.
 """

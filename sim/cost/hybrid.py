@@ -20,13 +20,18 @@ vLLM keeps one block pool for both kinds of layer (``vllm/v1/core/kv_cache_utils
    a linear group (``mamba_cache_mode`` "none", which vLLM uses with prefix caching off) takes one
    block per request, its state, from the request's first allocation until it ends or is
    preempted (``MambaManager``: its block size is max_model_len).
+4. With prefix caching on, vLLM runs ``mamba_cache_mode`` "align" (``MambaModelConfig.
+   verify_and_update_config``) with the linear groups' block size set to the attention block
+   size of rule 1 (``_align_hybrid_block_size``): the layout is the same, but a linear group
+   keeps a state block at each block boundary a request's steps end on, and its hits, as
+   ``sim.core.mamba_align`` models it (the prefill chunks cut at block boundaries: rule 10 of
+   ``policies.vllm_v1``).
 
 batchsim's pool then holds ``num_blocks`` blocks of ``block_size`` tokens for the attention
-group, and each request holds ``state_groups`` blocks more (``sim.core.kv.StateBlockPool``).
-Not modelled: more than one attention group (attention layers outnumbering the linear ones by
-1.5 x or more), prefix caching of a hybrid model (vLLM's ``mamba_cache_mode`` "align", its
-default with prefix caching on: prefill chunks cut at block boundaries and a state block kept at
-each), and speculative decoding's extra state blocks.
+group, and each request holds ``state_groups`` blocks more (``sim.core.kv.StateBlockPool``),
+or with prefix caching an ``AlignStatePool`` (``sim.core.mamba_align``). Not modelled: more than
+one attention group (attention layers outnumbering the linear ones by 1.5 x or more), and
+speculative decoding's extra state blocks.
 """
 
 from __future__ import annotations

@@ -333,6 +333,14 @@ def cuda_graph_tokens(policy: Policy, profile: Profile) -> int:
     return min(2 * policy.max_num_seqs, 1024 if profile.device.lower() in _SM100 else 512)
 
 
+def built_config(cfg: WorkloadConfig, policy: Policy) -> Any:
+    """The policy config ``policy`` was built from: ``cfg.policy`` with what ``build_policy``
+    resolved (a pipelined loop turned off for data-parallel ranks), where the policy keeps it
+    as its ``config`` (a user's policy may keep another)."""
+    own = getattr(policy, "config", None)
+    return own if type(own) is type(cfg.policy) else cfg.policy
+
+
 def check_data_parallel(cfg: WorkloadConfig, profile: Profile, num_replicas: int, router: str) -> str:
     """The router of a data-parallel deployment (the engine's own, ``Policy.dp_router``: vLLM's
     load balancer ``vllm_dp``, SGLang's controller ``sglang_dp``), or the given one without data
@@ -379,10 +387,11 @@ def hybrid_pool(cfg: WorkloadConfig, policy: Policy, profile: Profile) -> None:
         raise ConfigError(f"{cfg.source}: field 'policy.kind': {name} has {kind}, whose state "
                           f"memory batchsim models as vLLM lays it out (policy vllm_v1) only; "
                           f"{cfg.policy.kind} is not modelled for such models yet")
-    if policy.kv_pool_class.caching:
-        raise ConfigError(f"{cfg.source}: field 'policy.enable_prefix_caching': {name} has {kind}, "
-                          f"and their prefix caching (vLLM's mamba_cache_mode 'align', which vLLM uses "
-                          f"when prefix caching is on) is not modelled; set policy.enable_prefix_caching: false")
+    caching = policy.kv_pool_class.caching
+    if caching and profile.model.num_mamba_layers:
+        raise ConfigError(f"{cfg.source}: field 'policy.enable_prefix_caching': {name} has {kind}, and vLLM's "
+                          f"mamba_cache_mode 'align' keeps Mamba2 layers' prefill checkpoint blocks, which are "
+                          f"not modelled (its Gated DeltaNet path is); set policy.enable_prefix_caching: false")
     if getattr(policy, "speculative", None) is not None:
         raise ConfigError(f"{cfg.source}: field 'policy.speculative': speculative decoding with {kind} "
                           f"(their per-draft state blocks) is not modelled; remove it for {name}")
@@ -392,7 +401,14 @@ def hybrid_pool(cfg: WorkloadConfig, policy: Policy, profile: Profile) -> None:
     except ValueError as exc:
         raise ConfigError(f"{cfg.source}: field 'profile': {exc}") from None
     policy.block_size = layout.block_size
-    policy.kv_pool_class = state_block_pool(layout.state_groups)
+    if caching:
+        # mamba_cache_mode "align" (vLLM's default with prefix caching on): a state block at each
+        # block boundary, its blocks taken and given back on every step, so no decode stretch.
+        from sim.core.mamba_align import align_state_pool
+        policy.kv_pool_class = align_state_pool(layout.state_groups)
+        policy.decode_stretch = False
+    else:
+        policy.kv_pool_class = state_block_pool(layout.state_groups)
     policy.hybrid = layout
 
 
@@ -908,7 +924,7 @@ def collect(cfg: WorkloadConfig, servers: list[Server], num_requests: int, num_b
                                for k, s in enumerate(servers)]
     meta = {"config": cfg.to_dict(), "seed": cfg.seed, "profile_name": profile.name,
             "profile_provenance": profile.provenance, "profile_efficiency": profile.efficiency,
-            "kv_block_size": block_size_of(cfg, servers[0].policy), "policy_knobs": policy_knobs(servers[0].policy.config, servers[0].policy)}
+            "kv_block_size": block_size_of(cfg, servers[0].policy), "policy_knobs": policy_knobs(built_config(cfg, servers[0].policy), servers[0].policy)}
     result.summary, result.meta = summary, meta
     result.client_queue_s = client_queue_s
     result.prefix_cache = prefix_cache_timeline(servers)

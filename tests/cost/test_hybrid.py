@@ -190,12 +190,18 @@ def test_a_hybrid_run_takes_vllms_block_size_and_refuses_what_is_not_modelled(tm
     assert code != 0 and "can schedule at most 15,312 tokens" in err
     for change, words in (
             ({"policy": {"kind": "sglang"}}, "field 'policy.kind': Qwen3.5-397B-A17B has linear-attention layers"),
-            ({"policy": {"kind": "vllm_v1"}}, "field 'policy.enable_prefix_caching'"),
             ({"policy": {"kind": "vllm_v1", "enable_prefix_caching": False,
                          "speculative": {"method": "mtp", "num_speculative_tokens": 1, "acceptance_length": 1.5}}},
              "field 'policy.speculative'")):
         code, err = run({**base, **change})
         assert code != 0 and words in err and "Traceback" not in err, err
+    # prefix caching on (vLLM 0.32's default): the align-mode pool (sim.core.mamba_align), with the
+    # synchronous scheduler and with async scheduling (vLLM's default on a GPU)
+    for policy in ({"kind": "vllm_v1", "async_scheduling": False}, {"kind": "vllm_v1"}):
+        code, err = run({**base, "policy": policy})
+        assert code == 0, err
+        summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+        assert summary["completed"] == 30
 
 
 def test_qwen35_kernel_profile_prices_gated_deltanet_from_its_tables(tmp_path: Path) -> None:

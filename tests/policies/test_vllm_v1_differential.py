@@ -332,3 +332,96 @@ def test_hybrid_state_blocks_async_identical_decisions(seed: int) -> None:
     case = async_case(hybrid_case(random_case(seed), seed), seed)
     diff, num_records = first_difference_async(case)
     assert diff is None, f"seed {seed}: {case}\nfirst difference after {num_records - 1} batches\n{diff}"
+
+
+HYBRID_PREFIX_CASES = int(os.environ.get("BATCHSIM_DIFF_HYBRID_PREFIX_CASES", "200"))
+
+
+def hybrid_prefix_case(seed: int) -> Case:
+    """A prefix-caching case (``random_prefix_case``: shared system prompts, next turns, resent
+    prompts) on a hybrid model, which vLLM runs in mamba_cache_mode "align"
+    (sim.core.mamba_align): 1 to 3 linear groups, the pool grown by two blocks a group, the most
+    a request holds in a group (its state before and after a step that crosses a block
+    boundary), so that the longest request still fits alone."""
+    case = random_prefix_case(seed)
+    groups = random.Random(50_000_000 + seed).choice([1, 2, 3])
+    return replace(case, state_groups=groups, num_blocks=case.num_blocks + 2 * groups)
+
+
+@pytest.mark.parametrize("seed", range(SEED0, SEED0 + HYBRID_PREFIX_CASES))
+def test_hybrid_prefix_caching_align_identical_decisions(seed: int) -> None:
+    """vllm_v1 with prefix caching on a hybrid model (AlignStatePool, the block-aligned split)
+    against vLLM's Scheduler with MambaSpec groups in mamba_cache_mode "align": the same chunks
+    (cut at block boundaries, the prompt's last state boundary and the shared-prefix junction),
+    the same hits (only where every linear group holds the state), the same blocks in use and
+    cached, step by step."""
+    case = hybrid_prefix_case(seed)
+    diff, num_steps = first_difference(case, max_steps=20_000)
+    assert diff is None, f"seed {seed}: {case}\nfirst difference after {num_steps - 1} steps\n{diff}"
+
+
+def test_hybrid_align_split_and_hit_by_hand() -> None:
+    """Align mode by hand: block size 4, a budget of 10, one linear group; A and B send the same
+    11-token prompt, B one step later."""
+    from calibrate.serving.vllm_diff import BatchsimSide
+    case = Case(prompts=(11, 11), outputs=(3, 2), arrival_steps=(0, 1), max_num_seqs=4, max_num_batched_tokens=10,
+                max_model_len=64, num_blocks=32, block_size=4, enable_prefix_caching=True,
+                contents=((1000, 7, 11), (1001, 7, 11)), state_groups=1)
+    ours = BatchsimSide(case)
+    ours.add(0, 11, 3)
+    s0 = ours.step()
+    # A: min(11, 10) = 10 tokens end inside the prompt (10 < 11), so they are cut to the block
+    # boundary 10 // 4 x 4 = 8; 2 attention blocks and 1 state block (the state after 8 tokens,
+    # at table index 1), all 3 registered (2 full attention blocks, the state at a boundary)
+    assert s0.items == [(0, 8, 0)] and (s0.kv_used_blocks, s0.cached_blocks) == (3, 3)
+    ours.add(1, 11, 2)
+    s1 = ours.step()
+    # A: the last 3 prompt tokens (8 + 3 = 11, the prompt's end: no cut); a 3rd attention block
+    # and a new state block (ceil(11 / 4) = 3 entries), the state after 8 still held: 3 + 2 = 5.
+    # B finds 2 attention blocks (at most 10 tokens: 2 whole blocks) and A's state after 8, but
+    # A's allocation this step registered that state again (8 is A's last prompt boundary,
+    # (11 - 1) // 4 x 4), so B may not take it in this step: not admitted
+    assert s1.items == [(0, 3, 8)] and (s1.kv_used_blocks, s1.cached_blocks) == (5, 3)
+    s2 = ours.step()
+    # A decodes (11 -> 12); with 11 computed its state after 8 (index 1 < (11 - 1) // 4 = 2) is
+    # given back, hashed, to the free queue; the decode fills block 2: its attention block and its
+    # state after 12 are registered (3 + 2 = 5 cached). B's hit: 8 tokens (the state after 8,
+    # free now, cached); 11 - 8 = 3 tokens; its blocks: 1 attention block and 2 state blocks (the
+    # hit's, out of the free queue, and a new one). In use: A 3 + 1, B 1 + 2 = 7
+    assert s2.items == [(0, 1, 11), (1, 3, 8)] and (s2.kv_used_blocks, s2.cached_blocks) == (7, 5)
+    diff, _ = first_difference(case)
+    assert diff is None, str(diff)
+
+
+
+def test_hybrid_align_split_cuts_at_the_junction_by_hand() -> None:
+    """The split's stop at the shared-prefix junction: block size 4, a budget of 64, one linear
+    group. A (20 prompt tokens, 2 outputs) runs alone; C then sends A's first 14 tokens and 10 of
+    its own."""
+    from calibrate.serving.vllm_diff import BatchsimSide
+    case = Case(prompts=(20, 24), outputs=(2, 1), arrival_steps=(0, 3), max_num_seqs=4, max_num_batched_tokens=64,
+                max_model_len=64, num_blocks=32, block_size=4, enable_prefix_caching=True,
+                contents=((1000, 7, 20), (1001, 7, 14, 8, 10)), state_groups=1)
+    ours = BatchsimSide(case)
+    ours.add(0, 20, 2)
+    # A: its 20 tokens stop at its last state boundary (20 - 1) // 4 x 4 = 16, then 4 more, then
+    # its decode; its states are cached at 16 and 20 only
+    assert [ours.step().items for _ in range(3)] == [[(0, 16, 0)], [(0, 4, 16)], [(0, 1, 20)]]
+    ours.add(1, 24, 1)
+    # C's attention hit: its first 3 blocks (12 tokens) are A's, its 4th not (tokens 12-15 hold
+    # 2 of its own); no state of A's lies within 12, so the hit is 0 and the junction 12: the first
+    # chunk stops there (without it: at the last boundary (24 - 1) // 4 x 4 = 20), then at 20
+    assert [ours.step().items for _ in range(3)] == [[(1, 12, 0)], [(1, 8, 12)], [(1, 4, 20)]]
+    diff, _ = first_difference(case)
+    assert diff is None, str(diff)
+
+
+@pytest.mark.parametrize("seed", range(SEED0, SEED0 + HYBRID_PREFIX_CASES // 2))
+def test_hybrid_prefix_caching_align_async_identical_decisions(seed: int) -> None:
+    """As above against vLLM's AsyncScheduler (a batch queue of 2), about half the requests
+    stopping on EOS; the pool holds one request of max_model_len and its two state blocks a group."""
+    case = async_case(hybrid_prefix_case(seed), seed)
+    need = -(-case.max_model_len // case.block_size) + 1 + 2 * case.state_groups
+    case = replace(case, num_blocks=max(case.num_blocks, need))
+    diff, num_records = first_difference_async(case, max_steps=20_000)
+    assert diff is None, f"seed {seed}: {case}\nfirst difference after {num_records - 1} batches\n{diff}"
