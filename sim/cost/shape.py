@@ -164,6 +164,14 @@ class ModelShape:
     mamba_chunk_size: int = 0            # the prefill scan's chunk (the config's chunk_size)
     mamba_state_bytes: int = 0           # the SSM state's bytes a value (0: the model's dtype)
 
+    def _all_or_none(self, fields: tuple[str, ...], what: str) -> bool:
+        """Whether the mechanism of ``fields`` is set; ValueError when only some of them are."""
+        given = [f for f in fields if getattr(self, f)]
+        if given and len(given) != len(fields):
+            missing = [f for f in fields if not getattr(self, f)]
+            raise ValueError(f"model {self.name!r}: {what} {', '.join(fields)}; {', '.join(missing)} missing")
+        return bool(given)
+
     def __post_init__(self) -> None:
         for f in _POSITIVE_INT_FIELDS:
             value = getattr(self, f)
@@ -208,18 +216,10 @@ class ModelShape:
                 raise ValueError(f"model {self.name!r}: num_dense_layers {self.num_dense_layers} leaves no MoE "
                                  f"layer of {self.num_layers}")
 
-        mla = [f for f in MLA_FIELDS if getattr(self, f)]
-        if mla and len(mla) != len(MLA_FIELDS):
-            missing = [f for f in MLA_FIELDS if not getattr(self, f)]
-            raise ValueError(f"model {self.name!r}: multi-head latent attention needs {', '.join(MLA_FIELDS)}; "
-                             f"{', '.join(missing)} missing")
+        mla = self._all_or_none(MLA_FIELDS, "multi-head latent attention needs")
         if self.q_lora_rank and not mla:
             raise ValueError(f"model {self.name!r}: q_lora_rank set without kv_lora_rank (multi-head latent attention)")
-        dsa = [f for f in DSA_FIELDS if getattr(self, f)]
-        if dsa and len(dsa) != len(DSA_FIELDS):
-            missing = [f for f in DSA_FIELDS if not getattr(self, f)]
-            raise ValueError(f"model {self.name!r}: DeepSeek sparse attention needs {', '.join(DSA_FIELDS)}; "
-                             f"{', '.join(missing)} missing")
+        dsa = self._all_or_none(DSA_FIELDS, "DeepSeek sparse attention needs")
         if dsa and not mla:
             raise ValueError(f"model {self.name!r}: DeepSeek sparse attention (index_topk) is modelled on multi-head "
                              f"latent attention only; kv_lora_rank is missing")
@@ -227,11 +227,7 @@ class ModelShape:
             raise ValueError(f"model {self.name!r}: sliding windows with multi-head latent attention are not modelled")
         if self.attn_output_gate not in (0, 1):
             raise ValueError(f"model {self.name!r}: attn_output_gate must be 0 or 1, got {self.attn_output_gate}")
-        linear = [f for f in LINEAR_FIELDS if getattr(self, f)]
-        if linear and len(linear) != len(LINEAR_FIELDS):
-            missing = [f for f in LINEAR_FIELDS if not getattr(self, f)]
-            raise ValueError(f"model {self.name!r}: Gated DeltaNet linear attention needs {', '.join(LINEAR_FIELDS)}; "
-                             f"{', '.join(missing)} missing")
+        linear = self._all_or_none(LINEAR_FIELDS, "Gated DeltaNet linear attention needs")
         if self.linear_state_bytes and not linear:
             raise ValueError(f"model {self.name!r}: linear_state_bytes set without num_linear_layers")
         if linear:
@@ -250,11 +246,7 @@ class ModelShape:
         if self.num_experts and self.num_dense_layers >= self.num_mlp_layers:
             raise ValueError(f"model {self.name!r}: num_dense_layers {self.num_dense_layers} leaves no MoE layer "
                              f"of {self.num_mlp_layers} MLP layers")
-        mamba = [f for f in MAMBA_FIELDS if getattr(self, f)]
-        if mamba and len(mamba) != len(MAMBA_FIELDS):
-            missing = [f for f in MAMBA_FIELDS if not getattr(self, f)]
-            raise ValueError(f"model {self.name!r}: Mamba2 state-space layers need {', '.join(MAMBA_FIELDS)}; "
-                             f"{', '.join(missing)} missing")
+        mamba = self._all_or_none(MAMBA_FIELDS, "Mamba2 state-space layers need")
         if self.mamba_state_bytes and not mamba:
             raise ValueError(f"model {self.name!r}: mamba_state_bytes set without num_mamba_layers")
         if mamba:
