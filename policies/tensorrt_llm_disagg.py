@@ -72,26 +72,14 @@ def promote_received(state: SchedulerState, now_s: float) -> None:
     received = remote.received
     if not received:
         return
-    tokens = state.tokens
-    true_output = state.true_output_tokens
-    num_sent = 0
-    finished: list[Request] = []
+    promoted: list[Request] = []
     for r in [q for q in remote.holding if q.req_id in received]:
         received.discard(r.req_id)
         remote.loading.discard(r.req_id)
         state.admit_remote(r, now_s)             # running, first_scheduled_s = now
         state.prefilling.discard(r.req_id)       # a generation request: it decodes next
-        r.num_output_tokens += 1                 # first_gen_tokens
-        r.first_token_s = now_s
-        tokens.ids.append(r.req_id)
-        num_sent += 1
-        if r.num_output_tokens >= true_output[r.req_id]:
-            r.last_token_s = now_s
-            finished.append(r)
-    if num_sent:
-        tokens.end_step(now_s, num_sent)
-    for r in finished:
-        state._finish(r, now_s)
+        promoted.append(r)
+    state.deliver_first_tokens(promoted, now_s)  # first_gen_tokens, streamed now
 
 
 def generation_capacity(state: SchedulerState, max_requests: int, flight: Mapping[int, int],

@@ -244,6 +244,26 @@ class SchedulerState:
             req.last_token_s = now_s
             self._finish(req, now_s)
 
+    def deliver_first_tokens(self, reqs: list[Request], now_s: float) -> None:
+        """The first output token of each of ``reqs`` (running, their prompt computed and their
+        first token sampled by another instance: TensorRT-LLM's ``first_gen_tokens``,
+        ``policies.tensorrt_llm_disagg``), streamed now in one chunk; a request whose output is
+        that token alone finishes here (the engine, not the policy, knows its length)."""
+        if not reqs:
+            return
+        tokens, true_output = self.tokens, self._true_output
+        finished: list[Request] = []
+        for r in reqs:
+            r.num_output_tokens += 1
+            r.first_token_s = now_s
+            tokens.ids.append(r.req_id)
+            if r.num_output_tokens >= true_output[r.req_id]:
+                r.last_token_s = now_s
+                finished.append(r)
+        tokens.end_step(now_s, len(reqs))
+        for r in finished:
+            self._finish(r, now_s)
+
     def withdraw(self, req: Request, reason: str, now_s: float) -> None:
         """Refuse ``req``, accepted but not yet run (in ``waiting`` or ``remote.holding``), as
         ``add_arrival`` refuses one: the other side of a disaggregated pair refused it."""
