@@ -302,8 +302,7 @@ class VllmV1Policy(PolicyBase):
                     kv.cache(r, computed + 1)          # the token completes its block
                 continue
             if align:
-                n = self._aligned(kv, r, computed, min(n, threshold, budget) if 0 < threshold else min(n, budget),
-                                  block_size)
+                n = self._aligned(kv, r, computed, n, threshold, budget, block_size)
                 if not n:                              # no block-aligned chunk fits: the next one
                     i += 1
                     continue
@@ -317,10 +316,12 @@ class VllmV1Policy(PolicyBase):
             self._admit(state, now_s, budget, threshold, items)
         return Batch(tuple(items)) if items else Idle()
 
-    def _aligned(self, kv: Any, r: Request, start: int, n: int, size: int) -> int:
-        """Rule 10 of the module doc: ``n`` tokens of ``r`` from ``start`` cut where vLLM's
+    def _aligned(self, kv: Any, r: Request, start: int, n: int, threshold: int, budget: int, size: int) -> int:
+        """Rule 10 of the module doc: ``n`` tokens of ``r`` from ``start``, within the long-prefill
+        ``threshold`` (0: none) and the step's ``budget``, cut where vLLM's
         ``Scheduler._mamba_block_aligned_split`` cuts them (its default path: no partial hash hits,
         no prefill checkpoint blocks, no EAGLE, no shared-prefix junction); 0: none fit."""
+        n = min(n, threshold, budget) if 0 < threshold else min(n, budget)
         known = r.num_prompt_tokens + r.num_output_tokens
         prefill_end = max(r.num_prompt_tokens, known - 1)
         if start >= prefill_end:
@@ -396,7 +397,7 @@ class VllmV1Policy(PolicyBase):
                 n = threshold
             n = min(n, budget)
             if align:
-                n = self._aligned(kv, r, hit_tokens, n, block_size)
+                n = self._aligned(kv, r, hit_tokens, n, threshold, budget, block_size)
                 if not n:
                     break
             free = kv.num_free_blocks - (watermark_blocks if running else 0)
@@ -551,8 +552,7 @@ class VllmV1Policy(PolicyBase):
             else:
                 n = known - computed
             if align:
-                n = self._aligned(kv, r, computed, min(n, threshold, budget) if 0 < threshold else min(n, budget),
-                                  block_size)
+                n = self._aligned(kv, r, computed, n, threshold, budget, block_size)
                 if not n:
                     i += 1
                     continue

@@ -238,29 +238,24 @@ class SchedulerState:
         req.num_computed_tokens = req.num_prompt_tokens
         self.running.append(req)
         self.num_admissions += 1
-        self._sample(req, req.req_id, now_s)
-        self.tokens.end_step(now_s, 1)
-        if req.num_output_tokens >= self._true_output[req.req_id]:
-            req.last_token_s = now_s
-            self._finish(req, now_s)
+        self.deliver_first_tokens([req], now_s)
 
     def deliver_first_tokens(self, reqs: list[Request], now_s: float) -> None:
         """The first output token of each of ``reqs`` (running, their prompt computed and their
         first token sampled by another instance: TensorRT-LLM's ``first_gen_tokens``,
-        ``policies.tensorrt_llm_disagg``), streamed now in one chunk; a request whose output is
+        ``policies.tensorrt_llm_disagg``; SGLang's prebuilt batch, ``admit_prebuilt``), streamed
+        now in one chunk; a request whose output is
         that token alone finishes here (the engine, not the policy, knows its length)."""
         if not reqs:
             return
-        tokens, true_output = self.tokens, self._true_output
+        true_output = self._true_output
         finished: list[Request] = []
         for r in reqs:
-            r.num_output_tokens += 1
-            r.first_token_s = now_s
-            tokens.ids.append(r.req_id)
+            self._sample(r, r.req_id, now_s)
             if r.num_output_tokens >= true_output[r.req_id]:
                 r.last_token_s = now_s
                 finished.append(r)
-        tokens.end_step(now_s, len(reqs))
+        self.tokens.end_step(now_s, len(reqs))
         for r in finished:
             self._finish(r, now_s)
 

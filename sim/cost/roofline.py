@@ -233,8 +233,7 @@ class Roofline:
         shared experts' widths."""
         h = m.hidden_size
         attn = 7 * h + (2 * q_dim + 2 * kv_dim) / t
-        in_proj = 2 * m.mamba_intermediate + 2 * m.mamba_n_groups * m.mamba_state_size + m.mamba_num_heads
-        mamba = 7 * h + (2 * in_proj + 2 * m.mamba_intermediate) / t
+        mamba = 7 * h + (2 * m.mamba_in_proj_width + 2 * m.mamba_intermediate) / t
         dense = 7 * h + mlp_elems * m.intermediate_size / t
         moe_width = m.num_experts_per_tok * m.expert_intermediate_size + m.shared_expert_intermediate_size
         moe = 7 * h + mlp_elems * moe_width / t
@@ -479,8 +478,7 @@ class Roofline:
             moe_width = m.num_experts_per_tok * m.expert_intermediate_size + m.shared_expert_intermediate_size
             width = max(moe_width, width if m.num_dense_mlp_layers else 0)
         if m.is_mamba:             # Mamba2's in_proj output (z, x, B, C, dt) may be the widest
-            width = max(width, (2 * m.mamba_intermediate + 2 * m.mamba_n_groups * m.mamba_state_size
-                                + m.mamba_num_heads) / 2)
+            width = max(width, m.mamba_in_proj_width / 2)
         per_token = (2 * width / t + 4 * m.hidden_size) * self.dtype_bytes
         logits = MAX_SAMPLED_ROWS * m.vocab_size * 4
         return int(max_num_batched_tokens * per_token + logits + CUDA_CONTEXT_BYTES)

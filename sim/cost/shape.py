@@ -333,12 +333,18 @@ class ModelShape:
         return self.mamba_intermediate + 2 * self.mamba_n_groups * self.mamba_state_size
 
     @property
+    def mamba_in_proj_width(self) -> int:
+        """A Mamba2 layer's in_proj output a token: z (I), x, B and C (the conv's channels) and dt
+        (heads): 2 I + 2 groups x N + heads."""
+        return self.mamba_intermediate + self.mamba_conv_dim + self.mamba_num_heads
+
+    @property
     def mamba_params_per_layer(self) -> int:
         """A Mamba2 layer's matmul weights (the class doc): in_proj and out_proj; 0 without Mamba2 layers."""
         if not self.is_mamba:
             return 0
         h, i = self.hidden_size, self.mamba_intermediate
-        return h * (2 * i + 2 * self.mamba_n_groups * self.mamba_state_size + self.mamba_num_heads) + i * h
+        return h * self.mamba_in_proj_width + i * h
 
     def mamba_state_bytes_per_seq(self, dtype_bytes: int, tensor_parallel: int = 1) -> tuple[int, int]:
         """(conv window, SSM state) bytes one sequence holds in one Mamba2 layer on one of

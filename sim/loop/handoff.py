@@ -142,13 +142,36 @@ class Link:
             self.on_done(k, self.env.now)
 
 
-class HandoffReports:
-    """What every handoff gives ``sim.run.disagg``: a closed loop's replies, the KV held for
-    transfer (``held_samples``: time, prefill replica, blocks) and the link's use."""
+class HandoffBase:
+    """What every handoff holds and gives ``sim.run.disagg``: the pools, the link between them
+    (each instance's ports: ``link.bytes_per_s`` x its TP), per request (by id, NaN where none
+    happened) the prefill's end, the decode side's send, the transfer's start and end, its
+    tokens and prefill replica, the requests the prefill side refused, the KV held for transfer
+    (``held_samples``: time, prefill replica, blocks) and a closed loop's replies."""
 
-    clients: ClientPool | None
-    held_samples: array
-    link: Link
+    kind = "vllm"                 # which engine's handoff (sim.run.disagg reads its phases by it)
+
+    def __init__(self, env: simpy.Environment, prefill: Sequence[Server], decode: Sequence[Server],
+                 routers: tuple[str, str], link: LinkSpec, kv_bytes_per_token: int, tp: tuple[int, int],
+                 num_requests: int, clients: ClientPool | None, on_done) -> None:
+        self.env, self.prefill, self.decode = env, list(prefill), list(decode)
+        self.routers = routers
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.lanes = min(tp)
+        self.clients = clients
+        capacity = {("p", s.replica): link.bytes_per_s * tp[0] for s in self.prefill}
+        capacity.update({("d", s.replica): link.bytes_per_s * tp[1] for s in self.decode})
+        self.link = Link(env, link, capacity, on_done)
+        nan = np.full(num_requests, np.nan)
+        self.prefill_done_s, self.decode_sent_s = nan.copy(), nan.copy()
+        self.transfer_start_s, self.transfer_end_s = nan.copy(), nan.copy()
+        self.transfer_tokens = np.zeros(num_requests, np.int64)
+        self.prefill_replica = np.full(num_requests, -1, np.int64)
+        self.failed = RequestRecords()           # refused by the prefill side: the client's reply
+        self.num_timeouts = 0
+        self.held_samples = array("d")           # (time, prefill replica, blocks held) at each change
+        self._held_blocks = {s.replica: 0 for s in self.prefill}
+        self.num_requests = num_requests
 
     def _replied(self, end_s: float, ids: list[int]) -> None:
         for _ in ids:
@@ -161,7 +184,7 @@ class HandoffReports:
         return np.frombuffer(self.link.samples, dtype=np.float64).reshape(-1, 2)
 
 
-class Handoff(HandoffReports):
+class Handoff(HandoffBase):
     """The proxy and the KV handoff between ``prefill`` and ``decode`` servers (the module
     doc's steps). ``kv_bytes_per_token``: the decode side's KV per token, all ranks;
     ``tp``: (prefill TP, decode TP). Per request it records (by id): the prefill instance's
@@ -175,30 +198,14 @@ class Handoff(HandoffReports):
                  routers: tuple[str, str], link: LinkSpec, kv_bytes_per_token: int, tp: tuple[int, int],
                  num_requests: int, *, proxy_s: float = 0.0, abort_timeout_s: float = 480.0,
                  clients: ClientPool | None = None) -> None:
-        self.env, self.prefill, self.decode = env, list(prefill), list(decode)
-        self.routers = routers
-        self.kv_bytes_per_token = kv_bytes_per_token
-        self.lanes = min(tp)
+        super().__init__(env, prefill, decode, routers, link, kv_bytes_per_token, tp, num_requests, clients,
+                         self._received)
         self.proxy_s, self.abort_timeout_s = proxy_s, abort_timeout_s
-        self.clients = clients
-        capacity = {("p", s.replica): link.bytes_per_s * tp[0] for s in self.prefill}
-        capacity.update({("d", s.replica): link.bytes_per_s * tp[1] for s in self.decode})
-        self.link = Link(env, link, capacity, self._received)
         self.originals: dict[int, tuple[Request, int]] = {}      # id -> (decode copy, true output)
         self.source: dict[int, Server] = {}                       # id -> prefill server holding its KV
         self.target: dict[int, Server] = {}                       # id -> decode server pulling it
-        nan = np.full(num_requests, np.nan)
-        self.prefill_done_s, self.decode_sent_s = nan.copy(), nan.copy()
-        self.transfer_start_s, self.transfer_end_s = nan.copy(), nan.copy()
-        self.transfer_tokens = np.zeros(num_requests, np.int64)
-        self.prefill_replica = np.full(num_requests, -1, np.int64)
-        self.failed = RequestRecords()           # refused by the prefill side: the client's reply
-        self.num_timeouts = 0
-        self.held_samples = array("d")           # (time, prefill replica, blocks held) at each change
-        self._held_blocks = {s.replica: 0 for s in self.prefill}
         self._num_prefill_sent = 0
         self._num_decode_sent = 0
-        self.num_requests = num_requests
         for s in self.prefill:
             s.state.held = {}
             s.on_finish = self._prefilled_at(s)

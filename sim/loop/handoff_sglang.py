@@ -74,17 +74,16 @@ memory and restores it: ``resume_retracted_reqs``).
 
 from __future__ import annotations
 
-from array import array
 from collections import deque
 from typing import Sequence
 
 import numpy as np
 import simpy
 
-from sim.core.request import Request, RequestRecords, Status
+from sim.core.request import Request, Status
 from sim.core.state import RemoteKv, SchedulerState
 from sim.loop.feed import ClientPool, pick_replica
-from sim.loop.handoff import HandoffReports, Link, LinkSpec
+from sim.loop.handoff import HandoffBase, LinkSpec
 from sim.loop.server import Server
 
 NUM_RESERVED_DECODE_TOKENS = 512        # --num-reserved-decode-tokens (arg_groups/fields/disagg.py)
@@ -175,7 +174,7 @@ class DecodeQueues:
             state.admit_prebuilt(r, now_s)
 
 
-class SglangHandoff(HandoffReports):
+class SglangHandoff(HandoffBase):
     """The router and the KV handoff between SGLang ``prefill`` and ``decode`` servers (the
     module doc's rules). ``kv_bytes_per_token``: the decode side's KV per token, all ranks;
     ``tp``: (prefill TP, decode TP); ``reserved_tokens``: SGLang's
@@ -189,31 +188,17 @@ class SglangHandoff(HandoffReports):
                  routers: tuple[str, str], link: LinkSpec, kv_bytes_per_token: int, tp: tuple[int, int],
                  num_requests: int, *, reserved_tokens: int = NUM_RESERVED_DECODE_TOKENS,
                  clients: ClientPool | None = None) -> None:
-        self.env, self.prefill, self.decode = env, list(prefill), list(decode)
-        self.routers = routers
-        self.kv_bytes_per_token = kv_bytes_per_token
-        self.lanes = min(tp)
-        self.clients = clients
-        capacity = {("p", s.replica): link.bytes_per_s * tp[0] for s in self.prefill}
-        capacity.update({("d", s.replica): link.bytes_per_s * tp[1] for s in self.decode})
-        self.link = Link(env, link, capacity, self._chunk_in)
-        nan = np.full(num_requests, np.nan)
-        self.reserved_s, self.prefill_done_s = nan.copy(), nan.copy()
-        self.transfer_start_s, self.transfer_end_s = nan.copy(), nan.copy()
-        self.decode_sent_s = nan.copy()          # the router's send to the decode side (its arrival)
-        self.transfer_tokens = np.zeros(num_requests, np.int64)
+        super().__init__(env, prefill, decode, routers, link, kv_bytes_per_token, tp, num_requests, clients,
+                         self._chunk_in)
+        # decode_sent_s: the router's send to the decode side (its arrival); no timeouts: the KV is
+        # always read (sim.run.disagg reports num_timeouts all the same)
+        self.reserved_s = np.full(num_requests, np.nan)
         self.num_chunks = np.zeros(num_requests, np.int64)
-        self.prefill_replica = np.full(num_requests, -1, np.int64)
-        self.failed = RequestRecords()           # refused by the prefill side: the client's reply
-        self.num_timeouts = 0                    # (none: the KV is always read; sim.run.disagg reports it)
-        self.held_samples = array("d")           # (time, prefill replica, blocks held) at each change
-        self._held_blocks = {s.replica: 0 for s in self.prefill}
         self._copies: dict[int, tuple[Request, Server]] = {}    # id -> (prefill copy, its instance)
         self._target: dict[int, Server] = {}                    # id -> decode instance
         self._sent: dict[int, int] = {}                         # id -> prompt tokens sent so far
         self._in_flight: dict[int, int] = {}                    # id -> sends not yet in
         self._last_sent: set[int] = set()                       # ids whose last send left
-        self.num_requests = num_requests
         for s in self.prefill:
             s.state.held = {}
             s.state.remote = RemoteKv(_no_alloc)  # its bootstrap queue (remote.holding)

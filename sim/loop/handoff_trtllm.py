@@ -22,6 +22,7 @@ class TrtllmHandoff(Handoff):
     """``Handoff`` whose context copies keep the client's max_tokens (they still end after their
     first token: they are submitted with a true output of one)."""
 
+    kind = "tensorrt_llm"
     prefill_keeps_max_tokens = True
 
     def __init__(self, *args, **kwargs) -> None:

@@ -100,7 +100,7 @@ def run_disaggregated(cfg: WorkloadConfig, *, progress: bool = False, strict: bo
                                 reserved_tokens=d.num_reserved_decode_tokens, clients=clients)
     else:
         # TensorRT-LLM's pools (sim.run.pd_trtllm): its context copies keep the client's max_tokens.
-        handoff_class = TrtllmHandoff if d.handoff == "trtllm" else Handoff
+        handoff_class = TrtllmHandoff if d.handoff == "tensorrt_llm" else Handoff
         handoff = handoff_class(env, p_servers, d_servers, routers, d.link, d_profile.kv_bytes_per_token, tp, n,
                                 proxy_s=d.proxy_s, abort_timeout_s=d.abort_timeout_s, clients=clients)
     lag_s = float(d_profile.engine.get("request_overhead_s") or 0.0)
@@ -144,7 +144,7 @@ def _phases(h: Handoff, table: RequestTable, p_first_scheduled: np.ndarray) -> d
     arrival = table.cols["arrival_s"]
     d_sched = table.cols["first_scheduled_s"].astype(np.float64)
     d_first = table.cols["first_token_s"].astype(np.float64)
-    if getattr(h, "kind", "vllm") == "sglang":
+    if h.kind == "sglang":
         # SGLang (sim.loop.handoff_sglang): the decode reservation comes first, the prefill's
         # queue starts at it, the sends of earlier chunks overlap the prefill (transfer_s is
         # the rest, after the prefill's end: the last send leaves then, so no transfer_wait_s),

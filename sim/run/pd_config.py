@@ -49,8 +49,8 @@ class Disaggregation:
     proxy_s: float
     abort_timeout_s: float | None         # None: no abort timeout (TensorRT-LLM: sim.run.pd_trtllm)
     # The handoff: "vllm" (NixlConnector, sim.loop.handoff), "sglang" (both pools sglang:
-    # sim.loop.handoff_sglang), with SGLang's num_reserved_decode_tokens, or "trtllm" (both pools
-    # tensorrt_llm: sim.run.pd_trtllm).
+    # sim.loop.handoff_sglang), with SGLang's num_reserved_decode_tokens, or "tensorrt_llm" (both
+    # pools tensorrt_llm: sim.run.pd_trtllm).
     handoff: str = "vllm"
     num_reserved_decode_tokens: int = 512
 
@@ -63,8 +63,8 @@ class Disaggregation:
             d.update(handoff="sglang", num_reserved_decode_tokens=self.num_reserved_decode_tokens)
         else:
             d.update(proxy_ms=self.proxy_s * 1e3, abort_timeout_s=self.abort_timeout_s)
-            if self.handoff == "trtllm":
-                d.update(handoff="tensorrt_llm")
+            if self.handoff != "vllm":
+                d["handoff"] = self.handoff
         return d
 
 
@@ -124,7 +124,7 @@ def parse_disaggregation(data: dict[str, Any], source: str, base_dir: str,
     prefill = _pool(data, "prefill", source, base_dir, build)
     decode = _pool(data, "decode", source, base_dir, build)
     if check_tensorrt_llm_pools(section, prefill, decode, source):      # sim.run.pd_trtllm
-        handoff = "trtllm"
+        handoff = "tensorrt_llm"
         for key in SGLANG_ONLY:
             if key in section:
                 raise ConfigError(f"{source}: field 'disaggregation.{key}' is SGLang's (its decode side's headroom); "
@@ -159,7 +159,7 @@ def parse_disaggregation(data: dict[str, Any], source: str, base_dir: str,
     if "latency_us" in link_raw:
         lat = _number(link_raw["latency_us"], "disaggregation.link.latency_us", source, positive=False)
     proxy_s = _number(section.get("proxy_ms", 0.0), "disaggregation.proxy_ms", source, positive=False) / 1e3
-    timeout = (None if handoff == "trtllm" else
+    timeout = (None if handoff == "tensorrt_llm" else
                _number(section.get("abort_timeout_s", 480.0), "disaggregation.abort_timeout_s", source))
     reserved = section.get("num_reserved_decode_tokens", 512)
     if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:

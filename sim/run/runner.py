@@ -290,7 +290,7 @@ def build_policy(cfg: WorkloadConfig, max_model_len: int, profile: Profile | Non
         if wanted is not None:
             policy_cfg = dataclasses.replace(policy_cfg, async_scheduling=wanted)
     cls = POLICIES[cfg.policy.kind][1]
-    given = cfg.raw.get("policy") if isinstance(cfg.raw.get("policy"), dict) else {}
+    given = given_policy(cfg)
     if (profile is not None and profile.data_parallel_size > 1 and cls.pipelined_knob is not None
             and given.get(cls.pipelined_knob) is None):
         # data parallelism is modelled with the synchronous loop (its knobs say the pipelined loop is off)
@@ -333,6 +333,12 @@ def cuda_graph_tokens(policy: Policy, profile: Profile) -> int:
     return min(2 * policy.max_num_seqs, 1024 if profile.device.lower() in _SM100 else 512)
 
 
+def given_policy(cfg: WorkloadConfig) -> dict[str, Any]:
+    """The workload file's own ``policy`` section (what the user wrote, before defaults)."""
+    raw = cfg.raw.get("policy")
+    return raw if isinstance(raw, dict) else {}
+
+
 def built_config(cfg: WorkloadConfig, policy: Policy) -> Any:
     """The policy config ``policy`` was built from: ``cfg.policy`` with what ``build_policy``
     resolved (a pipelined loop turned off for data-parallel ranks), where the policy keeps it
@@ -360,7 +366,7 @@ def check_data_parallel(cfg: WorkloadConfig, profile: Profile, num_replicas: int
                           f"(router {own}; several deployments: {_DP_ROUTING[own]}); --router {router} is not "
                           f"how they are routed")
     knob_name = cls.pipelined_knob
-    given = cfg.raw.get("policy") if isinstance(cfg.raw.get("policy"), dict) else {}
+    given = given_policy(cfg)
     if knob_name is not None and knob_name in given and given[knob_name] not in (None, cls.pipelined_off):
         raise ConfigError(f"{cfg.source}: field 'policy.{knob_name}' is {str(given[knob_name]).lower()}: "
                           f"data-parallel ranks are modelled with the synchronous loop only (sim.loop.dp); set it "
@@ -562,7 +568,7 @@ def drive(cfg: WorkloadConfig, profile: Profile, num_blocks: int, max_model_len:
                 said = "is true" if getattr(cfg.policy, "async_scheduling", None) else (
                     f"is unset, which on this profile's device ({profile.device}, not a CPU) means on, as in vLLM")
             else:
-                given = cfg.raw.get("policy") if isinstance(cfg.raw.get("policy"), dict) else {}
+                given = given_policy(cfg)
                 said = (f"is {str(given[knob_name]).lower()}" if knob_name in given
                         else "is unset, which means on, as in the engine it follows")
             raise ConfigError(f"{cfg.source}: field 'policy.{knob_name}' {said}; the live engine runs one step "
